@@ -1,0 +1,27 @@
+"""deepep_cupy: expert-parallel MoE dispatch/combine, JIT-compiled from Python.
+
+``import deepep_cupy as deep_ep`` runs code written against DeepEP's ``deep_ep.Buffer``. Importing
+the package starts no CUDA context and needs no GPU.
+"""
+
+from .buffer import Buffer
+from .config import Config
+from .errors import DeepEPError, DeepEPTimeoutError
+from .event import EventOverlap
+
+__all__ = ["Buffer", "Config", "EventOverlap", "DeepEPError", "DeepEPTimeoutError", "topk_idx_t", "__version__"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # DeepEP exposes the top-k index dtype as a torch dtype; without torch it is NumPy's int64.
+    if name == "topk_idx_t":
+        try:
+            import torch
+
+            return torch.int64
+        except ImportError:
+            import numpy
+
+            return numpy.dtype(numpy.int64)
+    raise AttributeError(f"module 'deepep_cupy' has no attribute {name!r}")

@@ -1,0 +1,173 @@
+"""Runs Buffer operations on the NumPy reference backend, for callers of any framework.
+
+Inputs are copied to NumPy, results converted back to the framework and device of the caller's ``x``.
+Handles hold caller-framework arrays like the GPU path's handles do, so user code cannot tell the
+backends apart except by speed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .event import EventOverlap
+from .interop import copy_into, from_numpy, kind_of, to_numpy
+from .reference import ReferenceBackend
+
+__all__ = ["ReferenceRuntime"]
+
+
+def _handle_to_numpy(handle):
+    return None if handle is None else tuple(to_numpy(h) if hasattr(h, "shape") else h for h in handle)
+
+
+def _handle_from_numpy(handle, like):
+    return tuple(from_numpy(h, like) if isinstance(h, np.ndarray) else h for h in handle)
+
+
+class ReferenceRuntime:
+    """The ``Buffer.runtime`` used when there is no GPU or the reference backend is forced."""
+
+    def __init__(self, group, *, num_nvl_ranks, low_latency_mode, enable_shrink, num_channels):
+        self.backend = ReferenceBackend(group, num_nvl_ranks=num_nvl_ranks, low_latency_mode=low_latency_mode,
+                                        enable_shrink=enable_shrink, num_channels=num_channels)
+        self.group = group
+        self._combine_buffers = {}
+
+    # The reference backend has no streams: every op is complete when it returns.
+    def get_comm_stream(self, torch_stream: bool):
+        return None
+
+    def require_internode(self, op: str) -> None:
+        """Every topology is one all-to-all for the reference backend."""
+
+    def local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer):
+        raise RuntimeError("get_local_buffer_tensor needs the GPU backend (the reference backend has no raw buffer)")
+
+    def get_dispatch_layout(self, topk_idx, num_experts, **_stream_args):
+        like = kind_of(topk_idx)
+        outs = self.backend.get_dispatch_layout(to_numpy(topk_idx), num_experts)
+        return (*(from_numpy(o, like) for o in outs), EventOverlap(None))
+
+    def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                 topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, **_stream_args):
+        like = kind_of(x)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, new_handle = self.backend.dispatch(
+            to_numpy(x), to_numpy(x_scales), handle=_handle_to_numpy(handle),
+            num_tokens_per_rank=to_numpy(num_tokens_per_rank), is_token_in_rank=to_numpy(is_token_in_rank),
+            num_tokens_per_expert=to_numpy(num_tokens_per_expert), topk_idx=to_numpy(topk_idx),
+            topk_weights=to_numpy(topk_weights), expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens)
+        recv = from_numpy(recv_x, like)
+        if x_scales is not None:
+            recv = (recv, from_numpy(recv_scales, like))
+        if handle is not None:
+            return recv, None, None, None, None, EventOverlap(None)
+        return (recv, from_numpy(recv_topk_idx, like), from_numpy(recv_topk_weights, like), counts,
+                _handle_from_numpy(new_handle, like), EventOverlap(None))
+
+    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
+        like = kind_of(x)
+        combined, weights = self.backend.combine(to_numpy(x), _handle_to_numpy(handle),
+                                                 topk_weights=to_numpy(topk_weights), bias_0=to_numpy(bias_0),
+                                                 bias_1=to_numpy(bias_1))
+        return from_numpy(combined, like), from_numpy(weights, like), EventOverlap(None)
+
+    def low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                             round_scale, use_ue8m0, async_finish, return_recv_hook):
+        like = kind_of(x)
+        stats = to_numpy(cumulative_local_expert_recv_stats)
+        stats_np = None if stats is None else stats.copy()
+        wait = self._wait_row(dispatch_wait_recv_cost_stats)
+        recv, count, handle, hook = self.backend.low_latency_dispatch(
+            to_numpy(x), to_numpy(topk_idx), num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+            cumulative_local_expert_recv_stats=stats_np, dispatch_wait_recv_cost_stats=wait,
+            return_recv_hook=return_recv_hook)
+        arrays = list(recv) if isinstance(recv, tuple) else [recv]
+        arrays.append(count)
+        outs = [from_numpy(a, like) for a in arrays]
+
+        def publish():
+            # Results, and the caller's stats tensors, become visible when the receive has happened.
+            for dst, src in zip(outs, arrays):
+                copy_into(dst, src)
+            if stats_np is not None:
+                copy_into(cumulative_local_expert_recv_stats, stats_np)
+
+        if not return_recv_hook:
+            publish()
+        recv_out = tuple(outs[:-1]) if isinstance(recv, tuple) else outs[0]
+        user_handle = _handle_from_numpy(handle, like)
+        user_hook = None
+        if return_recv_hook:
+            def user_hook():
+                hook()
+                publish()
+        return recv_out, outs[-1], user_handle, EventOverlap(None), user_hook
+
+    @staticmethod
+    def _wait_row(stats):
+        # Waits have no meaning on the host; the stats keep their values (the backend adds zero).
+        if stats is None:
+            return None
+        arr = to_numpy(stats)
+        return arr.reshape(-1)[: arr.shape[-1]].copy()
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, use_logfmt, zero_copy, async_finish,
+                            return_recv_hook, out, combine_wait_recv_cost_stats):
+        like = kind_of(topk_weights) if zero_copy else kind_of(x)
+        np_handle = _handle_to_numpy(handle)
+        if zero_copy:
+            key = id(handle)
+            staged = self._combine_buffers.pop(key, None)
+            if staged is not None:
+                self.backend.get_next_low_latency_combine_buffer(np_handle)[...] = to_numpy(staged)
+        out_np = None if out is None else to_numpy(out).copy()
+        combined, hook = self.backend.low_latency_combine(
+            to_numpy(x), to_numpy(topk_idx), to_numpy(topk_weights), np_handle, use_logfmt=use_logfmt,
+            zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out_np,
+            combine_wait_recv_cost_stats=self._wait_row(combine_wait_recv_cost_stats))
+        result = out if out is not None else from_numpy(combined, like)
+
+        def publish():
+            copy_into(result, combined)
+
+        if not return_recv_hook:
+            publish()
+        user_hook = None
+        if return_recv_hook:
+            def user_hook():
+                hook()
+                publish()
+        return result, EventOverlap(None), user_hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        buf = self.backend.get_next_low_latency_combine_buffer(_handle_to_numpy(handle))
+        like = kind_of(handle[0])
+        if like.framework == "numpy":
+            return buf
+        # A device copy the caller fills; the next zero-copy combine with this handle reads it back.
+        staged = from_numpy(buf, like)
+        self._combine_buffers[id(handle)] = staged
+        return staged
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_update_mask_buffer(self, rank, mask):
+        self.backend.low_latency_update_mask_buffer(rank, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        status = np.zeros(self.group.size, dtype=np.int32)
+        self.backend.low_latency_query_mask_buffer(status)
+        copy_into(mask_status, status)
+
+    def low_latency_clean_mask_buffer(self):
+        self.backend.low_latency_clean_mask_buffer()
+
+    def destroy(self):
+        self._combine_buffers.clear()
+
+    def release_local(self):
+        self._combine_buffers.clear()

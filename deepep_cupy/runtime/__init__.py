@@ -1,0 +1,1 @@
+"""Process groups, device memory shared between ranks, NVSHMEM, streams and events."""

@@ -1,0 +1,95 @@
+"""One small interface over the process groups a caller may hand us (mpi4py or torch.distributed).
+
+Everything the library needs from the group is here: rank, size, all-gather and all-to-all of
+picklable objects, broadcast and barrier. Host-side waits use the group's own collectives; a peer that
+never arrives is caught by the launcher (``mpirun``/``torchrun``) or by the kernels' own timeouts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group"]
+
+
+class CommGroup(ABC):
+    """Collectives over picklable Python objects, indexed by rank."""
+
+    rank: int
+    size: int
+
+    @abstractmethod
+    def allgather_object(self, obj) -> list: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def alltoall_object(self, objs: list) -> list:
+        """Element ``i`` of ``objs`` goes to rank ``i``; element ``i`` of the result came from rank ``i``."""
+        if len(objs) != self.size:
+            raise ValueError(f"alltoall_object needs {self.size} objects, got {len(objs)}")
+        gathered = self.allgather_object(objs)
+        return [gathered[src][self.rank] for src in range(self.size)]
+
+    def bcast_object(self, obj, root: int = 0):
+        return self.allgather_object(obj if self.rank == root else None)[root]
+
+
+class MPIGroup(CommGroup):
+    """An ``mpi4py.MPI.Comm``."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    def allgather_object(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def alltoall_object(self, objs: list) -> list:
+        if len(objs) != self.size:
+            raise ValueError(f"alltoall_object needs {self.size} objects, got {len(objs)}")
+        return self.comm.alltoall(objs)
+
+    def bcast_object(self, obj, root: int = 0):
+        return self.comm.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+class TorchGroup(CommGroup):
+    """A ``torch.distributed.ProcessGroup`` (any backend that supports object collectives, gloo included)."""
+
+    def __init__(self, group) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    def allgather_object(self, obj) -> list:
+        out = [None] * self.size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.group)
+
+
+def make_group(group=None, comm=None) -> CommGroup:
+    """Wrap whichever of ``group`` (torch) or ``comm`` (mpi4py) was given; an existing CommGroup passes through."""
+    if isinstance(group, CommGroup):
+        return group
+    if isinstance(comm, CommGroup):
+        return comm
+    if group is not None:
+        if not (hasattr(group, "rank") and hasattr(group, "size")):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        return TorchGroup(group)
+    if comm is not None:
+        if not hasattr(comm, "Get_rank"):
+            raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}")
+        return MPIGroup(comm)
+    raise ValueError("Buffer needs a process group: pass group=<torch ProcessGroup> or comm=<mpi4py Comm>")

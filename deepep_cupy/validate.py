@@ -1,0 +1,93 @@
+"""Argument checks shared by every backend: each raises TypeError/ValueError naming the argument."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .interop import BF16, FP8, is_tensor, logical_dtype, shape_of
+
+__all__ = [
+    "tensor", "optional_tensor", "positive_int", "nonneg_int", "topk_values", "values_enabled",
+]
+
+
+def values_enabled() -> bool:
+    """Whether to check index *values* (costs a device reduction and a sync on the GPU path).
+
+    On by default; ``DEEPEP_CUPY_VALIDATE=0`` turns it off for production and benchmarks.
+    """
+    return os.environ.get("DEEPEP_CUPY_VALIDATE", "1") != "0"
+
+
+def _dtype_name(dtype) -> str:
+    d = np.dtype(dtype)
+    return {BF16: "bfloat16", FP8: "float8_e4m3fn"}.get(d, d.name)
+
+
+def tensor(name: str, obj, *, dtype=None, shape=None, ndim=None, contiguous=True):
+    """Check one array argument. ``shape`` may hold None for any extent. Returns its shape."""
+    if obj is None:
+        raise ValueError(f"{name} is required")
+    if not is_tensor(obj):
+        raise TypeError(f"{name} must be a torch tensor, CuPy array or NumPy array, got {type(obj).__name__}")
+    got = logical_dtype(obj)
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+        if got not in [np.dtype(d) for d in allowed]:
+            want = " or ".join(_dtype_name(d) for d in allowed)
+            raise TypeError(f"{name} must have dtype {want}, got {_dtype_name(got)}")
+    s = shape_of(obj)
+    if ndim is not None and len(s) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {list(s)}")
+    if shape is not None:
+        if len(s) != len(shape) or any(w is not None and w != g for w, g in zip(shape, s)):
+            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(s)}")
+    if contiguous and not _is_contiguous(obj):
+        raise ValueError(f"{name} must be contiguous")
+    return s
+
+
+def optional_tensor(name: str, obj, **kw):
+    return None if obj is None else tensor(name, obj, **kw)
+
+
+def _is_contiguous(obj) -> bool:
+    if hasattr(obj, "is_contiguous"):
+        return bool(obj.is_contiguous())
+    return bool(obj.flags.c_contiguous)
+
+
+def positive_int(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def nonneg_int(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def topk_values(name: str, topk_idx, num_experts: int) -> None:
+    """Every entry must be -1 or a valid expert id; each token names an expert at most once."""
+    if not values_enabled() or shape_of(topk_idx)[0] == 0:
+        return
+    lo, hi = _min_max(topk_idx)
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"{name} holds expert ids outside [-1, {num_experts}): min {lo}, max {hi}")
+
+
+def _min_max(obj) -> tuple[int, int]:
+    if isinstance(obj, np.ndarray):
+        return int(obj.min()), int(obj.max())
+    if hasattr(obj, "aminmax"):
+        lo, hi = obj.aminmax()
+        return int(lo), int(hi)
+    import cupy
+
+    both = cupy.stack([obj.min(), obj.max()]).get()
+    return int(both[0]), int(both[1])
