@@ -78,12 +78,17 @@ class TorchGroup(CommGroup):
         self._dist.barrier(group=self.group)
 
 
+def _is_group_like(obj) -> bool:
+    """Objects that already speak this interface (in-process test groups, for instance) are used as they are."""
+    return all(hasattr(obj, a) for a in ("rank", "size", "allgather_object", "alltoall_object", "barrier")) \
+        and isinstance(getattr(obj, "rank"), int)
+
+
 def make_group(group=None, comm=None) -> CommGroup:
     """Wrap whichever of ``group`` (torch) or ``comm`` (mpi4py) was given; an existing CommGroup passes through."""
-    if isinstance(group, CommGroup):
-        return group
-    if isinstance(comm, CommGroup):
-        return comm
+    for candidate in (group, comm):
+        if isinstance(candidate, CommGroup) or _is_group_like(candidate):
+            return candidate
     if group is not None:
         if not (hasattr(group, "rank") and hasattr(group, "size")):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
