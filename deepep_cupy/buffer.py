@@ -511,8 +511,10 @@ class Buffer:
             raise ValueError(f"{name} must have shape [{r}] or [{r}, {r}], got {list(s)}")
 
     def _check_ll_size(self, t: int, hidden: int, num_experts: int) -> None:
+        if self.backend != "cuda":
+            return
         need = low_latency_rdma_size_hint(t, hidden, self.group_size, num_experts)
-        if self.backend == "cuda" and self.num_rdma_bytes < need:
+        if self.num_rdma_bytes < need:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for T={t}, hidden={hidden}, "
                              f"{num_experts} experts: need {need} (Buffer.get_low_latency_rdma_size_hint)")
 
