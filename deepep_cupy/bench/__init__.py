@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): ``mpirun -np <gpus> python -m deepep_cupy.bench [intranode|low_latency|baselines|all]``."""

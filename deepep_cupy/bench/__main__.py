@@ -1,0 +1,87 @@
+"""Run the benchmarks under MPI and print DeepEP-style tables.
+
+    mpirun -np 2 python -m deepep_cupy.bench all --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+
+from .timing import format_table
+
+SUITES = ("baselines", "intranode", "low_latency")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all",))
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (normal kernels)")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
+    parser.add_argument("--ll-experts", type=int, default=288)
+    parser.add_argument("--json", help="write all rows to this file")
+    parser.add_argument("--plot", help="save a bar chart of GB/s to this PNG")
+    args = parser.parse_args()
+
+    os.environ.setdefault("DEEPEP_CUPY_VALIDATE", "0")
+    for var in ("NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        os.environ.setdefault(var, "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    import cupy
+
+    cupy.cuda.Device(comm.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    try:
+        import torch
+
+        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    except ImportError:
+        pass
+
+    rows = []
+    for suite in (SUITES if args.suite == "all" else (args.suite,)):
+        module = importlib.import_module(f".{suite}", __package__)
+        try:
+            got = module.run(comm, args)
+        except Exception as exc:  # one failing suite must not hide the others' numbers
+            got = [{"op": suite, "note": f"failed: {type(exc).__name__}: {exc}"}]
+        for r in got:
+            r.setdefault("suite", suite)
+        rows += got
+        comm.Barrier()
+    if comm.Get_rank() == 0:
+        print(f"\n{comm.Get_size()} ranks, {args.tokens} tokens x {args.hidden} hidden, top-{args.topk} of "
+              f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
+        print(format_table(rows), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        if args.plot:
+            _plot(rows, args.plot)
+
+
+def _plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if "GB/s" in r]
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(shown) + 1))
+    ax.barh([r["op"] for r in shown], [r["GB/s"] for r in shown])
+    ax.set_xlabel("GB/s (bytes received per rank / time)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

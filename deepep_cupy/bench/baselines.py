@@ -1,0 +1,127 @@
+"""What a user would do without this library, measured in the same run as our kernels:
+
+* the naive expert-parallel path in PyTorch + NCCL: gather one copy of each token per destination rank,
+  ``all_to_all_single`` of the counts, then of the data; combine sends the rows back with
+  ``all_to_all_single`` and sums them with ``index_add_``;
+* the copy engine's NVLink bandwidth between GPU 0 and GPU 1 (one way and both ways at once).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from .timing import row, time_op
+
+__all__ = ["run"]
+
+
+def _torch_nccl(comm):
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        port = None
+        if comm.Get_rank() == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = comm.bcast(port, root=0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                                world_size=comm.Get_size(), device_id=torch.device("cuda", torch.cuda.current_device()))
+    return torch, dist
+
+
+def _routing(torch, num_tokens, num_experts, num_topk, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.randn(num_tokens, num_experts, device="cuda", generator=gen).abs() + 1
+    return torch.topk(scores, num_topk, dim=-1, sorted=False).indices
+
+
+def naive_ep(comm, num_tokens=4096, hidden=7168, num_experts=256, num_topk=8) -> list[dict]:
+    torch, dist = _torch_nccl(comm)
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    experts_per_rank = num_experts // num_ranks
+    topk_idx = _routing(torch, num_tokens, num_experts, num_topk, 1000 + rank)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device="cuda")
+    in_rank.scatter_(1, topk_idx // experts_per_rank, True)
+    stream = torch.cuda.current_stream()
+    import cupy
+
+    cstream = cupy.cuda.ExternalStream(stream.cuda_stream)
+    state = {}
+
+    def dispatch():
+        dst, tok = in_rank.t().nonzero(as_tuple=True)
+        send = x.index_select(0, tok)
+        send_counts = torch.bincount(dst, minlength=num_ranks)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        splits_in, splits_out = recv_counts.tolist(), send_counts.tolist()
+        recv = torch.empty(sum(splits_in), hidden, device="cuda", dtype=x.dtype)
+        dist.all_to_all_single(recv, send, splits_in, splits_out)
+        state.update(tok=tok, recv=recv, splits_in=splits_in, splits_out=splits_out)
+
+    def combine():
+        back = torch.empty(sum(state["splits_out"]), hidden, device="cuda", dtype=x.dtype)
+        dist.all_to_all_single(back, state["recv"], state["splits_out"], state["splits_in"])
+        out = torch.zeros(num_tokens, hidden, device="cuda", dtype=torch.float32)
+        out.index_add_(0, state["tok"], back.float())
+        return out.to(torch.bfloat16)
+
+    dispatch()
+    recv_bytes = state["recv"].numel() * 2
+    t_dispatch = time_op(dispatch, stream=cstream)
+    t_combine = time_op(combine, stream=cstream)
+    return [row("naive NCCL dispatch", t_dispatch, recv_bytes, note="gather + 2x all_to_all_single"),
+            row("naive NCCL combine", t_combine, recv_bytes, note="all_to_all_single + index_add_")]
+
+
+def copy_engine(comm, nbytes=1 << 30) -> list[dict]:
+    """Rank 0 drives both directions between GPU 0 and GPU 1 with cudaMemcpyPeerAsync."""
+    import cupy
+
+    rows = []
+    if comm.Get_rank() == 0 and cupy.cuda.runtime.getDeviceCount() >= 2:
+        with cupy.cuda.Device(0):
+            a0, b0 = cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)
+            s0 = cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.Device(1):
+            a1, b1 = cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)
+            s1 = cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.Device(0):
+            one = time_op(lambda: cupy.cuda.runtime.memcpyPeerAsync(a1.data.ptr, 1, a0.data.ptr, 0, nbytes, s0.ptr),
+                          warmup=2, iters=5, stream=s0)
+
+            def both():
+                done = cupy.cuda.Event()
+                s1.wait_event(_record(s0))
+                cupy.cuda.runtime.memcpyPeerAsync(a1.data.ptr, 1, a0.data.ptr, 0, nbytes, s0.ptr)
+                cupy.cuda.runtime.memcpyPeerAsync(b0.data.ptr, 0, b1.data.ptr, 1, nbytes, s1.ptr)
+                done.record(s1)
+                s0.wait_event(done)
+
+            two = time_op(both, warmup=2, iters=5, stream=s0)
+        rows = [row("copy engine 0->1", one, nbytes), row("copy engine both ways", two, 2 * nbytes)]
+    rows = comm.bcast(rows, root=0)
+    return rows
+
+
+def _record(stream):
+    import cupy
+
+    ev = cupy.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def run(comm, args) -> list[dict]:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    rows = copy_engine(comm)
+    try:
+        rows += naive_ep(comm, num_tokens=args.tokens, hidden=args.hidden, num_experts=args.experts,
+                         num_topk=args.topk)
+    except ImportError as exc:
+        rows.append({"op": "naive NCCL path", "note": f"skipped: {exc}"})
+    return rows

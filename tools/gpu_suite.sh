@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
+#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-intranode tests-low-latency bench
+# Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
+# Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export DEEPEP_CUPY_CACHE_DIR=${DEEPEP_CUPY_CACHE_DIR:-/tmp/deepep-cupy-cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "$NGPU" --bind-to none
+        -x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
+        -x PYTHONUNBUFFERED -x DEEPEP_CUPY_CACHE_DIR -x DEEPEP_CUPY_TIMEOUT_S)
+STAGES=${*:-info compile tests-intranode tests-low-latency bench}
+SUMMARY=()
+
+stage_info() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
+    nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+    python3 -c "import cupy, cuda.bindings, numpy, torch, mpi4py; print('cupy', cupy.__version__, 'torch', torch.__version__)" \
+        >> "$OUT/gpus.txt" 2>&1
+    SUMMARY+=("info: $(head -2 "$OUT/gpus.txt" | tail -1)")
+}
+
+stage_compile() {
+    # Cold compile of every shipped kernel on this node (timed), then a warm pass.
+    python3 - > "$OUT/compile.log" 2>&1 <<'PY'
+import importlib, pkgutil, time
+import deepep_cupy.ops as ops
+from deepep_cupy.jit import build
+specs = []
+for m in pkgutil.iter_modules(ops.__path__):
+    mod = importlib.import_module(f"deepep_cupy.ops.{m.name}")
+    if hasattr(mod, "representative_builds"):
+        specs += mod.representative_builds()
+t = time.time(); [build(s) for s in specs]; cold = time.time() - t
+t = time.time(); [build(s) for s in specs]; warm = time.time() - t
+print(f"COMPILE {len(specs)} kernels: cold {cold:.1f} s, warm {warm*1e3:.0f} ms")
+PY
+    SUMMARY+=("compile: $(grep -h COMPILE "$OUT/compile.log" || tail -1 "$OUT/compile.log")")
+}
+
+run_tests() {  # name, test path, timeout
+    local name=$1 path=$2 limit=$3
+    timeout "$limit" "${MPIRUN[@]}" bash -c "python3 -m pytest $path -q -p no:cacheprovider -x --timeout=$limit \
+        > $OUT/$name.rank\$OMPI_COMM_WORLD_RANK.log 2>&1"
+    local rc=$?
+    SUMMARY+=("$name (rc $rc): $(for f in "$OUT"/$name.rank*.log; do tail -1 "$f"; done | tr '\n' ';')")
+}
+
+stage_tests-intranode() { run_tests tests-intranode "tests/gpu/test_layout.py tests/gpu/test_intranode.py" 420; }
+stage_tests-low-latency() { run_tests tests-low-latency tests/gpu/test_low_latency.py 420; }
+
+stage_bench() {
+    timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench all --num-sms 24 --json "$OUT/bench.json" \
+        --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
+    SUMMARY+=("bench (rc $?): see table below")
+}
+
+for s in $STAGES; do
+    echo "== $s ($(date +%T))"
+    "stage_$s"
+done
+echo
+echo "================ summary"
+printf '%s\n' "${SUMMARY[@]}"
+if [ -f "$OUT/bench.log" ]; then sed -n '/ranks, /,$p' "$OUT/bench.log"; fi
