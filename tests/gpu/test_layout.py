@@ -27,19 +27,6 @@ def _device():
     cupy.cuda.Device(rank % gpu_count()).use()
 
 
-class _Solo:
-    rank, size = 0, 1
-
-    def allgather_object(self, obj):
-        return [obj]
-
-    def alltoall_object(self, objs):
-        return list(objs)
-
-    def barrier(self):
-        pass
-
-
 def _reference(topk_idx, num_experts, num_ranks, num_nvl_ranks):
     """Layout by brute force, independent of both backends."""
     n = topk_idx.shape[0]
@@ -68,7 +55,6 @@ def test_layout_matches_reference(n, k, num_experts, num_ranks, num_nvl):
     import cupy
 
     from deepep_cupy.ops.layout import get_dispatch_layout
-    from deepep_cupy.reference import ReferenceBackend
 
     rng = np.random.default_rng(n * 31 + k)
     for repeat in range(5):
@@ -78,14 +64,11 @@ def test_layout_matches_reference(n, k, num_experts, num_ranks, num_nvl):
             idx[rng.random(idx.shape) < 0.05 * repeat] = -1
         want = _reference(idx, num_experts, num_ranks, num_nvl)
         got = get_dispatch_layout(cupy.asarray(idx), num_experts, num_ranks, num_nvl)
-        ref = ReferenceBackend(_Solo(), num_nvl_ranks=num_nvl, low_latency_mode=False, enable_shrink=False) \
-            if num_ranks == 1 else None
         for name, w, g in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), want, got):
             if w is None:
                 assert g is None, name
                 continue
             np.testing.assert_array_equal(cupy.asnumpy(g), w, err_msg=f"{name}, repeat {repeat}")
-        assert ref is None or ref  # the reference itself is covered by the CPU suite
 
 
 def test_layout_through_buffer_with_torch():
