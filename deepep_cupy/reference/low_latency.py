@@ -1,0 +1,192 @@
+"""Low-latency mode of the reference backend: dispatch into per-expert slabs, weighted combine.
+
+Notation: ``R`` ranks, ``me`` this rank, ``T = num_max_dispatch_tokens_per_rank``, ``E`` experts,
+``E_local = E // R``; expert ``e`` lives on rank ``e // E_local`` as local expert ``e % E_local``.
+
+Dispatch sends, for every token ``t`` and every valid ``k``, row ``t`` to the rank owning
+``topk_idx[t, k]``. A row of ``topk_idx`` naming the same expert twice is rejected (ValueError):
+the slab of an expert holds at most one row per (source rank, token), which is what bounds it by
+``R * T`` rows. On the receiving rank the rows of local expert ``i`` are stored in
+``packed_recv_x[i]`` grouped by source rank (rank order), each group in source token order; rows past
+``packed_recv_count[i]`` are 0 (and their ``src_info`` is -1).
+
+Masking (fault tolerance): ``masked`` is this rank's own view. A rank that sees itself masked sends
+nothing and receives nothing; otherwise it sends nothing to, and ignores anything from, ranks it sees
+masked. Every rank still takes part in the collective exchange (with empty payloads), so different
+views never hang. In the combine, the weighted sum runs over the ``k`` whose owner is unmasked in the
+caller's view and actually returned the row; anything else contributes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import quant
+
+
+def check_unique_experts(topk_idx: np.ndarray) -> None:
+    """Raise ValueError if a token's top-k names the same (non-negative) expert twice."""
+    if topk_idx.shape[0] == 0 or topk_idx.shape[1] < 2:
+        return
+    s = np.sort(topk_idx, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    if dup.any():
+        t = int(np.nonzero(dup.any(axis=1))[0][0])
+        raise ValueError(f"low-latency dispatch: token {t} selects expert {int(s[t][1:][dup[t]][0])} twice")
+
+
+def _column_major(dense: np.ndarray) -> np.ndarray:
+    """Same values as ``dense [A, B, C]``, stored with the last two dims column-major."""
+    cm = np.ascontiguousarray(dense.transpose(0, 2, 1))
+    return cm.transpose(0, 2, 1)
+
+
+def dispatch(group, x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+             use_fp8: bool, round_scale: bool, use_ue8m0: bool, masked: np.ndarray):
+    """Exchange and pack. Returns ``(recv_x, recv_scales or None, recv_count, src_info, layout_range)``.
+
+    * ``recv_x [E_local, R*T, H]``: bf16, or e4m3 when ``use_fp8`` (cast on the sending rank with
+      ``quant.fp8_cast_per_128``, once per token, identical for every destination).
+    * ``recv_scales``: ``use_fp8`` only. float32 ``[E_local, R*T, H/128]``, or with ``use_ue8m0`` int32
+      ``[E_local, R*T, ceil(H/512)]`` (``quant.pack_ue8m0``); last two dims column-major in both cases.
+      Rows past the count hold 0.
+    * ``recv_count [E_local]`` int32, ``src_info [E_local, R*T]`` int32 (source token index, -1 unused),
+      ``layout_range [E_local, R]`` int64 ``(begin << 32) | count``; ``begin`` is the first row of that
+      source in the slab, or where it would start when ``count`` is 0.
+    """
+    me, nranks = group.rank, group.size
+    t_max = num_max_dispatch_tokens_per_rank
+    e_local = num_experts // nranks
+    n, h = x.shape
+    if n > t_max:
+        raise ValueError(f"low-latency dispatch: {n} tokens exceed num_max_dispatch_tokens_per_rank={t_max}")
+    topk_idx = np.asarray(topk_idx, dtype=np.int64)
+    check_unique_experts(topk_idx)
+
+    if use_fp8:
+        data, scale = quant.fp8_cast_per_128(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    else:
+        data, scale = x, None
+    tok, kk = np.nonzero(topk_idx >= 0)
+    experts = topk_idx[tok, kk]
+    order = np.lexsort((tok, experts))
+    tok, experts = tok[order], experts[order]
+    dest = experts // e_local
+
+    payloads = []
+    for d in range(nranks):
+        if masked[me] or masked[d]:
+            payloads.append(None)
+            continue
+        sel = dest == d
+        t = tok[sel]
+        p = {"le": (experts[sel] - d * e_local).astype(np.int64), "src": t.astype(np.int32), "x": data[t]}
+        if scale is not None:
+            p["scale"] = scale[t]
+        payloads.append(p)
+    got = group.alltoall_object(payloads)
+
+    slab = nranks * t_max
+    recv_x = np.zeros((e_local, slab, h), dtype=data.dtype)
+    recv_scale = np.zeros((e_local, slab, h // quant.BLOCK), dtype=np.float32) if use_fp8 else None
+    src_info = np.full((e_local, slab), -1, dtype=np.int32)
+    layout_range = np.zeros((e_local, nranks), dtype=np.int64)
+    count = np.zeros(e_local, dtype=np.int64)
+    for s in range(nranks):
+        p = got[s]
+        if masked[me] or masked[s] or p is None:
+            layout_range[:, s] = count << 32
+            continue
+        bounds = np.searchsorted(p["le"], np.arange(e_local + 1))
+        for i in range(e_local):
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            b, c = int(count[i]), hi - lo
+            recv_x[i, b:b + c] = p["x"][lo:hi]
+            if recv_scale is not None:
+                recv_scale[i, b:b + c] = p["scale"][lo:hi]
+            src_info[i, b:b + c] = p["src"][lo:hi]
+            layout_range[i, s] = (b << 32) | c
+            count[i] += c
+
+    scales_out = None
+    if use_fp8:
+        if use_ue8m0:
+            packed = quant.pack_ue8m0(quant.scale_to_ue8m0(recv_scale))
+            scales_out = _column_major(packed)
+        else:
+            scales_out = _column_major(recv_scale)
+    return recv_x, scales_out, count.astype(np.int32), src_info, layout_range
+
+
+def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, masked: np.ndarray):
+    """Return the expert outputs to their source ranks and reduce them with the top-k weights.
+
+    ``x [E_local, R*T, H]`` bf16 holds, at the rows given by this rank's dispatch ``handle``, the expert
+    outputs. Each owner returns, for every source ``s`` and local expert ``i``, the rows
+    ``layout_range[i, s]`` of ``x[i]`` (with ``use_logfmt`` each 128-channel block travels as LogFMT-10
+    and the receiver decodes it and rounds to bf16: ``quant.logfmt_roundtrip_bf16``).
+    On the source: ``acc = 0``; for ``k = 0 .. K-1`` with a valid expert ``e`` whose row came back:
+    ``acc = fma(float32(row), topk_weights[t, k], acc)`` (one rounding, ``quant.fma_f32``);
+    ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
+    """
+    me, nranks = group.rank, group.size
+    src_info, layout_range, _t_max, hidden, num_experts = handle
+    e_local = num_experts // nranks
+    if use_logfmt and hidden % quant.BLOCK:
+        raise ValueError(f"LogFMT combine needs hidden to be a multiple of {quant.BLOCK}, got {hidden}")
+    layout_range = np.asarray(layout_range, dtype=np.int64)
+    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
+
+    payloads = []
+    for s in range(nranks):
+        if masked[me] or masked[s]:
+            payloads.append(None)
+            continue
+        le, src, rows = [], [], []
+        for i in range(e_local):
+            b, c = int(begins[i, s]), int(counts[i, s])
+            le.append(np.full(c, i, dtype=np.int64))
+            src.append(np.asarray(src_info[i, b:b + c], dtype=np.int64))
+            rows.append(x[i, b:b + c])
+        rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, hidden), dtype=x.dtype)
+        p = {"le": np.concatenate(le) if le else np.zeros(0, np.int64),
+             "src": np.concatenate(src) if src else np.zeros(0, np.int64)}
+        if use_logfmt:
+            n_rows = rows.shape[0]
+            blocks = rows.astype(np.float32).reshape(n_rows, hidden // quant.BLOCK, quant.BLOCK)
+            p["codes"], p["lo"], p["hi"] = quant.logfmt_encode(blocks)
+        else:
+            p["x"] = np.array(rows)
+        payloads.append(p)
+    got = group.alltoall_object(payloads)
+
+    topk_idx = np.asarray(topk_idx, dtype=np.int64)
+    weights = np.asarray(topk_weights, dtype=np.float32)
+    n, k_top = topk_idx.shape
+    lookup = np.full((nranks, e_local, n), -1, dtype=np.int64)
+    all_rows, offset = [], 0
+    for o in range(nranks):
+        p = got[o]
+        if masked[me] or masked[o] or p is None:
+            continue
+        if use_logfmt:
+            rows = quant.logfmt_decode(p["codes"], p["lo"], p["hi"]).reshape(-1, hidden).astype(quant.BF16)
+        else:
+            rows = p["x"]
+        lookup[o, p["le"], p["src"]] = offset + np.arange(rows.shape[0])
+        all_rows.append(rows.astype(np.float32))
+        offset += rows.shape[0]
+    all_rows = np.concatenate(all_rows, axis=0) if all_rows else np.zeros((0, hidden), np.float32)
+
+    acc = np.zeros((n, hidden), dtype=np.float32)
+    tokens = np.arange(n)
+    for k in range(k_top):
+        e = topk_idx[:, k]
+        valid = e >= 0
+        where = np.full(n, -1, dtype=np.int64)
+        ev = e[valid]
+        where[valid] = lookup[ev // e_local, ev % e_local, tokens[valid]]
+        ok = where >= 0
+        if ok.any():
+            acc[ok] = quant.fma_f32(all_rows[where[ok]], weights[ok, k][:, None], acc[ok])
+    return acc.astype(quant.BF16)
