@@ -1,0 +1,172 @@
+// Memory-ordering and vector load/store helpers written in inline PTX.
+//
+// Scopes: `.sys` orders against peers reached over NVLink/PCIe (P2P-mapped memory) and the host (mapped
+// host memory); `.gpu` only within this GPU. Use acquire loads to read a flag that another agent set
+// with a release store or release atomic; everything the writer stored before its release is then
+// visible to loads after the acquire.
+//
+// All functions are __device__ __forceinline__ and live in namespace deepep. Requires sm_70+
+// (L2::256B prefetch hints need sm_80+, which is the oldest architecture the package targets).
+#pragma once
+
+#include "nvrtc_compat.cuh"
+
+namespace deepep {
+
+// ---- thread identity ---------------------------------------------------------------------------
+
+__device__ __forceinline__ int lane_id() {
+    int lane;
+    asm volatile("mov.s32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
+// ---- time --------------------------------------------------------------------------------------
+
+// Nanoseconds from the GPU's global timer (same clock on every SM; resolution about 1 us on older
+// parts, tens of ns on Hopper). Used for timeouts, see timeout.cuh.
+__device__ __forceinline__ uint64_t globaltimer() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---- fences ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// ---- volatile / relaxed loads and stores (no ordering, but never cached stale in L1) ------------
+
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int64_t ld_volatile(const int64_t* p) {
+    int64_t v;
+    asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void st_volatile(int* p, int v) {
+    asm volatile("st.volatile.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// ---- acquire loads -----------------------------------------------------------------------------
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* p) {
+    int64_t v;
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int64_t ld_acquire_gpu(const int64_t* p) {
+    int64_t v;
+    asm volatile("ld.acquire.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// ---- release stores ----------------------------------------------------------------------------
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
+    asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// ---- atomics (return the old value) ------------------------------------------------------------
+
+__device__ __forceinline__ int atomic_add_release_sys(int* p, int v) {
+    int old;
+    asm volatile("atom.add.release.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ int atomic_add_release_gpu(int* p, int v) {
+    int old;
+    asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ int atomic_add_relaxed_sys(int* p, int v) {
+    int old;
+    asm volatile("atom.add.relaxed.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ int atomic_cas_acq_rel_sys(int* p, int expected, int desired) {
+    int old;
+    asm volatile("atom.cas.acq_rel.sys.global.b32 %0, [%1], %2, %3;"
+                 : "=r"(old)
+                 : "l"(p), "r"(expected), "r"(desired)
+                 : "memory");
+    return old;
+}
+
+// ---- 16-byte vector loads and stores -----------------------------------------------------------
+// Addresses must be 16-byte aligned.
+
+// Read-only path, no L1 allocation. Only for data that no one (this kernel, a peer, the host) writes
+// while the kernel runs: the non-coherent cache may return stale values otherwise. Not volatile, so
+// the compiler may batch or merge these loads like ordinary ones.
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+// Coherent 16-byte load (data written by peers, read after an acquire).
+__device__ __forceinline__ int4 ld_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void st_v4(int4* p, const int4& v) {
+    asm volatile("st.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+// Streaming store that does not allocate in L1 (remote or write-once buffers).
+__device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+}  // namespace deepep

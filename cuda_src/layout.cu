@@ -1,0 +1,168 @@
+// Dispatch layout: from each token's top-k expert ids, count tokens per expert, per rank and per RDMA
+// rank (node), and mark which ranks each token goes to.
+//
+// One kernel, no memset: every output element is written exactly once by the block that owns it.
+//   * Blocks [0, num_expert_blocks) each own kExpertsPerBlock experts, scan all N*K ids and count the
+//     ones in their range in shared memory.
+//   * The remaining ceil(R / 32) blocks each own 32 ranks (and the RDMA ranks with the same indices):
+//     one thread per token builds the token's bit mask over those ranks (a token counts once per rank
+//     however many of its experts live there), writes its is_token_in_rank bytes, and warps count
+//     the masks with ballots, lane j keeping the count of rank j.
+// The grid does not depend on N, so N = 0 still launches and writes zero counts.
+// Experts map to ranks contiguously: rank = e / (E / R); RDMA rank = rank / num_nvl_ranks.
+// Ids < 0 select nothing; ids >= E are ignored (the host rejects them before launch).
+
+#include "common/nvrtc_compat.cuh"
+
+namespace deepep_layout {
+
+constexpr int kThreads = 1024;
+constexpr int kExpertsPerBlock = 32;
+constexpr int kRanksPerBlock = 32;  // one warp lane per rank
+
+__device__ __forceinline__ void count_expert(int64_t e, int64_t e_lo, int64_t e_hi, int* hist) {
+    if (e >= e_lo && e < e_hi) atomicAdd(&hist[static_cast<int>(e - e_lo)], 1);
+}
+
+__device__ void count_experts(const int64_t* __restrict__ topk_idx, int64_t total, int num_experts, int block,
+                              int* __restrict__ num_tokens_per_expert) {
+    __shared__ int hist[kExpertsPerBlock];
+    if (threadIdx.x < kExpertsPerBlock) hist[threadIdx.x] = 0;
+    __syncthreads();
+
+    const int64_t e_lo = static_cast<int64_t>(block) * kExpertsPerBlock;
+    const int64_t e_hi = e_lo + kExpertsPerBlock < num_experts ? e_lo + kExpertsPerBlock : num_experts;
+    int64_t scalar_from = 0;
+    if ((reinterpret_cast<uintptr_t>(topk_idx) & 15) == 0) {
+        // Two ids per 16-byte load through the read-only path (the ids are not written during the kernel);
+        // kUnroll loads are issued before their ids are counted, to keep several in flight.
+        constexpr int kUnroll = 4;
+        const longlong2* vec = reinterpret_cast<const longlong2*>(topk_idx);
+        const int64_t num_vec = total / 2;
+        for (int64_t i = threadIdx.x; i < num_vec; i += kUnroll * kThreads) {
+            longlong2 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                v[u] = i + u * kThreads < num_vec ? __ldg(vec + i + u * kThreads) : make_longlong2(-1, -1);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                count_expert(v[u].x, e_lo, e_hi, hist);
+                count_expert(v[u].y, e_lo, e_hi, hist);
+            }
+        }
+        scalar_from = num_vec * 2;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < total; i += kThreads)
+        count_expert(__ldg(topk_idx + i), e_lo, e_hi, hist);
+    __syncthreads();
+
+    if (threadIdx.x < kExpertsPerBlock && e_lo + threadIdx.x < e_hi)
+        num_tokens_per_expert[e_lo + threadIdx.x] = hist[threadIdx.x];
+}
+
+__device__ __forceinline__ void add_to_masks(int64_t e, int num_experts, int experts_per_rank, int num_nvl_ranks,
+                                             int r_lo, uint32_t& rank_mask, uint32_t& rdma_mask) {
+    if (e < 0 || e >= num_experts) return;
+    const int rank = static_cast<int>(e) / experts_per_rank;
+    const int rel = rank - r_lo;
+    if (rel >= 0 && rel < kRanksPerBlock) rank_mask |= 1u << rel;
+    const int rdma_rel = rank / num_nvl_ranks - r_lo;
+    if (rdma_rel >= 0 && rdma_rel < kRanksPerBlock) rdma_mask |= 1u << rdma_rel;
+}
+
+template <int kTopK>
+__device__ void count_ranks(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
+                            int num_nvl_ranks, int block, int* __restrict__ num_tokens_per_rank,
+                            int* __restrict__ num_tokens_per_rdma_rank, bool* __restrict__ is_token_in_rank) {
+    __shared__ int rank_counts[kRanksPerBlock];
+    __shared__ int rdma_counts[kRanksPerBlock];
+    if (threadIdx.x < kRanksPerBlock) {
+        rank_counts[threadIdx.x] = 0;
+        rdma_counts[threadIdx.x] = 0;
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int r_lo = block * kRanksPerBlock;
+    const int n_rank = min(kRanksPerBlock, num_ranks - r_lo);
+    const int num_rdma_ranks = num_tokens_per_rdma_rank != nullptr ? num_ranks / num_nvl_ranks : 0;
+    const int n_rdma = max(0, min(kRanksPerBlock, num_rdma_ranks - r_lo));
+    const int experts_per_rank = num_experts / num_ranks;
+    // Rows are 16-byte aligned when K is even and the base is; then each row is K/2 vector loads.
+    const bool vec_rows = (kTopK % 2 == 0) && (reinterpret_cast<uintptr_t>(topk_idx) & 15) == 0;
+    const bool word_stores = (num_ranks % 4 == 0) && (reinterpret_cast<uintptr_t>(is_token_in_rank) & 3) == 0;
+
+    int my_rank_count = 0;  // lane j: tokens of this warp that reach rank r_lo + j
+    int my_rdma_count = 0;
+    // The loop bound is uniform per warp so that every lane joins the ballots.
+    for (int base = warp * 32; base < num_tokens; base += kThreads) {
+        const int t = base + lane;
+        uint32_t rank_mask = 0, rdma_mask = 0;
+        if (t < num_tokens) {
+            const int64_t* row = topk_idx + static_cast<int64_t>(t) * kTopK;
+            if (vec_rows) {
+                const longlong2* vec = reinterpret_cast<const longlong2*>(row);
+#pragma unroll
+                for (int k = 0; k < kTopK / 2; ++k) {
+                    const longlong2 v = __ldg(vec + k);
+                    add_to_masks(v.x, num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask, rdma_mask);
+                    add_to_masks(v.y, num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask, rdma_mask);
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < kTopK; ++k)
+                    add_to_masks(__ldg(row + k), num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask,
+                                 rdma_mask);
+            }
+            bool* out = is_token_in_rank + static_cast<int64_t>(t) * num_ranks + r_lo;
+            if (word_stores) {
+                // n_rank is a multiple of 4 here; one 32-bit store per 4 bools (bytes 0x00 / 0x01).
+                for (int j = 0; j < n_rank; j += 4) {
+                    const uint32_t bits = rank_mask >> j;
+                    const uint32_t word = (bits & 1u) | ((bits >> 1) & 1u) << 8 | ((bits >> 2) & 1u) << 16 |
+                                          ((bits >> 3) & 1u) << 24;
+                    *reinterpret_cast<uint32_t*>(out + j) = word;
+                }
+            } else {
+                for (int j = 0; j < n_rank; ++j) out[j] = (rank_mask >> j) & 1u;
+            }
+        }
+        for (int j = 0; j < n_rank; ++j) {
+            const int c = __popc(__ballot_sync(0xffffffffu, (rank_mask >> j) & 1u));
+            if (lane == j) my_rank_count += c;
+        }
+        for (int j = 0; j < n_rdma; ++j) {
+            const int c = __popc(__ballot_sync(0xffffffffu, (rdma_mask >> j) & 1u));
+            if (lane == j) my_rdma_count += c;
+        }
+    }
+
+    if (lane < n_rank && my_rank_count) atomicAdd(&rank_counts[lane], my_rank_count);
+    if (lane < n_rdma && my_rdma_count) atomicAdd(&rdma_counts[lane], my_rdma_count);
+    __syncthreads();
+    if (threadIdx.x < n_rank) num_tokens_per_rank[r_lo + threadIdx.x] = rank_counts[threadIdx.x];
+    if (threadIdx.x < n_rdma) num_tokens_per_rdma_rank[r_lo + threadIdx.x] = rdma_counts[threadIdx.x];
+}
+
+}  // namespace deepep_layout
+
+// Grid: num_expert_blocks (= ceil(E / 32)) + ceil(R / 32) blocks of 1024 threads.
+// num_tokens_per_rdma_rank may be null (single NVLink domain).
+template <int kTopK>
+__global__ void __launch_bounds__(deepep_layout::kThreads, 1)
+    dispatch_layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
+                           int num_nvl_ranks, int num_expert_blocks, int* __restrict__ num_tokens_per_expert,
+                           int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_rdma_rank,
+                           bool* __restrict__ is_token_in_rank) {
+    static_assert(kTopK >= 1 && kTopK <= 128, "top-k out of range");
+    const int block = static_cast<int>(blockIdx.x);
+    if (block < num_expert_blocks) {
+        deepep_layout::count_experts(topk_idx, static_cast<int64_t>(num_tokens) * kTopK, num_experts, block,
+                                     num_tokens_per_expert);
+    } else {
+        deepep_layout::count_ranks<kTopK>(topk_idx, num_tokens, num_experts, num_ranks, num_nvl_ranks,
+                                          block - num_expert_blocks, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                          is_token_in_rank);
+    }
+}

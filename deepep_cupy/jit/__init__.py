@@ -1,0 +1,29 @@
+"""JIT compilation of the CUDA kernels: NVRTC (+ nvJitLink for NVSHMEM), an on-disk cubin cache, loading.
+
+Typical use in an op launcher::
+
+    spec = BuildSpec.make("layout.cu", name_expressions=["dispatch_layout_kernel<8>"])
+    kernel = load(spec).get_function("dispatch_layout_kernel<8>")
+    kernel((blocks,), (threads,), (arg0, arg1, ...), stream=stream)
+
+:func:`build` compiles without a GPU when given an ``arch``; :func:`load` needs one.
+"""
+
+from .cache import build, cache_dir
+from .compiler import CompileError
+from .module import Kernel, LoadedModule, load
+from .sources import source_root, use_source_root
+from .spec import BuildSpec, CompiledKernel
+
+__all__ = [
+    "BuildSpec",
+    "CompiledKernel",
+    "CompileError",
+    "Kernel",
+    "LoadedModule",
+    "build",
+    "cache_dir",
+    "load",
+    "source_root",
+    "use_source_root",
+]

@@ -1,0 +1,117 @@
+"""Host side of ``cuda_src/common/timeout.cuh``: the record a kernel fills when a wait times out.
+
+The record is 8 int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, reserved,
+waited_ns (int64 in words 6-7)``. ``flag`` is 0 while no error happened, -1 while a thread is writing
+the record and 1 once it is complete. By default it lives in pinned, device-mapped host memory, so the
+host reads it without a device synchronisation (kernels write it with system-scope fences).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..errors import DeepEPError, DeepEPTimeoutError
+
+__all__ = ["KernelErrorRecord", "RECORD_WORDS"]
+
+RECORD_WORDS = 8
+_RECORD_BYTES = RECORD_WORDS * 4
+
+
+def _free_host(ptr: int) -> None:
+    try:
+        import cupy
+
+        cupy.cuda.runtime.freeHost(ptr)
+    except Exception:
+        pass  # interpreter shutdown: the driver frees it with the context
+
+
+class KernelErrorRecord:
+    """One error record to pass to kernels (``record.ptr`` or ``record.array``) and check afterwards.
+
+    Arguments:
+        mapped: keep the record in pinned host memory mapped into the device address space (default);
+            False puts it in device memory, and :meth:`check` then copies it (synchronising the stream).
+    """
+
+    def __init__(self, mapped: bool = True) -> None:
+        import cupy
+
+        self._mapped = bool(mapped)
+        if self._mapped:
+            flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
+            host_ptr = cupy.cuda.runtime.hostAlloc(_RECORD_BYTES, flags)
+            self._finalizer = weakref.finalize(self, _free_host, host_ptr)
+            buf = (ctypes.c_int32 * RECORD_WORDS).from_address(host_ptr)
+            self._host = np.frombuffer(buf, dtype=np.int32)
+            self._host[:] = 0
+            device_ptr = self._device_pointer(host_ptr)
+            mem = cupy.cuda.UnownedMemory(device_ptr, _RECORD_BYTES, self)
+            self.array = cupy.ndarray(
+                (RECORD_WORDS,), dtype=cupy.int32, memptr=cupy.cuda.MemoryPointer(mem, 0)
+            )
+        else:
+            self._host = None
+            self.array = cupy.zeros(RECORD_WORDS, dtype=cupy.int32)
+
+    @staticmethod
+    def _device_pointer(host_ptr: int) -> int:
+        from cuda.bindings import driver
+
+        err, dptr = driver.cuMemHostGetDevicePointer(host_ptr, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise DeepEPError(f"cuMemHostGetDevicePointer failed ({err}) for the kernel error record")
+        return int(dptr)
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the record, for a kernel's ``ErrorRecord*`` argument."""
+        return int(self.array.data.ptr)
+
+    def _words(self) -> np.ndarray:
+        if self._host is not None:
+            return self._host.copy()
+        return self.array.get()
+
+    def peek(self) -> dict | None:
+        """The recorded timeout as a dict, or None when none is (completely) recorded."""
+        words = self._words()
+        if words[0] != 1:
+            return None
+        waited = int(words[6:8].view(np.int64)[0])
+        return {
+            "op": int(words[1]),
+            "rank": int(words[2]),
+            "peer": int(words[3]),
+            "line": int(words[4]),
+            "waited_ns": waited,
+        }
+
+    def reset(self) -> None:
+        """Clear the record (only while no kernel that uses it is running)."""
+        if self._host is not None:
+            self._host[:] = 0
+        else:
+            self.array.fill(0)
+
+    def check(self, op_names: Mapping[int, str] | None = None) -> None:
+        """Raise DeepEPTimeoutError if a kernel recorded a timeout, and clear the record.
+
+        Call it after the kernels that use the record have finished (e.g. after a stream sync).
+        ``op_names`` maps the kernel's op codes to names for the message.
+        """
+        info = self.peek()
+        if info is None:
+            return
+        self.reset()
+        op = (op_names or {}).get(info["op"], f"op {info['op']}")
+        ms = info["waited_ns"] / 1e6
+        raise DeepEPTimeoutError(
+            f"{op}: rank {info['rank']} timed out after {ms:.1f} ms waiting for peer {info['peer']} "
+            f"(kernel line {info['line']})"
+        )

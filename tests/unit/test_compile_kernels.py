@@ -1,0 +1,52 @@
+"""NVRTC compile (and NVSHMEM link) of every kernel instantiation the ops modules ship. No GPU needed.
+
+Every module in ``deepep_cupy.ops`` that defines ``representative_builds()`` is picked up; each spec is
+built for sm_90, and for sm_80 unless it uses NVSHMEM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import deepep_cupy.ops
+from deepep_cupy.jit import build
+
+
+def _collect():
+    params = []
+    for info in sorted(pkgutil.iter_modules(deepep_cupy.ops.__path__), key=lambda m: m.name):
+        name = f"deepep_cupy.ops.{info.name}"
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # report it as a failing test instead of breaking collection
+            params.append(pytest.param(name, None, None, exc, id=f"{info.name}:import"))
+            continue
+        builds = getattr(module, "representative_builds", None)
+        if builds is None:
+            continue
+        for spec in builds():
+            archs = ["sm_90"] if spec.nvshmem else ["sm_90", "sm_80"]
+            for arch in archs:
+                params.append(
+                    pytest.param(name, spec, arch, None, id=f"{info.name}:{spec.describe()}:{arch}")
+                )
+    return params
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jit_cache")
+
+
+@pytest.mark.parametrize("module_name, spec, arch, import_error", _collect())
+def test_compiles(module_name, spec, arch, import_error, shared_cache, monkeypatch):
+    if import_error is not None:
+        pytest.fail(f"importing {module_name} failed: {import_error!r}")
+    monkeypatch.setenv("DEEPEP_CUPY_CACHE_DIR", str(shared_cache))
+    monkeypatch.delenv("DEEPEP_CUPY_SOURCE_DIR", raising=False)
+    compiled = build(spec, arch)
+    assert compiled.cubin_path.is_file() and compiled.cubin_path.stat().st_size > 0
+    assert set(compiled.lowered_names) == set(spec.name_expressions)
