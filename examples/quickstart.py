@@ -40,7 +40,8 @@ def main() -> None:
     rng = np.random.default_rng(1234 + rank)
     topk_idx = np.stack([rng.choice(num_experts, topk, replace=False) for _ in range(args.tokens)]).astype(np.int64)
     x = np.empty((args.tokens, args.hidden), dtype=ml_dtypes.bfloat16)
-    x[:] = (rank * 1000 + np.arange(args.tokens))[:, None] % 256
+    # Small integers stay exact in bf16 through the sums below.
+    x[:] = (rank * 1000 + np.arange(args.tokens))[:, None] % 32
     x, topk_idx = xp.asarray(x), xp.asarray(topk_idx)
 
     config = deep_ep.Buffer.get_dispatch_config(num_ranks)
