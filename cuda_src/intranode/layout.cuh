@@ -1,0 +1,266 @@
+// Shared pieces of the intranode (NVLink) kernels: the NVL buffer layout, per-kernel sequence numbers,
+// bounded waits and warp copy loops.
+//
+// NVL buffer of every rank (all offsets in bytes from the start of that rank's buffer; the host computes
+// the per-call offsets in deepep_cupy/ops/intranode_layout.py and passes them as kernel arguments):
+//
+//   [0, ctrl_bytes)        control words, fixed for the buffer's lifetime (uint64 each):
+//       arrive[R]          arrive[s] = sequence number of the latest kernel rank s has started; s stores
+//                          it into every rank's buffer when its kernel begins (all earlier kernels of s
+//                          on this buffer are finished by then).
+//       notify_flag[R]     notify_flag[s] = sequence number of the notify kernel whose counts s has
+//                          written into this buffer.
+//       local_seq          sequence number of the last communicating kernel of this rank (local only).
+//       done_count         blocks of the running kernel that have finished (local only, back to 0 at the end).
+//   [ring_offset, ...)     per call: C * R rings, ring (c, s) holds what rank s sends to this rank in
+//                          channel c: `cap` slots of `slot_bytes`; slot 0 of ring (c, s) starts at
+//                          ring_offset + (c * R + s) * cap * slot_bytes.
+//   [free_offset, ...)     per call: C * R * cap uint64 "slot free" words; word (c, d, k) is written by
+//                          rank d's receiver when slot k of ring (c, me) in d's buffer may be reused.
+//   notify area            the notify kernel uses the start of the ring region for the counts each
+//                          source sends: R records of notify_stride ints.
+//
+// Slot: [uint64 flag][int32 source token][int32 unused][payload at 16-byte aligned offsets].
+// The flag of the slot holding the i-th token (per channel and source) of the kernel with sequence
+// number q is (q << 32) | i. The "slot free" word that lets token i (i >= cap) use slot i % cap holds
+// (q << 32) | i. Tags include q, so nothing is ever re-zeroed: a value left by an earlier kernel never
+// equals a value waited for now.
+//
+// Ordering rules that keep this safe across calls:
+//   * A kernel writes into a peer's ring/free/notify areas only after that peer's arrive word reached
+//     the kernel's sequence number (the peer finished its earlier kernels), or after receiving data
+//     of this kernel from that peer (which proves the same).
+//   * Every remote write into a peer's data region is waited for by the peer within the same kernel
+//     (free words are written only when the sender will need them), so no write of an old kernel
+//     can land in a region the next kernel lays out differently.
+//   * Sequence numbers live in device memory and advance inside the kernels, so CUDA graphs replay
+//     correctly.
+#pragma once
+
+#include "../common/nvrtc_compat.cuh"
+#include "../common/ptx.cuh"
+#include "../common/timeout.cuh"
+
+namespace deepep_intranode {
+
+// Op codes of the error record (names in deepep_cupy/ops/intranode.py).
+enum OpCode : int {
+    kOpNotifyArrive = 1,
+    kOpNotifyCounts = 2,
+    kOpDispatchArrive = 3,
+    kOpDispatchSlot = 4,
+    kOpDispatchRecv = 5,
+    kOpDispatchOverflow = 6,
+    kOpCombineArrive = 7,
+    kOpCombineSlot = 8,
+    kOpCombineRecv = 9,
+};
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- control words -----------------------------------------------------------------------------
+
+struct Ctrl {
+    uint64_t* words;  // this rank's buffer, viewed as uint64
+    int num_ranks;
+
+    __device__ __forceinline__ uint64_t* arrive(int src) const { return words + src; }
+    __device__ __forceinline__ uint64_t* notify_flag(int src) const { return words + num_ranks + src; }
+    __device__ __forceinline__ uint64_t* local_seq() const { return words + 2 * num_ranks; }
+    __device__ __forceinline__ unsigned int* done_count() const {
+        return reinterpret_cast<unsigned int*>(words + 2 * num_ranks + 1);
+    }
+};
+
+__device__ __forceinline__ uint8_t* rank_base(const long long* bases, int r) {
+    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(bases[r]));
+}
+
+__device__ __forceinline__ Ctrl ctrl_of(uint8_t* base, int num_ranks) {
+    return Ctrl{reinterpret_cast<uint64_t*>(base), num_ranks};
+}
+
+__device__ __forceinline__ uint64_t tag(uint64_t seq, int i) {
+    return (seq << 32) | static_cast<uint64_t>(static_cast<uint32_t>(i));
+}
+
+// Sequence number of the running kernel: one more than the last one. Every block reads it at its start;
+// the last block to finish publishes it (see end_kernel), so all blocks read the same value.
+__device__ __forceinline__ uint64_t begin_kernel(const Ctrl& ctrl) {
+    __shared__ uint64_t seq_shared;
+    if (threadIdx.x == 0) seq_shared = static_cast<uint64_t>(deepep::ld_volatile(reinterpret_cast<const int64_t*>(ctrl.local_seq()))) + 1;
+    __syncthreads();
+    return seq_shared;
+}
+
+__device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned int old = atomicAdd(ctrl.done_count(), 1u);
+        if (old + 1 == gridDim.x) {
+            // Every block has read local_seq already (they all passed begin_kernel before counting).
+            *ctrl.done_count() = 0;
+            *reinterpret_cast<volatile unsigned long long*>(ctrl.local_seq()) = static_cast<unsigned long long>(seq);
+            __threadfence();
+        }
+    }
+}
+
+// Tell every rank (self included) that this rank has started the kernel with sequence number seq.
+__device__ __forceinline__ void announce_arrival(const long long* bases, int num_ranks, int rank, uint64_t seq) {
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+        Ctrl peer = ctrl_of(rank_base(bases, r), num_ranks);
+        deepep::st_release_sys(peer.arrive(rank), seq);
+    }
+}
+
+// ---- bounded waits -----------------------------------------------------------------------------
+
+struct WaitCtx {
+    deepep::ErrorRecord* err;
+    long long budget_ns;
+    int rank;
+};
+
+// Warp-wide wait until *flag satisfies pred (every lane polls with an acquire load, so every lane's later
+// loads are ordered after it). Returns false on timeout (reported) or when another thread reported one.
+// Must be called by all 32 lanes.
+template <typename Pred>
+__device__ __forceinline__ bool warp_wait(const uint64_t* flag, Pred pred, const WaitCtx& w, int op, int peer,
+                                          int line) {
+    uint64_t start = 0;
+    for (unsigned int spin = 1;; ++spin) {
+        const uint64_t v = deepep::ld_acquire_sys(flag);
+        if (__all_sync(kFullMask, pred(v))) return true;
+        if ((spin & 63u) == 0) {
+            int give_up = 0;
+            if (deepep::lane_id() == 0) {
+                const uint64_t now = deepep::globaltimer();
+                if (start == 0) start = now;
+                const long long waited = static_cast<long long>(now - start);
+                if (waited > w.budget_ns) {
+                    deepep::report_timeout(w.err, op, w.rank, peer, line, waited);
+                    give_up = 1;
+                } else if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) {
+                    give_up = 1;
+                }
+            }
+            if (__shfl_sync(kFullMask, give_up, 0)) return false;
+        }
+    }
+}
+
+// Single-thread variant (notify kernel).
+template <typename Pred>
+__device__ __forceinline__ bool thread_wait(const uint64_t* flag, Pred pred, const WaitCtx& w, int op, int peer,
+                                            int line) {
+    uint64_t start = 0;
+    for (unsigned int spin = 1;; ++spin) {
+        if (pred(deepep::ld_acquire_sys(flag))) return true;
+        if ((spin & 63u) == 0) {
+            const uint64_t now = deepep::globaltimer();
+            if (start == 0) start = now;
+            const long long waited = static_cast<long long>(now - start);
+            if (waited > w.budget_ns) {
+                deepep::report_timeout(w.err, op, w.rank, peer, line, waited);
+                return false;
+            }
+            if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) return false;
+        }
+    }
+}
+
+// ---- loads and stores --------------------------------------------------------------------------
+
+// 16-byte load that is cached in L2 only: ring slots are rewritten by peers, so an L1 copy from an
+// earlier use of the same slot must never be returned.
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned int ld_cg_u32(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Warp copy of n int4 from memory that does not change during the kernel (user inputs) to dst.
+// kUnroll loads per lane are issued before their stores, so a warp keeps 32 * kUnroll * 16 bytes in flight.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    for (int base = 0; base < n; base += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int j = base + u * 32 + lane;
+            if (j < n) v[u] = deepep::ld_nc_v4(src + j);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int j = base + u * 32 + lane;
+            if (j < n) deepep::st_na_v4(dst + j, v[u]);
+        }
+    }
+}
+
+// Same, reading a ring slot (coherent L2 loads).
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy_ring(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    for (int base = 0; base < n; base += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int j = base + u * 32 + lane;
+            if (j < n) v[u] = ld_cg_v4(src + j);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int j = base + u * 32 + lane;
+            if (j < n) deepep::st_na_v4(dst + j, v[u]);
+        }
+    }
+}
+
+// Token range [begin, end) of channel c: contiguous ranges of ceil(N / C) tokens.
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int c, int& begin, int& end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    begin = min(per * c, num_tokens);
+    end = min(begin + per, num_tokens);
+}
+
+// Split `num_warps` warps into `groups` groups as evenly as possible; returns the group of `warp` and its
+// index/size within the group.
+__device__ __forceinline__ void split_warps(int warp, int num_warps, int groups, int& group, int& index, int& size) {
+    const int base = num_warps / groups, extra = num_warps % groups;
+    // The first `extra` groups get base + 1 warps.
+    const int big = extra * (base + 1);
+    if (warp < big) {
+        group = warp / (base + 1);
+        index = warp % (base + 1);
+        size = base + 1;
+    } else {
+        group = extra + (warp - big) / base;
+        index = (warp - big) % base;
+        size = base;
+    }
+}
+
+}  // namespace deepep_intranode

@@ -1,0 +1,136 @@
+// Intranode dispatch, step 1: exchange token counts between the ranks of one NVLink domain.
+//
+// One block of 1024 threads:
+//   1. announce this kernel's sequence number to every rank (arrive words);
+//   2. count, per channel and destination rank, the tokens of this rank that go there
+//      (is_token_in_rank), giving channel_prefix_matrix [R, C] (inclusive prefix over channels);
+//   3. wait until every rank has arrived (it finished its earlier kernels on the buffer), then write into
+//      each rank d's notify area, record [me]: my per-rank token totals [R], my per-channel counts to d [C]
+//      and my per-expert counts for d's experts [E_local]; release notify_flag[me] in d's buffer;
+//   4. wait for every rank's record in my buffer and derive rank_prefix_matrix [R, R],
+//      recv_channel_prefix_matrix [R, C] (exclusive prefix over channels of what source s sends me,
+//      relative to the start of s's rows) and meta = [num_recv, aligned count of each local expert].
+// On a timeout the block stops early; the host raises from the error record after its sync.
+
+#include "common/nvrtc_compat.cuh"
+#include "intranode/layout.cuh"
+
+namespace deepep_intranode {
+
+constexpr int kNotifyThreads = 1024;
+
+template <int kNumRanks>
+__global__ void __launch_bounds__(kNotifyThreads, 1)
+notify_dispatch_kernel(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channels,
+                       const int* __restrict__ num_tokens_per_expert, int num_local_experts, int expert_alignment,
+                       int* __restrict__ rank_prefix_matrix, int* __restrict__ channel_prefix_matrix,
+                       int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ meta,
+                       const long long* __restrict__ bases, long long notify_offset, int notify_stride,
+                       deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+    constexpr int R = kNumRanks;
+    extern __shared__ int s_counts[];  // [R][C] per-channel counts, then [R] totals
+    __shared__ int s_abort;
+    int* s_totals = s_counts + R * num_channels;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, num_warps = blockDim.x / 32;
+    uint8_t* my_base = rank_base(bases, rank);
+    const Ctrl ctrl = ctrl_of(my_base, R);
+    const uint64_t seq = begin_kernel(ctrl);
+    const WaitCtx wctx{err, timeout_ns, rank};
+    if (tid == 0) s_abort = 0;
+    announce_arrival(bases, R, rank, seq);
+
+    // 2. Per-channel counts, one warp per channel.
+    for (int c = warp; c < num_channels; c += num_warps) {
+        int begin, end;
+        channel_range(num_tokens, num_channels, c, begin, end);
+        int cnt[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) cnt[r] = 0;
+        for (int t = begin + lane; t < end; t += 32) {
+            const bool* row = is_token_in_rank + static_cast<long long>(t) * R;
+#pragma unroll
+            for (int r = 0; r < R; ++r) cnt[r] += row[r] ? 1 : 0;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            int v = cnt[r];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+            if (lane == 0) s_counts[r * num_channels + c] = v;
+        }
+    }
+    __syncthreads();
+    if (tid < R) {
+        int acc = 0;
+        for (int c = 0; c < num_channels; ++c) {
+            acc += s_counts[tid * num_channels + c];
+            channel_prefix_matrix[tid * num_channels + c] = acc;
+        }
+        s_totals[tid] = acc;
+    }
+
+    // 3. Every rank must have arrived before its notify area is written.
+    if (tid < R) {
+        if (!thread_wait(ctrl.arrive(tid), [seq](uint64_t v) { return v >= seq; }, wctx, kOpNotifyArrive, tid, __LINE__))
+            atomicExch(&s_abort, 1);
+    }
+    __syncthreads();
+    if (s_abort == 0) {
+        const int rec_ints = R + num_channels + num_local_experts;
+        for (int k = tid; k < R * rec_ints; k += blockDim.x) {
+            const int dst = k / rec_ints, j = k % rec_ints;
+            int value;
+            if (j < R)
+                value = s_totals[j];
+            else if (j < R + num_channels)
+                value = s_counts[dst * num_channels + (j - R)];
+            else
+                value = num_tokens_per_expert[dst * num_local_experts + (j - R - num_channels)];
+            int* area = reinterpret_cast<int*>(rank_base(bases, dst) + notify_offset);
+            area[rank * notify_stride + j] = value;
+        }
+        __threadfence_system();
+    }
+    __syncthreads();
+    if (s_abort == 0 && tid < R) {
+        const Ctrl peer = ctrl_of(rank_base(bases, tid), R);
+        deepep::st_release_sys(peer.notify_flag(rank), seq);
+    }
+
+    // 4. Collect every source's record.
+    if (s_abort == 0 && tid < R) {
+        if (!thread_wait(ctrl.notify_flag(tid), [seq](uint64_t v) { return v >= seq; }, wctx, kOpNotifyCounts, tid,
+                         __LINE__))
+            atomicExch(&s_abort, 1);
+    }
+    __syncthreads();
+    if (s_abort == 0) {
+        const int* area = reinterpret_cast<const int*>(my_base + notify_offset);
+        if (tid < R) {
+            // Column r = tid of the rank prefix matrix.
+            int acc = 0;
+            for (int i = 0; i < R; ++i) {
+                acc += ld_cg_s32(area + i * notify_stride + tid);
+                rank_prefix_matrix[i * R + tid] = acc;
+            }
+            if (tid == rank) meta[0] = acc;
+            // Row s = tid of the receive channel prefix matrix.
+            int run = 0;
+            const int* rec = area + tid * notify_stride + R;
+            for (int c = 0; c < num_channels; ++c) {
+                recv_channel_prefix_matrix[tid * num_channels + c] = run;
+                run += ld_cg_s32(rec + c);
+            }
+        }
+        for (int e = tid; e < num_local_experts; e += blockDim.x) {
+            long long total = 0;
+            for (int s = 0; s < R; ++s) total += ld_cg_s32(area + s * notify_stride + R + num_channels + e);
+            if (expert_alignment > 1) total = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
+            meta[1 + e] = static_cast<int>(total);
+        }
+    }
+    end_kernel(ctrl, seq);
+}
+
+}  // namespace deepep_intranode

@@ -1,0 +1,637 @@
+"""High-throughput intranode (NVLink) dispatch and combine: launchers and :class:`IntranodeEngine`.
+
+Kernels (``cuda_src/intranode/``): ``notify_dispatch_kernel<R>`` (exchange counts, build the handle
+matrices), ``dispatch_kernel<R, W, U>`` and ``combine_kernel<R, W, U>`` (move the rows). Compile-time
+parameters are only what fixes loop bounds: ``R`` ranks, ``W`` warps per block, ``U`` 16-byte loads in
+flight per lane. Everything else is a runtime argument.
+
+Channels: ``C = config.num_sms // 2``; channel ``c`` is the token range ``[c * ceil(N/C), ...)`` of
+every rank and gets one sender and one receiver block, so a kernel uses ``2 * C`` SMs. Cached dispatch
+and combine use the channel count of the handle. Of the config, ``num_max_nvl_chunked_recv_tokens`` is
+the ring capacity (slots per channel and peer); ``num_max_nvl_chunked_send_tokens`` is accepted for
+compatibility and unused (every token is published as soon as it is written).
+
+Timeouts: every wait in the kernels gives up after ``timeout_s`` (``$DEEPEP_CUPY_TIMEOUT_S``, default
+100 s) and leaves a record that the host turns into :class:`~deepep_cupy.errors.DeepEPTimeoutError`
+(after the notify sync, at the start of the next op, or in :meth:`IntranodeEngine.check_errors`). After a
+timeout the ranks are out of step: the engine refuses further ops; destroy the Buffer and create a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import numpy as np
+
+from ..errors import DeepEPError
+from ..jit import BuildSpec, load
+from . import intranode_layout as L
+
+__all__ = [
+    "IntranodeEngine",
+    "OP_NAMES",
+    "notify_spec",
+    "dispatch_spec",
+    "combine_spec",
+    "representative_builds",
+    "notify_args",
+    "dispatch_args",
+    "combine_args",
+]
+
+NOTIFY_THREADS = 1024
+DEFAULT_TIMEOUT_S = 100.0
+# Defaults of the compile-time shape of the data kernels (no register spills at these for 1..8 ranks).
+DISPATCH_WARPS, DISPATCH_UNROLL = 24, 4
+COMBINE_WARPS, COMBINE_UNROLL = 24, 2
+
+# Op codes of cuda_src/intranode/layout.cuh -> names used in error messages.
+OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = 1, 2
+OP_DISPATCH_ARRIVE, OP_DISPATCH_SLOT, OP_DISPATCH_RECV, OP_DISPATCH_OVERFLOW = 3, 4, 5, 6
+OP_COMBINE_ARRIVE, OP_COMBINE_SLOT, OP_COMBINE_RECV = 7, 8, 9
+OP_NAMES = {
+    OP_NOTIFY_ARRIVE: "dispatch (notify: waiting for the peer to start the same dispatch)",
+    OP_NOTIFY_COUNTS: "dispatch (notify: waiting for the peer's token counts)",
+    OP_DISPATCH_ARRIVE: "dispatch (sender: waiting for the peer to start the same dispatch)",
+    OP_DISPATCH_SLOT: "dispatch (sender: waiting for the peer to free a ring slot)",
+    OP_DISPATCH_RECV: "dispatch (receiver: waiting for tokens from the peer)",
+    OP_DISPATCH_OVERFLOW: "dispatch (more tokens received than num_worst_tokens)",
+    OP_COMBINE_ARRIVE: "combine (sender: waiting for the peer to start the same combine)",
+    OP_COMBINE_SLOT: "combine (sender: waiting for the peer to free a ring slot)",
+    OP_COMBINE_RECV: "combine (receiver: waiting for rows from the peer)",
+}
+
+_NULL = np.uint64(0)
+_I32, _I64, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
+
+
+# ---------------------------------------------------------------------------------------------------- builds
+def _notify_name(num_ranks: int) -> str:
+    return f"deepep_intranode::notify_dispatch_kernel<{num_ranks}>"
+
+
+def _dispatch_name(num_ranks: int, warps: int, unroll: int) -> str:
+    return f"deepep_intranode::dispatch_kernel<{num_ranks}, {warps}, {unroll}>"
+
+
+def _combine_name(num_ranks: int, warps: int, unroll: int) -> str:
+    return f"deepep_intranode::combine_kernel<{num_ranks}, {warps}, {unroll}>"
+
+
+@functools.cache
+def notify_spec(num_ranks: int) -> BuildSpec:
+    return BuildSpec.make("intranode/notify.cu", name_expressions=[_notify_name(num_ranks)])
+
+
+@functools.cache
+def dispatch_spec(num_ranks: int, warps: int = DISPATCH_WARPS, unroll: int = DISPATCH_UNROLL) -> BuildSpec:
+    return BuildSpec.make("intranode/dispatch.cu", name_expressions=[_dispatch_name(num_ranks, warps, unroll)])
+
+
+@functools.cache
+def combine_spec(num_ranks: int, warps: int = COMBINE_WARPS, unroll: int = COMBINE_UNROLL) -> BuildSpec:
+    return BuildSpec.make("intranode/combine.cu", name_expressions=[_combine_name(num_ranks, warps, unroll)])
+
+
+def representative_builds() -> list[BuildSpec]:
+    """The instantiations shipped by default: 1, 2, 4 and 8 ranks with the default block shapes."""
+    out = []
+    for r in (1, 2, 4, 8):
+        out += [notify_spec(r), dispatch_spec(r), combine_spec(r)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- args
+def _ptr(arr) -> object:
+    """A kernel pointer argument: the array itself, or a null pointer for None."""
+    return _NULL if arr is None else arr
+
+
+def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
+                expert_alignment, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, meta,
+                bases, notify_offset, notify_stride, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+    """Arguments of notify_dispatch_kernel, in order, with their parameter names (checked by the CPU tests)."""
+    return [
+        ("is_token_in_rank", is_token_in_rank),
+        ("num_tokens", np.int32(num_tokens)),
+        ("num_channels", np.int32(num_channels)),
+        ("num_tokens_per_expert", num_tokens_per_expert),
+        ("num_local_experts", np.int32(num_local_experts)),
+        ("expert_alignment", np.int32(expert_alignment)),
+        ("rank_prefix_matrix", rank_prefix_matrix),
+        ("channel_prefix_matrix", channel_prefix_matrix),
+        ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
+        ("meta", meta),
+        ("bases", bases),
+        ("notify_offset", np.int64(notify_offset)),
+        ("notify_stride", np.int32(notify_stride)),
+        ("err", np.uint64(err_ptr)),
+        ("timeout_ns", np.int64(timeout_ns)),
+        ("rank", np.int32(rank)),
+    ]
+
+
+def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
+                  num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
+                  channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
+                  recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
+                  layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+    """Arguments of dispatch_kernel, in order, with their parameter names."""
+    slot = layout.slot
+    return [
+        ("x", x),
+        ("x_scales", _ptr(x_scales)),
+        ("scale_token_stride", np.int64(scale_token_stride)),
+        ("scale_block_stride", np.int64(scale_block_stride)),
+        ("num_scales", np.int32(num_scales)),
+        ("topk_idx", _ptr(topk_idx)),
+        ("topk_weights", _ptr(topk_weights)),
+        ("num_topk", np.int32(num_topk)),
+        ("num_local_experts", np.int32(num_local_experts)),
+        ("is_token_in_rank", is_token_in_rank),
+        ("num_tokens", np.int32(num_tokens)),
+        ("hidden_int4", np.int32(hidden_int4)),
+        ("rank_prefix_matrix", rank_prefix_matrix),
+        ("channel_prefix_matrix", channel_prefix_matrix),
+        ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
+        ("recv_x", recv_x),
+        ("recv_x_scales", _ptr(recv_x_scales)),
+        ("recv_topk_idx", _ptr(recv_topk_idx)),
+        ("recv_topk_weights", _ptr(recv_topk_weights)),
+        ("recv_src_idx", _ptr(recv_src_idx)),
+        ("send_head", _ptr(send_head)),
+        ("num_out_rows", np.int32(num_out_rows)),
+        ("num_worst_tokens", np.int32(num_worst_tokens)),
+        ("bases", bases),
+        ("ring_offset", np.int64(layout.ring_offset)),
+        ("free_offset", np.int64(layout.free_offset)),
+        ("slot_bytes", np.int32(slot.slot_bytes)),
+        ("cap", np.int32(layout.cap)),
+        ("slot_scales_offset", np.int32(slot.scales_offset)),
+        ("slot_topk_idx_offset", np.int32(slot.topk_idx_offset)),
+        ("slot_topk_weights_offset", np.int32(slot.topk_weights_offset)),
+        ("num_channels", np.int32(layout.num_channels)),
+        ("num_self_warps", np.int32(num_self_warps)),
+        ("err", np.uint64(err_ptr)),
+        ("timeout_ns", np.int64(timeout_ns)),
+        ("rank", np.int32(rank)),
+    ]
+
+
+def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, channel_prefix_matrix,
+                 recv_channel_prefix_matrix, send_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
+                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+    """Arguments of combine_kernel, in order, with their parameter names."""
+    return [
+        ("x", x),
+        ("topk_weights", _ptr(topk_weights)),
+        ("num_topk", np.int32(num_topk)),
+        ("bias_0", _ptr(bias_0)),
+        ("bias_1", _ptr(bias_1)),
+        ("rank_prefix_matrix", rank_prefix_matrix),
+        ("channel_prefix_matrix", channel_prefix_matrix),
+        ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
+        ("send_head", send_head),
+        ("num_tokens", np.int32(num_tokens)),
+        ("hidden_int4", np.int32(hidden_int4)),
+        ("combined_x", combined_x),
+        ("combined_topk_weights", _ptr(combined_topk_weights)),
+        ("bases", bases),
+        ("ring_offset", np.int64(layout.ring_offset)),
+        ("free_offset", np.int64(layout.free_offset)),
+        ("slot_bytes", np.int32(layout.slot.slot_bytes)),
+        ("cap", np.int32(layout.cap)),
+        ("slot_topk_weights_offset", np.int32(layout.slot.topk_weights_offset)),
+        ("num_channels", np.int32(layout.num_channels)),
+        ("err", np.uint64(err_ptr)),
+        ("timeout_ns", np.int64(timeout_ns)),
+        ("rank", np.int32(rank)),
+    ]
+
+
+def default_self_warps(num_ranks: int, warps: int) -> int:
+    """Warps of a dispatch sender block that copy this rank's own tokens (the rest serve the peers)."""
+    if num_ranks == 1:
+        return warps
+    share = max(1, round(warps / num_ranks))
+    return min(share, warps - (num_ranks - 1))
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def _require_array(name, arr, *, dtype=None, ndim=None, shape=None, contiguous=True):
+    import cupy
+
+    if not isinstance(arr, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray, got {type(arr).__name__}")
+    if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    if contiguous and not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return arr
+
+
+def _scale_strides(x_scales, num_tokens: int) -> tuple[int, int, int]:
+    """``(num_scales, token stride, block stride)`` in elements, from the array's real strides."""
+    if x_scales.ndim not in (1, 2):
+        raise ValueError(f"x_scales must be 1-D or 2-D, got shape {x_scales.shape}")
+    if x_scales.dtype.itemsize != 4:
+        raise TypeError(f"x_scales must hold 4-byte elements (float32 or packed int32), got {x_scales.dtype}")
+    if x_scales.shape[0] != num_tokens:
+        raise ValueError(f"x_scales has {x_scales.shape[0]} rows, x has {num_tokens}")
+    strides = [s // 4 for s in x_scales.strides]
+    if any(s % 4 for s in x_scales.strides):
+        raise ValueError("x_scales strides must be multiples of 4 bytes")
+    if x_scales.ndim == 1:
+        return 1, strides[0], 0
+    return int(x_scales.shape[1]), strides[0], strides[1]
+
+
+def required_bytes(layout: L.BufferLayout, notify_end: int = 0) -> int:
+    return max(layout.end, notify_end)
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+class IntranodeEngine:
+    """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
+
+    Arguments:
+        group: process group (``rank``, ``size``, ``allgather_object``, ``barrier``) of at most 8 ranks on one
+            NVLink domain.
+        device_id: this rank's GPU.
+        num_nvl_bytes: bytes of NVL buffer per rank (rounded up to the VMM granularity).
+        use_fabric: share the buffer with fabric handles (multi-node NVLink) instead of file descriptors.
+
+    Attributes (tuning, may be changed between ops; all ranks must use the same values):
+        timeout_s: wait budget of the kernels.
+        dispatch_warps, dispatch_unroll, combine_warps, combine_unroll: block shapes (compile-time).
+        self_warps: warps of a dispatch sender block that copy local tokens (None: ``round(W / R)``).
+
+    The handle (all CuPy, the same values as the reference backend's):
+        0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
+        1 ``channel_prefix_matrix`` [R, C] int32: [r][c] = tokens this rank sends to r in channels 0..c.
+        2 ``recv_channel_prefix_matrix`` [R, C] int32: [s][c] = tokens this rank receives from s in channels
+          before c (offset of channel c inside s's block of rows).
+        3 ``recv_src_idx`` [rows] int32: source token index of every received row (-1 for padding rows).
+        4 ``is_token_in_rank`` [N, R] bool (the caller's array).
+        5 ``send_head`` [N, R] int32: position of token t among the rows rank r receives from this rank, -1
+          if none.
+    """
+
+    def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False) -> None:
+        import cupy
+
+        from ..runtime.kernel_errors import KernelErrorRecord
+        from ..runtime.vmm import PeerMappedBuffer
+
+        if group.size > L.MAX_RANKS:
+            raise ValueError(f"intranode kernels support up to {L.MAX_RANKS} ranks per NVLink domain, got {group.size}")
+        if num_nvl_bytes <= 0:
+            raise ValueError(f"num_nvl_bytes must be positive, got {num_nvl_bytes}")
+        self.group = group
+        self.rank = group.rank
+        self.num_ranks = group.size
+        self.device_id = int(device_id)
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.timeout_s = float(os.environ.get("DEEPEP_CUPY_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        self.dispatch_warps, self.dispatch_unroll = DISPATCH_WARPS, DISPATCH_UNROLL
+        self.combine_warps, self.combine_unroll = COMBINE_WARPS, COMBINE_UNROLL
+        self.self_warps: int | None = None
+        self._broken: str | None = None
+        self._destroyed = False
+        self._metas: dict = {}
+        self.buffer = None
+        with cupy.cuda.Device(self.device_id):
+            self.buffer = PeerMappedBuffer(group, self.device_id, self.num_nvl_bytes, use_fabric=use_fabric)
+            try:
+                self.bases = cupy.asarray(np.asarray(self.buffer.peer_ptrs, dtype=np.int64))
+                # Control words and tags must start at 0 (VMM memory is not zeroed); nobody may write into a
+                # peer's buffer before the peer has cleared it, hence the barrier.
+                cupy.cuda.runtime.memset(self.buffer.local_ptr, 0, self.buffer.size)
+                cupy.cuda.Device(self.device_id).synchronize()
+                self.errors = KernelErrorRecord()
+                group.barrier()
+            except BaseException:
+                self.buffer.close()
+                self.buffer = None
+                raise
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def timeout_ns(self) -> int:
+        return max(1, int(self.timeout_s * 1e9))
+
+    def local_buffer_view(self) -> tuple[int, int]:
+        """``(pointer, bytes)`` of this rank's NVL buffer."""
+        self._require_alive()
+        return self.buffer.local_ptr, self.num_nvl_bytes
+
+    def _require_alive(self) -> None:
+        if self._destroyed or self.buffer is None:
+            raise RuntimeError("this intranode buffer was destroyed")
+
+    def _raise_recorded(self) -> None:
+        info = self.errors.peek()
+        if info is None:
+            return
+        if info["op"] == OP_DISPATCH_OVERFLOW:
+            self.errors.reset()
+            self._broken = "a dispatch received more tokens than num_worst_tokens"
+            raise DeepEPError(f"dispatch: rank {info['rank']} received {info['waited_ns']} tokens, more than the "
+                              "num_worst_tokens rows of the outputs; the extra rows were dropped")
+        try:
+            self.errors.check(OP_NAMES)
+        except DeepEPError as exc:
+            self._broken = str(exc)
+            raise
+
+    def _check_usable(self) -> None:
+        self._require_alive()
+        self._raise_recorded()
+        if self._broken is not None:
+            raise DeepEPError(f"the intranode buffer is unusable after an earlier failure ({self._broken}); "
+                              "destroy the Buffer and create a new one on every rank")
+
+    def check_errors(self, stream=None) -> None:
+        """Synchronise ``stream`` (or the device) and raise any error a kernel recorded."""
+        import cupy
+
+        self._require_alive()
+        if stream is not None:
+            stream.synchronize()
+        else:
+            cupy.cuda.Device(self.device_id).synchronize()
+        self._raise_recorded()
+
+    def _config_channels(self, config) -> int:
+        num_sms = int(getattr(config, "num_sms"))
+        if num_sms < 2 or num_sms % 2:
+            raise ValueError(f"config.num_sms must be an even number >= 2 (one sender and one receiver SM per "
+                             f"channel), got {num_sms}")
+        return num_sms // 2
+
+    def _cap(self, config) -> int:
+        cap = int(getattr(config, "num_max_nvl_chunked_recv_tokens"))
+        if cap <= 0:
+            raise ValueError(f"config.num_max_nvl_chunked_recv_tokens must be positive, got {cap}")
+        return cap
+
+    def _check_size(self, what: str, need: int, config, hidden_bytes: int) -> None:
+        if need > self.num_nvl_bytes:
+            hint = None
+            with contextlib.suppress(Exception):
+                hint = config.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks)
+            extra = f" (Config.get_nvl_buffer_size_hint gives {hint})" if hint else ""
+            raise ValueError(f"{what} needs {need} bytes of NVL buffer for this config and hidden size, but the "
+                             f"Buffer has num_nvl_bytes={self.num_nvl_bytes}{extra}; create the Buffer with at "
+                             f"least {need} bytes or use fewer SMs / a smaller num_max_nvl_chunked_recv_tokens")
+
+    def _meta_buffer(self, size: int, stream):
+        """A persistent int32 array of at least ``size`` elements for the notify results.
+
+        Persistent (never returned to the memory pool) so that a dispatch captured in a CUDA graph keeps
+        writing to memory nobody else uses; one per size, reused by every dispatch on the engine's stream.
+        """
+        import cupy
+
+        buf = self._metas.get(size)
+        if buf is None:
+            with cupy.cuda.Device(self.device_id), stream:  # cleared in the order of the launches that use it
+                buf = cupy.zeros(size, dtype=cupy.int32)
+            self._metas[size] = buf
+        return buf
+
+    def _kernel(self, spec: BuildSpec, name: str):
+        return load(spec).get_function(name)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                 topk_idx, topk_weights, expert_alignment: int, num_worst_tokens: int, config, stream):
+        """Send every token to the ranks of ``is_token_in_rank`` (see the class docstring for the handle).
+
+        Returns ``(recv_x, recv_x_scales or None, recv_topk_idx or None, recv_topk_weights or None,
+        num_recv_tokens_per_expert_list, handle)``. The list is ``[]`` with ``num_worst_tokens > 0`` and None in
+        cached mode (``handle`` given), where the given handle is returned. Only the non-cached path without
+        ``num_worst_tokens`` synchronises the host (to size the outputs).
+        """
+        import cupy
+
+        self._check_usable()
+        R, me = self.num_ranks, self.rank
+        _require_array("x", x, ndim=2)
+        num_tokens, hidden = (int(s) for s in x.shape)
+        hidden_bytes = hidden * x.dtype.itemsize
+        if hidden_bytes == 0 or hidden_bytes % 16:
+            raise ValueError(f"a token row must be a multiple of 16 bytes (8 bf16 / 16 fp8 elements); got "
+                             f"{hidden} x {x.dtype.itemsize} bytes")
+        num_scales, s_tok, s_blk = 0, 0, 0
+        if x_scales is not None:
+            _require_array("x_scales", x_scales, contiguous=False)
+            num_scales, s_tok, s_blk = _scale_strides(x_scales, num_tokens)
+        num_worst_tokens = int(num_worst_tokens or 0)
+        if num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
+        cached = handle is not None
+        cap = self._cap(config)
+
+        if cached:
+            if len(handle) != 6:
+                raise ValueError("handle must be the 6-tuple returned by an intranode dispatch")
+            rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx_h, is_token_in_rank, _ = handle
+            _require_array("handle[0] (rank_prefix_matrix)", rank_prefix, dtype=_I32, shape=(R, R))
+            _require_array("handle[1] (channel_prefix_matrix)", channel_prefix, dtype=_I32, ndim=2)
+            num_channels = int(channel_prefix.shape[1])
+            _require_array("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix, dtype=_I32,
+                           shape=(R, num_channels))
+            _require_array("handle[3] (recv_src_idx)", recv_src_idx_h, dtype=_I32, ndim=1)
+            _require_array("handle[4] (is_token_in_rank)", is_token_in_rank, dtype=_BOOL, shape=(num_tokens, R))
+            num_rows = int(recv_src_idx_h.shape[0])
+            topk_idx = topk_weights = None
+            num_topk, num_local_experts = 0, 0
+        else:
+            num_channels = self._config_channels(config)
+            _require_array("is_token_in_rank", is_token_in_rank, dtype=_BOOL, shape=(num_tokens, R))
+            if num_tokens_per_expert is None:
+                raise ValueError("a dispatch without handle needs num_tokens_per_expert")
+            _require_array("num_tokens_per_expert", num_tokens_per_expert, dtype=_I32, ndim=1)
+            num_experts = int(num_tokens_per_expert.shape[0])
+            if num_experts % R:
+                raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})")
+            num_local_experts = num_experts // R
+            num_topk = 0
+            if topk_idx is not None:
+                _require_array("topk_idx", topk_idx, dtype=_I64, ndim=2)
+                if topk_idx.shape[0] != num_tokens:
+                    raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {num_tokens}")
+                num_topk = int(topk_idx.shape[1])
+                if topk_weights is not None:
+                    _require_array("topk_weights", topk_weights, dtype=_F32, shape=topk_idx.shape)
+            elif topk_weights is not None:
+                raise ValueError("topk_weights needs topk_idx")
+
+        slot = L.dispatch_slot(hidden_bytes, num_scales, num_topk)
+        layout = L.buffer_layout(R, num_channels, cap, slot)
+        notify_end = 0
+        if not cached:
+            notify_offset, notify_stride, notify_end = L.notify_layout(R, num_channels, num_local_experts)
+        self._check_size("dispatch", required_bytes(layout, notify_end), config, hidden_bytes)
+
+        warps, unroll = int(self.dispatch_warps), int(self.dispatch_unroll)
+        self_warps = default_self_warps(R, warps) if self.self_warps is None else int(self.self_warps)
+        if R == 1:
+            self_warps = warps
+        if not 1 <= self_warps <= warps - (R - 1):
+            raise ValueError(f"self_warps must be in [1, {warps - (R - 1)}] for {R} ranks and {warps} warps")
+        dispatch_kernel = self._kernel(dispatch_spec(R, warps, unroll), _dispatch_name(R, warps, unroll))
+
+        counts_list = None
+        if not cached:
+            meta = self._meta_buffer(1 + num_local_experts, stream)
+            rank_prefix = cupy.empty((R, R), dtype=cupy.int32)
+            channel_prefix = cupy.empty((R, num_channels), dtype=cupy.int32)
+            recv_channel_prefix = cupy.empty((R, num_channels), dtype=cupy.int32)
+            notify = self._kernel(notify_spec(R), _notify_name(R))
+            args = notify_args(
+                is_token_in_rank=is_token_in_rank, num_tokens=num_tokens, num_channels=num_channels,
+                num_tokens_per_expert=num_tokens_per_expert, num_local_experts=num_local_experts,
+                expert_alignment=max(1, int(expert_alignment)), rank_prefix_matrix=rank_prefix,
+                channel_prefix_matrix=channel_prefix, recv_channel_prefix_matrix=recv_channel_prefix, meta=meta,
+                bases=self.bases, notify_offset=notify_offset, notify_stride=notify_stride, err_ptr=self.errors.ptr,
+                timeout_ns=self.timeout_ns, rank=me)
+            notify((1,), (NOTIFY_THREADS,), tuple(v for _, v in args), stream=stream,
+                   shared_mem=(R * num_channels + R) * 4)
+            if num_worst_tokens > 0:
+                num_rows = num_worst_tokens
+                counts_list = []
+                self._raise_recorded()
+            else:
+                host = meta.get(stream=stream)  # the one host sync of a dispatch, as in DeepEP
+                self._raise_recorded()
+                num_rows = int(host[0])
+                counts_list = [int(v) for v in host[1:]]
+
+        recv_x = cupy.empty((num_rows, hidden), dtype=x.dtype)
+        recv_scales = None
+        if x_scales is not None:
+            shape = (num_rows,) if x_scales.ndim == 1 else (num_rows, num_scales)
+            recv_scales = cupy.empty(shape, dtype=x_scales.dtype)
+        recv_topk_idx = recv_topk_weights = recv_src_idx = send_head = None
+        if not cached:
+            recv_src_idx = cupy.empty(num_rows, dtype=cupy.int32)
+            send_head = cupy.empty((num_tokens, R), dtype=cupy.int32)
+            if topk_idx is not None:
+                recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64)
+                if topk_weights is not None:
+                    recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32)
+
+        args = dispatch_args(
+            x=x, x_scales=x_scales, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=num_scales,
+            topk_idx=topk_idx, topk_weights=topk_weights, num_topk=num_topk, num_local_experts=num_local_experts,
+            is_token_in_rank=is_token_in_rank, num_tokens=num_tokens, hidden_int4=hidden_bytes // 16,
+            rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
+            recv_channel_prefix_matrix=recv_channel_prefix, recv_x=recv_x, recv_x_scales=recv_scales,
+            recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights, recv_src_idx=recv_src_idx,
+            send_head=send_head, num_out_rows=num_rows, num_worst_tokens=0 if cached else num_worst_tokens,
+            bases=self.bases, layout=layout, num_self_warps=self_warps, err_ptr=self.errors.ptr,
+            timeout_ns=self.timeout_ns, rank=me)
+        dispatch_kernel((2 * num_channels,), (warps * 32,), tuple(v for _, v in args), stream=stream)
+
+        if cached:
+            return recv_x, recv_scales, None, None, None, handle
+        new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts_list, new_handle
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, stream):
+        """Sum, for every token of the original dispatch, the rows the ranks send back (+ biases).
+
+        ``x`` is bf16 (any 2-byte storage, e.g. uint16) ``[rows, H]`` with at least as many rows as the
+        handle's ``recv_src_idx``; only the first ``rank_prefix_matrix[R-1][me]`` are read. Returns
+        ``(combined_x [N, H], combined_topk_weights [N, K] float32 or None)``.
+        """
+        import cupy
+
+        self._check_usable()
+        R, me = self.num_ranks, self.rank
+        if handle is None or len(handle) != 6:
+            raise ValueError("combine needs the 6-tuple handle returned by an intranode dispatch")
+        rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head = handle
+        _require_array("x", x, ndim=2)
+        if x.dtype.itemsize != 2:
+            raise TypeError(f"combine sums bf16 rows; x must have 2-byte elements, got {x.dtype}")
+        num_x_rows, hidden = (int(s) for s in x.shape)
+        hidden_bytes = hidden * 2
+        if hidden_bytes % 16:
+            raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {hidden}")
+        _require_array("handle[0] (rank_prefix_matrix)", rank_prefix, dtype=_I32, shape=(R, R))
+        _require_array("handle[1] (channel_prefix_matrix)", channel_prefix, dtype=_I32, ndim=2)
+        num_channels = int(channel_prefix.shape[1])
+        _require_array("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix, dtype=_I32,
+                       shape=(R, num_channels))
+        _require_array("handle[3] (recv_src_idx)", recv_src_idx, dtype=_I32, ndim=1)
+        _require_array("handle[4] (is_token_in_rank)", is_token_in_rank, dtype=_BOOL, ndim=2)
+        num_tokens = int(is_token_in_rank.shape[0])
+        _require_array("handle[5] (send_head)", send_head, dtype=_I32, shape=(num_tokens, R))
+        if num_x_rows < recv_src_idx.shape[0]:
+            raise ValueError(f"x has {num_x_rows} rows, fewer than the {recv_src_idx.shape[0]} rows the dispatch "
+                             "returned")
+        num_topk = 0
+        if topk_weights is not None:
+            _require_array("topk_weights", topk_weights, dtype=_F32, ndim=2)
+            if topk_weights.shape[0] != num_x_rows:
+                raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {num_x_rows}")
+            num_topk = int(topk_weights.shape[1])
+        for name, bias in (("bias_0", bias_0), ("bias_1", bias_1)):
+            if bias is not None:
+                _require_array(name, bias, shape=(num_tokens, hidden))
+                if bias.dtype != x.dtype:
+                    raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {bias.dtype}")
+
+        cap = self._cap(config)
+        slot = L.combine_slot(hidden_bytes, num_topk)
+        layout = L.buffer_layout(R, num_channels, cap, slot)
+        self._check_size("combine", required_bytes(layout), config, hidden_bytes)
+        warps, unroll = int(self.combine_warps), int(self.combine_unroll)
+        kernel = self._kernel(combine_spec(R, warps, unroll), _combine_name(R, warps, unroll))
+
+        combined_x = cupy.empty((num_tokens, hidden), dtype=x.dtype)
+        combined_w = cupy.empty((num_tokens, num_topk), dtype=cupy.float32) if topk_weights is not None else None
+        args = combine_args(
+            x=x, topk_weights=topk_weights, num_topk=num_topk, bias_0=bias_0, bias_1=bias_1,
+            rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
+            recv_channel_prefix_matrix=recv_channel_prefix, send_head=send_head, num_tokens=num_tokens,
+            hidden_int4=hidden_bytes // 16, combined_x=combined_x, combined_topk_weights=combined_w, bases=self.bases,
+            layout=layout, err_ptr=self.errors.ptr, timeout_ns=self.timeout_ns, rank=me)
+        kernel((2 * num_channels,), (warps * 32,), tuple(v for _, v in args), stream=stream)
+        return combined_x, combined_w
+
+    # ------------------------------------------------------------------ lifetime
+    def destroy(self) -> None:
+        """Wait for this device's work, then unmap and free the NVL buffer. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        import cupy
+
+        pending = None
+        try:
+            cupy.cuda.Device(self.device_id).synchronize()
+            pending = self.errors.peek() if getattr(self, "errors", None) is not None else None
+        except Exception as exc:  # noqa: BLE001 - still release the memory
+            warnings.warn(f"deepep_cupy: synchronising before releasing the NVL buffer failed: {exc}",
+                          RuntimeWarning, stacklevel=2)
+        if pending is not None:
+            op = OP_NAMES.get(pending["op"], f"op {pending['op']}")
+            warnings.warn(f"deepep_cupy: an unreported kernel error was pending at destroy: {op}, rank "
+                          f"{pending['rank']}, peer {pending['peer']}", RuntimeWarning, stacklevel=2)
+        buffer, self.buffer = self.buffer, None
+        self.bases = None
+        self._metas = {}
+        if buffer is not None:
+            buffer.close()
