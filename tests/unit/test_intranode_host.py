@@ -1,0 +1,422 @@
+"""Host side of the intranode path, on the CPU: NVL buffer layout, size checks, kernel argument packing,
+descriptor passing, and a NumPy model of the kernels' index arithmetic checked against the reference.
+
+The model (``_model_dispatch`` / ``_model_combine``) follows the kernels line by line: which slot and which
+output row every token takes, the handle matrices the notify kernel builds, and where the combine
+receiver looks for each rank's row. It catches formula mistakes that would otherwise only show on a GPU.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepep_cupy.config import Config
+from deepep_cupy.ops import intranode
+from deepep_cupy.ops import intranode_layout as L
+from deepep_cupy.reference import normal
+
+from _thread_group import run_ranks
+
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
+
+
+# ------------------------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("hidden_bytes,scales,topk", [(7168 * 2, 0, 8), (7168, 56, 8), (2048 * 2, 0, 1),
+                                                      (16, 0, 0), (4096, 32, 9), (7168 * 2, 0, 32)])
+def test_dispatch_slot_alignment(hidden_bytes, scales, topk):
+    s = L.dispatch_slot(hidden_bytes, scales, topk)
+    assert s.slot_bytes % 16 == 0
+    for off in (s.scales_offset, s.topk_idx_offset, s.topk_weights_offset):
+        assert off % 16 == 0
+    assert s.scales_offset == L.HEADER_BYTES + hidden_bytes
+    assert s.topk_idx_offset >= s.scales_offset + 4 * scales
+    assert s.topk_weights_offset >= s.topk_idx_offset + 4 * topk
+    assert s.slot_bytes >= s.topk_weights_offset + 4 * topk
+
+
+def test_combine_slot():
+    s = L.combine_slot(7168 * 2, 8)
+    assert s.topk_weights_offset == 16 + 7168 * 2 and s.slot_bytes == 16 + 7168 * 2 + 32
+    with pytest.raises(ValueError):
+        L.combine_slot(7168 * 2 + 2, 8)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_buffer_regions_disjoint(ranks):
+    slot = L.dispatch_slot(7168, 56, 8)
+    lay = L.buffer_layout(ranks, 12, 7, slot)
+    ctrl = L.ctrl_bytes(ranks)
+    assert ctrl >= 8 * (2 * ranks + 2) and ctrl % 128 == 0
+    assert lay.ring_offset == ctrl
+    # Rings tile [ring_offset, free_offset) exactly, free words tile [free_offset, end).
+    starts = sorted(lay.ring_start(c, s) for c in range(12) for s in range(ranks))
+    assert starts[0] == lay.ring_offset
+    assert all(b - a == 7 * slot.slot_bytes for a, b in zip(starts, starts[1:]))
+    assert starts[-1] + 7 * slot.slot_bytes == lay.free_offset
+    assert lay.free_word(11, ranks - 1, 6) + 8 == lay.end
+    assert lay.slot_start(3, ranks - 1, 2) % 16 == 0 and lay.free_offset % 8 == 0
+    off, stride, end = L.notify_layout(ranks, 12, 32)
+    assert off == ctrl and stride % 4 == 0 and stride >= ranks + 12 + 32 and end == off + ranks * stride * 4
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("num_sms,recv", [(24, 256), (24, 512), (20, 256), (2, 1), (132, 64)])
+@pytest.mark.parametrize("hidden", [2048, 4096, 7168])
+def test_needs_fit_in_deepep_hint(ranks, num_sms, recv, hidden):
+    """Whatever Config.get_nvl_buffer_size_hint(hidden * 2, R) allows, BF16 and FP8 dispatch and combine fit."""
+    cfg = Config(num_sms=num_sms, num_max_nvl_chunked_send_tokens=min(6, recv - 1) or 1,
+                 num_max_nvl_chunked_recv_tokens=recv) if recv > 1 else None
+    if cfg is None:
+        cfg = Config(num_sms=num_sms, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=2)
+        recv = 2
+    hint = cfg.get_nvl_buffer_size_hint(hidden * 2, ranks)
+    channels = num_sms // 2
+    for slot in (L.dispatch_slot(hidden * 2, 0, 32), L.dispatch_slot(hidden, hidden // 128, 32),
+                 L.combine_slot(hidden * 2, 32)):
+        lay = L.buffer_layout(ranks, channels, recv, slot)
+        notify_end = L.notify_layout(ranks, channels, 256 // ranks)[2]
+        assert intranode.required_bytes(lay, notify_end) <= hint
+
+
+def test_split_warps_covers_every_warp():
+    for warps in (16, 24, 32):
+        for groups in range(1, 8):
+            seen = {}
+            for w in range(warps):
+                g, i, n = L.split_warps(w, warps, groups)
+                assert 0 <= g < groups and 0 <= i < n
+                seen.setdefault(g, []).append((i, n))
+            assert sorted(seen) == list(range(groups))
+            for g, members in seen.items():
+                n = members[0][1]
+                assert sorted(i for i, _ in members) == list(range(n)) and all(m == n for _, m in members)
+            sizes = [seen[g][0][1] for g in range(groups)]
+            assert max(sizes) - min(sizes) <= 1 and sum(sizes) == warps
+
+
+def test_channel_bounds_match_reference():
+    for n in (0, 1, 5, 4096, 4097):
+        for c in (1, 3, 12):
+            ends = normal.channel_bounds(n, c)
+            for ch in range(c):
+                b, e = L.channel_bounds(n, c, ch)
+                assert e == ends[ch] and b == (ends[ch - 1] if ch else 0)
+
+
+def test_default_self_warps():
+    assert intranode.default_self_warps(1, 24) == 24
+    assert intranode.default_self_warps(2, 24) == 12
+    for r in range(2, 9):
+        s = intranode.default_self_warps(r, 24)
+        assert 1 <= s <= 24 - (r - 1)
+
+
+# ------------------------------------------------------------------------------------------- argument packing
+_TYPE_RE = re.compile(r"\s+")
+
+
+def _kernel_params(path: Path, kernel: str) -> list[tuple[str, str]]:
+    text = path.read_text()
+    start = text.index(kernel + "(")
+    depth, i = 0, start + len(kernel)
+    for i in range(start + len(kernel), len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                break
+    params = text[start + len(kernel) + 1:i]
+    out = []
+    for p in params.split(","):
+        p = _TYPE_RE.sub(" ", p.replace("__restrict__", "")).strip()
+        name = re.findall(r"[A-Za-z_][A-Za-z0-9_]*$", p)[0]
+        out.append((p[: -len(name)].strip(), name))
+    return out
+
+
+def _check_packing(params, packed):
+    assert [n for _, n in params] == [n for n, _ in packed]
+    for (ctype, name), (_, value) in zip(params, packed):
+        if "*" in ctype:
+            assert isinstance(value, (np.uint64, _FakeArray)), (name, type(value))
+        elif ctype == "int":
+            assert isinstance(value, np.int32), (name, type(value))
+        elif ctype == "long long":
+            assert isinstance(value, np.int64), (name, type(value))
+        else:
+            pytest.fail(f"unexpected parameter type {ctype!r} for {name}")
+
+
+class _FakeArray:
+    """Stands in for a cupy array in argument lists."""
+
+
+def test_notify_args_match_kernel_signature():
+    params = _kernel_params(CUDA_SRC / "notify.cu", "notify_dispatch_kernel")
+    a = _FakeArray()
+    packed = intranode.notify_args(is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a,
+                                   num_local_experts=4, expert_alignment=1, rank_prefix_matrix=a,
+                                   channel_prefix_matrix=a, recv_channel_prefix_matrix=a, meta=a, bases=a,
+                                   notify_offset=128, notify_stride=12, err_ptr=1234, timeout_ns=10**9, rank=1)
+    _check_packing(params, packed)
+
+
+def test_dispatch_args_match_kernel_signature():
+    params = _kernel_params(CUDA_SRC / "dispatch.cu", "dispatch_kernel")
+    a = _FakeArray()
+    lay = L.buffer_layout(2, 12, 256, L.dispatch_slot(7168, 56, 8))
+    packed = intranode.dispatch_args(
+        x=a, x_scales=None, scale_token_stride=0, scale_block_stride=0, num_scales=0, topk_idx=a, topk_weights=None,
+        num_topk=8, num_local_experts=128, is_token_in_rank=a, num_tokens=4096, hidden_int4=448,
+        rank_prefix_matrix=a, channel_prefix_matrix=a, recv_channel_prefix_matrix=a, recv_x=a, recv_x_scales=None,
+        recv_topk_idx=a, recv_topk_weights=None, recv_src_idx=a, send_head=a, num_out_rows=10, num_worst_tokens=0,
+        bases=a, layout=lay, num_self_warps=12, err_ptr=99, timeout_ns=1, rank=0)
+    _check_packing(params, packed)
+    d = dict(packed)
+    assert d["slot_bytes"] == lay.slot.slot_bytes and d["ring_offset"] == lay.ring_offset
+    assert d["free_offset"] == lay.free_offset and d["x_scales"] == np.uint64(0)
+
+
+def test_combine_args_match_kernel_signature():
+    params = _kernel_params(CUDA_SRC / "combine.cu", "combine_kernel")
+    a = _FakeArray()
+    lay = L.buffer_layout(2, 12, 256, L.combine_slot(7168 * 2, 8))
+    packed = intranode.combine_args(
+        x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=a, rank_prefix_matrix=a, channel_prefix_matrix=a,
+        recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
+        combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1)
+    _check_packing(params, packed)
+
+
+def test_op_codes_match_header():
+    text = (CUDA_SRC / "layout.cuh").read_text()
+    codes = {name: int(v) for name, v in re.findall(r"kOp(\w+) = (\d+)", text)}
+    assert codes["NotifyArrive"] == intranode.OP_NOTIFY_ARRIVE
+    assert codes["DispatchOverflow"] == intranode.OP_DISPATCH_OVERFLOW
+    assert codes["CombineRecv"] == intranode.OP_COMBINE_RECV
+    assert set(codes.values()) == set(intranode.OP_NAMES)
+
+
+# ------------------------------------------------------------------------------------------- fd passing
+@pytest.mark.parametrize("method", ["auto", "socket"])
+def test_exchange_fds(method):
+    from deepep_cupy.runtime.fd_share import exchange_fds
+
+    def body(group):
+        r, w = os.pipe()
+        os.close(w)
+        try:
+            got = exchange_fds(group, r, method=method)
+            inodes = [None if fd is None else os.fstat(fd).st_ino for fd in got]
+            mine = group.allgather_object(os.fstat(r).st_ino)
+            for fd in got:
+                if fd is not None:
+                    os.close(fd)
+            group.barrier()
+            return inodes, mine
+        finally:
+            os.close(r)
+
+    for rank, (inodes, mine) in enumerate(run_ranks(3, body)):
+        assert inodes[rank] is None
+        assert all(inodes[p] == mine[p] for p in range(3) if p != rank)
+
+
+# ------------------------------------------------------------------------------------------- kernel index model
+def _model_notify(all_in_rank, all_per_expert, C, alignment):
+    """What notify_dispatch_kernel computes on every rank: (rpm, cpm[rank], rcpm[rank], meta[rank])."""
+    R = len(all_in_rank)
+    El = all_per_expert[0].shape[0] // R
+    counts = []  # counts[s][r][c]
+    for s in range(R):
+        n = all_in_rank[s].shape[0]
+        m = np.zeros((R, C), dtype=np.int64)
+        for c in range(C):
+            b, e = L.channel_bounds(n, C, c)
+            m[:, c] = all_in_rank[s][b:e].sum(axis=0)
+        counts.append(m)
+    totals = np.stack([m.sum(axis=1) for m in counts])  # [s][r]
+    rpm = np.cumsum(totals, axis=0).astype(np.int32)
+    cpms, rcpms, metas = [], [], []
+    for me in range(R):
+        cpms.append(np.cumsum(counts[me], axis=1).astype(np.int32))
+        rc = np.zeros((R, C), dtype=np.int32)
+        for s in range(R):
+            run = 0
+            for c in range(C):
+                rc[s, c] = run
+                run += counts[s][me][c]
+        rcpms.append(rc)
+        per = sum(all_per_expert[s][me * El:(me + 1) * El].astype(np.int64) for s in range(R))
+        per = [(-(-int(v) // alignment)) * alignment for v in per]
+        metas.append([int(rpm[R - 1, me])] + per)
+    return rpm, cpms, rcpms, metas
+
+
+def _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, warps, self_warps, alignment):
+    R = len(xs)
+    rpm, cpms, rcpms, metas = _model_notify(in_ranks, per_experts, C, alignment)
+    El = per_experts[0].shape[0] // R
+    rings = {}  # (receiver, c, sender) -> {idx: payload}
+    outs = []
+    for me in range(R):
+        num_recv = metas[me][0]
+        outs.append({"x": np.full((num_recv,) + xs[me].shape[1:], -7, xs[me].dtype),
+                     "src": np.full(num_recv, -9, np.int32),
+                     "topk": np.full((num_recv, topks[me].shape[1]), -5, np.int64),
+                     "send_head": np.full((xs[me].shape[0], R), -3, np.int32)})
+    for me in range(R):  # sender blocks
+        n = xs[me].shape[0]
+        for c in range(C):
+            tb, te = L.channel_bounds(n, C, c)
+            for dst in range(R):
+                send_base = cpms[me][dst, c - 1] if c > 0 else 0
+                count = 0
+                for t in range(tb, te):
+                    if not in_ranks[me][t, dst]:
+                        outs[me]["send_head"][t, dst] = -1
+                        continue
+                    idx = count
+                    count += 1
+                    outs[me]["send_head"][t, dst] = send_base + idx
+                    local = topks[me][t] - dst * El
+                    mine = (topks[me][t] >= 0) & (local >= 0) & (local < El)
+                    topk = np.where(mine, local, -1)
+                    if dst == me:
+                        out_base = (rpm[me - 1, me] if me > 0 else 0) + rcpms[me][me, c]
+                        row = out_base + idx
+                        outs[me]["x"][row] = xs[me][t]
+                        outs[me]["src"][row] = t
+                        outs[me]["topk"][row] = topk
+                    else:
+                        ring = rings.setdefault((dst, c, me), {})
+                        assert idx not in ring
+                        ring[idx] = (idx % cap, xs[me][t], t, topk)
+    for me in range(R):  # receiver blocks
+        for c in range(C):
+            for src in range(R):
+                if src == me:
+                    continue
+                src_begin = rpm[src - 1, me] if src > 0 else 0
+                src_end = rpm[src, me]
+                ch_begin = rcpms[me][src, c]
+                ch_end = rcpms[me][src, c + 1] if c + 1 < C else src_end - src_begin
+                ring = rings.get((me, c, src), {})
+                assert sorted(ring) == list(range(ch_end - ch_begin))
+                for idx in range(ch_end - ch_begin):
+                    slot, data, t, topk = ring[idx]
+                    assert slot == idx % cap
+                    row = src_begin + ch_begin + idx
+                    outs[me]["x"][row] = data
+                    outs[me]["src"][row] = t
+                    outs[me]["topk"][row] = topk
+    handles = [(rpm, cpms[me], rcpms[me], outs[me]["src"], in_ranks[me], outs[me]["send_head"]) for me in range(R)]
+    return outs, metas, handles
+
+
+def _model_combine(ys, handles, C):
+    """combine_kernel's lookups: every rank's row for token t, summed in rank order in float32."""
+    R = len(ys)
+    rings = {}
+    for me in range(R):  # sender blocks: rows this rank got from dst go back to dst
+        rpm, cpm, rcpm, _, _, _ = handles[me]
+        for c in range(C):
+            for dst in range(R):
+                if dst == me:
+                    continue
+                dst_begin = rpm[dst - 1, me] if dst > 0 else 0
+                dst_end = rpm[dst, me]
+                ch_begin = rcpm[dst, c]
+                ch_end = rcpm[dst, c + 1] if c + 1 < C else dst_end - dst_begin
+                for idx in range(ch_end - ch_begin):
+                    rings[(dst, c, me, idx)] = ys[me][dst_begin + ch_begin + idx]
+    outs = []
+    for me in range(R):  # receiver blocks
+        rpm, cpm, rcpm, _, in_rank, send_head = handles[me]
+        n = in_rank.shape[0]
+        out = np.zeros((n,) + ys[me].shape[1:], np.float32)
+        for c in range(C):
+            tb, te = L.channel_bounds(n, C, c)
+            ch_prev = [cpm[r, c - 1] if c > 0 else 0 for r in range(R)]
+            ch_count = [cpm[r, c] - ch_prev[r] for r in range(R)]
+            self_base = (rpm[me - 1, me] if me > 0 else 0) + rcpm[me, c]
+            for t in range(tb, te):
+                acc = np.zeros(ys[me].shape[1:], np.float32)
+                for r in range(R):
+                    head = send_head[t, r]
+                    if head < 0:
+                        continue
+                    idx = head - ch_prev[r]
+                    assert 0 <= idx < ch_count[r]
+                    row = ys[me][self_base + idx] if r == me else rings.pop((me, c, r, idx))
+                    acc = acc + row.astype(np.float32)
+                out[t] = acc
+        outs.append(out)
+    assert not rings, "rows sent back that no receiver read"
+    return outs
+
+
+@pytest.mark.parametrize("R,C,n_tokens,cap", [(2, 3, 37, 4), (3, 2, 0, 2), (4, 5, 23, 1), (2, 12, 1, 8),
+                                              (8, 4, 50, 3)])
+def test_kernel_index_model_matches_reference(R, C, n_tokens, cap):
+    rng = np.random.default_rng(R * 100 + C)
+    E, K, H = 8 * R, 3, 4
+    xs, in_ranks, topks, per_experts = [], [], [], []
+    for me in range(R):
+        n = n_tokens if me != 1 else max(0, n_tokens - 5)  # unequal token counts
+        topk = rng.integers(-1, E, size=(n, K)).astype(np.int64)
+        if n and R > 2:
+            topk[: n // 3] = rng.integers(0, E // R, size=(n // 3, K))  # many tokens only for rank 0
+        per_rank, _, per_expert, in_rank = normal.dispatch_layout(topk, E, R, R)
+        xs.append(rng.standard_normal((n, H)).astype(np.float32))
+        in_ranks.append(in_rank)
+        topks.append(topk)
+        per_experts.append(per_expert)
+
+    outs, metas, handles = _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, 24, 12, alignment=4)
+
+    def ref_body(group):
+        me = group.rank
+        return normal.dispatch(group, xs[me], None, handle=None, is_token_in_rank=in_ranks[me],
+                               num_tokens_per_expert=per_experts[me], topk_idx=topks[me], topk_weights=None,
+                               expert_alignment=4, num_worst_tokens=0, num_channels=C)
+
+    refs = run_ranks(R, ref_body)
+    for me in range(R):
+        rx, _, rtopk, _, rlist, rhandle = refs[me]
+        np.testing.assert_array_equal(outs[me]["x"], rx)
+        np.testing.assert_array_equal(outs[me]["topk"], rtopk)
+        assert metas[me][1:] == rlist and metas[me][0] == rx.shape[0]
+        for k in range(6):
+            np.testing.assert_array_equal(handles[me][k], rhandle[k], err_msg=f"handle[{k}] rank {me}")
+
+    ys = [rng.standard_normal((outs[me]["x"].shape[0], H)).astype(np.float32) for me in range(R)]
+    combined = _model_combine(ys, handles, C)
+
+    def ref_combine(group):
+        me = group.rank
+        return normal.combine(group, ys[me], refs[me][5], topk_weights=None, bias_0=None, bias_1=None)
+
+    ref_c = run_ranks(R, ref_combine)
+    for me in range(R):
+        np.testing.assert_array_equal(combined[me], ref_c[me][0])
+
+
+# ------------------------------------------------------------------------------------------- compile
+def test_representative_builds_compile_sm90():
+    from deepep_cupy.jit import build
+
+    for spec in intranode.representative_builds():
+        assert build(spec, arch="sm_90").cubin_path.is_file()
+
+
+def test_tuning_variants_compile_sm90():
+    from deepep_cupy.jit import build
+
+    for spec in (intranode.dispatch_spec(2, 16, 8), intranode.dispatch_spec(2, 32, 2),
+                 intranode.combine_spec(2, 16, 4), intranode.combine_spec(3, 24, 2)):
+        build(spec, arch="sm_90")
