@@ -97,7 +97,7 @@ def run(comm, args) -> list[dict]:
                     for send in sends:
                         cfg = Config(num_sms, send, recv)
 
-                        def op():
+                        def op(cfg=cfg):
                             engine.dispatch(data, data_scales, handle=handle, num_tokens_per_rank=None,
                                             is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                                             topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=cfg,
@@ -120,7 +120,7 @@ def run(comm, args) -> list[dict]:
             for recv in RECV_TOKENS:
                 cfg = Config(num_sms, 8, recv)
 
-                def op():
+                def op(cfg=cfg):
                     engine.combine(recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
                                    stream=stream)
 

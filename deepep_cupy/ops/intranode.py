@@ -370,14 +370,14 @@ class IntranodeEngine:
         self._raise_recorded()
 
     def _config_channels(self, config) -> int:
-        num_sms = int(getattr(config, "num_sms"))
+        num_sms = int(config.num_sms)
         if num_sms < 2 or num_sms % 2:
             raise ValueError(f"config.num_sms must be an even number >= 2 (one sender and one receiver SM per "
                              f"channel), got {num_sms}")
         return num_sms // 2
 
     def _cap(self, config) -> int:
-        cap = int(getattr(config, "num_max_nvl_chunked_recv_tokens"))
+        cap = int(config.num_max_nvl_chunked_recv_tokens)
         if cap <= 0:
             raise ValueError(f"config.num_max_nvl_chunked_recv_tokens must be positive, got {cap}")
         return cap

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _thread_group import run_ranks
 
 from deepep_cupy.config import Config
 from deepep_cupy.ops import intranode
 from deepep_cupy.ops import intranode_layout as L
 from deepep_cupy.reference import normal
-
-from _thread_group import run_ranks
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
 
@@ -54,7 +53,7 @@ def test_buffer_regions_disjoint(ranks):
     # Rings tile [ring_offset, free_offset) exactly, free words tile [free_offset, end).
     starts = sorted(lay.ring_start(c, s) for c in range(12) for s in range(ranks))
     assert starts[0] == lay.ring_offset
-    assert all(b - a == 7 * slot.slot_bytes for a, b in zip(starts, starts[1:]))
+    assert all(b - a == 7 * slot.slot_bytes for a, b in zip(starts, starts[1:], strict=False))
     assert starts[-1] + 7 * slot.slot_bytes == lay.free_offset
     assert lay.free_word(11, ranks - 1, 6) + 8 == lay.end
     assert lay.slot_start(3, ranks - 1, 2) % 16 == 0 and lay.free_offset % 8 == 0
@@ -90,7 +89,7 @@ def test_split_warps_covers_every_warp():
                 assert 0 <= g < groups and 0 <= i < n
                 seen.setdefault(g, []).append((i, n))
             assert sorted(seen) == list(range(groups))
-            for g, members in seen.items():
+            for members in seen.values():
                 n = members[0][1]
                 assert sorted(i for i, _ in members) == list(range(n)) and all(m == n for _, m in members)
             sizes = [seen[g][0][1] for g in range(groups)]
@@ -140,7 +139,7 @@ def _kernel_params(path: Path, kernel: str) -> list[tuple[str, str]]:
 
 def _check_packing(params, packed):
     assert [n for _, n in params] == [n for n, _ in packed]
-    for (ctype, name), (_, value) in zip(params, packed):
+    for (ctype, name), (_, value) in zip(params, packed, strict=True):
         if "*" in ctype:
             assert isinstance(value, (np.uint64, _FakeArray)), (name, type(value))
         elif ctype == "int":

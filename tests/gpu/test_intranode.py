@@ -1,0 +1,453 @@
+"""Intranode (NVLink) dispatch and combine on GPUs, through the public ``deepep_cupy.Buffer`` API, against the
+NumPy reference backend on fresh random data.
+
+Run on every rank:  mpirun -np 2 python -m pytest tests/gpu/test_intranode.py -q -x
+Skips without a GPU or with fewer than 2 ranks. Every test is collective: all ranks run the same tests in
+the same order with the same parameters (data differs per rank). The large DeepEP workload
+(4096 x 7168, top-8 of 256) is ``test_deepep_workload`` (DEEPEP_CUPY_SKIP_BIG=1 skips it); the whole file
+is meant to run in under 3 minutes on 2 x H200. Kernel waits use a 30 s budget here, so a protocol bug
+shows up as DeepEPTimeoutError instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from deepep_cupy.runtime.device import gpu_count
+
+
+def _comm():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
+
+
+COMM = _comm()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.mpi,
+    pytest.mark.skipif(gpu_count() == 0, reason="needs CUDA GPUs"),
+    pytest.mark.skipif(COMM is None or COMM.Get_size() < 2, reason="needs >= 2 MPI ranks (mpirun -np 2)"),
+]
+
+BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+NUM_SMS = 24
+NVL_BYTES = int(1e9)
+TEST_TIMEOUT_S = 30.0
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+def _frameworks():
+    fws = ["cupy"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            fws.insert(0, "torch")
+    except ImportError:
+        pass
+    return fws
+
+
+@pytest.fixture(scope="module")
+def env():
+    import cupy
+
+    import deepep_cupy
+    from deepep_cupy.reference.backend import ReferenceBackend
+    from deepep_cupy.runtime.group import MPIGroup
+
+    rank, size = COMM.Get_rank(), COMM.Get_size()
+    dev = rank % gpu_count()
+    cupy.cuda.Device(dev).use()
+    if "torch" in _frameworks():
+        import torch
+
+        torch.cuda.set_device(dev)
+    state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy}
+    state["buf"] = _new_buffer(deepep_cupy)
+    state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=False, enable_shrink=False,
+                                    num_channels=NUM_SMS // 2)
+    yield state
+    COMM.Barrier()
+    state["buf"].destroy()
+
+
+def _new_buffer(deepep_cupy):
+    buf = deepep_cupy.Buffer(comm=COMM, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+    buf.runtime.intranode.timeout_s = TEST_TIMEOUT_S
+    return buf
+
+
+def _cfg(env, recv=256):
+    return env["deepep_cupy"].Config(NUM_SMS, min(8, recv - 1), recv)
+
+
+def _cupy_holds(dtype) -> bool:
+    from deepep_cupy.interop import _cupy_holds as holds
+
+    return holds(np.dtype(dtype))
+
+
+def _skip_unless_framework_holds(fw, *dtypes):
+    if fw == "cupy":
+        for dt in dtypes:
+            if not _cupy_holds(dt):
+                pytest.skip(f"this CuPy cannot hold {np.dtype(dt)} arrays")
+
+
+# ------------------------------------------------------------------------------------------- data
+def _to_dev(arr, fw, env):
+    from deepep_cupy.interop import TensorKind, from_numpy
+
+    return None if arr is None else from_numpy(arr, TensorKind(fw, env["dev"]))
+
+
+def _to_np(obj):
+    from deepep_cupy.interop import to_numpy
+
+    return None if obj is None else np.asarray(to_numpy(obj))
+
+
+def _routing(rng, n, num_experts, k, rank, size, only_rank0=False):
+    scores = np.abs(rng.standard_normal((n, num_experts))).astype(np.float32) + 1
+    if only_rank0:
+        scores[:, num_experts // size:] = 0  # every token goes to rank 0's experts only
+    topk = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
+    if n > 0:
+        for _ in range(min(10, n)):  # a few masked slots, as DeepEP's test does
+            topk[rng.integers(n), rng.integers(k)] = -1
+    weights = rng.random((n, k), dtype=np.float32)
+    return topk, weights
+
+
+def _bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
+
+
+def _fp8(rng, n, hidden, column_major):
+    bits = rng.integers(0, 0x7F, size=(n, hidden), dtype=np.uint8) | (rng.integers(0, 2, (n, hidden), dtype=np.uint8) << 7)
+    x = bits.view(FP8)
+    scales = rng.random((n, hidden // 128), dtype=np.float32) + 0.5
+    if column_major:
+        scales = np.asfortranarray(scales)
+    return x, scales
+
+
+def _poison(env, fw, nbytes_list):
+    """Fill pool blocks of the outputs' sizes with 0xAB so rows a kernel forgets to write show up."""
+    import cupy
+
+    from deepep_cupy.runtime.streams import current_stream
+
+    with current_stream(fw, env["dev"]):
+        blocks = []
+        for nb in nbytes_list:
+            if nb > 0:
+                b = cupy.empty(int(nb), dtype=cupy.uint8)
+                b.fill(0xAB)
+                blocks.append(b)
+        del blocks
+
+
+def _u(a):
+    """Bit view for exact comparisons."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == BF16:
+        return a.view(np.uint16)
+    if a.dtype == FP8:
+        return a.view(np.uint8)
+    return a
+
+
+# ------------------------------------------------------------------------------------------- one round
+def _layout(env, topk_dev, topk_np, num_experts):
+    buf, ref = env["buf"], env["ref"]
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, num_experts)
+    r_rank, _, r_expert, r_in = ref.get_dispatch_layout(topk_np, num_experts)
+    np.testing.assert_array_equal(_to_np(per_rank), r_rank)
+    np.testing.assert_array_equal(_to_np(per_expert), r_expert)
+    np.testing.assert_array_equal(_to_np(in_rank), r_in)
+    assert per_rdma is None
+    return (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in)
+
+
+def _check_dispatch(env, ours, refs, *, fp8, worst, with_topk=True):
+    recv, r_idx, r_w, counts, handle = ours
+    rx, rs, ridx, rw, rlist, rhandle = refs
+    me, size = env["rank"], env["size"]
+    num_recv = int(rhandle[0][size - 1, me])
+    if fp8:
+        recv_x, recv_s = _to_np(recv[0]), _to_np(recv[1])
+        np.testing.assert_array_equal(recv_s[:num_recv], rs[:num_recv])
+    else:
+        recv_x = _to_np(recv)
+    rows = worst if worst else num_recv
+    assert recv_x.shape[0] == rows, (recv_x.shape, rows)
+    np.testing.assert_array_equal(_u(recv_x[:num_recv]), _u(rx[:num_recv]))
+    if with_topk:
+        np.testing.assert_array_equal(_to_np(r_idx), ridx)
+        np.testing.assert_array_equal(_to_np(r_w), rw)
+        assert counts == rlist
+        for k in range(6):
+            np.testing.assert_array_equal(_to_np(handle[k]), rhandle[k], err_msg=f"handle[{k}]")
+    return num_recv
+
+
+def _check_combine(ours, refs, num_tokens):
+    cx, cw = _to_np(ours[0]), _to_np(ours[1]) if ours[1] is not None else None
+    rx, rw = refs
+    assert cx.shape == rx.shape
+    a, b = cx.astype(np.float32), rx.astype(np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
+    exact = float(np.mean(_u(cx) == _u(rx))) if cx.size else 1.0
+    assert exact > 0.999, f"only {exact:.4%} of combined values are bit-identical to the reference"
+    if rw is not None:
+        np.testing.assert_allclose(cw, rw, rtol=1e-6, atol=1e-6)
+    assert cx.shape[0] == num_tokens
+
+
+def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=False, worst=0, align=1,
+           only_rank0=False, bias=0, cached=True, recv=256):
+    """Layout, dispatch, cached dispatch, combine: everything compared with the reference."""
+    buf, ref = env["buf"], env["ref"]
+    me, size = env["rank"], env["size"]
+    topk, weights = _routing(rng, n, num_experts, k, me, size, only_rank0)
+    topk_dev, w_dev = _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
+    if fp8:
+        x_np, s_np = _fp8(rng, n, hidden, column_major)
+        x_dev = (_to_dev(x_np, fw, env), _to_dev(s_np, fw, env))
+    else:
+        x_np, s_np = _bf16(rng, (n, hidden)), None
+        x_dev = _to_dev(x_np, fw, env)
+    cfg = _cfg(env, recv)
+    worst_rows = worst * n * size if worst else 0
+    rows_guess = max(worst_rows, n * size)
+    _poison(env, fw, [rows_guess * hidden * (1 if fp8 else 2), rows_guess * k * 8, rows_guess * k * 4, rows_guess * 4])
+    recv, r_idx, r_w, counts, handle, event = buf.dispatch(
+        x_dev, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_dev, topk_weights=w_dev, expert_alignment=align, num_worst_tokens=worst_rows, config=cfg)
+    refs = ref.dispatch(x_np, s_np, handle=None, num_tokens_per_rank=r_rank, is_token_in_rank=r_in,
+                        num_tokens_per_expert=r_expert, topk_idx=topk, topk_weights=weights, expert_alignment=align,
+                        num_worst_tokens=worst_rows)
+    num_recv = _check_dispatch(env, (recv, r_idx, r_w, counts, handle), refs, fp8=fp8, worst=worst_rows)
+    if worst_rows:
+        assert counts == []
+
+    if cached:
+        if fp8:
+            x2_np, s2_np = _fp8(rng, n, hidden, column_major)
+            x2_dev = (_to_dev(x2_np, fw, env), _to_dev(s2_np, fw, env))
+        else:
+            x2_np, s2_np = _bf16(rng, (n, hidden)), None
+            x2_dev = _to_dev(x2_np, fw, env)
+        c_recv, c_idx, c_w, c_counts, c_handle, _ = buf.dispatch(x2_dev, handle=handle, config=cfg)
+        assert c_idx is None and c_w is None and c_counts is None
+        c_refs = ref.dispatch(x2_np, s2_np, handle=refs[5], num_tokens_per_rank=None, is_token_in_rank=None,
+                              num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=align,
+                              num_worst_tokens=0)
+        got = _to_np(c_recv[0] if fp8 else c_recv)
+        np.testing.assert_array_equal(_u(got[:num_recv]), _u(c_refs[0][:num_recv]))
+        if fp8:
+            np.testing.assert_array_equal(_to_np(c_recv[1])[:num_recv], c_refs[1][:num_recv])
+
+    # Combine: fresh "expert outputs" for every received row (padding rows included), weights, biases.
+    rows = worst_rows if worst_rows else num_recv
+    y_np = _bf16(rng, (rows, hidden), scale=1.0 + me)
+    yw_np = rng.random((rows, k), dtype=np.float32)
+    b0 = _bf16(rng, (n, hidden)) if bias >= 1 else None
+    b1 = _bf16(rng, (n, hidden)) if bias >= 2 else None
+    bias_dev = None
+    if bias == 1:
+        bias_dev = _to_dev(b0, fw, env)
+    elif bias == 2:
+        bias_dev = (_to_dev(b0, fw, env), _to_dev(b1, fw, env))
+    _poison(env, fw, [n * hidden * 2, n * k * 4])
+    combined = buf.combine(_to_dev(y_np, fw, env), handle, topk_weights=_to_dev(yw_np, fw, env), bias=bias_dev,
+                           config=_cfg(env, recv))
+    r_comb = ref.combine(y_np, refs[5], topk_weights=yw_np, bias_0=b0, bias_1=b1)
+    _check_combine(combined[:2], r_comb, n)
+    return num_recv
+
+
+# ------------------------------------------------------------------------------------------- tests
+SMALL = [
+    # n, hidden, experts, k, extra
+    (1, 2048, 16, 1, {}),
+    (37, 4096, 32, 9, {"bias": 1}),
+    (300, 7168, 64, 4, {"align": 128, "bias": 2}),
+    (513, 2048, 24, 3, {"only_rank0": True}),
+    (200, 4096, 32, 2, {"recv": 7}),  # tiny ring: slots are reused many times
+    (0, 2048, 16, 2, {}),
+    (129, 7168, 256, 8, {"fp8": True, "column_major": True}),
+    (64, 2048, 32, 5, {"fp8": True}),
+    (100, 4096, 32, 6, {"worst": 1}),
+    (80, 7168, 64, 8, {"worst": 1, "fp8": True, "column_major": True}),
+]
+
+
+@pytest.mark.parametrize("fw", _frameworks())
+@pytest.mark.parametrize("n,hidden,experts,k,extra", SMALL)
+def test_small_shapes(env, fw, n, hidden, experts, k, extra):
+    _skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
+    rng = np.random.default_rng([n, hidden, k, env["rank"]])
+    for _ in range(2):
+        _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+
+
+def test_zero_tokens_on_one_rank(env):
+    rng = np.random.default_rng([5, env["rank"]])
+    n = 0 if env["rank"] == 1 else 50
+    _round(env, _frameworks()[0], rng, n=n, hidden=2048, num_experts=16, k=3)
+
+
+@pytest.mark.skipif(os.environ.get("DEEPEP_CUPY_SKIP_BIG") == "1", reason="DEEPEP_CUPY_SKIP_BIG=1")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_deepep_workload(env, fp8):
+    """4096 tokens x 7168, top-8 of 256, 24 SMs: fresh data each repeat (skip with DEEPEP_CUPY_SKIP_BIG=1)."""
+    rng = np.random.default_rng([4096, int(fp8), env["rank"]])
+    for _ in range(2 if fp8 else 3):
+        _round(env, _frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=fp8, column_major=fp8,
+               bias=1, recv=512)
+
+
+def test_repeatable_hashes(env):
+    """Twenty identical calls must produce identical bytes (a moving result is a race)."""
+    import cupy
+
+    _skip_unless_framework_holds("cupy", BF16)
+    buf = env["buf"]
+    fw = "cupy"
+    rng = np.random.default_rng([99, env["rank"]])
+    n, hidden, experts, k = 1024, 7168, 256, 8
+    topk, weights = _routing(rng, n, experts, k, env["rank"], env["size"])
+    x = _to_dev(_bf16(rng, (n, hidden)), fw, env)
+    topk_dev, w_dev = _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    cfg = _cfg(env, 64)
+    digests = set()
+    for _ in range(20):
+        recv, idx, w, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=topk_dev,
+                                                       topk_weights=w_dev, config=cfg)
+        comb, comb_w, _ = buf.combine(recv, handle, topk_weights=w, config=cfg)
+        h = hashlib.sha256()
+        for a in (recv, idx, w, comb, comb_w, *handle):
+            h.update(cupy.ascontiguousarray(cupy.asarray(a)).view(cupy.uint8).get().tobytes())
+        h.update(repr(counts).encode())
+        digests.add(h.hexdigest())
+    assert len(digests) == 1, f"{len(digests)} different results over 20 identical calls"
+
+
+def test_async_finish_and_previous_event(env):
+    fw = _frameworks()[0]
+    buf = env["buf"]
+    rng = np.random.default_rng([7, env["rank"]])
+    n, hidden, experts, k = 256, 4096, 64, 4
+    topk, weights = _routing(rng, n, experts, k, env["rank"], env["size"])
+    x_np = _bf16(rng, (n, hidden))
+    x, topk_dev, w_dev = _to_dev(x_np, fw, env), _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, experts)
+    prev = buf.capture()
+    recv, idx, w, counts, handle, event = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_dev,
+        topk_weights=w_dev, config=_cfg(env), previous_event=prev, async_finish=True, allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    refs = env["ref"].dispatch(x_np, None, handle=None, num_tokens_per_rank=r_rank, is_token_in_rank=r_in,
+                               num_tokens_per_expert=r_expert, topk_idx=topk, topk_weights=weights,
+                               expert_alignment=1, num_worst_tokens=0)
+    _check_dispatch(env, (recv, idx, w, counts, handle), refs, fp8=False, worst=0)
+    comb, comb_w, event = buf.combine(recv, handle, topk_weights=w, config=_cfg(env), previous_event=buf.capture(),
+                                      async_finish=True)
+    event.current_stream_wait()
+    r_comb = env["ref"].combine(refs[0], refs[5], topk_weights=refs[3], bias_0=None, bias_1=None)
+    _check_combine((comb, comb_w), r_comb, n)
+
+
+def test_cuda_graph_worst_tokens(env, monkeypatch):
+    """Dispatch (num_worst_tokens) + combine captured in a CUDA graph, replayed on fresh data in place."""
+    import cupy
+
+    _skip_unless_framework_holds("cupy", BF16)
+    monkeypatch.setenv("DEEPEP_CUPY_VALIDATE", "0")  # value checks sync the host: not allowed in a capture
+    buf, ref = env["buf"], env["ref"]
+    me, size = env["rank"], env["size"]
+    rng = np.random.default_rng([1234, me])
+    n, hidden, experts, k = 300, 4096, 64, 8
+    worst = n * size
+    fw = "cupy"
+    topk, weights = _routing(rng, n, experts, k, me, size)
+    x_np = _bf16(rng, (n, hidden))
+    y_np = _bf16(rng, (worst, hidden))
+    x, topk_dev, w_dev, y = (_to_dev(a, fw, env) for a in (x_np, topk, weights, y_np))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    cfg = _cfg(env)
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def step():
+        recv, idx, w, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_dev, topk_weights=w_dev, num_worst_tokens=worst, config=cfg)
+        comb, comb_w, _ = buf.combine(y, handle, topk_weights=w, config=cfg)
+        return recv, idx, w, counts, handle, comb, comb_w
+
+    with stream:
+        step()  # warm-up outside the capture: compiles, fills the memory pool
+        stream.synchronize()
+        stream.begin_capture()
+        out = step()
+        graph = stream.end_capture()
+    for _ in range(3):
+        x_np = _bf16(rng, (n, hidden))
+        y_np = _bf16(rng, (worst, hidden))
+        with stream:  # in place, as raw bits: the graph holds these pointers
+            x.view(cupy.uint16)[...] = cupy.asarray(x_np.view(np.uint16))
+            y.view(cupy.uint16)[...] = cupy.asarray(y_np.view(np.uint16))
+        graph.launch(stream)
+        stream.synchronize()
+        recv, idx, w, counts, handle, comb, comb_w = out
+        refs = ref.dispatch(x_np, None, handle=None, num_tokens_per_rank=None, is_token_in_rank=_to_np(in_rank),
+                            num_tokens_per_expert=_to_np(per_expert), topk_idx=topk, topk_weights=weights,
+                            expert_alignment=1, num_worst_tokens=worst)
+        _check_dispatch(env, (recv, idx, w, [], handle), refs, fp8=False, worst=worst)
+        r_comb = ref.combine(y_np, refs[5], topk_weights=_to_np(w), bias_0=None, bias_1=None)
+        _check_combine((comb, comb_w), r_comb, n)
+    buf.runtime.intranode.check_errors()
+
+
+def test_timeout_reports_and_recovers(env):
+    """Rank 1 skips a dispatch: rank 0 raises DeepEPTimeoutError within the budget; a new Buffer works."""
+    import time
+
+    from deepep_cupy.errors import DeepEPTimeoutError
+
+    fw = _frameworks()[0]
+    buf = env["buf"]
+    me = env["rank"]
+    rng = np.random.default_rng([31, me])
+    n, hidden, experts, k = 64, 2048, 16, 2
+    topk, weights = _routing(rng, n, experts, k, me, env["size"])
+    x, topk_dev, w_dev = _to_dev(_bf16(rng, (n, hidden)), fw, env), _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    buf.runtime.intranode.timeout_s = 2.0
+    COMM.Barrier()
+    if me != 1:
+        t0 = time.time()
+        with pytest.raises(DeepEPTimeoutError) as info:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                         topk_idx=topk_dev, topk_weights=w_dev, config=_cfg(env))
+        assert time.time() - t0 < 60
+        text = str(info.value)
+        assert "dispatch" in text and f"rank {me}" in text and "peer 1" in text, text
+    COMM.Barrier()
+    buf.destroy()
+    env["buf"] = buf = _new_buffer(env["deepep_cupy"])
+    _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k)
