@@ -306,6 +306,7 @@ class IntranodeEngine:
         self._broken: str | None = None
         self._destroyed = False
         self._metas: dict = {}
+        self._num_device_sms: int | None = None
         self.buffer = None
         with cupy.cuda.Device(self.device_id):
             self.buffer = PeerMappedBuffer(group, self.device_id, self.num_nvl_bytes, use_fabric=use_fabric)
@@ -374,7 +375,18 @@ class IntranodeEngine:
         if num_sms < 2 or num_sms % 2:
             raise ValueError(f"config.num_sms must be an even number >= 2 (one sender and one receiver SM per "
                              f"channel), got {num_sms}")
+        self._check_grid(num_sms // 2)
         return num_sms // 2
+
+    def _check_grid(self, num_channels: int) -> None:
+        """Senders and receivers wait for each other, so all 2 * C blocks must be resident at once."""
+        import cupy
+
+        if self._num_device_sms is None:
+            self._num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
+        if 2 * num_channels > self._num_device_sms:
+            raise ValueError(f"{num_channels} channels need {2 * num_channels} SMs, but the GPU has "
+                             f"{self._num_device_sms}; lower config.num_sms")
 
     def _cap(self, config) -> int:
         cap = int(config.num_max_nvl_chunked_recv_tokens)
@@ -447,6 +459,7 @@ class IntranodeEngine:
             _require_array("handle[0] (rank_prefix_matrix)", rank_prefix, dtype=_I32, shape=(R, R))
             _require_array("handle[1] (channel_prefix_matrix)", channel_prefix, dtype=_I32, ndim=2)
             num_channels = int(channel_prefix.shape[1])
+            self._check_grid(num_channels)
             _require_array("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix, dtype=_I32,
                            shape=(R, num_channels))
             _require_array("handle[3] (recv_src_idx)", recv_src_idx_h, dtype=_I32, ndim=1)
@@ -572,6 +585,7 @@ class IntranodeEngine:
         _require_array("handle[0] (rank_prefix_matrix)", rank_prefix, dtype=_I32, shape=(R, R))
         _require_array("handle[1] (channel_prefix_matrix)", channel_prefix, dtype=_I32, ndim=2)
         num_channels = int(channel_prefix.shape[1])
+        self._check_grid(num_channels)
         _require_array("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix, dtype=_I32,
                        shape=(R, num_channels))
         _require_array("handle[3] (recv_src_idx)", recv_src_idx, dtype=_I32, ndim=1)
