@@ -1,0 +1,243 @@
+// Low-latency combine: each rank returns the expert outputs of the rows it received in the dispatch to
+// their source ranks, which reduce them with the top-k weights:
+//   out[t] = bf16( fma chain over k = 0..K-1 of (row(t, k), weight[t, k]) ), float32, one rounding per fma.
+//
+// Send phase: one unit per (local expert, destination rank), described by the dispatch handle
+// (layout_range gives the rows, src_info the token each row answers); a row lands in the slot
+// [global expert][token] of the destination's receive area, as BF16 or LogFMT-10. Receive phase: for
+// every (token, 256-channel chunk) a warp waits until the experts of that token have finished sending
+// (the lanes wait for one expert each), then loads the K rows and accumulates in k order.
+// On the RMA path, units of the receive phase first turn put-with-signal counters into local ready
+// flags (one unit per global expert). See layout.cuh for the buffer layout and the protocol.
+#include "common/nvshmem_includes.cuh"
+#include "low_latency/layout.cuh"
+
+using namespace deepep;
+using namespace deepep::ll;
+
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt>
+__global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
+    ll_combine_kernel(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
+                      const int* __restrict__ src_info,         // [E_local, R*T]
+                      const int64_t* __restrict__ layout_range, // [E_local, R]
+                      const int64_t* __restrict__ topk_idx,     // [N, K]
+                      const float* __restrict__ topk_weights,   // [N, K]
+                      int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
+                      uint32_t* sym_tags,                       // [E]
+                      uint64_t* sym_arrivals,                   // [E]
+                      uint8_t* sym_recv,                        // [E][T] slots of 2H bytes
+                      uint8_t* sym_send,                        // [E_local][R*T] rows of 2H bytes
+                      uint32_t* seq_state,                      // [4]
+                      uint64_t* arrival_base,                   // [E] local
+                      uint32_t* ready,                          // [E] local
+                      int* mask,                                // [R]
+                      uint16_t* out,                            // [N, H] bf16 bits
+                      int64_t* wait_recv_cost_stats,            // [R] or null
+                      int phases, int zero_copy, int force_rma, int shrink, long long timeout_ns,
+                      ErrorRecord* err) {
+    constexpr int kGroupThreads = kWarps * 32;
+    constexpr int kSlotBytes = 2 * kHidden;
+    constexpr int kRowBytes = kLogfmt ? (kHidden / kChannelsPerBlock) * kLogfmtBlockBytes : 2 * kHidden;
+    constexpr int kChunk = 32 * 8;  // channels per warp item in the reduction
+    constexpr int kNumChunks = (kHidden + kChunk - 1) / kChunk;
+    constexpr int kBatch = kTopk < 8 ? kTopk : 8;
+    static_assert(!kLogfmt || kHidden % kChannelsPerBlock == 0, "LogFMT combine needs hidden % 128 == 0");
+    static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
+    static_assert(kTopk >= 1 && kTopk <= 32, "the combine waits for one expert per lane: top-k <= 32");
+    static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
+    static_assert(kRowBytes <= kSlotBytes, "row must fit a slot");
+
+    __shared__ int s_mask[kMaxRanks];
+    __shared__ int s_sent[kGroups];
+    __shared__ uint32_t s_seq[2];
+
+    const int warp_in_block = static_cast<int>(threadIdx.x) / 32;
+    const int lane = lane_id();
+    const int group = warp_in_block / kWarps;
+    const int warp = warp_in_block % kWarps;
+    const int gthread = static_cast<int>(threadIdx.x) - group * kGroupThreads;
+    const int barrier_id = 1 + group;
+    const int num_local_experts = num_experts / num_ranks;
+    const int slab = num_ranks * max_tokens;
+    const int total_groups = static_cast<int>(gridDim.x) * kGroups;
+    const int gid = static_cast<int>(blockIdx.x) * kGroups + group;
+    const bool bail = !shrink;
+
+    if (threadIdx.x == 0) {
+        s_seq[0] = (phases & kPhaseSend) ? next_sequence(seq_state + 0, seq_state + 1) : 0u;
+        s_seq[1] = (phases & kPhaseRecv) ? next_sequence(seq_state + 2, seq_state + 3) : 0u;
+    }
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
+    __syncthreads();
+    const Deadline deadline(timeout_ns);
+    const bool self_masked = s_mask[rank] != 0;
+
+    // ------------------------------------------------------------------ send
+    if (phases & kPhaseSend) {
+        const uint32_t tag = seq_tag(s_seq[0]);
+        for (int u = gid; u < num_experts; u += total_groups) {
+            const int le = u / num_ranks;
+            const int dst = u % num_ranks;
+            if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group
+            const int e = rank * num_local_experts + le;
+            const int64_t range = layout_range[le * num_ranks + dst];
+            const int begin = static_cast<int>(range >> 32);
+            int count = static_cast<int>(range & 0xffffffffll);
+            count = max(0, min(count, min(max_tokens, slab - begin)));
+
+            uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
+            const bool p2p = peer_recv != nullptr;
+            if (gthread == 0) s_sent[group] = 0;
+            group_sync(barrier_id, kGroupThreads);
+
+            int sent = 0;  // rows this warp returned (lane 0's count is the one that matters)
+            for (int i = warp; i < count; i += kWarps) {
+                const int row = begin + i;
+                const int t = __ldg(src_info + static_cast<size_t>(le) * slab + row);
+                if (t < 0 || t >= max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
+                const uint16_t* src_row = x + (static_cast<size_t>(le) * slab + row) * kHidden;
+                const size_t slot = static_cast<size_t>(e) * max_tokens + t;
+                if (p2p) {
+                    uint8_t* dst_row = peer_recv + slot * kSlotBytes;
+                    if constexpr (kLogfmt) logfmt_encode_row<kHidden, Load::kNonCoherent>(src_row, dst_row, lane);
+                    else warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(dst_row, src_row, lane);
+                } else {
+                    uint8_t* stage_row = sym_send + (static_cast<size_t>(le) * slab + row) * kSlotBytes;
+                    if constexpr (kLogfmt) {
+                        // In place when zero-copy (src_row is stage_row): coherent loads.
+                        logfmt_encode_row<kHidden, Load::kPlain>(src_row, stage_row, lane);
+                    } else if (!zero_copy) {
+                        warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(stage_row, src_row, lane);
+                    }
+                    __threadfence_system();  // the transport may read the staged row with a copy engine or NIC
+                    __syncwarp();
+                    nvshmemx_putmem_nbi_warp(sym_recv + slot * kSlotBytes, stage_row, kRowBytes, dst);
+                    __syncwarp();
+                    if (lane == 0) {
+                        nvshmem_fence();
+                        nvshmemx_signal_op(sym_arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dst);
+                    }
+                    __syncwarp();
+                }
+                ++sent;
+            }
+            if (lane == 0 && sent > 0) atomicAdd(&s_sent[group], sent);
+            if (p2p) __threadfence_system();
+            group_sync(barrier_id, kGroupThreads);
+            if (gthread == 0) {
+                const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_sent[group]));
+                if (p2p) {
+                    st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+                } else {
+                    nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + e), static_cast<int>(word), dst);
+                }
+            }
+            group_sync(barrier_id, kGroupThreads);  // s_sent is reused by the next unit
+        }
+    }
+
+    // ------------------------------------------------------------------ receive
+    if (phases & kPhaseRecv) {
+        const uint32_t tag = seq_tag(s_seq[1]);
+        const uint64_t t_start = globaltimer();
+
+        // Stage A (thread 0 of each group, one global expert at a time): RMA owners -> local ready flag;
+        // wait-time statistics for every owner when requested.
+        if (gthread == 0 && !self_masked) {
+            for (int e = gid; e < num_experts; e += total_groups) {
+                const int owner = e / num_local_experts;
+                if (s_mask[owner] != 0) continue;
+                const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
+                if (p2p && wait_recv_cost_stats == nullptr) continue;
+                int cnt = wait_tag(sym_tags + e, tag, deadline, err, bail);
+                if (cnt >= 0 && !p2p) {
+                    const uint64_t base = arrival_base[e];
+                    if (cnt == 0 || wait_arrivals(sym_arrivals + e, base, static_cast<uint64_t>(cnt), deadline, err, bail))
+                        arrival_base[e] = base + static_cast<uint64_t>(cnt);
+                    else
+                        cnt = -1;
+                }
+                if (cnt < 0) {
+                    peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
+                } else if (wait_recv_cost_stats != nullptr) {
+                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
+                              static_cast<unsigned long long>(globaltimer() - t_start));
+                }
+                // Always release the reducers; they re-check the mask (and give up on their own after a
+                // reported timeout).
+                if (!p2p) st_release_gpu_u32(ready + e, tag);
+            }
+        }
+
+        // Stage B: reduction, one (token, chunk) item per warp.
+        const int total_warps = total_groups * kWarps;
+        const int gwarp = gid * kWarps + warp;
+        for (int item = gwarp; item < num_tokens * kNumChunks; item += total_warps) {
+            const int t = item / kNumChunks;
+            const int col = (item % kNumChunks) * kChunk + lane * 8;
+            const bool active = col < kHidden;
+
+            // Lane k waits for expert topk_idx[t, k]; -1 afterwards means "contributes nothing".
+            int expert = -1;
+            if (lane < kTopk && !self_masked) {
+                expert = static_cast<int>(__ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane));
+                if (expert >= 0 && expert < num_experts) {
+                    const int owner = expert / num_local_experts;
+                    if (s_mask[owner] != 0 || ld_volatile(mask + owner) != 0) {
+                        expert = -1;
+                    } else {
+                        const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
+                        const bool ok = p2p ? wait_tag(sym_tags + expert, tag, deadline, err, bail) >= 0
+                                            : wait_ready(ready + expert, tag, deadline, err, bail);
+                        if (!ok) {
+                            peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
+                            expert = -1;
+                        } else if (!p2p && ld_volatile(mask + owner) != 0) {
+                            expert = -1;  // stage A gave up on the owner
+                        }
+                    }
+                } else {
+                    expert = -1;
+                }
+            }
+            __syncwarp();
+
+            float acc[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+#pragma unroll
+            for (int k0 = 0; k0 < kTopk; k0 += kBatch) {
+                int4 raw[kBatch];
+                float w[kBatch];
+                int ex[kBatch];
+#pragma unroll
+                for (int j = 0; j < kBatch; ++j) {
+                    ex[j] = (k0 + j < kTopk) ? __shfl_sync(kFullMask, expert, k0 + j) : -1;
+                    w[j] = 0.0f;
+                    if (ex[j] >= 0) {
+                        w[j] = __ldg(topk_weights + static_cast<size_t>(t) * kTopk + k0 + j);
+                        if constexpr (!kLogfmt) {
+                            if (active) {
+                                raw[j] = ld_cg_v4(sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes +
+                                                  static_cast<size_t>(col) * 2);
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < kBatch; ++j) {
+                    if (ex[j] < 0 || !active) continue;
+                    float v[8];
+                    if constexpr (kLogfmt) {
+                        logfmt_decode8(sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes, col, v);
+                    } else {
+                        unpack_bf16x8(raw[j], v);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = __fmaf_rn(v[i], w[j], acc[i]);
+                }
+            }
+            if (active) st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
+        }
+    }
+}

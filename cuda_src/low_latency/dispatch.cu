@@ -1,0 +1,281 @@
+// Low-latency dispatch: every rank sends each token to the ranks of its top-k experts, packed per local
+// expert on the receiver, grouped by source rank, each group in source token order (deterministic).
+//
+// Work split: kGroups warp groups of kWarps warps per block, one unit per group (looping when there
+// are more units than groups). The send phase has one unit per global expert e: the group scans the
+// routing for the tokens that pick e, in token order, so the i-th of them is row i of this rank's
+// block in the receiver's slab; warps take rows round-robin and write them straight into the
+// receiver's slot (NVLink), casting to FP8 on the way, or put staged messages (any transport). The
+// receive phase has one unit per (local expert, source rank): it waits for the counts of all sources
+// up to its own (its rows start after theirs), then copies its rows into the packed outputs.
+// See layout.cuh for the buffer layout and the completion protocol.
+#include "common/nvshmem_includes.cuh"
+#include "low_latency/layout.cuh"
+
+using namespace deepep;
+using namespace deepep::ll;
+
+// Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8>
+__global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
+    ll_dispatch_kernel(const uint16_t* __restrict__ x,          // [N, H] bf16 bits
+                       const int64_t* __restrict__ topk_idx,    // [N, K]
+                       int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
+                       uint32_t* sym_tags,                      // [E]
+                       uint64_t* sym_arrivals,                  // [E]
+                       int* sym_src_idx,                        // [E][T]
+                       uint8_t* sym_recv,                       // [E][T] slots of 2H bytes
+                       const uint8_t* sym_stage,                // [T] staged messages (RMA path)
+                       uint32_t* seq_state,                     // [4] send seq, readers, recv seq, readers
+                       uint64_t* arrival_base,                  // [E] local
+                       int* mask,                               // [R]
+                       uint8_t* out_x,                          // [E_local, R*T, H or 2H bytes]
+                       float* out_scales,                       // [E_local, H/128, R*T]
+                       int* out_scales_ue8m0,                   // [E_local, ceil(H/512), R*T]
+                       int* out_count,                          // [E_local]
+                       int* out_src_info,                       // [E_local, R*T]
+                       int64_t* out_layout_range,               // [E_local, R]
+                       int* cumulative_recv_stats,              // [E_local] or null
+                       int64_t* wait_recv_cost_stats,           // [R] or null
+                       int phases, int staged, int force_rma, int round_scale, int use_ue8m0, int shrink,
+                       long long timeout_ns, ErrorRecord* err) {
+    constexpr int kGroupThreads = kWarps * 32;
+    constexpr int kNumScales = kHidden / kChannelsPerBlock;
+    constexpr int kSlotBytes = 2 * kHidden;
+    constexpr int kDataBytes = kFP8 ? kHidden : 2 * kHidden;
+    constexpr int kMsgBytes = kFP8 ? align16(kHidden + 4 * kNumScales) : 2 * kHidden;
+    static_assert(!kFP8 || kHidden % kChannelsPerBlock == 0, "FP8 dispatch needs hidden % 128 == 0");
+    static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
+    static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
+    static_assert(kMsgBytes <= kSlotBytes, "message must fit a slot");
+
+    __shared__ uint32_t s_chunks[kGroups][kMaxTokenChunks];
+    __shared__ int s_mask[kMaxRanks];
+    __shared__ int s_unit[kGroups][3];
+    __shared__ uint32_t s_seq[2];
+
+    const int warp_in_block = static_cast<int>(threadIdx.x) / 32;
+    const int lane = lane_id();
+    const int group = warp_in_block / kWarps;
+    const int warp = warp_in_block % kWarps;
+    const int gthread = static_cast<int>(threadIdx.x) - group * kGroupThreads;
+    const int barrier_id = 1 + group;
+    const int num_local_experts = num_experts / num_ranks;
+    const int slab = num_ranks * max_tokens;
+    const int total_groups = static_cast<int>(gridDim.x) * kGroups;
+    const int gid = static_cast<int>(blockIdx.x) * kGroups + group;
+    const bool bail = !shrink;
+
+    if (threadIdx.x == 0) {
+        s_seq[0] = (phases & kPhaseSend) ? next_sequence(seq_state + 0, seq_state + 1) : 0u;
+        s_seq[1] = (phases & kPhaseRecv) ? next_sequence(seq_state + 2, seq_state + 3) : 0u;
+    }
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
+    __syncthreads();
+    const Deadline deadline(timeout_ns);
+    const bool self_masked = s_mask[rank] != 0;
+
+    // ------------------------------------------------------------------ send
+    if (phases & kPhaseSend) {
+        const uint32_t tag = seq_tag(s_seq[0]);
+        const int num_chunks = (num_tokens + 31) / 32;
+        for (int e = gid; e < num_experts; e += total_groups) {
+            const int dst = e / num_local_experts;
+            const int le = e % num_local_experts;
+            if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group (shared snapshot)
+
+            // Which tokens pick e, 32 at a time.
+            for (int c = warp; c < num_chunks; c += kWarps) {
+                const int t = c * 32 + lane;
+                bool hit = false;
+                if (t < num_tokens) {
+                    const int64_t* row = topk_idx + static_cast<int64_t>(t) * kTopk;
+#pragma unroll
+                    for (int k = 0; k < kTopk; ++k) hit |= (__ldg(row + k) == static_cast<int64_t>(e));
+                }
+                const uint32_t bits = __ballot_sync(kFullMask, hit);
+                if (lane == 0) s_chunks[group][c] = bits;
+            }
+            group_sync(barrier_id, kGroupThreads);
+
+            uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
+            const bool p2p = peer_recv != nullptr;
+            int* peer_src_idx = p2p ? static_cast<int*>(nvshmem_ptr(sym_src_idx, dst)) : nullptr;
+            const int u = le * num_ranks + rank;  // our slot block at the receiver
+            const int slot_base = u * max_tokens;
+
+            int running = 0;
+            for (int c = 0; c < num_chunks; ++c) {
+                const uint32_t bits = s_chunks[group][c];
+                const int in_chunk = __popc(bits);
+                // Rows running .. running + in_chunk - 1; this warp takes those equal to warp mod kWarps.
+                const int first = running + (warp - running % kWarps + kWarps) % kWarps;
+                for (int s = first; s < running + in_chunk; s += kWarps) {
+                    const int j = s - running;  // the j-th set bit of `bits` is the token
+                    const bool is_jth = ((bits >> lane) & 1u) && __popc(bits & ((1u << lane) - 1u)) == j;
+                    const int t = c * 32 + __ffs(__ballot_sync(kFullMask, is_jth)) - 1;
+                    const int slot = slot_base + s;
+                    if (p2p) {
+                        uint8_t* msg = peer_recv + static_cast<size_t>(slot) * kSlotBytes;
+                        if (staged) {
+                            warp_copy<kMsgBytes / 16, Load::kNonCoherent>(
+                                msg, sym_stage + static_cast<size_t>(t) * kSlotBytes, lane);
+                        } else if constexpr (kFP8) {
+                            cast_row_fp8<kHidden>(x + static_cast<size_t>(t) * kHidden, msg,
+                                                  reinterpret_cast<float*>(msg + kHidden), round_scale != 0, lane);
+                        } else {
+                            warp_copy<kDataBytes / 16, Load::kNonCoherent>(msg, x + static_cast<size_t>(t) * kHidden,
+                                                                           lane);
+                        }
+                        if (lane == 0) peer_src_idx[slot] = t;
+                    } else {
+                        // Row and token id, then (ordered behind them by the fence) one count increment.
+                        nvshmemx_putmem_nbi_warp(sym_recv + static_cast<size_t>(slot) * kSlotBytes,
+                                                 sym_stage + static_cast<size_t>(t) * kSlotBytes, kMsgBytes, dst);
+                        __syncwarp();
+                        if (lane == 0) {
+                            nvshmem_int_p(sym_src_idx + slot, t, dst);
+                            nvshmem_fence();
+                            nvshmemx_signal_op(sym_arrivals + u, 1, NVSHMEM_SIGNAL_ADD, dst);
+                        }
+                        __syncwarp();
+                    }
+                }
+                running += in_chunk;
+            }
+
+            // All rows of this unit are out: publish the count.
+            if (p2p) __threadfence_system();
+            group_sync(barrier_id, kGroupThreads);
+            if (gthread == 0) {
+                const uint32_t word = tag_word(tag, static_cast<uint32_t>(running));
+                if (p2p) {
+                    st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + u, dst)), word);
+                } else {
+                    nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + u), static_cast<int>(word), dst);
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ receive
+    if (phases & kPhaseRecv) {
+        const uint32_t tag = seq_tag(s_seq[1]);
+        const uint64_t t_start = globaltimer();
+        for (int u = gid; u < num_experts; u += total_groups) {
+            const int le = u / num_ranks;
+            const int src = u % num_ranks;
+
+            // Warp 0: counts of sources 0..src (one lane per source).
+            if (warp == 0) {
+                int before = 0, mine = 0, abort = 0;
+                for (int s = lane; s <= src; s += 32) {
+                    int cnt = 0;
+                    if (!self_masked && s_mask[s] == 0) {
+                        cnt = wait_tag(sym_tags + le * num_ranks + s, tag, deadline, err, bail);
+                        if (cnt >= 0 && s == src) {
+                            const bool p2p = !force_rma && nvshmem_ptr(sym_tags, s) != nullptr;
+                            if (!p2p && cnt > 0) {
+                                const uint64_t base = arrival_base[u];
+                                const uint64_t need = static_cast<uint64_t>(cnt);
+                                if (wait_arrivals(sym_arrivals + u, base, need, deadline, err, bail)) {
+                                    arrival_base[u] = base + need;
+                                } else {
+                                    cnt = -1;
+                                }
+                            }
+                            if (cnt >= 0 && wait_recv_cost_stats != nullptr) {
+                                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + s),
+                                          static_cast<unsigned long long>(globaltimer() - t_start));
+                            }
+                        }
+                        if (cnt < 0) {
+                            peer_timed_out(mask, s, shrink != 0, err, kOpDispatchRecv, rank, __LINE__, deadline);
+                            abort |= !shrink;
+                            cnt = 0;
+                        }
+                        cnt = min(cnt, max_tokens);
+                    }
+                    if (s < src) before += cnt;
+                    else mine = cnt;
+                }
+                before = warp_sum(before);
+                mine = warp_sum(mine);
+                abort = __any_sync(kFullMask, abort != 0) ? 1 : 0;
+                if (lane == 0) {
+                    s_unit[group][0] = before;
+                    s_unit[group][1] = abort ? 0 : mine;
+                    s_unit[group][2] = abort;
+                }
+            }
+            group_sync(barrier_id, kGroupThreads);
+            const int begin = s_unit[group][0];
+            const int count = s_unit[group][1];
+
+            for (int i = warp; i < count; i += kWarps) {
+                const int row = begin + i;
+                const uint8_t* msg = sym_recv + static_cast<size_t>(u * max_tokens + i) * kSlotBytes;
+                uint8_t* dst_row = out_x + (static_cast<size_t>(le) * slab + row) * kDataBytes;
+                warp_copy<kDataBytes / 16, Load::kL2>(dst_row, msg, lane);
+                if constexpr (kFP8) {
+                    const uint8_t* scales = msg + kHidden;
+                    if (use_ue8m0) {
+                        constexpr int kWords = (kNumScales + 3) / 4;
+                        for (int w = lane; w < kWords; w += 32) {
+                            uint32_t word = 0;
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const int b = 4 * w + j;
+                                if (b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
+                            }
+                            out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] =
+                                static_cast<int>(word);
+                        }
+                    } else {
+                        for (int b = lane; b < kNumScales; b += 32) {
+                            out_scales[(static_cast<size_t>(le) * kNumScales + b) * slab + row] =
+                                __uint_as_float(ld_cg_u32(scales + 4 * b));
+                        }
+                    }
+                }
+                if (lane == 0) {
+                    out_src_info[static_cast<size_t>(le) * slab + row] =
+                        static_cast<int>(ld_cg_u32(sym_src_idx + u * max_tokens + i));
+                }
+            }
+            if (gthread == 0) {
+                out_layout_range[le * num_ranks + src] =
+                    (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(count);
+            }
+            if (src == num_ranks - 1) {
+                const int total = begin + count;
+                if (gthread == 0) {
+                    out_count[le] = total;
+                    if (cumulative_recv_stats != nullptr) atomicAdd(cumulative_recv_stats + le, total);
+                }
+                for (int r = total + gthread; r < slab; r += kGroupThreads)
+                    out_src_info[static_cast<size_t>(le) * slab + r] = -1;
+            }
+            group_sync(barrier_id, kGroupThreads);  // s_unit is reused by the next unit
+        }
+    }
+}
+
+// RMA path only: cast (or copy) every token once into the symmetric staging area, which the puts of
+// ll_dispatch_kernel read. One warp per token.
+template <int kHidden, bool kFP8>
+__global__ void __launch_bounds__(256, 1)
+    ll_dispatch_stage_kernel(const uint16_t* __restrict__ x, int num_tokens, uint8_t* sym_stage, int round_scale) {
+    constexpr int kSlotBytes = 2 * kHidden;
+    const int lane = lane_id();
+    const int warps = static_cast<int>(gridDim.x * blockDim.x) / 32;
+    for (int t = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); t < num_tokens; t += warps) {
+        uint8_t* msg = sym_stage + static_cast<size_t>(t) * kSlotBytes;
+        if constexpr (kFP8) {
+            cast_row_fp8<kHidden>(x + static_cast<size_t>(t) * kHidden, msg, reinterpret_cast<float*>(msg + kHidden),
+                                  round_scale != 0, lane);
+        } else {
+            warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(msg, x + static_cast<size_t>(t) * kHidden, lane);
+        }
+    }
+}

@@ -1,0 +1,417 @@
+// Low-latency kernels: message formats, slot arithmetic, sequence tags and the warp-level row codecs
+// shared by dispatch.cu and combine.cu.
+//
+// Buffer layout (byte offsets are computed on the host, deepep_cupy/ops/low_latency_layout.py, and the
+// kernels receive the local address of every region of the half they use):
+//   tags      uint32 [E]          (sequence tag << 16) | count, written by the sending rank
+//   arrivals  uint64 [E]          put-with-signal counters, RMA path only
+//   src_idx   int32  [E][T]       dispatch: source token of each received row
+//   recv      [E][T] slots of 2H bytes
+//   send      [E_local][R*T] rows of 2H bytes (combine), or [T] staged dispatch messages
+// Dispatch addresses tags/arrivals/recv by u = local_expert * R + source_rank (one sender per u);
+// combine addresses them by the global expert e (again one sender per e).
+//
+// Completion protocol (no flag is ever reset by the receiver):
+//   * Every op on a buffer half carries a sequence number S (1, 2, ...), counted on the device by each
+//     rank for each half and phase (next_sequence), so it is the same on every rank and CUDA-graph
+//     replays keep counting. Its 16-bit tag (S - 1) % 65535 + 1 is never 0.
+//   * A sender finishes a slot by writing (tag << 16) | count into the receiver's tags[slot]. Over
+//     NVLink (nvshmem_ptr != nullptr) the rows are plain stores and the tag is a release store after a
+//     system fence, so the tag implies the rows. Over any other transport the warp that puts a row (and,
+//     in the dispatch, its token id) follows it with nvshmem_fence and a signal add of 1 to
+//     arrivals[slot] at the receiver, and the tag is an atomic set; the receiver waits for the tag and
+//     then for arrivals[slot] to grow by the row count since the last op (tracked in a local base
+//     array), so no ordering is assumed between different warps' operations.
+//   * Readers compare the tag, so stale values from older ops are never mistaken for new ones, and any
+//     number of readers may look at a tag. clean_low_latency_buffer zeroes tags, arrivals, bases and the
+//     sequence counters on every rank together.
+#pragma once
+
+#include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace deepep {
+namespace ll {
+
+constexpr int kChannelsPerBlock = 128;
+// LogFMT-10 block on the wire: float lo, float hi, 128 low code bytes, 128 x 2-bit high parts.
+constexpr int kLogfmtBlockBytes = 8 + 128 + 32;
+constexpr int kLogfmtLevels = 510;
+// Token chunks of 32 tracked in shared memory: T <= 8192.
+constexpr int kMaxTokenChunks = 256;
+// Mask snapshot in shared memory.
+constexpr int kMaxRanks = 1024;
+
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+
+// Op codes reported in the error record (mirrored in deepep_cupy/ops/low_latency.py).
+constexpr int kOpDispatchRecv = 201;
+constexpr int kOpCombineRecv = 202;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
+
+// ---- small PTX helpers not in common/ptx.cuh --------------------------------------------------------
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// L2-only loads for data that peers write while the kernel runs (never served stale from L1).
+__device__ __forceinline__ int4 ld_cg_v4(const void* p) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_cg_u32(const void* p) {
+    uint32_t v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_cg_u64(const void* p) {
+    uint64_t v;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint16_t ld_cg_u16(const void* p) {
+    uint16_t v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Barrier over the `threads` threads of one warp group (ids 1..15; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+}
+
+// ---- sequence numbers -------------------------------------------------------------------------------
+
+// The 16-bit tag of sequence number s >= 1: never 0, so a zeroed word never matches.
+__device__ __forceinline__ uint32_t seq_tag(uint32_t s) { return (s - 1u) % 65535u + 1u; }
+
+__device__ __forceinline__ uint32_t tag_word(uint32_t tag, uint32_t payload) { return (tag << 16) | (payload & 0xffffu); }
+
+// Called by one thread of every block of a launch: returns counter + 1 to all of them and stores it
+// back once the last block has read it (the count of readers is reset at the same time), so the next
+// launch on the same stream sees the incremented value.
+__device__ __forceinline__ uint32_t next_sequence(uint32_t* counter, uint32_t* readers) {
+    const uint32_t s = ld_volatile_u32(counter) + 1u;
+    __threadfence();
+    const uint32_t before = atomicAdd(readers, 1u);
+    if (before == gridDim.x - 1) {
+        atomicExch(readers, 0u);
+        atomicExch(counter, s);
+    }
+    return s;
+}
+
+// ---- waits ------------------------------------------------------------------------------------------
+
+// Spin until tags[...] carries `tag`; returns the payload, or -1 on timeout (or, when bail_on_report, as
+// soon as another thread has reported a timeout).
+__device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, const Deadline& deadline,
+                                        const ErrorRecord* err, bool bail_on_report) {
+    for (uint32_t spin = 0;; ++spin) {
+        const uint32_t v = ld_acquire_sys_u32(word);
+        if ((v >> 16) == tag) return static_cast<int>(v & 0xffffu);
+        if ((spin & 15u) == 15u) {
+            if (deadline.expired()) return -1;
+            if (bail_on_report && timeout_reported(err)) return -1;
+        }
+    }
+}
+
+// Spin until the arrival counter has grown by `need` since `base`.
+__device__ __forceinline__ bool wait_arrivals(const uint64_t* counter, uint64_t base, uint64_t need,
+                                              const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
+    for (uint32_t spin = 0;; ++spin) {
+        if (ld_acquire_sys_u64(counter) - base >= need) return true;
+        if ((spin & 15u) == 15u) {
+            if (deadline.expired()) return false;
+            if (bail_on_report && timeout_reported(err)) return false;
+        }
+    }
+}
+
+// Spin until a local ready word carries `tag`.
+__device__ __forceinline__ bool wait_ready(const uint32_t* word, uint32_t tag, const Deadline& deadline,
+                                           const ErrorRecord* err, bool bail_on_report) {
+    for (uint32_t spin = 0;; ++spin) {
+        if (ld_acquire_gpu_u32(word) == tag) return true;
+        if ((spin & 15u) == 15u) {
+            if (deadline.expired()) return false;
+            if (bail_on_report && timeout_reported(err)) return false;
+        }
+    }
+}
+
+// A wait for `peer` gave up: with shrinking enabled the peer is masked, else the timeout is reported.
+__device__ __forceinline__ void peer_timed_out(int* mask, int peer, bool shrink, ErrorRecord* err, int op,
+                                               int rank, int line, const Deadline& deadline) {
+    if (shrink) {
+        atomicExch(mask + peer, 1);
+        __threadfence_system();
+    } else {
+        report_timeout(err, op, rank, peer, line, deadline.elapsed_ns());
+    }
+}
+
+// ---- BF16 / FP8 -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ __forceinline__ void unpack_bf16x8(const int4& v, float (&f)[8]) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = bf16_bits_to_float(w[i] & 0xffffu);
+        f[2 * i + 1] = bf16_bits_to_float(w[i] >> 16);
+    }
+}
+
+__device__ __forceinline__ uint32_t float_to_bf16_bits(float f) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(f)));
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float (&f)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = float_to_bf16_bits(f[2 * i]) | (float_to_bf16_bits(f[2 * i + 1]) << 16);
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// Round a positive normal float up to a power of two, exactly (mantissa cleared, exponent bumped).
+__device__ __forceinline__ float round_up_pow2(float s) {
+    uint32_t bits = __float_as_uint(s);
+    if (bits & 0x007fffffu) bits = (bits & 0x7f800000u) + 0x00800000u;
+    return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ uint32_t fp8_e4m3(float v) {
+    return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One warp casts a BF16 row [kHidden] to FP8 e4m3 with one float32 scale per 128 channels:
+//   amax = max(max|x|, 1e-4), scale = amax / 448 (IEEE division), optionally rounded up to 2^k,
+//   q = e4m3_satfinite(x / scale). Data go to dst[0 .. kHidden), scales to dst_scales[kHidden / 128].
+// Each lane handles 16 consecutive channels, so 8 lanes cover one block.
+template <int kHidden>
+__device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, uint8_t* dst, float* dst_scales,
+                                             bool round_scale, int lane) {
+    static_assert(kHidden % kChannelsPerBlock == 0, "FP8 rows need hidden % 128 == 0");
+    constexpr int kPerStep = 32 * 16;
+#pragma unroll 2
+    for (int base = 0; base < kHidden; base += kPerStep) {
+        const int col = base + lane * 16;
+        const bool active = col < kHidden;
+        float v[16];
+        if (active) {
+            const int4 a = ld_nc_v4(reinterpret_cast<const int4*>(src + col));
+            const int4 b = ld_nc_v4(reinterpret_cast<const int4*>(src + col + 8));
+            float fa[8], fb[8];
+            unpack_bf16x8(a, fa);
+            unpack_bf16x8(b, fb);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                v[i] = fa[i];
+                v[8 + i] = fb[i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
+        amax = fmaxf(amax, 1e-4f);
+        float scale = __fdiv_rn(amax, 448.0f);
+        if (round_scale) scale = round_up_pow2(scale);
+        if (active) {
+            uint32_t w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                w[j] = fp8_e4m3(__fdiv_rn(v[4 * j], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * j + 1], scale)) << 8) |
+                       (fp8_e4m3(__fdiv_rn(v[4 * j + 2], scale)) << 16) |
+                       (fp8_e4m3(__fdiv_rn(v[4 * j + 3], scale)) << 24);
+            }
+            st_na_v4(reinterpret_cast<int4*>(dst + col),
+                     make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                               static_cast<int>(w[3])));
+            if ((lane & 7) == 0) dst_scales[col / kChannelsPerBlock] = scale;
+        }
+    }
+}
+
+// ---- copies -----------------------------------------------------------------------------------------
+
+enum class Load { kNonCoherent, kL2, kPlain };
+
+template <Load kLoad>
+__device__ __forceinline__ int4 load_v4(const int4* p) {
+    if constexpr (kLoad == Load::kNonCoherent) return ld_nc_v4(p);
+    else if constexpr (kLoad == Load::kL2) return ld_cg_v4(p);
+    else return ld_v4(p);
+}
+
+// One warp copies kInt4 16-byte words, four per lane in flight.
+template <int kInt4, Load kLoad>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int lane) {
+    constexpr int kIters = (kInt4 + 31) / 32;
+    constexpr int kBatch = 4;
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int4* s = reinterpret_cast<const int4*>(src);
+#pragma unroll
+    for (int i0 = 0; i0 < kIters; i0 += kBatch) {
+        int4 r[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const int idx = (i0 + j) * 32 + lane;
+            if (i0 + j < kIters && idx < kInt4) r[j] = load_v4<kLoad>(s + idx);
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const int idx = (i0 + j) * 32 + lane;
+            if (i0 + j < kIters && idx < kInt4) st_na_v4(d + idx, r[j]);
+        }
+    }
+}
+
+// ---- LogFMT-10 --------------------------------------------------------------------------------------
+// Block of 128 channels: lo / hi = min / max of log2|v| over nonzero v; step = (hi - lo) / 510;
+// code 0 = zero, else (sign << 9) | (round((log2|v| - lo) / step) + 1). Wire block: float lo, float hi,
+// low code bytes [128], then 2-bit high parts packed 4 per byte [32] (channel i at bits 2*(i%4)).
+
+// One warp encodes a BF16 row [kHidden] into dst (kHidden / 128 wire blocks). dst may alias src: each
+// step loads before any lane stores, and a block's encoding never reaches bytes not yet loaded.
+template <int kHidden, Load kLoad>
+__device__ __forceinline__ void logfmt_encode_row(const uint16_t* src, uint8_t* dst, int lane) {
+    static_assert(kHidden % kChannelsPerBlock == 0, "LogFMT rows need hidden % 128 == 0");
+    constexpr int kPerStep = 32 * 8;
+    for (int base = 0; base < kHidden; base += kPerStep) {
+        const int col = base + lane * 8;
+        const bool active = col < kHidden;
+        float v[8];
+        if (active) {
+            unpack_bf16x8(load_v4<kLoad>(reinterpret_cast<const int4*>(src + col)), v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+        }
+        float lg[8];
+        float lo = __int_as_float(0x7f800000);   // +inf
+        float hi = __int_as_float(0xff800000);   // -inf
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            lg[i] = 0.0f;
+            if (v[i] != 0.0f) {
+                lg[i] = log2f(fabsf(v[i]));
+                lo = fminf(lo, lg[i]);
+                hi = fmaxf(hi, lg[i]);
+            }
+        }
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1) {
+            lo = fminf(lo, __shfl_xor_sync(kFullMask, lo, o));
+            hi = fmaxf(hi, __shfl_xor_sync(kFullMask, hi, o));
+        }
+        if (lo > hi) {  // no nonzero value in the block
+            lo = 0.0f;
+            hi = 0.0f;
+        }
+        const float step = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(kLogfmtLevels));
+        uint64_t low = 0;
+        uint32_t high = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            uint32_t code = 0;
+            if (v[i] != 0.0f) {
+                float m = 0.0f;
+                if (step > 0.0f) {
+                    m = rintf(__fdiv_rn(__fsub_rn(lg[i], lo), step));
+                    m = fminf(fmaxf(m, 0.0f), static_cast<float>(kLogfmtLevels));
+                }
+                code = ((v[i] < 0.0f ? 1u : 0u) << 9) | (static_cast<uint32_t>(m) + 1u);
+            }
+            low |= static_cast<uint64_t>(code & 0xffu) << (8 * i);
+            high |= ((code >> 8) & 3u) << (2 * i);
+        }
+        __syncwarp();
+        if (active) {
+            const int j = (col % kChannelsPerBlock) / 8;
+            uint8_t* blk = dst + (col / kChannelsPerBlock) * kLogfmtBlockBytes;
+            *reinterpret_cast<uint64_t*>(blk + 8 + j * 8) = low;
+            *reinterpret_cast<uint16_t*>(blk + 8 + 128 + j * 2) = static_cast<uint16_t>(high);
+            if (j == 0) *reinterpret_cast<float2*>(blk) = make_float2(lo, hi);
+        }
+        __syncwarp();
+    }
+}
+
+// Decode the 8 channels [col, col + 8) of a received LogFMT row, rounded to BF16 as the combine wants.
+__device__ __forceinline__ void logfmt_decode8(const uint8_t* row, int col, float (&f)[8]) {
+    const int j = (col % kChannelsPerBlock) / 8;
+    const uint8_t* blk = row + (col / kChannelsPerBlock) * kLogfmtBlockBytes;
+    const uint64_t meta = ld_cg_u64(blk);
+    const float lo = __uint_as_float(static_cast<uint32_t>(meta));
+    const float hi = __uint_as_float(static_cast<uint32_t>(meta >> 32));
+    const uint64_t low = ld_cg_u64(blk + 8 + j * 8);
+    const uint32_t high = ld_cg_u16(blk + 8 + 128 + j * 2);
+    const float step = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(kLogfmtLevels));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t code = static_cast<uint32_t>((low >> (8 * i)) & 0xffu) | (((high >> (2 * i)) & 3u) << 8);
+        const uint32_t mag = code & 0x1ffu;
+        float x = 0.0f;
+        if (mag != 0) {
+            const float e = __fadd_rn(lo, __fmul_rn(static_cast<float>(mag - 1u), step));
+            x = exp2f(e);
+            if (code & 0x200u) x = -x;
+            x = bf16_bits_to_float(float_to_bf16_bits(x));
+        }
+        f[i] = x;
+    }
+}
+
+}  // namespace ll
+}  // namespace deepep

@@ -1,0 +1,193 @@
+"""Byte layout of the low-latency symmetric buffer, and DeepEP's size hint for it.
+
+The symmetric (NVSHMEM) buffer holds two identical halves, *buffer 0* and *buffer 1*: every
+low-latency dispatch and every combine uses one half and the next call uses the other, so one call's
+receive side may still be read while the next call's send side runs. Inside one half, at offsets that
+are the same on every rank (which is what makes the addresses symmetric)::
+
+    tags      uint32 [E]          one word per (receiver-side) slot: (sequence tag << 16) | count
+    arrivals  uint64 [E]          put-with-signal counters (only the RMA path, see below)
+    src_idx   int32  [E, T]       dispatch: source token index of each received row
+    recv      bytes  [E, T, 2H]   received rows; dispatch reads it as [E_local, R, T], combine as [E, T]
+    send      bytes  [E_local, R*T, 2H]
+              combine: the rows to return (the zero-copy buffer); RMA path: staging for the puts.
+              dispatch (RMA path only): [T] staged messages of 2H bytes.
+
+A receive slot is ``2H`` bytes whatever the format: a BF16 row, an FP8 row followed by its float32
+scales (``H + 4 * H/128`` bytes), or a LogFMT-10 row (``168`` bytes per 128 channels).
+
+Both halves fit in the number of bytes DeepEP's ``Buffer.get_low_latency_rdma_size_hint`` returns
+for the same arguments (checked by the unit tests for realistic shapes); :func:`rdma_size_hint`
+reproduces that formula exactly so that code sized for DeepEP allocates the same amount here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "LOGFMT_BLOCK_BYTES",
+    "LowLatencyLayout",
+    "MAX_RANKS",
+    "MAX_TOKENS",
+    "MAX_TOPK",
+    "dispatch_message_bytes",
+    "combine_message_bytes",
+    "rdma_size_hint",
+]
+
+#: Channels per FP8 scale and per LogFMT block.
+BLOCK = 128
+#: One LogFMT-10 block on the wire: float32 lo, float32 hi, 128 low code bytes, 128 x 2 high code bits.
+LOGFMT_BLOCK_BYTES = 8 + 128 + 32
+#: Token chunks of 32 are tracked in shared memory (kMaxTokenChunks in layout.cuh).
+MAX_TOKENS = 256 * 32
+#: Per-rank mask snapshot in shared memory (kMaxRanks in layout.cuh).
+MAX_RANKS = 1024
+#: A token's experts are awaited by the lanes of one warp in the combine.
+MAX_TOPK = 32
+
+_ALIGN = 16
+_BUFFER_ALIGN = 128
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def dispatch_message_bytes(hidden: int, use_fp8: bool) -> int:
+    """Bytes a dispatch puts per row: BF16 data, or FP8 data plus float32 scales (16-byte multiple)."""
+    if use_fp8:
+        return _align(hidden + 4 * (hidden // BLOCK), _ALIGN)
+    return 2 * hidden
+
+
+def combine_message_bytes(hidden: int, use_logfmt: bool) -> int:
+    """Bytes a combine puts per row: BF16 data, or LogFMT-10 blocks."""
+    if use_logfmt:
+        return (hidden // BLOCK) * LOGFMT_BLOCK_BYTES
+    return 2 * hidden
+
+
+def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Exactly the byte count DeepEP's ``get_low_latency_rdma_size_hint`` returns for these arguments.
+
+    DeepEP sizes two send buffers, two receive buffers and two signalling areas from its message sizes
+    (a 16-byte header plus BF16 data, or FP8 data plus scales; combine: BF16 data plus 4 bytes per
+    128 channels) and rounds the sum up past the next 128-byte boundary.
+    """
+    t, h, e = int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)
+    num_scales = h // BLOCK
+    dispatch_msg = 16 + max(h * 2, h + num_scales * 4)
+    combine_msg = num_scales * 4 + h * 2
+    send = max(t * dispatch_msg, e * t * combine_msg)
+    recv = max(e * t * dispatch_msg, e * t * combine_msg)
+    signal = _align(e * 4, 128)
+    total = 2 * send + 2 * recv + 2 * signal
+    return (total + 128) // 128 * 128
+
+
+@dataclass(frozen=True)
+class LowLatencyLayout:
+    """Offsets of one low-latency buffer configuration (all in bytes from the symmetric base).
+
+    Arguments:
+        num_max_dispatch_tokens_per_rank: ``T``.
+        hidden: ``H``.
+        num_ranks: ``R``.
+        num_experts: ``E`` (a multiple of ``R``).
+    """
+
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_ranks: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
+        if t <= 0 or h <= 0 or r <= 0 or e <= 0:
+            raise ValueError(f"low-latency layout needs positive sizes, got T={t}, H={h}, R={r}, E={e}")
+        if e % r:
+            raise ValueError(f"num_experts={e} is not a multiple of the number of ranks {r}")
+        if h % 8:
+            raise ValueError(f"hidden={h} must be a multiple of 8")
+
+    # ---- sizes
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one receive slot (and of one staged row): ``2 * hidden``."""
+        return 2 * self.hidden
+
+    @property
+    def tags_bytes(self) -> int:
+        return 4 * self.num_experts
+
+    @property
+    def arrivals_bytes(self) -> int:
+        return 8 * self.num_experts
+
+    @property
+    def src_idx_bytes(self) -> int:
+        return 4 * self.num_experts * self.num_max_dispatch_tokens_per_rank
+
+    @property
+    def recv_bytes(self) -> int:
+        return self.num_experts * self.num_max_dispatch_tokens_per_rank * self.slot_bytes
+
+    @property
+    def send_bytes(self) -> int:
+        # E >= R >= 1 rows per token for the combine always cover the T staged dispatch messages.
+        return self.num_experts * self.num_max_dispatch_tokens_per_rank * self.slot_bytes
+
+    # ---- offsets inside one half
+    @property
+    def tags_offset(self) -> int:
+        return 0
+
+    @property
+    def arrivals_offset(self) -> int:
+        return _align(self.tags_offset + self.tags_bytes, _ALIGN)
+
+    @property
+    def src_idx_offset(self) -> int:
+        return _align(self.arrivals_offset + self.arrivals_bytes, _ALIGN)
+
+    @property
+    def recv_offset(self) -> int:
+        return _align(self.src_idx_offset + self.src_idx_bytes, _ALIGN)
+
+    @property
+    def send_offset(self) -> int:
+        return _align(self.recv_offset + self.recv_bytes, _ALIGN)
+
+    @property
+    def half_bytes(self) -> int:
+        """Bytes of one of the two halves (128-byte multiple)."""
+        return _align(self.send_offset + self.send_bytes, _BUFFER_ALIGN)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of symmetric memory the two halves need."""
+        return 2 * self.half_bytes
+
+    def half_base(self, buffer_idx: int) -> int:
+        if buffer_idx not in (0, 1):
+            raise ValueError(f"buffer index must be 0 or 1, got {buffer_idx}")
+        return buffer_idx * self.half_bytes
+
+    def region(self, buffer_idx: int, name: str) -> int:
+        """Byte offset from the symmetric base of ``name`` (tags, arrivals, src_idx, recv, send) in half
+        ``buffer_idx``."""
+        base = self.half_base(buffer_idx)
+        offsets = {"tags": self.tags_offset, "arrivals": self.arrivals_offset, "src_idx": self.src_idx_offset,
+                   "recv": self.recv_offset, "send": self.send_offset}
+        if name not in offsets:
+            raise KeyError(f"unknown low-latency buffer region {name!r}")
+        return base + offsets[name]
+
+    def signal_span(self, buffer_idx: int) -> tuple[int, int]:
+        """``(offset, bytes)`` of the tags and arrival counters of one half (what cleaning zeroes)."""
+        return self.region(buffer_idx, "tags"), self.src_idx_offset
+
+    def fits(self, num_bytes: int) -> bool:
+        return self.total_bytes <= int(num_bytes)

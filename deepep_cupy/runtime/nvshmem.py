@@ -1,0 +1,216 @@
+"""NVSHMEM for the low-latency kernels: process-wide initialisation through nvshmem4py and symmetric
+allocations.
+
+NVSHMEM is initialised once per process, by unique id: rank 0 of the group creates the id, the group
+broadcasts its 128 bytes, and every rank calls ``nvshmem.core.init(..., initializer_method="uid")``.
+The group must span the same processes as every later group that uses NVSHMEM in this process
+(NVSHMEM has one world). Environment variables that configure NVSHMEM are set before the first
+initialisation (see :func:`nvshmem_environment`); values the user already exported are kept, except
+``NVSHMEM_DISABLE_NVLS=1``, which is always set (NVLink multicast is never used).
+
+Each :class:`SymmetricAllocation` is one ``nvshmem_malloc`` (collective); freeing it is collective too.
+NVSHMEM stays initialised after the last allocation is freed, so the next Buffer in the same process
+starts without another bootstrap; :func:`finalize` shuts it down explicitly (collective), and a new
+allocation that needs a larger symmetric heap than the one NVSHMEM was started with re-initialises it
+when nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+__all__ = [
+    "SymmetricAllocation",
+    "acquire",
+    "finalize",
+    "heap_bytes_for",
+    "is_initialized",
+    "nvshmem_environment",
+]
+
+_MISSING = ("deepep_cupy: the low-latency kernels need nvshmem4py: pip install nvshmem4py-cu13 (or -cu12 for "
+            "CUDA 12)")
+_MIB = 1 << 20
+#: Headroom on top of the requested buffer for NVSHMEM's own symmetric objects (teams, barriers).
+_HEAP_SLACK = 256 * _MIB
+#: NVSHMEM maps the symmetric heap in chunks of this size (NVSHMEM_CUMEM_GRANULARITY).
+_GRANULARITY = 512 * _MIB
+
+_lock = threading.RLock()
+_state = {"initialized": False, "rank": None, "size": None, "device": None, "heap": 0, "live": 0, "own_heap": False}
+
+
+def _modules():
+    try:
+        import nvshmem.bindings as bindings
+        import nvshmem.core as core
+    except ImportError as exc:
+        raise RuntimeError(_MISSING) from exc
+    return core, bindings
+
+
+def heap_bytes_for(num_bytes: int) -> int:
+    """Symmetric heap size to request for one buffer of ``num_bytes``: the buffer plus slack, rounded up
+    to NVSHMEM's mapping granularity."""
+    need = int(num_bytes) + _HEAP_SLACK
+    return (need + _GRANULARITY - 1) // _GRANULARITY * _GRANULARITY
+
+
+def nvshmem_environment(environ, num_bytes: int, *, allow_nvlink: bool, num_qps_per_rank: int,
+                        allow_mnnvl: bool) -> dict[str, str]:
+    """The NVSHMEM variables to set before initialisation, given the current environment ``environ``.
+
+    Only variables absent from ``environ`` are returned, except ``NVSHMEM_DISABLE_NVLS`` which is always
+    ``1``. Pure function (the unit tests call it).
+    """
+    wanted = {
+        # RC queue pairs per peer and their depth, used by the InfiniBand GPU-initiated transport.
+        "NVSHMEM_IBGDA_NUM_RC_PER_PE": str(int(num_qps_per_rank)),
+        "NVSHMEM_QP_DEPTH": "1024",
+        "NVSHMEM_CUMEM_GRANULARITY": str(_GRANULARITY),
+        "NVSHMEM_SYMMETRIC_SIZE": str(heap_bytes_for(num_bytes)),
+    }
+    if not allow_nvlink:
+        wanted["NVSHMEM_DISABLE_P2P"] = "1"
+    if not allow_mnnvl:
+        wanted["NVSHMEM_DISABLE_MNNVL"] = "1"
+    out = {k: v for k, v in wanted.items() if k not in environ}
+    if environ.get("NVSHMEM_DISABLE_NVLS") != "1":
+        out["NVSHMEM_DISABLE_NVLS"] = "1"
+    return out
+
+
+def _parse_size(text: str) -> int:
+    """NVSHMEM size syntax: an integer with an optional k/m/g/t suffix (powers of 1024)."""
+    s = text.strip().lower()
+    scale = 1
+    if s and s[-1] in "kmgt":
+        scale = 1024 ** ("kmgt".index(s[-1]) + 1)
+        s = s[:-1]
+    if s.endswith("b"):
+        s = s[:-1]
+    return int(float(s) * scale)
+
+
+def is_initialized() -> bool:
+    return bool(_state["initialized"])
+
+
+def _init(group, device_id: int) -> None:
+    import numpy as np
+    from cuda.core import Device
+
+    core, bindings = _modules()
+    device = Device(device_id)
+    device.set_current()
+    if group.rank == 0:
+        uid = core.get_unique_id()
+        payload = bytes(uid._data.view(np.uint8))
+    else:
+        uid = core.get_unique_id(empty=True)
+        payload = None
+    payload = group.bcast_object(payload, root=0)
+    if group.rank != 0:
+        uid._data.view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
+    core.init(device=device, uid=uid, rank=group.rank, nranks=group.size, initializer_method="uid")
+    if int(bindings.my_pe()) != group.rank or int(bindings.n_pes()) != group.size:
+        raise RuntimeError(f"deepep_cupy: NVSHMEM reports PE {bindings.my_pe()} of {bindings.n_pes()}, "
+                           f"expected rank {group.rank} of {group.size}")
+    heap = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    _state.update(initialized=True, rank=group.rank, size=group.size, device=device_id,
+                  heap=_parse_size(heap) if heap else 1 << 30)
+
+
+def _finalize_locked() -> None:
+    if not _state["initialized"]:
+        return
+    core, _ = _modules()
+    core.finalize()
+    _state.update(initialized=False, rank=None, size=None, device=None, heap=0)
+
+
+def finalize() -> None:
+    """Shut NVSHMEM down (collective over the processes that initialised it). Frees nothing that is
+    still allocated: call it after every Buffer using NVSHMEM was destroyed."""
+    with _lock:
+        if _state["live"]:
+            raise RuntimeError(f"deepep_cupy: {_state['live']} NVSHMEM allocation(s) still alive; destroy the "
+                               "Buffers first")
+        _finalize_locked()
+
+
+class SymmetricAllocation:
+    """``nbytes`` of symmetric memory (same offsets on every PE).
+
+    Attributes:
+        ptr: this PE's device address.
+        nbytes: size in bytes.
+        array: a CuPy ``uint8`` view of the whole allocation.
+    """
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        import cupy
+
+        self.ptr = int(ptr)
+        self.nbytes = int(nbytes)
+        mem = cupy.cuda.UnownedMemory(self.ptr, self.nbytes, self)
+        self.array = cupy.ndarray((self.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        self._freed = False
+
+    def peer_ptr(self, pe: int, offset: int = 0) -> int:
+        """Address through which this GPU loads and stores ``pe``'s copy (0 when ``pe`` is not reachable
+        by loads and stores, e.g. over the network or with NVSHMEM_DISABLE_P2P)."""
+        _, bindings = _modules()
+        return int(bindings.ptr(self.ptr + int(offset), int(pe)))
+
+    def free(self) -> None:
+        """Collective: every PE frees its allocations in the same order."""
+        with _lock:
+            if self._freed:
+                return
+            _, bindings = _modules()
+            bindings.free(self.ptr)
+            self._freed = True
+            self.array = None
+            _state["live"] -= 1
+
+
+def acquire(group, device_id: int, num_bytes: int, *, allow_nvlink: bool = True, num_qps_per_rank: int = 24,
+            allow_mnnvl: bool = False) -> SymmetricAllocation:
+    """Initialise NVSHMEM if needed and allocate ``num_bytes`` of symmetric memory. Collective."""
+    num_bytes = int(num_bytes)
+    if num_bytes <= 0:
+        raise ValueError(f"symmetric allocation needs a positive size, got {num_bytes}")
+    _modules()
+    with _lock:
+        if _state["initialized"]:
+            if (_state["rank"], _state["size"]) != (group.rank, group.size):
+                raise RuntimeError(
+                    f"deepep_cupy: NVSHMEM is initialised for rank {_state['rank']} of {_state['size']}, but this "
+                    f"group is rank {group.rank} of {group.size}; NVSHMEM has one world per process")
+            if _state["device"] != device_id:
+                raise RuntimeError(f"deepep_cupy: NVSHMEM is bound to device {_state['device']}, not {device_id}")
+            if _state["own_heap"] and _state["live"] == 0 and num_bytes + _HEAP_SLACK > _state["heap"]:
+                # Nothing allocated and the heap we sized is too small: start over with a larger one.
+                _finalize_locked()
+                os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap_bytes_for(num_bytes))
+        if not _state["initialized"]:
+            changes = nvshmem_environment(os.environ, num_bytes, allow_nvlink=allow_nvlink,
+                                          num_qps_per_rank=num_qps_per_rank, allow_mnnvl=allow_mnnvl)
+            if "NVSHMEM_SYMMETRIC_SIZE" in changes:
+                _state["own_heap"] = True
+            os.environ.update(changes)
+            _init(group, device_id)
+        _, bindings = _modules()
+        from cuda.core import Device
+
+        Device(device_id).set_current()
+        ptr = int(bindings.malloc(num_bytes))
+        if ptr == 0:
+            raise MemoryError(
+                f"deepep_cupy: nvshmem_malloc({num_bytes}) failed: the symmetric heap "
+                f"(NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE', 'default')}) is too small; "
+                f"set NVSHMEM_SYMMETRIC_SIZE to at least {heap_bytes_for(num_bytes)} before the first Buffer")
+        _state["live"] += 1
+        return SymmetricAllocation(ptr, num_bytes)
