@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             const int64_t range = layout_range[le * num_ranks + dst];
             const int begin = static_cast<int>(range >> 32);
             int count = static_cast<int>(range & 0xffffffffll);
-            count = max(0, min(count, min(max_tokens, slab - begin)));
+            count = (begin < 0 || begin > slab) ? 0 : max(0, min(count, min(max_tokens, slab - begin)));
 
             uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
             const bool p2p = peer_recv != nullptr;

@@ -1,0 +1,268 @@
+"""Host side of the low-latency path, no GPU needed: DeepEP's size hint, the buffer layout, the warp
+split, the NVSHMEM environment, the kernels' row-assignment arithmetic, and a compile of small kernels."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from deepep_cupy.ops import low_latency as ll
+from deepep_cupy.ops.low_latency_layout import (
+    LOGFMT_BLOCK_BYTES,
+    LowLatencyLayout,
+    combine_message_bytes,
+    dispatch_message_bytes,
+    rdma_size_hint,
+)
+from deepep_cupy.runtime import nvshmem as nvshmem_runtime
+
+
+# ---------------------------------------------------------------- DeepEP's size hint
+def _deepep_hint(t, h, r, e):
+    """DeepEP's LowLatencyLayout total (csrc/config.hpp), spelled out step by step."""
+    num_scales = h // 128
+    bytes_per_dispatch_msg = 16 + max(h * 2, h + num_scales * 4)  # int4 header + data
+    bytes_per_combine_msg = num_scales * 4 + h * 2  # per-128 min/max (2 x bf16) + data
+    send = max(t * bytes_per_dispatch_msg, e * t * bytes_per_combine_msg)
+    recv = max(e * t * bytes_per_dispatch_msg, e * t * bytes_per_combine_msg)
+    signaling = -(-(e * 4) // 128) * 128
+    total = 2 * send + 2 * recv + 2 * signaling
+    return ((total + 128) // 128) * 128  # NUM_BUFFER_ALIGNMENT_BYTES = 128
+
+
+@pytest.mark.parametrize("t, h, r, e", [
+    (128, 7168, 2, 288), (128, 7168, 8, 256), (128, 4096, 2, 32), (256, 2048, 16, 64), (1, 128, 1, 1),
+    (512, 5120, 4, 16), (64, 2560, 32, 256), (96, 8, 2, 4), (128, 7168, 2, 256),
+])
+def test_size_hint_matches_deepep(t, h, r, e):
+    assert rdma_size_hint(t, h, r, e) == _deepep_hint(t, h, r, e)
+
+
+def test_size_hint_known_value():
+    # 128 tokens x 7168 hidden, 288 experts: 2 x 536739840 send + 2 x 536739840 receive + 2 x 1152 signal,
+    # rounded past the next 128 bytes.
+    assert rdma_size_hint(128, 7168, 2, 288) == 2146961792
+
+
+def test_size_hint_is_128_aligned():
+    for t, h, r, e in itertools.product((1, 7, 128), (8, 128, 1000, 7168), (1, 2, 8), (8, 24, 256)):
+        if e % r:
+            continue
+        hint = rdma_size_hint(t, h, r, e)
+        assert hint % 128 == 0 and hint > 0
+
+
+# ---------------------------------------------------------------- layout
+SHAPES = [(t, h, r, e_local * r)
+          for t in (1, 3, 32, 128, 1024)
+          for h in (8, 120, 128, 2048, 2056, 4096, 7168)
+          for r in (1, 2, 8, 16)
+          for e_local in (1, 4, 9, 144)]
+
+
+@pytest.mark.parametrize("t, h, r, e", SHAPES)
+def test_layout_fits_in_deepep_hint(t, h, r, e):
+    layout = LowLatencyLayout(t, h, r, e)
+    assert layout.fits(rdma_size_hint(t, h, r, e))
+
+
+@pytest.mark.parametrize("t, h, r, e", [(128, 7168, 2, 288), (3, 2056, 8, 72), (1, 8, 1, 1), (1024, 4096, 16, 256)])
+def test_layout_regions_are_disjoint_and_aligned(t, h, r, e):
+    layout = LowLatencyLayout(t, h, r, e)
+    sizes = {"tags": layout.tags_bytes, "arrivals": layout.arrivals_bytes, "src_idx": layout.src_idx_bytes,
+             "recv": layout.recv_bytes, "send": layout.send_bytes}
+    spans = []
+    for b in (0, 1):
+        for name, size in sizes.items():
+            off = layout.region(b, name)
+            assert off % 16 == 0, (name, off)
+            spans.append((off, off + size, f"{name}{b}"))
+        lo, hi = layout.half_base(b), layout.half_base(b) + layout.half_bytes
+        for off, end, name in spans[-len(sizes):]:
+            assert lo <= off and end <= hi, name
+    spans.sort()
+    for (a0, a1, na), (b0, b1, nb) in zip(spans, spans[1:]):
+        assert a1 <= b0, f"{na} overlaps {nb}"
+    assert layout.region(1, "tags") == layout.half_bytes
+    assert layout.total_bytes == 2 * layout.half_bytes and layout.half_bytes % 128 == 0
+    assert layout.region(0, "arrivals") % 8 == 0  # uint64 signal words
+
+
+def test_layout_slots_hold_every_message_format():
+    for h in (128, 256, 2048, 7168, 8192):
+        layout = LowLatencyLayout(64, h, 2, 16)
+        assert dispatch_message_bytes(h, True) <= layout.slot_bytes
+        assert dispatch_message_bytes(h, False) == layout.slot_bytes
+        assert combine_message_bytes(h, True) <= layout.slot_bytes
+        assert combine_message_bytes(h, False) == layout.slot_bytes
+        assert dispatch_message_bytes(h, True) % 16 == 0
+    assert combine_message_bytes(7168, True) == 56 * LOGFMT_BLOCK_BYTES
+    # The combine rows of every local expert and source fit the send area, and so do T staged messages.
+    layout = LowLatencyLayout(128, 7168, 2, 288)
+    assert layout.send_bytes >= 144 * 2 * 128 * 2 * 7168
+    assert layout.send_bytes >= 128 * layout.slot_bytes
+
+
+@pytest.mark.parametrize("bad", [(0, 128, 2, 8), (8, 128, 2, 7), (8, 100, 2, 8), (8, 128, 0, 8)])
+def test_layout_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError):
+        LowLatencyLayout(*bad)
+
+
+def test_layout_region_names():
+    layout = LowLatencyLayout(8, 128, 2, 8)
+    with pytest.raises(KeyError):
+        layout.region(0, "nope")
+    with pytest.raises(ValueError):
+        layout.region(2, "recv")
+
+
+# ---------------------------------------------------------------- warp split
+@pytest.mark.parametrize("experts", [1, 2, 8, 16, 132, 133, 256, 288, 527, 528, 529, 1024, 4096])
+@pytest.mark.parametrize("sms", [1, 8, 78, 132])
+def test_warp_split(experts, sms):
+    warps, groups, blocks = ll.warp_split(experts, sms)
+    assert 1 <= groups <= 4 and warps * groups <= 32 and warps >= 8
+    assert 1 <= blocks <= sms
+    assert blocks * groups >= min(experts, sms * groups)  # every group has a unit while units last
+    if experts <= sms * 4:
+        assert blocks * groups >= experts  # one pass covers all units
+
+
+def test_warp_split_benchmark_shape():
+    assert ll.warp_split(288, 132) == (10, 3, 96)
+
+
+# ---------------------------------------------------------------- the kernels' row assignment
+def _assign(chunk_masks, warps):
+    """Python copy of the send loop of ll_dispatch_kernel: (slot -> (warp, token))."""
+    out = {}
+    for warp in range(warps):
+        running = 0
+        for c, bits in enumerate(chunk_masks):
+            in_chunk = bin(bits).count("1")
+            first = running + (warp - running % warps + warps) % warps
+            for s in range(first, running + in_chunk, warps):
+                j = s - running
+                lanes = [lane for lane in range(32)
+                         if (bits >> lane) & 1 and bin(bits & ((1 << lane) - 1)).count("1") == j]
+                assert len(lanes) == 1
+                assert s not in out
+                out[s] = (warp, c * 32 + lanes[0])
+            running += in_chunk
+    return out
+
+
+@pytest.mark.parametrize("warps", [1, 3, 8, 10, 32])
+def test_send_rows_cover_tokens_in_order(warps):
+    rng = np.random.default_rng(warps)
+    for trial in range(20):
+        n = int(rng.integers(0, 200))
+        hits = rng.random(n) < rng.random()
+        masks = []
+        for c in range(-(-n // 32)):
+            bits = 0
+            for lane in range(32):
+                t = c * 32 + lane
+                if t < n and hits[t]:
+                    bits |= 1 << lane
+            masks.append(bits)
+        got = _assign(masks, warps)
+        tokens = np.nonzero(hits)[0].tolist()
+        assert sorted(got) == list(range(len(tokens)))
+        assert [got[s][1] for s in range(len(tokens))] == tokens  # slot order = token order
+        assert all(got[s][0] == s % warps for s in got)  # round-robin over the warps
+
+
+def _sequence_tag(s):
+    return (s - 1) % 65535 + 1
+
+
+def test_sequence_tags_never_zero_and_distinct_nearby():
+    tags = [_sequence_tag(s) for s in range(1, 200000)]
+    assert min(tags) == 1 and max(tags) == 65535
+    assert all(a != b for a, b in zip(tags, tags[1:]))
+
+
+# ---------------------------------------------------------------- environment, hooks, timeouts
+def test_nvshmem_environment_defaults():
+    env = nvshmem_runtime.nvshmem_environment({}, 1 << 30, allow_nvlink=True, num_qps_per_rank=24, allow_mnnvl=False)
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert env["NVSHMEM_DISABLE_MNNVL"] == "1"
+    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "24"
+    assert "NVSHMEM_DISABLE_P2P" not in env
+    assert int(env["NVSHMEM_SYMMETRIC_SIZE"]) >= (1 << 30) + (256 << 20)
+    assert int(env["NVSHMEM_SYMMETRIC_SIZE"]) % int(env["NVSHMEM_CUMEM_GRANULARITY"]) == 0
+
+
+def test_nvshmem_environment_respects_user_values():
+    user = {"NVSHMEM_SYMMETRIC_SIZE": "8G", "NVSHMEM_DISABLE_P2P": "0", "NVSHMEM_DISABLE_NVLS": "0",
+            "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
+    env = nvshmem_runtime.nvshmem_environment(user, 1 << 30, allow_nvlink=False, num_qps_per_rank=24,
+                                              allow_mnnvl=True)
+    assert "NVSHMEM_SYMMETRIC_SIZE" not in env and "NVSHMEM_DISABLE_P2P" not in env
+    assert "NVSHMEM_IBGDA_NUM_RC_PER_PE" not in env and "NVSHMEM_DISABLE_MNNVL" not in env
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"  # never multicast, whatever the user said
+    env = nvshmem_runtime.nvshmem_environment({}, 10, allow_nvlink=False, num_qps_per_rank=3, allow_mnnvl=True)
+    assert env["NVSHMEM_DISABLE_P2P"] == "1"
+
+
+def test_heap_size_and_parse():
+    assert nvshmem_runtime.heap_bytes_for(1) == 512 << 20
+    assert nvshmem_runtime.heap_bytes_for(2146961792) >= 2146961792 + (256 << 20)
+    assert nvshmem_runtime._parse_size("2G") == 2 << 30
+    assert nvshmem_runtime._parse_size("512m") == 512 << 20
+    assert nvshmem_runtime._parse_size("1234") == 1234
+
+
+def test_hook_runs_once():
+    calls = []
+    hook = ll._Hook(lambda: calls.append(1))
+    hook()
+    hook()
+    assert calls == [1]
+
+
+def test_timeout_from_env(monkeypatch):
+    monkeypatch.delenv("DEEPEP_CUPY_TIMEOUT_S", raising=False)
+    assert ll.timeout_ns() == 100 * 10**9
+    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", "2.5")
+    assert ll.timeout_ns() == 2_500_000_000
+    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError):
+        ll.timeout_ns()
+
+
+def test_kernel_names_match_specs():
+    spec = ll.dispatch_spec(7168, 8, 10, 3, True)
+    assert spec.nvshmem and spec.source == "low_latency/dispatch.cu"
+    assert ll.dispatch_kernel_name(7168, 8, 10, 3, True) in spec.name_expressions
+    assert ll.stage_kernel_name(7168, True) in spec.name_expressions
+    spec = ll.combine_spec(2048, 4, 16, 2, False)
+    assert spec.name_expressions == (ll.combine_kernel_name(2048, 4, 16, 2, False),)
+    assert len(set(ll.representative_builds())) == len(ll.representative_builds())
+
+
+# ---------------------------------------------------------------- compile (NVRTC + nvJitLink, no GPU)
+def _have_toolchain():
+    try:
+        from deepep_cupy.jit.compiler import toolchain
+
+        toolchain().require_nvshmem()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC / nvJitLink / NVSHMEM device library not installed")
+@pytest.mark.parametrize("spec", [ll.dispatch_spec(256, 2, 16, 2, True), ll.combine_spec(256, 3, 16, 2, True)],
+                         ids=["dispatch-fp8", "combine-logfmt"])
+def test_small_kernels_build(spec, tmp_path, monkeypatch):
+    from deepep_cupy.jit import build
+
+    monkeypatch.setenv("DEEPEP_CUPY_CACHE_DIR", str(tmp_path))
+    compiled = build(spec, "sm_90")
+    assert compiled.cubin_path.stat().st_size > 0
+    assert set(compiled.lowered_names) == set(spec.name_expressions)
