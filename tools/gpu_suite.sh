@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export DEEPEP_CUPY_CACHE_DIR=${DEEPEP_CUPY_CACHE_DIR:-/tmp/deepep-cupy-cache}
+export DEEPEP_CUPY_CACHE_DIR=${DEEPEP_CUPY_CACHE_DIR:-/tmp/deepep-cupy-cache} DEEPEP_CUPY_TIMEOUT_S=${DEEPEP_CUPY_TIMEOUT_S:-60}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
     parser.add_argument("--ll-experts", type=int, default=288)
+    parser.add_argument("--suite-timeout", type=float, default=240, help="seconds before a hung suite is killed")
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--plot", help="save a bar chart of GB/s to this PNG")
     args = parser.parse_args()
@@ -48,6 +50,8 @@ def main() -> None:
 
     rows = []
     for suite in (SUITES if args.suite == "all" else (args.suite,)):
+        # A suite that hangs (a peer gone, a collective mismatched) is killed with every thread's stack.
+        faulthandler.dump_traceback_later(args.suite_timeout, exit=True)
         module = importlib.import_module(f".{suite}", __package__)
         try:
             got = module.run(comm, args)
@@ -57,6 +61,7 @@ def main() -> None:
             r.setdefault("suite", suite)
         rows += got
         comm.Barrier()
+        faulthandler.cancel_dump_traceback_later()
     if comm.Get_rank() == 0:
         print(f"\n{comm.Get_size()} ranks, {args.tokens} tokens x {args.hidden} hidden, top-{args.topk} of "
               f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
