@@ -83,7 +83,7 @@ def test_layout_regions_are_disjoint_and_aligned(t, h, r, e):
         for off, end, name in spans[-len(sizes):]:
             assert lo <= off and end <= hi, name
     spans.sort()
-    for (a0, a1, na), (b0, b1, nb) in zip(spans, spans[1:]):
+    for (_a0, a1, na), (b0, _b1, nb) in zip(spans[:-1], spans[1:], strict=True):
         assert a1 <= b0, f"{na} overlaps {nb}"
     assert layout.region(1, "tags") == layout.half_bytes
     assert layout.total_bytes == 2 * layout.half_bytes and layout.half_bytes % 128 == 0
@@ -158,7 +158,7 @@ def _assign(chunk_masks, warps):
 @pytest.mark.parametrize("warps", [1, 3, 8, 10, 32])
 def test_send_rows_cover_tokens_in_order(warps):
     rng = np.random.default_rng(warps)
-    for trial in range(20):
+    for _ in range(20):
         n = int(rng.integers(0, 200))
         hits = rng.random(n) < rng.random()
         masks = []
@@ -183,7 +183,7 @@ def _sequence_tag(s):
 def test_sequence_tags_never_zero_and_distinct_nearby():
     tags = [_sequence_tag(s) for s in range(1, 200000)]
     assert min(tags) == 1 and max(tags) == 65535
-    assert all(a != b for a, b in zip(tags, tags[1:]))
+    assert all(a != b for a, b in zip(tags[:-1], tags[1:], strict=True))
 
 
 # ---------------------------------------------------------------- environment, hooks, timeouts
