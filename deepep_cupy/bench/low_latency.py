@@ -1,0 +1,166 @@
+"""Low-latency kernels on DeepEP's decode workload: 128 tokens per rank, hidden 7168, top-8 of 288 experts,
+FP8 dispatch and BF16 combine (``--ll-tokens``, ``--hidden``, ``--ll-experts``, ``--topk`` change it).
+
+Bytes are counted as DeepEP's tests/test_low_latency.py counts them: per sending rank, for every token and
+every valid top-k entry, ``H + H/128*4 + 16`` bytes (FP8 dispatch), ``2H`` (BF16 dispatch and combine) or
+``10H/8 + H/128*4`` (LogFMT combine).
+
+Timing: each sample first parks the GPU in a short sleep kernel, so that the host can queue the timed
+operations behind it; the CUDA events then measure only GPU time, with no launch gaps. A sample times
+``--ll-reps`` consecutive operations (the ranks' start skew is spread over them) and reports the mean per
+operation; the table shows the median sample, averaged over the ranks. With the receive hook, each send
+and each receive kernel is bracketed by its own events.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from .timing import row
+
+__all__ = ["run"]
+
+_SLEEP_SRC = r"""
+extern "C" __global__ void park(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(10000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+def _park_kernel():
+    import cupy
+
+    return cupy.RawKernel(_SLEEP_SRC, "park")
+
+
+def _bytes(topk_idx: np.ndarray, hidden: int) -> dict[str, float]:
+    selections = int((topk_idx != -1).sum())
+    return {
+        "fp8": selections * (hidden + hidden / 128 * 4 + 16),
+        "bf16": selections * hidden * 2.0,
+        "logfmt": selections * (hidden * 10 / 8 + hidden / 128 * 4),
+    }
+
+
+def run(comm, args) -> list[dict]:
+    """Benchmark rows (``op``, ``us``, ``GB/s``, ``SMs``) for the low-latency kernels; collective."""
+    import cupy
+    import ml_dtypes
+
+    import deepep_cupy
+    from deepep_cupy.interop import TensorKind, _cupy_holds, from_numpy
+    from deepep_cupy.ops.low_latency import warp_split
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t_max = int(getattr(args, "ll_tokens", 128))
+    hidden = int(getattr(args, "hidden", 7168))
+    num_experts = int(getattr(args, "ll_experts", 288))
+    topk = int(getattr(args, "topk", 8))
+    reps = int(getattr(args, "ll_reps", 10))
+    samples = int(getattr(args, "ll_samples", 20))
+    dev = cupy.cuda.runtime.getDevice()
+    fw = "cupy" if _cupy_holds(np.dtype(ml_dtypes.bfloat16)) else "torch"
+    like = TensorKind(fw, dev)
+
+    rng = np.random.default_rng(2024 + rank)
+    x = (rng.standard_normal((t_max, hidden)) * 0.5).astype(np.float32).astype(ml_dtypes.bfloat16)
+    scores = np.abs(rng.standard_normal((t_max, num_experts))).astype(np.float32) + 1
+    topk_idx = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int64)
+    for _ in range(10):  # a few empty slots, as DeepEP's test has
+        topk_idx[rng.integers(t_max), rng.integers(topk)] = -1
+    weights = rng.random((t_max, topk), dtype=np.float32)
+    e_local = num_experts // size
+    expert_out = (rng.standard_normal((e_local, size * t_max, hidden)) * 0.1).astype(np.float32).astype(
+        ml_dtypes.bfloat16)
+    nbytes = _bytes(topk_idx, hidden)
+
+    buf = deepep_cupy.Buffer(comm=comm, num_rdma_bytes=deepep_cupy.Buffer.get_low_latency_rdma_size_hint(
+        t_max, hidden, size, num_experts), low_latency_mode=True, num_qps_per_rank=max(1, num_experts // size),
+        explicitly_destroy=True)
+    rows: list[dict] = []
+    try:
+        x_d, topk_d, w_d, eo_d = (from_numpy(a, like) for a in (x, topk_idx, weights, expert_out))
+        park = _park_kernel()
+        stream = cupy.cuda.get_current_stream()
+
+        def dispatch(fp8=True, hook=False):
+            return buf.low_latency_dispatch(x_d, topk_d, t_max, num_experts, use_fp8=fp8, return_recv_hook=hook)
+
+        _, _, handle, _, _ = dispatch()
+
+        def combine(logfmt=False, hook=False):
+            return buf.low_latency_combine(eo_d, topk_d, w_d, handle, use_logfmt=logfmt, return_recv_hook=hook)
+
+        def sample(ops, with_parts=False):
+            """One sample: mean GPU microseconds per op (and per part with hooks)."""
+            comm.Barrier()
+            park((1,), (1,), (np.uint64(5_000_000),))
+            if not with_parts:
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                for _ in range(reps):
+                    ops()
+                end.record(stream)
+                end.synchronize()
+                return cupy.cuda.get_elapsed_time(start, end) * 1e3 / reps, None
+            events = []
+            for _ in range(reps):
+                e0, e1, e2 = cupy.cuda.Event(), cupy.cuda.Event(), cupy.cuda.Event()
+                e0.record(stream)
+                hook = ops()
+                e1.record(stream)
+                hook()
+                e2.record(stream)
+                events.append((e0, e1, e2))
+            events[-1][2].synchronize()
+            send = sum(cupy.cuda.get_elapsed_time(a, b) for a, b, _ in events) * 1e3 / reps
+            recv = sum(cupy.cuda.get_elapsed_time(b, c) for _, b, c in events) * 1e3 / reps
+            return send, recv
+
+        def measure(ops, with_parts=False):
+            for _ in range(2):  # warm-up (compiles, first-touch)
+                sample(ops, with_parts)
+            got = [sample(ops, with_parts) for _ in range(samples)]
+            first = statistics.median(g[0] for g in got)
+            second = statistics.median(g[1] for g in got) if with_parts else None
+            firsts = comm.allgather(first)
+            seconds = comm.allgather(second)
+            return float(np.mean(firsts)), (float(np.mean(seconds)) if with_parts else None)
+
+        _, _, sms = warp_split(num_experts, buf.runtime.low_latency.num_sms)
+
+        us, _ = measure(lambda: dispatch())
+        rows.append(row("LL dispatch FP8", us, nbytes["fp8"], sms))
+        us, _ = measure(lambda: dispatch(fp8=False))
+        rows.append(row("LL dispatch BF16", us, nbytes["bf16"], sms))
+        us, _ = measure(lambda: combine())
+        rows.append(row("LL combine BF16", us, nbytes["bf16"], sms))
+        us, _ = measure(lambda: combine(logfmt=True))
+        rows.append(row("LL combine LogFMT", us, nbytes["logfmt"], sms))
+
+        def both():
+            nonlocal handle
+            _, _, handle, _, _ = dispatch()
+            combine()
+
+        us, _ = measure(both)
+        rows.append(row("LL dispatch+combine", us, nbytes["fp8"] + nbytes["bf16"], sms))
+
+        send, recv = measure(lambda: dispatch(hook=True)[4], with_parts=True)
+        rows.append(row("LL dispatch send (hook)", send, None, sms))
+        rows.append(row("LL dispatch recv (hook)", recv, None, sms))
+        send, recv = measure(lambda: combine(hook=True)[2], with_parts=True)
+        rows.append(row("LL combine send (hook)", send, None, sms))
+        rows.append(row("LL combine recv (hook)", recv, None, sms))
+    finally:
+        cupy.cuda.Device().synchronize()
+        comm.Barrier()
+        buf.destroy()
+    return rows
