@@ -55,11 +55,11 @@ run_tests() {  # name, test path, timeout
 }
 
 stage_tests-layout() { run_tests tests-layout tests/gpu/test_layout.py 300; }
-stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 420; }
+stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 300; }
 stage_tests-low-latency() { run_tests tests-low-latency tests/gpu/test_low_latency.py 420; }
 
 stage_bench() {
-    timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} --num-sms 24 --json "$OUT/bench.json" \
+    timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} --suite-timeout ${SUITE_TIMEOUT:-180} --num-sms 24 --json "$OUT/bench.json" \
         --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
     SUMMARY+=("bench (rc $?): see table below")
 }

@@ -18,7 +18,7 @@ SUITES = ("baselines", "intranode", "low_latency")
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all",))
+    parser.add_argument("suites", nargs="*", default=["all"], choices=SUITES + ("all",))
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (normal kernels)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
@@ -49,7 +49,7 @@ def main() -> None:
         pass
 
     rows = []
-    for suite in (SUITES if args.suite == "all" else (args.suite,)):
+    for suite in (SUITES if "all" in args.suites else args.suites):
         # A suite that hangs (a peer gone, a collective mismatched) is killed with every thread's stack.
         faulthandler.dump_traceback_later(args.suite_timeout, exit=True)
         module = importlib.import_module(f".{suite}", __package__)
