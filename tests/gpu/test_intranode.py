@@ -272,7 +272,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         bias_dev = (_to_dev(b0, fw, env), _to_dev(b1, fw, env))
     _poison(env, fw, [n * hidden * 2, n * k * 4])
     combined = buf.combine(_to_dev(y_np, fw, env), handle, topk_weights=_to_dev(yw_np, fw, env), bias=bias_dev,
-                           config=_cfg(env, recv))
+                           config=cfg)
     r_comb = ref.combine(y_np, refs[5], topk_weights=yw_np, bias_0=b0, bias_1=b1)
     _check_combine(combined[:2], r_comb, n)
     return num_recv
