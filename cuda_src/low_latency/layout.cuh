@@ -110,6 +110,16 @@ __device__ __forceinline__ uint16_t ld_cg_u16(const void* p) {
     return v;
 }
 
+// Read-only 16-byte load for inputs nobody writes while the kernel runs (x, staged rows). Not volatile
+// and without a memory clobber, so the compiler may issue it early, ahead of unrelated stores.
+__device__ __forceinline__ int4 ldg_v4(const void* p) {
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 // Barrier over the `threads` threads of one warp group (ids 1..15; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -232,53 +242,67 @@ __device__ __forceinline__ uint32_t fp8_e4m3(float v) {
 // One warp casts a BF16 row [kHidden] to FP8 e4m3 with one float32 scale per 128 channels:
 //   amax = max(max|x|, 1e-4), scale = amax / 448 (IEEE division), optionally rounded up to 2^k,
 //   q = e4m3_satfinite(x / scale). Data go to dst[0 .. kHidden), scales to dst_scales[kHidden / 128].
-// Each lane handles 16 consecutive channels, so 8 lanes cover one block.
+// Each lane handles 16 consecutive channels per step, so 8 lanes cover one block; the loads of two
+// steps are in flight together.
 template <int kHidden>
 __device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, uint8_t* dst, float* dst_scales,
                                              bool round_scale, int lane) {
     static_assert(kHidden % kChannelsPerBlock == 0, "FP8 rows need hidden % 128 == 0");
     constexpr int kPerStep = 32 * 16;
-#pragma unroll 2
-    for (int base = 0; base < kHidden; base += kPerStep) {
-        const int col = base + lane * 16;
-        const bool active = col < kHidden;
-        float v[16];
-        if (active) {
-            const int4 a = ld_nc_v4(reinterpret_cast<const int4*>(src + col));
-            const int4 b = ld_nc_v4(reinterpret_cast<const int4*>(src + col + 8));
-            float fa[8], fb[8];
-            unpack_bf16x8(a, fa);
-            unpack_bf16x8(b, fb);
+    constexpr int kSteps = (kHidden + kPerStep - 1) / kPerStep;
+    constexpr int kBatch = 2;
+#pragma unroll 1
+    for (int s0 = 0; s0 < kSteps; s0 += kBatch) {
+        int4 raw[kBatch][2];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                v[i] = fa[i];
-                v[8 + i] = fb[i];
+        for (int j = 0; j < kBatch; ++j) {
+            const int col = (s0 + j) * kPerStep + lane * 16;
+            if (s0 + j < kSteps && col < kHidden) {
+                raw[j][0] = ldg_v4(src + col);
+                raw[j][1] = ldg_v4(src + col + 8);
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
         }
-        float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
-        amax = fmaxf(amax, 1e-4f);
-        float scale = __fdiv_rn(amax, 448.0f);
-        if (round_scale) scale = round_up_pow2(scale);
-        if (active) {
-            uint32_t w[4];
+        for (int j = 0; j < kBatch; ++j) {
+            if (s0 + j >= kSteps) break;  // uniform over the warp
+            const int col = (s0 + j) * kPerStep + lane * 16;
+            const bool active = col < kHidden;
+            float v[16];
+            if (active) {
+                float fa[8], fb[8];
+                unpack_bf16x8(raw[j][0], fa);
+                unpack_bf16x8(raw[j][1], fb);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                w[j] = fp8_e4m3(__fdiv_rn(v[4 * j], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * j + 1], scale)) << 8) |
-                       (fp8_e4m3(__fdiv_rn(v[4 * j + 2], scale)) << 16) |
-                       (fp8_e4m3(__fdiv_rn(v[4 * j + 3], scale)) << 24);
+                for (int i = 0; i < 8; ++i) {
+                    v[i] = fa[i];
+                    v[8 + i] = fb[i];
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; ++i) v[i] = 0.0f;
             }
-            st_na_v4(reinterpret_cast<int4*>(dst + col),
-                     make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
-                               static_cast<int>(w[3])));
-            if ((lane & 7) == 0) dst_scales[col / kChannelsPerBlock] = scale;
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
+            amax = fmaxf(amax, 1e-4f);
+            float scale = __fdiv_rn(amax, 448.0f);
+            if (round_scale) scale = round_up_pow2(scale);
+            if (active) {
+                uint32_t w[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    w[q] = fp8_e4m3(__fdiv_rn(v[4 * q], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * q + 1], scale)) << 8) |
+                           (fp8_e4m3(__fdiv_rn(v[4 * q + 2], scale)) << 16) |
+                           (fp8_e4m3(__fdiv_rn(v[4 * q + 3], scale)) << 24);
+                }
+                st_na_v4(reinterpret_cast<int4*>(dst + col),
+                         make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                                   static_cast<int>(w[3])));
+                if ((lane & 7) == 0) dst_scales[col / kChannelsPerBlock] = scale;
+            }
         }
     }
 }
@@ -289,7 +313,7 @@ enum class Load { kNonCoherent, kL2, kPlain };
 
 template <Load kLoad>
 __device__ __forceinline__ int4 load_v4(const int4* p) {
-    if constexpr (kLoad == Load::kNonCoherent) return ld_nc_v4(p);
+    if constexpr (kLoad == Load::kNonCoherent) return ldg_v4(p);
     else if constexpr (kLoad == Load::kL2) return ld_cg_v4(p);
     else return ld_v4(p);
 }
