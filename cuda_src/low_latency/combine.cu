@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     __threadfence_system();  // the transport may read the staged row with a copy engine or NIC
                     __syncwarp();
                     nvshmemx_putmem_nbi_warp(sym_recv + slot * kSlotBytes, stage_row, kRowBytes, dst);
+                    __threadfence_system();  // whatever lanes stored for the put is ordered before the signal
                     __syncwarp();
                     if (lane == 0) {
                         nvshmem_fence();

@@ -132,6 +132,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                         // Row and token id, then (ordered behind them by the fence) one count increment.
                         nvshmemx_putmem_nbi_warp(sym_recv + static_cast<size_t>(slot) * kSlotBytes,
                                                  sym_stage + static_cast<size_t>(t) * kSlotBytes, kMsgBytes, dst);
+                        __threadfence_system();  // whatever lanes stored for the put is ordered before the signal
                         __syncwarp();
                         if (lane == 0) {
                             nvshmem_int_p(sym_src_idx + slot, t, dst);
