@@ -18,6 +18,10 @@ Environment:
         :class:`deepep_cupy.errors.DeepEPTimeoutError`.
     DEEPEP_CUPY_LL_FORCE_RMA=1: use NVSHMEM puts even to peers reachable by loads and stores (exercises
         the network code path on one node).
+    DEEPEP_CUPY_LL_STAGE=1: cast each token to FP8 once into the symmetric staging area (one extra kernel)
+        and copy the staged rows, instead of casting on the fly for every destination expert. Always on
+        when some peer is reached through puts. ``LowLatencyEngine.staged`` may also be changed between
+        calls.
 """
 
 from __future__ import annotations
@@ -216,7 +220,8 @@ class LowLatencyEngine:
             try:
                 # Peers reachable by loads and stores get direct stores; any other peer needs staging.
                 self.p2p_peers = [self._sym.peer_ptr(pe) != 0 for pe in range(self.num_ranks)]
-                self.staged = self.force_rma or not all(self.p2p_peers)
+                self.staged = (self.force_rma or not all(self.p2p_peers)
+                               or os.environ.get("DEEPEP_CUPY_LL_STAGE", "0") == "1")
                 self.errors = KernelErrorRecord()
                 self.mask = cupy.zeros(self.num_ranks, dtype=cupy.int32)
                 # Per buffer half: send sequence, its readers, receive sequence, its readers.
