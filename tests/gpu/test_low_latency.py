@@ -371,6 +371,19 @@ def test_logfmt(env, hidden):
     _agree(failures)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_precast_staging(env, fp8):
+    """Tokens cast once into the staging area, then copied over NVLink (engine.staged)."""
+    engine = env["buf"].runtime.low_latency
+    saved, engine.staged = engine.staged, True
+    try:
+        failures, _, _ = _round(env, FRAMEWORKS[0], seed=17, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
+                                fp8=fp8, round_scale=fp8)
+    finally:
+        engine.staged = saved
+    _agree(failures)
+
+
 def test_stats(env):
     failures, _, _ = _round(env, FRAMEWORKS[0], seed=14, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
                             fp8=True, stats=True)
