@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
-#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-intranode tests-low-latency bench
+#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode tests-low-latency startup bench
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
 set -uo pipefail
@@ -17,7 +17,7 @@ NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "$NGPU" --bind-to none
         -x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
         -x PYTHONUNBUFFERED -x DEEPEP_CUPY_CACHE_DIR -x DEEPEP_CUPY_TIMEOUT_S)
-STAGES=${*:-info compile tests-layout tests-intranode tests-low-latency bench}
+STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency startup bench}
 SUMMARY=()
 
 stage_info() {
@@ -57,6 +57,15 @@ run_tests() {  # name, test path, timeout
 stage_tests-layout() { run_tests tests-layout tests/gpu/test_layout.py 300; }
 stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 300; }
 stage_tests-low-latency() { run_tests tests-low-latency tests/gpu/test_low_latency.py 420; }
+
+stage_startup() {
+    local cold; cold=$(mktemp -d)
+    DEEPEP_CUPY_CACHE_DIR=$cold timeout 200 "${MPIRUN[@]}" python3 tools/startup_times.py cold > "$OUT/startup.log" 2>&1
+    DEEPEP_CUPY_CACHE_DIR=$cold timeout 120 "${MPIRUN[@]}" python3 tools/startup_times.py warm >> "$OUT/startup.log" 2>&1
+    SUMMARY+=("$(grep -h STARTUP "$OUT/startup.log" | tr '\n' ';')")
+}
+
+stage_tests-misc() { run_tests tests-misc tests/gpu/test_buffer_misc.py 200; }
 
 stage_bench() {
     timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} --suite-timeout ${SUITE_TIMEOUT:-180} --num-sms 24 --json "$OUT/bench.json" \

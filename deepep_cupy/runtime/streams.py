@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 
 __all__ = ["current_stream", "DeviceEvent", "OpStreams"]
 
@@ -13,9 +15,19 @@ def current_stream(framework: str | None, device_id: int):
 
     torch = sys.modules.get("torch")
     if framework == "torch" or (framework is None and torch is not None and torch.cuda.is_initialized()):
-        ptr = torch.cuda.current_stream(device_id).cuda_stream
-        return cupy.cuda.ExternalStream(ptr, device_id)
+        return _external(torch.cuda.current_stream(device_id).cuda_stream, device_id)
     return cupy.cuda.get_current_stream(device_id)
+
+
+@functools.lru_cache(maxsize=64)
+def _external(ptr: int, device_id: int):
+    """A CuPy view of a stream another framework owns (cached: one wrapper per stream)."""
+    import cupy
+
+    with warnings.catch_warnings():
+        # Newer CuPy prefers Stream.from_external(obj), which needs the owner object; the pointer is what we have.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr, device_id)
 
 
 class DeviceEvent:
