@@ -19,6 +19,11 @@ def _align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def _slot_bytes(hidden_bytes: int) -> int:
+    """Bytes one ring slot reserves: the token, its source metadata, top-k ids (int64) and weights, scales."""
+    return hidden_bytes + _SOURCE_META_BYTES + _MAX_TOPK * 8 + _MAX_TOPK * 4 + _MAX_SCALES * 4
+
+
 @dataclass
 class Config:
     """How many SMs and how large chunks the high-throughput kernels use.
@@ -65,28 +70,18 @@ class Config:
             raise ValueError(f"num_ranks must be below {NUM_MAX_NVL_PEERS} or a multiple of it, got {num_ranks}")
         num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
         num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
-        per_slot = self.num_channels * num_nvl_ranks * self.num_max_nvl_chunked_recv_tokens
-        num_bytes = self.num_channels * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
-        num_bytes += per_slot * hidden_bytes
-        num_bytes += per_slot * _SOURCE_META_BYTES
-        num_bytes += per_slot * _MAX_TOPK * 8
-        num_bytes += per_slot * _MAX_TOPK * 4
-        num_bytes += per_slot * _MAX_SCALES * 4
-        return _align(num_bytes, 128)
+        slots = self.num_channels * num_nvl_ranks * self.num_max_nvl_chunked_recv_tokens
+        control = self.num_channels * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
+        return _align(control + slots * _slot_bytes(hidden_bytes), 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA buffer the internode kernels need; 0 when every rank shares one NVLink domain."""
         if num_ranks <= NUM_MAX_NVL_PEERS:
             return 0
         num_rdma_ranks = num_ranks // NUM_MAX_NVL_PEERS
-        per_slot = self.num_channels * num_rdma_ranks * self.num_max_rdma_chunked_recv_tokens * 2
-        num_bytes = self.num_channels * num_rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
-        num_bytes += per_slot * hidden_bytes
-        num_bytes += per_slot * _SOURCE_META_BYTES
-        num_bytes += per_slot * _MAX_TOPK * 8
-        num_bytes += per_slot * _MAX_TOPK * 4
-        num_bytes += per_slot * _MAX_SCALES * 4
-        return _align(num_bytes, 128)
+        slots = self.num_channels * num_rdma_ranks * self.num_max_rdma_chunked_recv_tokens * 2
+        control = self.num_channels * num_rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
+        return _align(control + slots * _slot_bytes(hidden_bytes), 128)
 
 
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 from .timing import row, time_op
 
@@ -20,15 +19,9 @@ def _torch_nccl(comm):
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        port = None
-        if comm.Get_rank() == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = comm.bcast(port, root=0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
-                                world_size=comm.Get_size(), device_id=torch.device("cuda", torch.cuda.current_device()))
+    from ..runtime.group import init_torch_distributed
+
+    init_torch_distributed(comm, "nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     return torch, dist
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group"]
+__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed"]
 
 
 class CommGroup(ABC):
@@ -98,3 +98,25 @@ def make_group(group=None, comm=None) -> CommGroup:
             raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}")
         return MPIGroup(comm)
     raise ValueError("Buffer needs a process group: pass group=<torch ProcessGroup> or comm=<mpi4py Comm>")
+
+
+def init_torch_distributed(comm, backend: str = "gloo", **kwargs) -> None:
+    """Start ``torch.distributed`` on the ranks of an mpi4py communicator within one host.
+
+    Rank 0 picks a free loopback port and the others learn it through MPI; does nothing when torch.distributed
+    is already initialised. Used by tests and benchmarks that compare against torch collectives.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), **kwargs)

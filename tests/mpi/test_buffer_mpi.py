@@ -4,8 +4,6 @@ torch.distributed (gloo) groups give the same results.
     mpiexec -n 2 python -m pytest tests/mpi -q
 """
 
-import socket
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -84,15 +82,9 @@ def _torch_group():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        port = None
-        if COMM.Get_rank() == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = COMM.bcast(port, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=COMM.Get_rank(),
-                                world_size=COMM.Get_size())
+    from deepep_cupy.runtime.group import init_torch_distributed
+
+    init_torch_distributed(COMM, "gloo")
     return torch, dist.group.WORLD
 
 
