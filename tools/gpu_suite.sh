@@ -77,7 +77,14 @@ for s in $STAGES; do
     echo "== $s ($(date +%T))"
     "stage_$s"
 done
-echo
-echo "================ summary"
-printf '%s\n' "${SUMMARY[@]}"
-if [ -f "$OUT/bench.log" ]; then sed -n '/ranks, /,$p' "$OUT/bench.log"; fi
+{
+    echo
+    echo "================ summary ($NGPU ranks)"
+    printf '%s\n' "${SUMMARY[@]}"
+    if [ -f "$OUT/bench.log" ]; then sed -n '/ranks, /,$p' "$OUT/bench.log"; fi
+} | tee "$OUT/summary.txt"
+if [ -n "${PACK:-}" ]; then
+    # Few files come back from a remote run: keep the summary, table and plot, pack the logs.
+    (cd "$OUT" && tar czf "logs-$NGPU.tgz" --exclude='*.tgz' --exclude=summary.txt --exclude='bench*.png' \
+        --exclude='bench*.json' ./*.log ./*.txt 2>/dev/null && rm -f ./*.log)
+fi
