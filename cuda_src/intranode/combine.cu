@@ -4,17 +4,24 @@
 // dispatch that produced the handle).
 //
 // Sender block of channel c: warps split evenly over the R - 1 peers. For peer d, the rows this rank
-// received from d in channel c are rows (rows before d) + recv_channel_prefix_matrix[d][c] + i, i < n;
-// warp (i % group size) copies row i (and its top-k weights) into slot i % cap of ring (c, me) in d's
-// buffer and releases the slot flag (seq << 32 | i), after waiting for the "slot free" word when i >= cap.
+// received from d in channel c are rows (rows before d) + recv_channel_prefix_matrix[d][c] + i, i < n.
+// Rows go in runs of B = clamp_batch(publish_batch, cap) consecutive indices (B <= 32 / R), run k to warp
+// k % (group size): the warp copies each row i (and its top-k weights) into slot i % cap of ring (c, me)
+// in d's buffer, after waiting for the "slot free" word when i >= cap, and at the end of the run
+// publishes all the run's slot flags (seq << 32 | i) after one system fence.
 // Rows this rank received from itself are not sent: the receiver reads them from x directly.
 //
-// Receiver block of channel c: warp w reduces tokens t_begin + w, t_begin + w + kNumWarps, ... For token t
-// and every rank r in rank order with send_head[t][r] >= 0, the row index within the channel is
-// i_r = send_head[t][r] - channel_prefix_matrix[r][c - 1]; the row comes from ring (c, r) slot i_r % cap,
-// or from x for r == me. Sum in float32: acc = (bias_0 + bias_1) when a bias is given, else 0; then
-// acc += row_r in rank order; round to bf16 (nearest even) once. The same for the top-k weights (no bias).
-// After the reads, the "slot free" word goes back to r when r will reuse the slot (i_r + cap < n_r).
+// Receiver block of channel c: warp w reduces the runs of B consecutive tokens w, w + kNumWarps, ... of
+// the channel. For token t and every rank r in rank order with send_head[t][r] >= 0, the row index within
+// the channel is i_r = send_head[t][r] - channel_prefix_matrix[r][c - 1]; the row comes from ring (c, r)
+// slot i_r % cap, or from x for r == me. The warp reads send_head for the whole run and waits for all its
+// slot flags at once (lane k * R + r: token k of the run, rank r). Sum in float32: acc = (bias_0 + bias_1)
+// when a bias is given, else 0; then acc += row_r in rank order; round to bf16 (nearest even) once. The
+// same for the top-k weights (no bias). After the run, one fence, then the "slot free" words go back to
+// every r that will reuse a slot (i_r + cap < n_r).
+//
+// No deadlock: a run of B tokens spans at most B indices of each ring, and B <= ceil(cap / 2), so the
+// receiver run holding index i - cap ends before the sender run holding i begins (see dispatch.cu).
 
 #include "common/nvrtc_compat.cuh"
 #include "intranode/layout.cuh"
@@ -67,7 +74,7 @@ combine_kernel(const int4* __restrict__ x, const float* __restrict__ topk_weight
                const int* __restrict__ recv_channel_prefix_matrix, const int* __restrict__ send_head, int num_tokens,
                int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights,
                const long long* __restrict__ bases, long long ring_offset, long long free_offset, int slot_bytes,
-               int cap, int slot_topk_weights_offset, int num_channels, deepep::ErrorRecord* err,
+               int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, deepep::ErrorRecord* err,
                long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
@@ -79,6 +86,8 @@ combine_kernel(const int4* __restrict__ x, const float* __restrict__ topk_weight
     const WaitCtx wctx{err, timeout_ns, rank};
     if (blockIdx.x == 0) announce_arrival(bases, R, rank, seq);
     const long long ring_bytes = static_cast<long long>(cap) * slot_bytes;
+    // Runs of B tokens; the receiver needs one lane per (token, rank) of a run.
+    const int B = min(clamp_batch(publish_batch, cap), 32 / R);
 
     if (is_sender) {
         if (R > 1) {
@@ -98,144 +107,191 @@ combine_kernel(const int4* __restrict__ x, const float* __restrict__ topk_weight
 
             bool ok = warp_wait(ctrl.arrive(dst), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineArrive,
                                 dst, __LINE__);
-            for (int idx = gi; ok && idx < n; idx += gs) {
-                const int slot = idx % cap;
-                if (idx >= cap) {
-                    const uint64_t want = tag(seq, idx);
-                ok = warp_wait(free_words + slot, [want](uint64_t v) { return v == want; }, wctx, kOpCombineSlot,
-                               dst, __LINE__);
-                    if (!ok) break;
+            for (int first = gi * B; ok && first < n; first += gs * B) {
+                const int len = min(B, n - first);
+                for (int idx = first; idx < first + len; ++idx) {
+                    const int slot = idx % cap;
+                    if (idx >= cap) {
+                        const uint64_t want = tag(seq, idx);
+                        ok = warp_wait(free_words + slot, [want](uint64_t v) { return v == want; }, wctx,
+                                       kOpCombineSlot, dst, __LINE__);
+                        if (!ok) break;
+                    }
+                    uint8_t* slot_ptr = ring + static_cast<long long>(slot) * slot_bytes;
+                    const long long row = row_base + idx;
+                    warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), x + row * hidden_int4, hidden_int4,
+                                          lane);
+                    if (topk_weights != nullptr) {
+                        float* slot_w = reinterpret_cast<float*>(slot_ptr + slot_topk_weights_offset);
+                        for (int j = lane; j < num_topk; j += 32) slot_w[j] = topk_weights[row * num_topk + j];
+                    }
                 }
-                uint8_t* slot_ptr = ring + static_cast<long long>(slot) * slot_bytes;
-                const long long row = row_base + idx;
-                warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), x + row * hidden_int4, hidden_int4, lane);
-                if (topk_weights != nullptr) {
-                    float* slot_w = reinterpret_cast<float*>(slot_ptr + slot_topk_weights_offset);
-                    for (int j = lane; j < num_topk; j += 32) slot_w[j] = topk_weights[row * num_topk + j];
-                }
-                __syncwarp();
-                if (lane == 0) deepep::st_release_sys(reinterpret_cast<uint64_t*>(slot_ptr), tag(seq, idx));
+                if (!ok) break;
+                publish_run(ring, slot_bytes, cap, seq, first, len, lane);
             }
         }
     } else {
         int t_begin, t_end;
         channel_range(num_tokens, num_channels, c, t_begin, t_end);
-        // Per-rank constants of this channel.
-        int ch_prev[R], ch_count[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            ch_prev[r] = c > 0 ? channel_prefix_matrix[r * num_channels + c - 1] : 0;
-            ch_count[r] = channel_prefix_matrix[r * num_channels + c] - ch_prev[r];
-        }
+        // Lane l handles rank lr = l % R of token l / R of each run.
+        const int lr = lane % R, lk = lane / R;
+        const int lr_prev = c > 0 ? channel_prefix_matrix[lr * num_channels + c - 1] : 0;
+        const int lr_count = channel_prefix_matrix[lr * num_channels + c] - lr_prev;
+        const uint8_t* lr_ring = my_base + ring_offset + static_cast<long long>(c * R + lr) * ring_bytes;
         const long long self_base = (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
                                     recv_channel_prefix_matrix[rank * num_channels + c];
         const bool has_bias = bias_0 != nullptr || bias_1 != nullptr;
 
-        bool ok = true;
-        for (int t = t_begin + warp; ok && t < t_end; t += kNumWarps) {
-            // Where each rank's row for token t is (nullptr: rank r did not get the token). For peers the
-            // row is a ring slot (weights at slot_topk_weights_offset - 16 from it); for this rank, x.
-            const int4* rows[R];
-            int idx_of[R];
-            long long self_row = -1;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int head = send_head[static_cast<long long>(t) * R + r];
-                idx_of[r] = head >= 0 ? head - ch_prev[r] : -1;
-                rows[r] = nullptr;
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (ok && idx_of[r] >= 0) {
-                    if (r == rank) {
-                        self_row = self_base + idx_of[r];
-                        rows[r] = x + self_row * hidden_int4;
-                    } else {
-                        const uint8_t* slot_ptr = my_base + ring_offset + static_cast<long long>(c * R + r) * ring_bytes +
-                                                  static_cast<long long>(idx_of[r] % cap) * slot_bytes;
-                        const uint64_t want = tag(seq, idx_of[r]);
-                        ok = warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), [want](uint64_t v) { return v == want; },
-                                       wctx, kOpCombineRecv, r, __LINE__);
-                        rows[r] = reinterpret_cast<const int4*>(slot_ptr + 16);
+        for (int t0 = t_begin + warp * B; t0 < t_end; t0 += kNumWarps * B) {
+            const int len = min(B, t_end - t0);
+            // This lane's (token, rank) of the run: its row index in ring (c, lr), or -1.
+            int my_idx = -1;
+            const uint64_t* my_flag = nullptr;
+            uint64_t my_want = 0;
+            if (lk < len) {
+                const int head = send_head[static_cast<long long>(t0 + lk) * R + lr];
+                if (head >= 0) {
+                    my_idx = head - lr_prev;
+                    if (lr != rank) {
+                        my_flag = reinterpret_cast<const uint64_t*>(lr_ring +
+                                                                    static_cast<long long>(my_idx % cap) * slot_bytes);
+                        my_want = tag(seq, my_idx);
                     }
                 }
             }
-            if (!ok) break;
+            if (!warp_wait_lanes(my_flag, my_want, lr, wctx, kOpCombineRecv, __LINE__)) break;
 
-            // Hidden: lane-strided 16-byte words, kUnroll per lane per step.
-            const long long out_row = static_cast<long long>(t) * hidden_int4;
-            for (int base = 0; base < hidden_int4; base += 32 * kUnroll) {
-                float acc[kUnroll][8];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int j = base + u * 32 + lane;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-                    if (j < hidden_int4 && has_bias) {
-                        // acc = b0 + b1, a missing bias being +0 (the reference's exact float32 order).
-                        float b[8];
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                        if (bias_0 != nullptr) load_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + out_row + j));
-                        if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[u][e] = acc[u][e] + b[e];
-                    }
-                }
+            for (int k = 0; k < len; ++k) {
+                const int t = t0 + k;
+                // Where each rank's row for token t is (nullptr: rank r did not get the token). For peers the
+                // row is a ring slot (weights at slot_topk_weights_offset - 16 from it); for this rank, x.
+                const int4* rows[R];
+                long long self_row = -1;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    if (rows[r] == nullptr) continue;
-                    int4 v[kUnroll];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int j = base + u * 32 + lane;
-                        if (j < hidden_int4) v[u] = (r == rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
-                    }
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int j = base + u * 32 + lane;
-                        if (j < hidden_int4) add_bf16x8(acc[u], v[u]);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int j = base + u * 32 + lane;
-                    if (j < hidden_int4) deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
-                }
-            }
-            if (combined_topk_weights != nullptr) {
-                for (int j = lane; j < num_topk; j += 32) {
-                    float acc = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        if (rows[r] == nullptr) continue;
+                    const int idx = __shfl_sync(kFullMask, my_idx, k * R + r);
+                    rows[r] = nullptr;
+                    if (idx >= 0) {
                         if (r == rank) {
-                            acc += topk_weights[self_row * num_topk + j];
+                            self_row = self_base + idx;
+                            rows[r] = x + self_row * hidden_int4;
                         } else {
-                            const float* w = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[r]) - 16 +
-                                                                            slot_topk_weights_offset);
-                            acc += ld_cg_f32(w + j);
+                            const uint8_t* slot_ptr = my_base + ring_offset +
+                                                      static_cast<long long>(c * R + r) * ring_bytes +
+                                                      static_cast<long long>(idx % cap) * slot_bytes;
+                            rows[r] = reinterpret_cast<const int4*>(slot_ptr + 16);
                         }
                     }
-                    combined_topk_weights[static_cast<long long>(t) * num_topk + j] = acc;
                 }
-            }
-            __syncwarp();
-            // All reads of the slots are done: hand back the ones the senders will reuse.
-            if (lane < R && lane != rank) {
-                int my_idx = -1, my_count = 0;
+
+                // Hidden: lane-strided 16-byte words, kUnroll per lane per step.
+                const long long out_row = static_cast<long long>(t) * hidden_int4;
+                for (int base = 0; base < hidden_int4; base += 32 * kUnroll) {
+                    if constexpr (R <= 2) {
+                        // Few ranks: every rank's loads of the step are issued before any is summed (more
+                        // bytes in flight), and one accumulator of 8 floats is live at a time.
+                        int4 v[R][kUnroll];
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    if (r == lane) {
-                        my_idx = idx_of[r];
-                        my_count = ch_count[r];
+                        for (int r = 0; r < R; ++r) {
+                            if (rows[r] == nullptr) continue;
+#pragma unroll
+                            for (int u = 0; u < kUnroll; ++u) {
+                                const int j = base + u * 32 + lane;
+                                if (j < hidden_int4)
+                                    v[r][u] = (r == rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u) {
+                            const int j = base + u * 32 + lane;
+                            if (j >= hidden_int4) continue;
+                            float acc[8];
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                            if (has_bias) {
+                                // acc = b0 + b1, a missing bias being +0 (the reference's exact float32 order).
+                                float b[8];
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+                                if (bias_0 != nullptr) load_bf16x8(acc, deepep::ld_nc_v4(bias_0 + out_row + j));
+                                if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
+                            }
+#pragma unroll
+                            for (int r = 0; r < R; ++r)
+                                if (rows[r] != nullptr) add_bf16x8(acc, v[r][u]);
+                            deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
+                        }
+                    } else {
+                        float acc[kUnroll][8];
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u) {
+                            const int j = base + u * 32 + lane;
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+                            if (j < hidden_int4 && has_bias) {
+                                float b[8];
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+                                if (bias_0 != nullptr) load_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + out_row + j));
+                                if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) acc[u][e] = acc[u][e] + b[e];
+                            }
+                        }
+#pragma unroll
+                        for (int r = 0; r < R; ++r) {
+                            if (rows[r] == nullptr) continue;
+                            int4 v[kUnroll];
+#pragma unroll
+                            for (int u = 0; u < kUnroll; ++u) {
+                                const int j = base + u * 32 + lane;
+                                if (j < hidden_int4)
+                                    v[u] = (r == rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
+                            }
+#pragma unroll
+                            for (int u = 0; u < kUnroll; ++u) {
+                                const int j = base + u * 32 + lane;
+                                if (j < hidden_int4) add_bf16x8(acc[u], v[u]);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < kUnroll; ++u) {
+                            const int j = base + u * 32 + lane;
+                            if (j < hidden_int4) deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
+                        }
                     }
                 }
-                if (my_idx >= 0 && my_idx + cap < my_count) {
-                    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(bases, lane) + free_offset) +
-                                          static_cast<long long>(c * R + rank) * cap;
-                    deepep::st_release_sys(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
+                if (combined_topk_weights != nullptr) {
+                    for (int j = lane; j < num_topk; j += 32) {
+                        float acc = 0.0f;
+#pragma unroll
+                        for (int r = 0; r < R; ++r) {
+                            if (rows[r] == nullptr) continue;
+                            if (r == rank) {
+                                acc += topk_weights[self_row * num_topk + j];
+                            } else {
+                                const float* w = reinterpret_cast<const float*>(
+                                    reinterpret_cast<const uint8_t*>(rows[r]) - 16 + slot_topk_weights_offset);
+                                acc += ld_cg_f32(w + j);
+                            }
+                        }
+                        combined_topk_weights[static_cast<long long>(t) * num_topk + j] = acc;
+                    }
                 }
+            }
+            // All reads of the run's slots are done: one fence, then hand back the ones the senders will reuse.
+            const bool give_back = my_idx >= 0 && lr != rank && my_idx + cap < lr_count;
+            if (__any_sync(kFullMask, give_back)) {
+                __syncwarp();
+                deepep::fence_acq_rel_sys();
+                if (give_back) {
+                    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(bases, lr) + free_offset) +
+                                          static_cast<long long>(c * R + rank) * cap;
+                    st_relaxed_sys_u64(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
+                }
+                __syncwarp();
             }
         }
     }

@@ -3,18 +3,29 @@
 // Grid: 2 * C blocks; block 2c sends channel c, block 2c + 1 receives channel c. Channel c is the token
 // range [c * ceil(N/C), ...) of every rank.
 //
-// Sender block of channel c: warps [0, num_self_warps) copy this rank's own tokens straight from x into
-// the outputs (no ring); the other warps are split evenly over the R - 1 peers. Every warp of a peer's
-// group scans the channel's is_token_in_rank column with ballots, so it knows the index i of each token
-// going to that peer; warp (i % group size) moves token i into slot i % cap of ring (c, me) in the peer's
-// buffer with 16-byte stores, then releases the slot flag (seq << 32 | i). Before reusing a slot
-// (i >= cap) it waits for the peer's "slot free" word for token i in its own buffer.
+// Self group: warps [0, num_self_warps) of the sender block and warps [0, num_recv_self_warps) of the
+// receiver block (numbered in that order) copy this rank's own tokens straight from x into the outputs
+// (no ring). Putting some of them in the receiver block leaves more of the sender block's warps for the
+// NVLink pushes.
 //
-// Receiver block of channel c: warps split evenly over the R - 1 peers; warp (i % group size) waits for
-// the flag of token i of ring (c, s), copies the slot into output row
-// (rows before source s) + recv_channel_prefix_matrix[s][c] + i, and, when the sender will need the slot
-// again (i + cap < count), stores the "slot free" word into the sender's buffer. Different warps work on
-// different tokens independently, so there is no block-wide synchronisation on the data path.
+// Sender block, other warps: split evenly over the R - 1 peers. Every warp of a peer's group (and of the
+// self group) scans the channel's is_token_in_rank column with ballots, so it knows the index i of each
+// token going to that peer. Tokens go in runs of B = clamp_batch(publish_batch, cap) consecutive indices;
+// run k belongs to warp k % (group size). For every token of its run the warp (waiting first for the
+// peer's "slot free" word for token i in its own buffer when i >= cap) moves the token into slot i % cap
+// of ring (c, me) in the peer's buffer with 16-byte stores; at the end of the run one system fence
+// publishes all its slot flags (flag of token i = seq << 32 | i).
+//
+// Receiver block, other warps: split evenly over the R - 1 peers, the same runs of B tokens per warp.
+// A warp waits for all flags of its run at once (one lane per slot), copies each slot into output row
+// (rows before source s) + recv_channel_prefix_matrix[s][c] + i, and, when the sender will need those
+// slots again (i + cap < count), stores their "slot free" words into the sender's buffer after one fence.
+// Different warps work on different runs independently: no block-wide synchronisation on the data path.
+//
+// No deadlock: let m be the first unpublished token of a ring; it starts a sender run, and that run can
+// only wait for the free word of some i < m + B, i.e. for the receiver run holding i - cap. Receiver runs
+// are aligned to B as well, and B <= cap, so that run ends before m: all its tokens are published and it
+// completes.
 //
 // send_head[t][d] (non-cached mode) = position of token t among all rows rank d receives from this rank,
 // or -1. Top-k ids become local ids of the destination (e - d * E_local, or -1 when e is elsewhere) with
@@ -25,6 +36,222 @@
 #include "intranode/layout.cuh"
 
 namespace deepep_intranode {
+
+struct DispatchArgs {
+    const int4* x;
+    const unsigned int* x_scales;
+    long long scale_token_stride, scale_block_stride;
+    int num_scales;
+    const long long* topk_idx;
+    const float* topk_weights;
+    int num_topk, num_local_experts;
+    const bool* is_token_in_rank;
+    int num_tokens, hidden_int4;
+    const int* rank_prefix_matrix;
+    const int* channel_prefix_matrix;
+    const int* recv_channel_prefix_matrix;
+    int4* recv_x;
+    unsigned int* recv_x_scales;
+    long long* recv_topk_idx;
+    float* recv_topk_weights;
+    int* recv_src_idx;
+    int* send_head;
+    int num_out_rows;
+    const long long* bases;
+    long long ring_offset, free_offset;
+    int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
+    int batch;
+    deepep::ErrorRecord* err;
+    int rank;
+    uint64_t seq;
+    int num_recv;
+};
+
+// One warp of the group sending channel c's tokens to dst (dst == rank: the self group, straight into the
+// outputs). gi / gs: index of the warp in its group and the group size.
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitCtx& wctx, int c, int dst, int gi,
+                                              int gs, int lane) {
+    constexpr int R = kNumRanks;
+    const int rank = a.rank;
+    const bool to_self = dst == rank;
+    const int B = a.batch;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    const int send_base = c > 0 ? a.channel_prefix_matrix[dst * a.num_channels + c - 1] : 0;
+    const long long ring_bytes = static_cast<long long>(a.cap) * a.slot_bytes;
+    uint8_t* my_base = rank_base(a.bases, rank);
+
+    bool ok = true;
+    uint8_t* ring = nullptr;
+    int out_base = 0;
+    if (to_self) {
+        out_base = (rank > 0 ? a.rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
+                   a.recv_channel_prefix_matrix[rank * a.num_channels + c];
+    } else {
+        ring = rank_base(a.bases, dst) + a.ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
+        // The peer must have finished its earlier kernels before anything lands in its buffer.
+        const Ctrl ctrl = ctrl_of(my_base, R);
+        ok = warp_wait(ctrl.arrive(dst), [seq = a.seq](uint64_t v) { return v >= seq; }, wctx, kOpDispatchArrive, dst,
+                       __LINE__);
+    }
+    const uint64_t* free_words =
+        reinterpret_cast<const uint64_t*>(my_base + a.free_offset) + static_cast<long long>(c * R + dst) * a.cap;
+
+    int count = 0;      // tokens of this channel for dst seen so far
+    int run_first = 0;  // first index of this warp's unpublished run
+    int run_len = 0;    // tokens of it written so far
+    // The column of the next 32 tokens is loaded one step ahead.
+    bool in_next = t_begin + lane < t_end && a.is_token_in_rank[static_cast<long long>(t_begin + lane) * R + dst];
+    for (int chunk = t_begin; ok && chunk < t_end; chunk += 32) {
+        const int t = chunk + lane;
+        const bool in = in_next;
+        if (chunk + 32 < t_end) {
+            const int tn = t + 32;
+            in_next = tn < t_end && a.is_token_in_rank[static_cast<long long>(tn) * R + dst];
+        }
+        unsigned int mask = __ballot_sync(kFullMask, in);
+        if (gi == 0 && a.send_head != nullptr && t < t_end) {
+            const int before = __popc(mask & ((1u << lane) - 1u));
+            a.send_head[static_cast<long long>(t) * R + dst] = in ? send_base + count + before : -1;
+        }
+        while (mask != 0u) {
+            const int k = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            const int idx = count++;
+            if ((idx / B) % gs != gi) continue;
+            const int token = chunk + k;
+            const int4* src_row = a.x + static_cast<long long>(token) * a.hidden_int4;
+
+            if (to_self) {
+                const int row = out_base + idx;
+                if (row >= a.num_out_rows) {
+                    if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, rank, rank, __LINE__, a.num_recv);
+                    continue;
+                }
+                warp_copy_nc<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4, src_row, a.hidden_int4,
+                                      lane);
+                for (int s = lane; s < a.num_scales; s += 32)
+                    a.recv_x_scales[static_cast<long long>(row) * a.num_scales + s] =
+                        a.x_scales[token * a.scale_token_stride + s * a.scale_block_stride];
+                if (a.recv_topk_idx != nullptr) {
+                    for (int j = lane; j < a.num_topk; j += 32) {
+                        const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + j];
+                        const long long local = e - static_cast<long long>(rank) * a.num_local_experts;
+                        const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
+                        a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
+                        if (a.recv_topk_weights != nullptr)
+                            a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] =
+                                mine ? a.topk_weights[static_cast<long long>(token) * a.num_topk + j] : 0.0f;
+                    }
+                }
+                if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = token;
+                continue;
+            }
+
+            const int slot = idx % a.cap;
+            if (idx >= a.cap) {
+                const uint64_t want = tag(a.seq, idx);
+                ok = warp_wait(free_words + slot, [want](uint64_t v) { return v == want; }, wctx, kOpDispatchSlot, dst,
+                               __LINE__);
+                if (!ok) break;
+            }
+            uint8_t* slot_ptr = ring + static_cast<long long>(slot) * a.slot_bytes;
+            warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), src_row, a.hidden_int4, lane);
+            unsigned int* slot_scales = reinterpret_cast<unsigned int*>(slot_ptr + a.slot_scales_offset);
+            for (int s = lane; s < a.num_scales; s += 32)
+                slot_scales[s] = a.x_scales[token * a.scale_token_stride + s * a.scale_block_stride];
+            if (a.topk_idx != nullptr) {
+                int* slot_idx = reinterpret_cast<int*>(slot_ptr + a.slot_topk_idx_offset);
+                float* slot_w = reinterpret_cast<float*>(slot_ptr + a.slot_topk_weights_offset);
+                for (int j = lane; j < a.num_topk; j += 32) {
+                    const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + j];
+                    const long long local = e - static_cast<long long>(dst) * a.num_local_experts;
+                    const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
+                    slot_idx[j] = mine ? static_cast<int>(local) : -1;
+                    slot_w[j] = (mine && a.topk_weights != nullptr)
+                                    ? a.topk_weights[static_cast<long long>(token) * a.num_topk + j]
+                                    : 0.0f;
+                }
+            }
+            if (lane == 0) reinterpret_cast<int*>(slot_ptr)[2] = token;
+            if (run_len == 0) run_first = idx;
+            ++run_len;
+            if (idx % B == B - 1) {
+                publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
+                run_len = 0;
+            }
+        }
+    }
+    // The last run of the channel may be short.
+    if (ok && run_len > 0) publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
+}
+
+// One warp of the group receiving channel c from src.
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const WaitCtx& wctx, int c, int src, int gi,
+                                              int gs, int lane) {
+    constexpr int R = kNumRanks;
+    const int rank = a.rank;
+    const int B = a.batch;
+    const int src_begin = src > 0 ? a.rank_prefix_matrix[(src - 1) * R + rank] : 0;
+    const int src_end = a.rank_prefix_matrix[src * R + rank];
+    const int ch_begin = a.recv_channel_prefix_matrix[src * a.num_channels + c];
+    const int ch_end =
+        c + 1 < a.num_channels ? a.recv_channel_prefix_matrix[src * a.num_channels + c + 1] : src_end - src_begin;
+    const int n = ch_end - ch_begin;
+    const int out_base = src_begin + ch_begin;
+    const long long ring_bytes = static_cast<long long>(a.cap) * a.slot_bytes;
+    const uint8_t* ring = rank_base(a.bases, rank) + a.ring_offset + static_cast<long long>(c * R + src) * ring_bytes;
+    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(a.bases, src) + a.free_offset) +
+                          static_cast<long long>(c * R + rank) * a.cap;
+
+    for (int first = gi * B; first < n; first += gs * B) {
+        const int len = min(B, n - first);
+        {
+            const uint64_t* flag = nullptr;
+            uint64_t want = 0;
+            if (lane < len) {
+                flag = reinterpret_cast<const uint64_t*>(ring + static_cast<long long>((first + lane) % a.cap) * a.slot_bytes);
+                want = tag(a.seq, first + lane);
+            }
+            if (!warp_wait_lanes(flag, want, src, wctx, kOpDispatchRecv, __LINE__)) break;
+        }
+        for (int idx = first; idx < first + len; ++idx) {
+            const uint8_t* slot_ptr = ring + static_cast<long long>(idx % a.cap) * a.slot_bytes;
+            const int row = out_base + idx;
+            if (row < a.num_out_rows) {
+                warp_copy_ring<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4,
+                                        reinterpret_cast<const int4*>(slot_ptr + 16), a.hidden_int4, lane);
+                const unsigned int* slot_scales = reinterpret_cast<const unsigned int*>(slot_ptr + a.slot_scales_offset);
+                for (int s = lane; s < a.num_scales; s += 32)
+                    a.recv_x_scales[static_cast<long long>(row) * a.num_scales + s] = ld_cg_u32(slot_scales + s);
+                if (a.recv_topk_idx != nullptr) {
+                    const int* slot_idx = reinterpret_cast<const int*>(slot_ptr + a.slot_topk_idx_offset);
+                    const float* slot_w = reinterpret_cast<const float*>(slot_ptr + a.slot_topk_weights_offset);
+                    for (int j = lane; j < a.num_topk; j += 32) {
+                        a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = ld_cg_s32(slot_idx + j);
+                        if (a.recv_topk_weights != nullptr)
+                            a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] = ld_cg_f32(slot_w + j);
+                    }
+                }
+                if (lane == 0 && a.recv_src_idx != nullptr)
+                    a.recv_src_idx[row] = ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2);
+            } else if (lane == 0) {
+                deepep::report_timeout(a.err, kOpDispatchOverflow, rank, src, __LINE__, a.num_recv);
+            }
+        }
+        // Every load of the run is done (their values were stored above): hand back the slots the sender
+        // will reuse, after one fence for the whole run.
+        if (first + a.cap < n) {
+            __syncwarp();
+            deepep::fence_acq_rel_sys();
+            const int idx = first + lane;
+            if (lane < len && idx + a.cap < n) st_relaxed_sys_u64(peer_free + idx % a.cap, tag(a.seq, idx + a.cap));
+            __syncwarp();
+        }
+    }
+}
 
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
@@ -38,8 +265,8 @@ dispatch_kernel(const int4* __restrict__ x, const unsigned int* __restrict__ x_s
                 float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx, int* __restrict__ send_head,
                 int num_out_rows, int num_worst_tokens, const long long* __restrict__ bases, long long ring_offset,
                 long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
-                int slot_topk_weights_offset, int num_channels, int num_self_warps, deepep::ErrorRecord* err,
-                long long timeout_ns, int rank) {
+                int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
+                int publish_batch, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -50,178 +277,50 @@ dispatch_kernel(const int4* __restrict__ x, const unsigned int* __restrict__ x_s
     const WaitCtx wctx{err, timeout_ns, rank};
     if (blockIdx.x == 0) announce_arrival(bases, R, rank, seq);
 
-    const long long ring_bytes = static_cast<long long>(cap) * slot_bytes;
     const int num_recv = rank_prefix_matrix[(R - 1) * R + rank];
+    const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
+                         num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
+                         channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
+                         recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, ring_offset, free_offset,
+                         slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset,
+                         num_channels, clamp_batch(publish_batch, cap), err, rank, seq, num_recv};
+    const int num_self_total = num_self_warps + num_recv_self_warps;
 
-    if (is_sender) {
-        int dst, gi, gs;
-        if (warp < num_self_warps) {
-            dst = rank;
-            gi = warp;
-            gs = num_self_warps;
-        } else {
-            int g;
-            split_warps(warp - num_self_warps, kNumWarps - num_self_warps, R - 1, g, gi, gs);
-            dst = (rank + 1 + g) % R;
-        }
-        const bool to_self = dst == rank;
-        int t_begin, t_end;
-        channel_range(num_tokens, num_channels, c, t_begin, t_end);
-        const int send_base = c > 0 ? channel_prefix_matrix[dst * num_channels + c - 1] : 0;
-
-        bool ok = true;
-        uint8_t* ring = nullptr;
-        int out_base = 0;
-        if (to_self) {
-            out_base = (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
-                       recv_channel_prefix_matrix[rank * num_channels + c];
-        } else {
-            ring = rank_base(bases, dst) + ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
-            // The peer must have finished its earlier kernels before anything lands in its buffer.
-            ok = warp_wait(ctrl.arrive(dst), [seq](uint64_t v) { return v >= seq; }, wctx, kOpDispatchArrive, dst,
-                           __LINE__);
-        }
-        const uint64_t* free_words =
-            reinterpret_cast<const uint64_t*>(my_base + free_offset) + static_cast<long long>(c * R + dst) * cap;
-
-        int count = 0;  // tokens of this channel for dst seen so far
-        for (int chunk = t_begin; ok && chunk < t_end; chunk += 32) {
-            const int t = chunk + lane;
-            const bool in = t < t_end && is_token_in_rank[static_cast<long long>(t) * R + dst];
-            unsigned int mask = __ballot_sync(kFullMask, in);
-            if (gi == 0 && send_head != nullptr && t < t_end) {
-                const int before = __popc(mask & ((1u << lane) - 1u));
-                send_head[static_cast<long long>(t) * R + dst] = in ? send_base + count + before : -1;
-            }
-            while (mask != 0u) {
-                const int k = __ffs(mask) - 1;
-                mask &= mask - 1u;
-                const int idx = count++;
-                if (idx % gs != gi) continue;
-                const int token = chunk + k;
-                const int4* src_row = x + static_cast<long long>(token) * hidden_int4;
-
-                if (to_self) {
-                    const int row = out_base + idx;
-                    if (row >= num_out_rows) {
-                        if (lane == 0) deepep::report_timeout(err, kOpDispatchOverflow, rank, rank, __LINE__, num_recv);
-                        continue;
-                    }
-                    warp_copy_nc<kUnroll>(recv_x + static_cast<long long>(row) * hidden_int4, src_row, hidden_int4, lane);
-                    for (int s = lane; s < num_scales; s += 32)
-                        recv_x_scales[static_cast<long long>(row) * num_scales + s] =
-                            x_scales[token * scale_token_stride + s * scale_block_stride];
-                    if (recv_topk_idx != nullptr) {
-                        for (int j = lane; j < num_topk; j += 32) {
-                            const long long e = topk_idx[static_cast<long long>(token) * num_topk + j];
-                            const long long local = e - static_cast<long long>(rank) * num_local_experts;
-                            const bool mine = e >= 0 && local >= 0 && local < num_local_experts;
-                            recv_topk_idx[static_cast<long long>(row) * num_topk + j] = mine ? local : -1;
-                            if (recv_topk_weights != nullptr)
-                                recv_topk_weights[static_cast<long long>(row) * num_topk + j] =
-                                    mine ? topk_weights[static_cast<long long>(token) * num_topk + j] : 0.0f;
-                        }
-                    }
-                    if (lane == 0 && recv_src_idx != nullptr) recv_src_idx[row] = token;
-                    continue;
-                }
-
-                const int slot = idx % cap;
-                if (idx >= cap) {
-                    const uint64_t want = tag(seq, idx);
-                    ok = warp_wait(free_words + slot, [want](uint64_t v) { return v == want; }, wctx, kOpDispatchSlot,
-                                   dst, __LINE__);
-                    if (!ok) break;
-                }
-                uint8_t* slot_ptr = ring + static_cast<long long>(slot) * slot_bytes;
-                warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), src_row, hidden_int4, lane);
-                unsigned int* slot_scales = reinterpret_cast<unsigned int*>(slot_ptr + slot_scales_offset);
-                for (int s = lane; s < num_scales; s += 32)
-                    slot_scales[s] = x_scales[token * scale_token_stride + s * scale_block_stride];
-                if (topk_idx != nullptr) {
-                    int* slot_idx = reinterpret_cast<int*>(slot_ptr + slot_topk_idx_offset);
-                    float* slot_w = reinterpret_cast<float*>(slot_ptr + slot_topk_weights_offset);
-                    for (int j = lane; j < num_topk; j += 32) {
-                        const long long e = topk_idx[static_cast<long long>(token) * num_topk + j];
-                        const long long local = e - static_cast<long long>(dst) * num_local_experts;
-                        const bool mine = e >= 0 && local >= 0 && local < num_local_experts;
-                        slot_idx[j] = mine ? static_cast<int>(local) : -1;
-                        slot_w[j] = (mine && topk_weights != nullptr)
-                                        ? topk_weights[static_cast<long long>(token) * num_topk + j]
-                                        : 0.0f;
-                    }
-                }
-                if (lane == 0) reinterpret_cast<int*>(slot_ptr)[2] = token;
-                __syncwarp();
-                if (lane == 0) deepep::st_release_sys(reinterpret_cast<uint64_t*>(slot_ptr), tag(seq, idx));
-            }
-        }
-    } else {
+    if (!is_sender && num_worst_tokens > 0) {
         // Padding rows of the index outputs (num_worst_tokens mode).
-        if (num_worst_tokens > 0) {
-            const long long stride = static_cast<long long>(num_channels) * blockDim.x;
-            const long long first = static_cast<long long>(c) * blockDim.x + threadIdx.x;
-            const long long pad_begin = num_recv < num_out_rows ? num_recv : num_out_rows;
-            for (long long row = pad_begin + first; row < num_out_rows; row += stride) {
-                if (recv_src_idx != nullptr) recv_src_idx[row] = -1;
-            }
-            if (recv_topk_idx != nullptr) {
-                for (long long k = pad_begin * num_topk + first; k < static_cast<long long>(num_out_rows) * num_topk;
-                     k += stride) {
-                    recv_topk_idx[k] = -1;
-                    if (recv_topk_weights != nullptr) recv_topk_weights[k] = 0.0f;
-                }
-            }
+        const long long stride = static_cast<long long>(num_channels) * blockDim.x;
+        const long long first = static_cast<long long>(c) * blockDim.x + threadIdx.x;
+        const long long pad_begin = num_recv < num_out_rows ? num_recv : num_out_rows;
+        for (long long row = pad_begin + first; row < num_out_rows; row += stride) {
+            if (recv_src_idx != nullptr) recv_src_idx[row] = -1;
         }
-        if (R > 1) {
-            int g, gi, gs;
-            split_warps(warp, kNumWarps, R - 1, g, gi, gs);
-            const int src = (rank + 1 + g) % R;
-            const int src_begin = src > 0 ? rank_prefix_matrix[(src - 1) * R + rank] : 0;
-            const int src_end = rank_prefix_matrix[src * R + rank];
-            const int ch_begin = recv_channel_prefix_matrix[src * num_channels + c];
-            const int ch_end =
-                c + 1 < num_channels ? recv_channel_prefix_matrix[src * num_channels + c + 1] : src_end - src_begin;
-            const int n = ch_end - ch_begin;
-            const int out_base = src_begin + ch_begin;
-            const uint8_t* ring = my_base + ring_offset + static_cast<long long>(c * R + src) * ring_bytes;
-            uint64_t* peer_free =
-                reinterpret_cast<uint64_t*>(rank_base(bases, src) + free_offset) + static_cast<long long>(c * R + rank) * cap;
-
-            for (int idx = gi; idx < n; idx += gs) {
-                const int slot = idx % cap;
-                const uint8_t* slot_ptr = ring + static_cast<long long>(slot) * slot_bytes;
-                const uint64_t want = tag(seq, idx);
-                if (!warp_wait(reinterpret_cast<const uint64_t*>(slot_ptr), [want](uint64_t v) { return v == want; },
-                               wctx, kOpDispatchRecv, src, __LINE__))
-                    break;
-                const int row = out_base + idx;
-                if (row < num_out_rows) {
-                    warp_copy_ring<kUnroll>(recv_x + static_cast<long long>(row) * hidden_int4,
-                                            reinterpret_cast<const int4*>(slot_ptr + 16), hidden_int4, lane);
-                    const unsigned int* slot_scales = reinterpret_cast<const unsigned int*>(slot_ptr + slot_scales_offset);
-                    for (int s = lane; s < num_scales; s += 32)
-                        recv_x_scales[static_cast<long long>(row) * num_scales + s] = ld_cg_u32(slot_scales + s);
-                    if (recv_topk_idx != nullptr) {
-                        const int* slot_idx = reinterpret_cast<const int*>(slot_ptr + slot_topk_idx_offset);
-                        const float* slot_w = reinterpret_cast<const float*>(slot_ptr + slot_topk_weights_offset);
-                        for (int j = lane; j < num_topk; j += 32) {
-                            recv_topk_idx[static_cast<long long>(row) * num_topk + j] = ld_cg_s32(slot_idx + j);
-                            if (recv_topk_weights != nullptr)
-                                recv_topk_weights[static_cast<long long>(row) * num_topk + j] = ld_cg_f32(slot_w + j);
-                        }
-                    }
-                    if (lane == 0 && recv_src_idx != nullptr)
-                        recv_src_idx[row] = ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2);
-                } else if (lane == 0) {
-                    deepep::report_timeout(err, kOpDispatchOverflow, rank, src, __LINE__, num_recv);
-                }
-                __syncwarp();
-                // Every load of this slot is done (their values were stored above): hand it back.
-                if (idx + cap < n && lane == 0) deepep::st_release_sys(peer_free + slot, tag(seq, idx + cap));
+        if (recv_topk_idx != nullptr) {
+            for (long long k = pad_begin * num_topk + first; k < static_cast<long long>(num_out_rows) * num_topk;
+                 k += stride) {
+                recv_topk_idx[k] = -1;
+                if (recv_topk_weights != nullptr) recv_topk_weights[k] = 0.0f;
             }
         }
     }
+    // Role of this warp: send to `peer` (peer == rank: the self group) or receive from it.
+    const int self_in_block = is_sender ? num_self_warps : num_recv_self_warps;
+    bool sending = is_sender;
+    int peer = rank, gi = 0, gs = 1;
+    if (warp < self_in_block) {
+        sending = true;
+        gi = is_sender ? warp : num_self_warps + warp;
+        gs = num_self_warps + num_recv_self_warps;
+    } else if (R > 1) {
+        int g;
+        split_warps(warp - self_in_block, kNumWarps - self_in_block, R - 1, g, gi, gs);
+        peer = (rank + 1 + g) % R;
+    } else {
+        gs = 0;  // a single rank: the receiver block has nothing to receive
+    }
+    if (sending)
+        dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
+    else if (gs > 0)
+        dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
     end_kernel(ctrl, seq);
 }
 

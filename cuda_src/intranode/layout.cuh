@@ -151,6 +151,36 @@ __device__ __forceinline__ bool warp_wait(const uint64_t* flag, Pred pred, const
     }
 }
 
+// Warp-wide wait where every lane watches its own flag (nullptr: nothing to wait for) until it equals
+// that lane's `want`; `peer` is the lane's peer rank for the timeout report (the first lane still waiting
+// is reported). Lets one warp wait for a run of slots at once instead of one round trip per slot.
+__device__ __forceinline__ bool warp_wait_lanes(const uint64_t* flag, uint64_t want, int peer, const WaitCtx& w,
+                                                int op, int line) {
+    uint64_t start = 0;
+    for (unsigned int spin = 1;; ++spin) {
+        const bool done = flag == nullptr || deepep::ld_acquire_sys(flag) == want;
+        const unsigned int waiting = __ballot_sync(kFullMask, !done);
+        if (waiting == 0u) return true;
+        if ((spin & 63u) == 0) {
+            const int first = __ffs(waiting) - 1;
+            const int first_peer = __shfl_sync(kFullMask, peer, first);
+            int give_up = 0;
+            if (deepep::lane_id() == 0) {
+                const uint64_t now = deepep::globaltimer();
+                if (start == 0) start = now;
+                const long long waited = static_cast<long long>(now - start);
+                if (waited > w.budget_ns) {
+                    deepep::report_timeout(w.err, op, w.rank, first_peer, line, waited);
+                    give_up = 1;
+                } else if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) {
+                    give_up = 1;
+                }
+            }
+            if (__shfl_sync(kFullMask, give_up, 0)) return false;
+        }
+    }
+}
+
 // Single-thread variant (notify kernel).
 template <typename Pred>
 __device__ __forceinline__ bool thread_wait(const uint64_t* flag, Pred pred, const WaitCtx& w, int op, int peer,
@@ -169,6 +199,34 @@ __device__ __forceinline__ bool thread_wait(const uint64_t* flag, Pred pred, con
             if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) return false;
         }
     }
+}
+
+// ---- batched publishing -------------------------------------------------------------------------
+
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Largest run of tokens published with one fence: at most 32 (one lane per flag) and at most
+// ceil(cap / 2), so that a sender waiting for a free slot never waits for a token of its own unpublished
+// run (see the deadlock note in dispatch.cu). The host clamps the same way (intranode.publish_batch).
+__device__ __forceinline__ int clamp_batch(int batch, int cap) {
+    return max(1, min(batch, min(32, (cap + 1) / 2)));
+}
+
+// Release the flags of `len` (<= 32) slots: after every lane's stores to them (ordered by __syncwarp),
+// one system-scope fence for the warp, then lane j stores `tag(seq, first + j)` into the flag of slot
+// (first + j) % cap. Same guarantee as a release store per slot, one fence instead of `len`.
+__device__ __forceinline__ void publish_run(uint8_t* ring, long long slot_bytes, int cap, uint64_t seq, int first,
+                                            int len, int lane) {
+    __syncwarp();
+    deepep::fence_acq_rel_sys();
+    if (lane < len) {
+        const int idx = first + lane;
+        st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(ring + static_cast<long long>(idx % cap) * slot_bytes),
+                           tag(seq, idx));
+    }
+    __syncwarp();
 }
 
 // ---- loads and stores --------------------------------------------------------------------------

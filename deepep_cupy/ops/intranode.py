@@ -8,8 +8,10 @@ flight per lane. Everything else is a runtime argument.
 Channels: ``C = config.num_sms // 2``; channel ``c`` is the token range ``[c * ceil(N/C), ...)`` of
 every rank and gets one sender and one receiver block, so a kernel uses ``2 * C`` SMs. Cached dispatch
 and combine use the channel count of the handle. Of the config, ``num_max_nvl_chunked_recv_tokens`` is
-the ring capacity (slots per channel and peer); ``num_max_nvl_chunked_send_tokens`` is accepted for
-compatibility and unused (every token is published as soon as it is written).
+the ring capacity (slots per channel and peer); ``num_max_nvl_chunked_send_tokens`` is the publish batch:
+a warp writes that many consecutive tokens of a ring, then publishes their slot flags after one
+system-scope fence, and the receiver hands slots back in the same runs (clamped to
+``min(32, ceil(cap / 2))``, see :func:`publish_batch`; 1 is the old one-release-per-token protocol).
 
 Timeouts: every wait in the kernels gives up after ``timeout_s`` (``$DEEPEP_CUPY_TIMEOUT_S``, default
 100 s) and leaves a record that the host turns into :class:`~deepep_cupy.errors.DeepEPTimeoutError`
@@ -44,9 +46,17 @@ __all__ = [
 
 NOTIFY_THREADS = 1024
 DEFAULT_TIMEOUT_S = 100.0
-# Defaults of the compile-time shape of the data kernels (no register spills at these for 1..8 ranks).
-DISPATCH_WARPS, DISPATCH_UNROLL = 24, 4
-COMBINE_WARPS, COMBINE_UNROLL = 24, 2
+# Defaults of the compile-time shape of the data kernels. Best guesses for 2 ranks (see
+# deepep_cupy/bench/NOTES_intranode.md); the bench sweeps the alternatives.
+DISPATCH_WARPS, DISPATCH_UNROLL = 24, 8
+COMBINE_WARPS, COMBINE_UNROLL = 16, 8
+# With more ranks the combine receiver keeps one accumulator per load in flight: fewer loads per lane.
+COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 24, 2
+
+
+def default_combine_shape(num_ranks: int) -> tuple[int, int]:
+    """``(warps, unroll)`` of the combine kernel for ``num_ranks`` ranks."""
+    return (COMBINE_WARPS, COMBINE_UNROLL) if num_ranks <= 2 else (COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY)
 
 # Op codes of cuda_src/intranode/layout.cuh -> names used in error messages.
 OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = 1, 2
@@ -92,7 +102,9 @@ def dispatch_spec(num_ranks: int, warps: int = DISPATCH_WARPS, unroll: int = DIS
 
 
 @functools.cache
-def combine_spec(num_ranks: int, warps: int = COMBINE_WARPS, unroll: int = COMBINE_UNROLL) -> BuildSpec:
+def combine_spec(num_ranks: int, warps: int | None = None, unroll: int | None = None) -> BuildSpec:
+    dw, du = default_combine_shape(num_ranks)
+    warps, unroll = warps or dw, unroll or du
     return BuildSpec.make("intranode/combine.cu", name_expressions=[_combine_name(num_ranks, warps, unroll)])
 
 
@@ -138,7 +150,8 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
-                  layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+                  layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank, num_recv_self_warps=0,
+                  batch=1) -> list[tuple[str, object]]:
     """Arguments of dispatch_kernel, in order, with their parameter names."""
     slot = layout.slot
     return [
@@ -175,6 +188,8 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("slot_topk_weights_offset", np.int32(slot.topk_weights_offset)),
         ("num_channels", np.int32(layout.num_channels)),
         ("num_self_warps", np.int32(num_self_warps)),
+        ("num_recv_self_warps", np.int32(num_recv_self_warps)),
+        ("publish_batch", np.int32(publish_batch(batch, layout.cap))),
         ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)),
         ("rank", np.int32(rank)),
@@ -183,7 +198,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
 
 def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, channel_prefix_matrix,
                  recv_channel_prefix_matrix, send_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
-                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank, batch=1) -> list[tuple[str, object]]:
     """Arguments of combine_kernel, in order, with their parameter names."""
     return [
         ("x", x),
@@ -206,6 +221,7 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matri
         ("cap", np.int32(layout.cap)),
         ("slot_topk_weights_offset", np.int32(layout.slot.topk_weights_offset)),
         ("num_channels", np.int32(layout.num_channels)),
+        ("publish_batch", np.int32(publish_batch(batch, layout.cap))),
         ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)),
         ("rank", np.int32(rank)),
@@ -213,11 +229,29 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matri
 
 
 def default_self_warps(num_ranks: int, warps: int) -> int:
-    """Warps of a dispatch sender block that copy this rank's own tokens (the rest serve the peers)."""
+    """Warps of a dispatch sender block that copy this rank's own tokens (the rest serve the peers).
+
+    Half of an even share ``W / R``: the other half of the local copy runs in the receiver block
+    (:func:`default_recv_self_warps`), which leaves more sender warps for the NVLink pushes.
+    """
     if num_ranks == 1:
         return warps
-    share = max(1, round(warps / num_ranks))
+    share = max(1, round(warps / num_ranks / 2))
     return min(share, warps - (num_ranks - 1))
+
+
+def default_recv_self_warps(num_ranks: int, warps: int) -> int:
+    """Warps of a dispatch receiver block that copy this rank's own tokens (0 for a single rank)."""
+    if num_ranks == 1:
+        return 0
+    share = max(0, round(warps / num_ranks / 2))
+    return min(share, warps - (num_ranks - 1))
+
+
+def publish_batch(send_tokens: int, cap: int) -> int:
+    """Tokens published per fence (the kernels' ``clamp_batch``): ``send_tokens`` clamped to
+    ``[1, min(32, ceil(cap / 2))]``, so that no sender waits for a free slot held by its own unpublished run."""
+    return max(1, min(int(send_tokens), 32, (int(cap) + 1) // 2))
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -271,7 +305,10 @@ class IntranodeEngine:
     Attributes (tuning, may be changed between ops; all ranks must use the same values):
         timeout_s: wait budget of the kernels.
         dispatch_warps, dispatch_unroll, combine_warps, combine_unroll: block shapes (compile-time).
-        self_warps: warps of a dispatch sender block that copy local tokens (None: ``round(W / R)``).
+        self_warps: warps of a dispatch sender block that copy local tokens (None: :func:`default_self_warps`).
+        recv_self_warps: warps of a dispatch receiver block that copy local tokens (None:
+            :func:`default_recv_self_warps`). The local copy is shared by both groups.
+        publish_batch: tokens per flag publish (None: ``config.num_max_nvl_chunked_send_tokens``).
 
     The handle (all CuPy, the same values as the reference backend's):
         0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
@@ -301,8 +338,10 @@ class IntranodeEngine:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.timeout_s = float(os.environ.get("DEEPEP_CUPY_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.dispatch_warps, self.dispatch_unroll = DISPATCH_WARPS, DISPATCH_UNROLL
-        self.combine_warps, self.combine_unroll = COMBINE_WARPS, COMBINE_UNROLL
+        self.combine_warps, self.combine_unroll = default_combine_shape(self.num_ranks)
         self.self_warps: int | None = None
+        self.recv_self_warps: int | None = None
+        self.publish_batch: int | None = None
         self._broken: str | None = None
         self._destroyed = False
         self._metas: dict = {}
@@ -393,6 +432,25 @@ class IntranodeEngine:
         if cap <= 0:
             raise ValueError(f"config.num_max_nvl_chunked_recv_tokens must be positive, got {cap}")
         return cap
+
+    def _batch(self, config) -> int:
+        batch = self.publish_batch if self.publish_batch is not None else config.num_max_nvl_chunked_send_tokens
+        batch = int(batch)
+        if batch <= 0:
+            raise ValueError(f"the publish batch must be positive, got {batch}")
+        return batch
+
+    def _self_warps(self, warps: int) -> tuple[int, int]:
+        """``(sender-block, receiver-block)`` warps of a dispatch that copy this rank's own tokens."""
+        R = self.num_ranks
+        if R == 1:
+            return warps, 0
+        send = default_self_warps(R, warps) if self.self_warps is None else int(self.self_warps)
+        recv = default_recv_self_warps(R, warps) if self.recv_self_warps is None else int(self.recv_self_warps)
+        if not 0 <= send <= warps - (R - 1) or not 0 <= recv <= warps - (R - 1) or send + recv < 1:
+            raise ValueError(f"self_warps ({send}) and recv_self_warps ({recv}) must each be in "
+                             f"[0, {warps - (R - 1)}] for {R} ranks and {warps} warps, and not both 0")
+        return send, recv
 
     def _check_size(self, what: str, need: int, config, hidden_bytes: int) -> None:
         if need > self.num_nvl_bytes:
@@ -496,11 +554,8 @@ class IntranodeEngine:
         self._check_size("dispatch", required_bytes(layout, notify_end), config, hidden_bytes)
 
         warps, unroll = int(self.dispatch_warps), int(self.dispatch_unroll)
-        self_warps = default_self_warps(R, warps) if self.self_warps is None else int(self.self_warps)
-        if R == 1:
-            self_warps = warps
-        if not 1 <= self_warps <= warps - (R - 1):
-            raise ValueError(f"self_warps must be in [1, {warps - (R - 1)}] for {R} ranks and {warps} warps")
+        self_warps, recv_self_warps = self._self_warps(warps)
+        batch = self._batch(config)
         dispatch_kernel = self._kernel(dispatch_spec(R, warps, unroll), _dispatch_name(R, warps, unroll))
 
         counts_list = None
@@ -552,7 +607,7 @@ class IntranodeEngine:
             recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights, recv_src_idx=recv_src_idx,
             send_head=send_head, num_out_rows=num_rows, num_worst_tokens=0 if cached else num_worst_tokens,
             bases=self.bases, layout=layout, num_self_warps=self_warps, err_ptr=self.errors.ptr,
-            timeout_ns=self.timeout_ns, rank=me)
+            timeout_ns=self.timeout_ns, rank=me, num_recv_self_warps=recv_self_warps, batch=batch)
         dispatch_kernel((2 * num_channels,), (warps * 32,), tuple(v for _, v in args), stream=stream)
 
         if cached:
@@ -621,7 +676,7 @@ class IntranodeEngine:
             rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
             recv_channel_prefix_matrix=recv_channel_prefix, send_head=send_head, num_tokens=num_tokens,
             hidden_int4=hidden_bytes // 16, combined_x=combined_x, combined_topk_weights=combined_w, bases=self.bases,
-            layout=layout, err_ptr=self.errors.ptr, timeout_ns=self.timeout_ns, rank=me)
+            layout=layout, err_ptr=self.errors.ptr, timeout_ns=self.timeout_ns, rank=me, batch=self._batch(config))
         kernel((2 * num_channels,), (warps * 32,), tuple(v for _, v in args), stream=stream)
         return combined_x, combined_w
 

@@ -107,10 +107,38 @@ def test_channel_bounds_match_reference():
 
 def test_default_self_warps():
     assert intranode.default_self_warps(1, 24) == 24
-    assert intranode.default_self_warps(2, 24) == 12
-    for r in range(2, 9):
-        s = intranode.default_self_warps(r, 24)
-        assert 1 <= s <= 24 - (r - 1)
+    assert intranode.default_recv_self_warps(1, 24) == 0
+    assert intranode.default_self_warps(2, 24) == 6 and intranode.default_recv_self_warps(2, 24) == 6
+    for w in (16, 24, 32):
+        for r in range(2, 9):
+            s, rs = intranode.default_self_warps(r, w), intranode.default_recv_self_warps(r, w)
+            assert 1 <= s <= w - (r - 1) and 0 <= rs <= w - (r - 1)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 4, 7, 64, 256, 512])
+@pytest.mark.parametrize("send", [1, 2, 6, 8, 24, 32, 100])
+def test_publish_batch_never_deadlocks(cap, send):
+    """A sender blocked on the free word of index i needs the receiver run holding i - cap to end before
+    the sender run holding i starts: runs of B consecutive indices (aligned in dispatch, any B within
+    combine's token runs), so B <= ceil(cap / 2) is enough for both; and one lane per flag (B <= 32)."""
+    b = intranode.publish_batch(send, cap)
+    assert 1 <= b <= min(send, 32)
+    assert b <= (cap + 1) // 2 or b == 1
+    # Worst case for unaligned runs: receiver run ends at (i - cap) + b - 1, sender run starts at i - b + 1.
+    for i in range(cap, cap + 4 * b + 3):
+        assert (i - cap) + b - 1 < i - b + 1
+        # Aligned (dispatch): the receiver run of i - cap ends before the sender run of i starts.
+        assert ((i - cap) // b) * b + b - 1 < (i // b) * b
+
+
+def test_publish_batch_args():
+    a = _FakeArray()
+    lay = L.buffer_layout(2, 12, 8, L.combine_slot(7168 * 2, 8))
+    d = dict(intranode.combine_args(
+        x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=None, rank_prefix_matrix=a, channel_prefix_matrix=a,
+        recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
+        combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1, batch=24))
+    assert d["publish_batch"] == 4
 
 
 # ------------------------------------------------------------------------------------------- argument packing
@@ -417,5 +445,6 @@ def test_tuning_variants_compile_sm90():
     from deepep_cupy.jit import build
 
     for spec in (intranode.dispatch_spec(2, 16, 8), intranode.dispatch_spec(2, 32, 2),
-                 intranode.combine_spec(2, 16, 4), intranode.combine_spec(3, 24, 2)):
+                 intranode.dispatch_spec(2, 16, 14), intranode.combine_spec(2, 16, 4),
+                 intranode.combine_spec(3, 24, 2), intranode.combine_spec(2, 24, 4)):
         build(spec, arch="sm_90")
