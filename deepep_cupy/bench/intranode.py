@@ -4,10 +4,14 @@ Bytes are counted as DeepEP counts them: every row a rank receives (its own toke
 row size; FP8 rows count as BF16 bytes x (1 + 4/128) / 2; combine counts the same bytes as BF16
 dispatch. Times are CUDA-event medians of ``ITERS`` runs after warm-up, the slowest rank's median.
 
-Each op is swept over ring capacity (``num_max_nvl_chunked_recv_tokens``), the chunk size (accepted for
-DeepEP compatibility; the kernels publish every token on its own) and the compile-time block shapes of
-the kernels (warps per block, loads in flight per lane, warps that copy local tokens); the best point is
-reported with its parameters.
+Each op is swept in stages (coordinate descent, to keep the run short): first the compile-time block
+shapes (warps per block, 16-byte loads in flight per lane) at default runtime knobs, then, at the best
+shape, the runtime knobs: for dispatch the warps that copy local tokens in the sender / receiver block
+times the publish batch (``num_max_nvl_chunked_send_tokens``), then the ring capacity
+(``num_max_nvl_chunked_recv_tokens``); for combine capacity times batch. The TOP best points of every
+stage are printed; the row keeps the best point, the engine defaults' time (``default_us``) and the old
+protocol (one release per token, 24 warps, unroll 4, half the sender block on local tokens:
+``old_protocol_us``) measured in the same run.
 """
 
 from __future__ import annotations
@@ -19,16 +23,34 @@ __all__ = ["run"]
 ITERS = 20
 WARMUP = 5
 RECV_TOKENS = (256, 512)
-SEND_TOKENS = (4, 8, 16, 32)
-# (warps, loads in flight per lane, warps copying local tokens or None for the default share)
-DISPATCH_SHAPES = ((24, 4, None), (16, 8, None), (24, 4, 6), (16, 8, 4), (24, 2, None))
-COMBINE_SHAPES = ((24, 2), (16, 4), (32, 1))
+# Publish batch (num_max_nvl_chunked_send_tokens): tokens per flag fence; 1 = one release per token.
+SEND_TOKENS = (1, 4, 8, 16, 32)
+# Compile-time shapes (warps, loads in flight per lane). Each costs one NVRTC compile (~0.5-2 s).
+DISPATCH_SHAPES = ((24, 8), (24, 4), (24, 7), (16, 8), (16, 14), (32, 4))
+COMBINE_SHAPES = ((16, 8), (24, 4), (24, 2), (16, 4), (32, 2))
+# Local-copy warps (sender block, receiver block) as fractions of W (rounded; at least 1 in total).
+SELF_SPLITS = ((0.5, 0.0), (0.25, 0.25), (0.25, 0.0), (0.125, 0.125), (0.0, 0.25), (0.0, 0.5), (0.125, 0.375))
+# Points sampled in the first stage (shape sweep) and default runtime knobs there.
+STAGE1_RECV, STAGE1_SEND = 512, 8
+TOP = 3  # best points printed per stage
 
 
 def _routing(cupy, num_tokens, num_experts, num_topk, seed):
     rs = cupy.random.RandomState(seed)
     scores = cupy.abs(rs.standard_normal((num_tokens, num_experts), dtype=cupy.float32)) + 1
     return cupy.ascontiguousarray(cupy.argsort(-scores, axis=1)[:, :num_topk].astype(cupy.int64))
+
+
+def _default_split(warps: int) -> tuple[int, int]:
+    return None, None  # the engine's defaults
+
+
+def _restore_defaults(engine) -> None:
+    from ..ops import intranode as I
+
+    engine.dispatch_warps, engine.dispatch_unroll = I.DISPATCH_WARPS, I.DISPATCH_UNROLL
+    engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
+    engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
 
 
 def _slowest(comm, us: float) -> float:
@@ -87,52 +109,97 @@ def run(comm, args) -> list[dict]:
         us = _slowest(comm, time_op(dispatch_full, warmup=2, iters=ITERS, stream=stream))
         rows.append(row("intranode dispatch BF16 (notify + sync)", us, bf16_bytes, num_sms))
 
+        def timed(op):
+            return _slowest(comm, time_op(op, warmup=WARMUP, iters=ITERS, stream=stream))
+
+        def report(name, points, nbytes):
+            """Keep the best point as the row; print the TOP best of each stage on rank 0."""
+            points = sorted(points, key=lambda p: p[0])
+            if rank == 0:
+                for us, desc in points[:TOP]:
+                    gbs = nbytes / (us * 1e-6) / 1e9
+                    print(f"  {name}: {us:8.2f} us {gbs:7.1f} GB/s  [{desc}]", flush=True)
+            return points[0]
+
+        def splits(warps):
+            out = []
+            for fs, fr in SELF_SPLITS:
+                ss, rs = round(warps * fs), round(warps * fr)
+                if ss + rs == 0:
+                    ss = 1
+                ss, rs = min(ss, warps - (num_ranks - 1)), min(rs, warps - (num_ranks - 1))
+                if num_ranks == 1:
+                    ss, rs = warps, 0
+                if (ss, rs) not in out:
+                    out.append((ss, rs))
+            return out
+
         def sweep_dispatch(data, data_scales, nbytes, name):
-            best = None
-            for warps, unroll, self_warps in DISPATCH_SHAPES:
-                engine.dispatch_warps, engine.dispatch_unroll, engine.self_warps = warps, unroll, self_warps
-                # The chunk size does not change what the kernels do: sweep it for the default shape only.
-                sends = SEND_TOKENS if (warps, unroll, self_warps) == DISPATCH_SHAPES[0] else SEND_TOKENS[:1]
-                for recv in RECV_TOKENS:
-                    for send in sends:
-                        cfg = Config(num_sms, send, recv)
+            def point(warps, unroll, ss, rs, recv, send):
+                engine.dispatch_warps, engine.dispatch_unroll = warps, unroll
+                engine.self_warps, engine.recv_self_warps = ss, rs
+                cfg = Config(num_sms, send, recv)
 
-                        def op(cfg=cfg):
-                            engine.dispatch(data, data_scales, handle=handle, num_tokens_per_rank=None,
-                                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
-                                            topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=cfg,
-                                            stream=stream)
+                def op():
+                    engine.dispatch(data, data_scales, handle=handle, num_tokens_per_rank=None,
+                                    is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                                    topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=cfg,
+                                    stream=stream)
 
-                        us = _slowest(comm, time_op(op, warmup=WARMUP, iters=ITERS, stream=stream))
-                        if best is None or us < best[0]:
-                            best = (us, f"recv {recv}, send {send}, warps {warps}, unroll {unroll}, "
-                                        f"self warps {self_warps or 'default'}")
-            engine.dispatch_warps, engine.dispatch_unroll, engine.self_warps = 24, 4, None
-            rows.append(row(name, best[0], nbytes, num_sms, best=best[1]))
+                return (timed(op), (warps, unroll, ss, rs, recv, send))
+
+            def desc(k):
+                w, u, ss, rs, recv, send = k
+                split = "default" if ss is None else f"{ss}+{rs}"
+                return f"recv {recv}, send {send}, warps {w}, unroll {u}, self warps {split}"
+
+            # Reference: the old best shape and split with one release per token (send 1).
+            ref = point(24, 4, 12, 0, 512, 1)
+            # Stage 1: compile-time shapes at the default local split and the stage-1 chunking.
+            s1 = [point(w, u, *_default_split(w), STAGE1_RECV, STAGE1_SEND) for w, u in DISPATCH_SHAPES]
+            report(name + " shapes", [(us, desc(k)) for us, k in s1], nbytes)
+            w, u = min(s1, key=lambda p: p[0])[1][:2]
+            # Stage 2: local split x publish batch at the best shape; stage 3: ring capacity.
+            s2 = [point(w, u, ss, rs, STAGE1_RECV, send) for ss, rs in splits(w) for send in SEND_TOKENS]
+            report(name + " split x batch", [(us, desc(k)) for us, k in s2], nbytes)
+            _, _, ss, rs, _, send = min(s2, key=lambda p: p[0])[1]
+            s3 = [point(w, u, ss, rs, recv, send) for recv in RECV_TOKENS]
+            everything = [(us, desc(k)) for us, k in s1 + s2 + s3]
+            best = report(name + " capacity", everything, nbytes)
+            _restore_defaults(engine)
+            rows.append(row(name, best[0], nbytes, num_sms, best=best[1],
+                            old_protocol_us=round(ref[0], 2), default_us=round(s1[0][0], 2)))
 
         sweep_dispatch(x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)")
         sweep_dispatch(x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)")
 
         # Combine the received rows (plus their weights), swept the same way.
-        best = None
-        for warps, unroll in COMBINE_SHAPES:
+        def combine_point(warps, unroll, recv, send):
             engine.combine_warps, engine.combine_unroll = warps, unroll
-            for recv in RECV_TOKENS:
-                cfg = Config(num_sms, 8, recv)
+            cfg = Config(num_sms, send, recv)
 
-                def op(cfg=cfg):
-                    engine.combine(recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
-                                   stream=stream)
+            def op():
+                engine.combine(recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
+                               stream=stream)
 
-                us = _slowest(comm, time_op(op, warmup=WARMUP, iters=ITERS, stream=stream))
-                if best is None or us < best[0]:
-                    best = (us, f"recv {recv}, warps {warps}, unroll {unroll}")
-        engine.combine_warps, engine.combine_unroll = 24, 2
-        rows.append(row("intranode combine BF16", best[0], bf16_bytes, num_sms, best=best[1]))
+            return (timed(op), f"recv {recv}, send {send}, warps {warps}, unroll {unroll}", (warps, unroll))
+
+        name = "intranode combine BF16"
+        ref = combine_point(32, 1, 512, 1) if num_ranks <= 2 else combine_point(24, 2, 512, 1)
+        c1 = [combine_point(w, u, STAGE1_RECV, STAGE1_SEND) for w, u in COMBINE_SHAPES]
+        report(name + " shapes", [p[:2] for p in c1], bf16_bytes)
+        w, u = min(c1, key=lambda p: p[0])[2]
+        c2 = [combine_point(w, u, recv, send) for recv in RECV_TOKENS for send in SEND_TOKENS]
+        best = report(name + " capacity x batch", [p[:2] for p in c1 + c2], bf16_bytes)
+        _restore_defaults(engine)
+        rows.append(row(name, best[0], bf16_bytes, num_sms, best=best[1], old_protocol_us=round(ref[0], 2),
+                        default_us=round(c1[0][0], 2)))
         engine.check_errors(stream)
         if rank == 0:
             for r in rows:
                 extra = f"  [{r['best']}]" if "best" in r else ""
+                if "default_us" in r:
+                    extra += f"  (defaults {r['default_us']} us, send 1 at old shape {r['old_protocol_us']} us)"
                 gbs = f"{r['GB/s']:7.1f} GB/s, " if "GB/s" in r else ""
                 print(f"[{r['op']}] {gbs}{r['us']:8.2f} us{extra}", flush=True)
     finally:
