@@ -65,6 +65,11 @@ stage_startup() {
     SUMMARY+=("$(grep -h STARTUP "$OUT/startup.log" | tr '\n' ';')")
 }
 
+stage_host() {
+    timeout 120 python3 tools/host_overhead.py > "$OUT/host.log" 2>&1
+    SUMMARY+=("host overhead: $(grep -A20 'HOST OVERHEAD' "$OUT/host.log" | tail -n +2 | tr -s ' ' | tr '\n' ';')")
+}
+
 stage_tests-misc() { run_tests tests-misc tests/gpu/test_buffer_misc.py 200; }
 
 stage_bench() {
