@@ -34,7 +34,7 @@ def main() -> None:
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
     rows.append(("cupy.empty(4096x2 bool)", per_call(lambda: cupy.empty((4096, 2), dtype=cupy.bool_))))
-    rows.append(("with stream: (enter+exit)", per_call(lambda: stream.__enter__() and stream.__exit__())))
+    rows.append(("with stream: (enter+exit)", per_call(lambda: (stream.__enter__(), stream.__exit__(None, None, None)))))
     ev = cupy.cuda.Event(disable_timing=True)
     rows.append(("cupy.cuda.Event()", per_call(lambda: cupy.cuda.Event(disable_timing=True))))
     rows.append(("event.record + stream.wait_event", per_call(lambda: (ev.record(stream), stream.wait_event(ev)))))
