@@ -108,11 +108,11 @@ def test_channel_bounds_match_reference():
 def test_default_self_warps():
     assert intranode.default_self_warps(1, 24) == 24
     assert intranode.default_recv_self_warps(1, 24) == 0
-    assert intranode.default_self_warps(2, 24) == 6 and intranode.default_recv_self_warps(2, 24) == 6
+    assert intranode.default_self_warps(2, 16) == 0 and intranode.default_recv_self_warps(2, 16) == 8
     for w in (16, 24, 32):
         for r in range(2, 9):
             s, rs = intranode.default_self_warps(r, w), intranode.default_recv_self_warps(r, w)
-            assert 1 <= s <= w - (r - 1) and 0 <= rs <= w - (r - 1)
+            assert 0 <= s <= w - (r - 1) and 0 <= rs <= w - (r - 1) and s + rs >= 1
 
 
 @pytest.mark.parametrize("cap", [1, 2, 3, 4, 7, 64, 256, 512])
