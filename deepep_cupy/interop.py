@@ -142,16 +142,27 @@ def to_cupy(obj):
     dtype = logical_dtype(obj)
     storage = _storage(dtype)
     if _is_torch(obj):
-        torch = _torch()
         t = obj.detach()
         if t.device.type != "cuda":
             t = t.cuda()
-        if dtype in _STORAGE:
-            t = t.view(_numpy_to_torch_dtypes()[_signed_twin(storage)])
-        return _device_view(cupy.from_dlpack(t), dtype)
+        return _torch_view(t, storage, dtype)
     if isinstance(obj, np.ndarray):
         return _device_view(cupy.asarray(obj.view(storage) if dtype in _STORAGE else obj), dtype)
     return _device_view(obj, dtype)
+
+
+def _torch_view(t, storage: np.dtype, dtype: np.dtype):
+    """A CuPy array over a CUDA tensor's memory (kept alive by the array), without a DLPack round trip."""
+    import cupy
+
+    if t.numel() == 0 or not t.is_contiguous():
+        if dtype in _STORAGE:
+            t = t.view(_numpy_to_torch_dtypes()[_signed_twin(storage)])
+        return _device_view(cupy.from_dlpack(t), dtype)
+    nbytes = t.numel() * t.element_size()
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index)
+    want = np.dtype(np.bool_) if dtype == np.bool_ else storage
+    return cupy.ndarray(tuple(t.shape), want, cupy.cuda.MemoryPointer(mem, 0))
 
 
 def _device_view(arr, dtype: np.dtype):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -73,21 +74,35 @@ def nonneg_int(name: str, value) -> int:
 
 
 def topk_values(name: str, topk_idx, num_experts: int) -> None:
-    """Every entry must be -1 or a valid expert id; each token names an expert at most once."""
+    """Every entry must be -1 or a valid expert id.
+
+    On the GPU this costs one reduction and a wait for it; it is skipped while a CUDA graph is being
+    captured (nothing may wait then) and when ``DEEPEP_CUPY_VALIDATE=0``.
+    """
     if not values_enabled() or shape_of(topk_idx)[0] == 0:
         return
-    lo, hi = _min_max(topk_idx)
-    if lo < -1 or hi >= num_experts:
-        raise ValueError(f"{name} holds expert ids outside [-1, {num_experts}): min {lo}, max {hi}")
+    if isinstance(topk_idx, np.ndarray):
+        bad = int(np.count_nonzero((topk_idx < -1) | (topk_idx >= num_experts)))
+    elif hasattr(topk_idx, "aminmax"):  # torch
+        import torch
+
+        if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        bad = int(((topk_idx < -1) | (topk_idx >= num_experts)).sum().item())
+    else:
+        import cupy
+
+        if cupy.cuda.get_current_stream().is_capturing():
+            return
+        bad = int(_count_out_of_range()(topk_idx, np.int64(num_experts)))
+    if bad:
+        raise ValueError(f"{name} holds {bad} expert ids outside [-1, {num_experts})")
 
 
-def _min_max(obj) -> tuple[int, int]:
-    if isinstance(obj, np.ndarray):
-        return int(obj.min()), int(obj.max())
-    if hasattr(obj, "aminmax"):
-        lo, hi = obj.aminmax()
-        return int(lo), int(hi)
+@functools.lru_cache(maxsize=None)
+def _count_out_of_range():
     import cupy
 
-    both = cupy.stack([obj.min(), obj.max()]).get()
-    return int(both[0]), int(both[1])
+    # One pass over the ids, one scalar back: the cheapest device-side range check.
+    return cupy.ReductionKernel("T x, T e", "int64 y", "(x < -1 || x >= e) ? 1 : 0", "a + b", "y = a", "0",
+                                "deepep_count_out_of_range")
