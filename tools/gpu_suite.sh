@@ -73,7 +73,7 @@ stage_host() {
 stage_tests-misc() { run_tests tests-misc tests/gpu/test_buffer_misc.py 200; }
 
 stage_bench() {
-    timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} --suite-timeout ${SUITE_TIMEOUT:-180} --num-sms 24 --json "$OUT/bench.json" \
+    timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} ${BENCH_ARGS:-} --suite-timeout ${SUITE_TIMEOUT:-180} --num-sms 24 --json "$OUT/bench.json" \
         --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
     SUMMARY+=("bench (rc $?): see table below")
 }

@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
     parser.add_argument("--ll-experts", type=int, default=288)
+    parser.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
     parser.add_argument("--suite-timeout", type=float, default=240, help="seconds before a hung suite is killed")
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--plot", help="save a bar chart of GB/s to this PNG")

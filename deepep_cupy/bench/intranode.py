@@ -170,6 +170,29 @@ def run(comm, args) -> list[dict]:
             rows.append(row(name, best[0], nbytes, num_sms, best=best[1],
                             old_protocol_us=round(ref[0], 2), default_us=round(s1[0][0], 2)))
 
+        if getattr(args, "quick", False):
+            # The library's defaults only: the recommended configs and the engine's block shapes.
+            from ..buffer import Buffer
+
+            def default_point(name, op, nbytes):
+                rows.append(row(name, timed(op), nbytes, num_sms, best="defaults"))
+
+            dcfg = Buffer.get_dispatch_config(num_ranks)
+            dcfg.num_sms = num_sms
+            for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),
+                                                    (x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)")):
+                default_point(name, lambda d=data, sc=data_scales: engine.dispatch(
+                    d, sc, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
+                    num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
+                    num_worst_tokens=0, config=dcfg, stream=stream), nbytes)
+            ccfg = Buffer.get_combine_config(num_ranks)
+            ccfg.num_sms = num_sms
+            default_point("intranode combine BF16", lambda: engine.combine(
+                recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=ccfg, stream=stream),
+                bf16_bytes)
+            engine.check_errors(stream)
+            return rows
+
         sweep_dispatch(x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)")
         sweep_dispatch(x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)")
 
