@@ -4,9 +4,10 @@
 //
 // Send phase: one unit per (local expert, destination rank), described by the dispatch handle
 // (layout_range gives the rows, src_info the token each row answers); a row lands in the slot
-// [global expert][token] of the destination's receive area, as BF16 or LogFMT-10. Receive phase: for
-// every (token, 256-channel chunk) a warp waits until the experts of that token have finished sending
-// (the lanes wait for one expert each), then loads the K rows and accumulates in k order.
+// [global expert][token] of the destination's receive area, as BF16 or LogFMT-10. Receive phase: one
+// warp per block waits (one lane per expert, backing off) until every expert's owner has finished
+// sending to this rank, then every warp reduces (token, 256-channel chunk) items: it loads the K rows
+// and accumulates in k order. Only that one warp per block ever polls a flag.
 // On the RMA path, units of the receive phase first turn put-with-signal counters into local ready
 // flags (one unit per global expert). See layout.cuh for the buffer layout and the protocol.
 #include "common/nvshmem_includes.cuh"
@@ -49,6 +50,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_sent[kGroups];
+    __shared__ uint32_t s_arrived[kMaxExperts / 32];
     __shared__ uint32_t s_seq[2];
 
     const int warp_in_block = static_cast<int>(threadIdx.x) / 32;
@@ -170,7 +172,35 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             }
         }
 
-        // Stage B: reduction, one (token, chunk) item per warp.
+        // Stage B: one warp per block learns which experts have arrived (one lane per expert word, each
+        // polled by a single thread with backoff), so the reducing warps never poll. A block waits for
+        // every expert, not only its tokens' ones: all senders publish every expert, so this costs nothing
+        // in the end-to-end time, and it keeps the number of spinning threads at one warp per block.
+        __syncthreads();  // stage A's ready flags are set by this block's threads too
+        if (warp_in_block == 0) {
+            for (int e0 = 0; e0 < num_experts; e0 += 32) {
+                const int e = e0 + lane;
+                bool ok = false;
+                if (e < num_experts && !self_masked) {
+                    const int owner = e / num_local_experts;
+                    if (s_mask[owner] == 0 && ld_volatile(mask + owner) == 0) {
+                        const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
+                        ok = p2p ? wait_tag(sym_tags + e, tag, deadline, err, bail) >= 0
+                                 : wait_ready(ready + e, tag, deadline, err, bail);
+                        if (!ok) {
+                            peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
+                        } else if (!p2p && ld_volatile(mask + owner) != 0) {
+                            ok = false;  // stage A gave up on the owner
+                        }
+                    }
+                }
+                const uint32_t bits = __ballot_sync(kFullMask, ok);
+                if (lane == 0) s_arrived[e0 / 32] = bits;
+            }
+        }
+        __syncthreads();
+
+        // Stage C: reduction, one (token, chunk) item per warp.
         const int total_warps = total_groups * kWarps;
         const int gwarp = gid * kWarps + warp;
         for (int item = gwarp; item < num_tokens * kNumChunks; item += total_warps) {
@@ -178,28 +208,12 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             const int col = (item % kNumChunks) * kChunk + lane * 8;
             const bool active = col < kHidden;
 
-            // Lane k waits for expert topk_idx[t, k]; -1 afterwards means "contributes nothing".
+            // Lane k holds expert topk_idx[t, k]; -1 means "contributes nothing".
             int expert = -1;
-            if (lane < kTopk && !self_masked) {
+            if (lane < kTopk) {
                 expert = static_cast<int>(__ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane));
-                if (expert >= 0 && expert < num_experts) {
-                    const int owner = expert / num_local_experts;
-                    if (s_mask[owner] != 0 || ld_volatile(mask + owner) != 0) {
-                        expert = -1;
-                    } else {
-                        const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
-                        const bool ok = p2p ? wait_tag(sym_tags + expert, tag, deadline, err, bail) >= 0
-                                            : wait_ready(ready + expert, tag, deadline, err, bail);
-                        if (!ok) {
-                            peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
-                            expert = -1;
-                        } else if (!p2p && ld_volatile(mask + owner) != 0) {
-                            expert = -1;  // stage A gave up on the owner
-                        }
-                    }
-                } else {
+                if (expert < 0 || expert >= num_experts || ((s_arrived[expert / 32] >> (expert % 32)) & 1u) == 0)
                     expert = -1;
-                }
             }
             __syncwarp();
 

@@ -45,6 +45,8 @@ constexpr int kLogfmtLevels = 510;
 constexpr int kMaxTokenChunks = 256;
 // Mask snapshot in shared memory.
 constexpr int kMaxRanks = 1024;
+// The combine's receive phase keeps one "arrived" bit per global expert in shared memory.
+constexpr int kMaxExperts = 8192;
 
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
@@ -153,18 +155,47 @@ __device__ __forceinline__ uint32_t next_sequence(uint32_t* counter, uint32_t* r
 }
 
 // ---- waits ------------------------------------------------------------------------------------------
+// Every wait is done by ONE thread per flag word: it polls with relaxed loads (no cache-invalidating
+// acquire per poll), backs off with __nanosleep once the flag is late, and fences (acquire, system
+// scope) once it has seen the value. The deadline (GPU timer, cheap) is checked every 32 polls; the
+// error record lives in host-mapped memory, so reading it is a PCIe round trip: it is read only every
+// 512 polls (about every 100 us of waiting), never in the hot loop. (Reading it every 16 polls from
+// thousands of spinning lanes queued PCIe reads and made the fused combine take milliseconds.)
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Pause between polls; false when the wait must give up (deadline passed, or another thread reported a
+// timeout and bail_on_report is set).
+__device__ __forceinline__ bool poll_pause(uint32_t spin, const Deadline& deadline, const ErrorRecord* err,
+                                           bool bail_on_report) {
+    if (spin >= 8) __nanosleep(spin < 128 ? 64u : 200u);
+    if ((spin & 31u) == 31u) {
+        if (deadline.expired()) return false;
+        if ((spin & 511u) == 511u && bail_on_report && timeout_reported(err)) return false;
+    }
+    return true;
+}
 
 // Spin until tags[...] carries `tag`; returns the payload, or -1 on timeout (or, when bail_on_report, as
 // soon as another thread has reported a timeout).
 __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, const Deadline& deadline,
                                         const ErrorRecord* err, bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        const uint32_t v = ld_acquire_sys_u32(word);
-        if ((v >> 16) == tag) return static_cast<int>(v & 0xffffu);
-        if ((spin & 15u) == 15u) {
-            if (deadline.expired()) return -1;
-            if (bail_on_report && timeout_reported(err)) return -1;
+        const uint32_t v = ld_relaxed_sys_u32(word);
+        if ((v >> 16) == tag) {
+            fence_acq_rel_sys();
+            return static_cast<int>(v & 0xffffu);
         }
+        if (!poll_pause(spin, deadline, err, bail_on_report)) return -1;
     }
 }
 
@@ -172,11 +203,11 @@ __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, cons
 __device__ __forceinline__ bool wait_arrivals(const uint64_t* counter, uint64_t base, uint64_t need,
                                               const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        if (ld_acquire_sys_u64(counter) - base >= need) return true;
-        if ((spin & 15u) == 15u) {
-            if (deadline.expired()) return false;
-            if (bail_on_report && timeout_reported(err)) return false;
+        if (ld_relaxed_sys_u64(counter) - base >= need) {
+            fence_acq_rel_sys();
+            return true;
         }
+        if (!poll_pause(spin, deadline, err, bail_on_report)) return false;
     }
 }
 
@@ -184,11 +215,11 @@ __device__ __forceinline__ bool wait_arrivals(const uint64_t* counter, uint64_t 
 __device__ __forceinline__ bool wait_ready(const uint32_t* word, uint32_t tag, const Deadline& deadline,
                                            const ErrorRecord* err, bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        if (ld_acquire_gpu_u32(word) == tag) return true;
-        if ((spin & 15u) == 15u) {
-            if (deadline.expired()) return false;
-            if (bail_on_report && timeout_reported(err)) return false;
+        if (ld_relaxed_sys_u32(word) == tag) {
+            fence_acq_rel_sys();
+            return true;
         }
+        if (!poll_pause(spin, deadline, err, bail_on_report)) return false;
     }
 }
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..jit import BuildSpec, load
 from .low_latency_layout import (
+    MAX_EXPERTS,
     MAX_RANKS,
     MAX_TOKENS,
     MAX_TOPK,
@@ -248,6 +249,7 @@ class LowLatencyEngine:
                                   int(num_experts))
         if layout == self._layout:
             return layout
+        _require(layout.num_experts <= MAX_EXPERTS, f"low-latency mode supports up to {MAX_EXPERTS} experts")
         _require(layout.num_max_dispatch_tokens_per_rank <= MAX_TOKENS,
                  f"num_max_dispatch_tokens_per_rank must be at most {MAX_TOKENS}")
         if not layout.fits(self.num_rdma_bytes):

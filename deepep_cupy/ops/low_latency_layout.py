@@ -28,6 +28,7 @@ from dataclasses import dataclass
 __all__ = [
     "LOGFMT_BLOCK_BYTES",
     "LowLatencyLayout",
+    "MAX_EXPERTS",
     "MAX_RANKS",
     "MAX_TOKENS",
     "MAX_TOPK",
@@ -44,6 +45,8 @@ LOGFMT_BLOCK_BYTES = 8 + 128 + 32
 MAX_TOKENS = 256 * 32
 #: Per-rank mask snapshot in shared memory (kMaxRanks in layout.cuh).
 MAX_RANKS = 1024
+#: One "arrived" bit per expert in the combine's shared memory (kMaxExperts in layout.cuh).
+MAX_EXPERTS = 8192
 #: A token's experts are awaited by the lanes of one warp in the combine.
 MAX_TOPK = 32
 
