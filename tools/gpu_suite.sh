@@ -70,7 +70,7 @@ stage_host() {
     SUMMARY+=("host overhead: $(grep -A20 'HOST OVERHEAD' "$OUT/host.log" | tail -n +2 | tr -s ' ' | tr '\n' ';')")
 }
 
-stage_tests-misc() { run_tests tests-misc tests/gpu/test_buffer_misc.py 200; }
+stage_tests-misc() { run_tests tests-misc "tests/gpu/test_buffer_misc.py tests/gpu/test_mixed_modes.py" 200; }
 
 stage_bench() {
     timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} ${BENCH_ARGS:-} --suite-timeout ${SUITE_TIMEOUT:-180} --num-sms 24 --json "$OUT/bench.json" \
