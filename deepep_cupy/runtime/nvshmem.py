@@ -17,6 +17,7 @@ when nothing is allocated.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -120,6 +121,19 @@ def _init(group, device_id: int) -> None:
     heap = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     _state.update(initialized=True, rank=group.rank, size=group.size, device=device_id,
                   heap=_parse_size(heap) if heap else 1 << 30)
+    if not _state.get("exit_hook"):
+        # NVSHMEM left running at interpreter exit crashes in its own teardown (transport threads,
+        # CUDA already gone); Python's exit hooks run before the C library's, so finalize here.
+        atexit.register(_finalize_at_exit)
+        _state["exit_hook"] = True
+
+
+def _finalize_at_exit() -> None:
+    with _lock:
+        try:
+            _finalize_locked()
+        except Exception:  # noqa: BLE001 - nothing useful can be raised at exit
+            pass
 
 
 def _finalize_locked() -> None:
