@@ -231,34 +231,11 @@ __device__ __forceinline__ void publish_run(uint8_t* ring, long long slot_bytes,
 
 // ---- loads and stores --------------------------------------------------------------------------
 
-// 16-byte load that is cached in L2 only: ring slots are rewritten by peers, so an L1 copy from an
-// earlier use of the same slot must never be returned.
-__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned int ld_cg_u32(const unsigned int* p) {
-    unsigned int v;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ int ld_cg_s32(const int* p) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float ld_cg_f32(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
+// L2-only loads: ring slots are rewritten by peers (common/ptx.cuh).
+using deepep::ld_cg_f32;
+using deepep::ld_cg_s32;
+using deepep::ld_cg_u32;
+using deepep::ld_cg_v4;
 
 // Warp copy of n int4 from memory that does not change during the kernel (user inputs) to dst.
 // kUnroll loads per lane are issued before their stores, so a warp keeps 32 * kUnroll * 16 bytes in flight.
