@@ -65,12 +65,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const int gid = static_cast<int>(blockIdx.x) * kGroups + group;
     const bool bail = !shrink;
 
-    if (threadIdx.x == 0) {
-        s_seq[0] = (phases & kPhaseSend) ? next_sequence(seq_state + 0, seq_state + 1) : 0u;
-        s_seq[1] = (phases & kPhaseRecv) ? next_sequence(seq_state + 2, seq_state + 3) : 0u;
-    }
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
-    __syncthreads();
+    begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
     const Deadline deadline(timeout_ns);
     const bool self_masked = s_mask[rank] != 0;
 

@@ -136,6 +136,19 @@ __device__ __forceinline__ uint32_t next_sequence(uint32_t* counter, uint32_t* r
     return s;
 }
 
+// Prologue shared by the dispatch and combine kernels: claim this launch's sequence numbers for the
+// phases it runs (0 for a phase it skips) and snapshot the rank mask, so every warp of the block sees
+// one consistent view for the whole launch. Ends with a block barrier.
+__device__ __forceinline__ void begin_launch(int phases, uint32_t* seq_state, const int* mask, int num_ranks,
+                                             uint32_t* s_seq, int* s_mask) {
+    if (threadIdx.x == 0) {
+        s_seq[0] = (phases & kPhaseSend) ? next_sequence(seq_state + 0, seq_state + 1) : 0u;
+        s_seq[1] = (phases & kPhaseRecv) ? next_sequence(seq_state + 2, seq_state + 3) : 0u;
+    }
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
+    __syncthreads();
+}
+
 // ---- waits ------------------------------------------------------------------------------------------
 // Every wait is done by ONE thread per flag word: it polls with relaxed loads (no cache-invalidating
 // acquire per poll), backs off with __nanosleep once the flag is late, and fences (acquire, system
