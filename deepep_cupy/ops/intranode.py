@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 
 import numpy as np
 
 from ..errors import DeepEPError
 from ..jit import BuildSpec, load
+from ..runtime.kernel_errors import timeout_seconds
 from . import intranode_layout as L
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 NOTIFY_THREADS = 1024
-DEFAULT_TIMEOUT_S = 100.0
 # Defaults of the compile-time shape of the data kernels. Best guesses for 2 ranks (see
 # deepep_cupy/bench/NOTES_intranode.md); the bench sweeps the alternatives.
 DISPATCH_WARPS, DISPATCH_UNROLL = 16, 8
@@ -334,7 +333,7 @@ class IntranodeEngine:
         self.num_ranks = group.size
         self.device_id = int(device_id)
         self.num_nvl_bytes = int(num_nvl_bytes)
-        self.timeout_s = float(os.environ.get("DEEPEP_CUPY_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        self.timeout_s = timeout_seconds()
         self.dispatch_warps, self.dispatch_unroll = DISPATCH_WARPS, DISPATCH_UNROLL
         self.combine_warps, self.combine_unroll = default_combine_shape(self.num_ranks)
         self.self_warps: int | None = None

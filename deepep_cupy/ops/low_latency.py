@@ -32,6 +32,7 @@ import os
 import numpy as np
 
 from ..jit import BuildSpec, load
+from ..runtime.kernel_errors import timeout_seconds
 from .low_latency_layout import (
     MAX_EXPERTS,
     MAX_RANKS,
@@ -57,7 +58,6 @@ OP_NAMES = {201: "low_latency_dispatch (receive)", 202: "low_latency_combine (re
 _PHASE_SEND = 1
 _PHASE_RECV = 2
 _STAGE_THREADS = 256
-_DEFAULT_TIMEOUT_S = 100.0
 _WARPS_PER_BLOCK = 24
 _NULL = np.uint64(0)
 
@@ -132,15 +132,8 @@ def representative_builds() -> list[BuildSpec]:
 
 
 def timeout_ns() -> int:
-    """Kernel wait budget from ``DEEPEP_CUPY_TIMEOUT_S`` (seconds, default 100)."""
-    text = os.environ.get("DEEPEP_CUPY_TIMEOUT_S", "")
-    try:
-        seconds = float(text) if text else _DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"DEEPEP_CUPY_TIMEOUT_S must be a number of seconds, got {text!r}") from None
-    if seconds <= 0:
-        seconds = _DEFAULT_TIMEOUT_S
-    return int(seconds * 1e9)
+    """Kernel wait budget in nanoseconds (``runtime.kernel_errors.timeout_seconds``)."""
+    return int(timeout_seconds() * 1e9)
 
 
 # --------------------------------------------------------------------------------------------------

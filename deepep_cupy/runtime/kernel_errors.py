@@ -9,6 +9,7 @@ host reads it without a device synchronisation (kernels write it with system-sco
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from collections.abc import Mapping
 
@@ -16,10 +17,22 @@ import numpy as np
 
 from ..errors import DeepEPError, DeepEPTimeoutError
 
-__all__ = ["KernelErrorRecord", "RECORD_WORDS"]
+__all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "timeout_seconds"]
 
 RECORD_WORDS = 8
+DEFAULT_TIMEOUT_S = 100.0
 _RECORD_BYTES = RECORD_WORDS * 4
+
+
+def timeout_seconds() -> float:
+    """Budget of every wait inside the kernels: ``$DEEPEP_CUPY_TIMEOUT_S`` seconds (default 100;
+    zero or negative also means the default)."""
+    text = os.environ.get("DEEPEP_CUPY_TIMEOUT_S", "")
+    try:
+        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"DEEPEP_CUPY_TIMEOUT_S must be a number of seconds, got {text!r}") from None
+    return seconds if seconds > 0 else DEFAULT_TIMEOUT_S
 
 
 def _free_host(ptr: int) -> None:
