@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import os
 import socket
-import numpy as np
 
 from . import validate as check
 from .config import Config, low_latency_rdma_size_hint
 from .event import EventOverlap
 from .interop import BF16, FP8, shape_of
+from .interop import BOOL as _BOOL
+from .interop import F32 as _F32
+from .interop import I32 as _I32
+from .interop import I64 as _I64
 from .runtime.device import gpu_count
 from .runtime.group import make_group
 
 __all__ = ["Buffer"]
 
-_I32, _I64, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
 
 # Recommended configs per rank count; other counts use the nearest entry. Ring capacities follow DeepEP's
 # tables (so buffers sized from them fit); the 2-rank send chunks are tuned for our kernels on 2 x H200.
@@ -317,8 +319,7 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
-            if not isinstance(handle, (tuple, list)) or len(handle) != 6:
-                raise ValueError("handle must be the 6-tuple returned by an intranode dispatch")
+            check.handle(handle, 6, "dispatch")
             check.tensor("handle[4] (is_token_in_rank)", handle[4], dtype=_BOOL, shape=(n, r))
         else:
             check.tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=_I32, shape=(r,))
@@ -364,26 +365,25 @@ class Buffer:
         if self._num_rdma_ranks > 1:
             return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
-        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
-            raise ValueError("handle must be the 6-tuple returned by an intranode dispatch")
         return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                              allocate_on_comm_stream)
 
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
+        check.handle(handle, 6, "dispatch")
         m, hidden = check.tensor("x", x, dtype=BF16, ndim=2)
         if hidden % 8 != 0:
             raise ValueError(f"BF16 hidden size must be a multiple of 8, got {hidden}")
         if not isinstance(config, Config):
             raise TypeError(f"config must be a deepep_cupy.Config, got {type(config).__name__}")
-        num_recv = shape_of(handle[3])[0] if len(handle) == 6 else None
-        if num_recv is not None and m < num_recv:
+        num_recv = shape_of(handle[3])[0]
+        if m < num_recv:
             raise ValueError(f"x has {m} rows but the handle describes {num_recv} received tokens")
         if topk_weights is not None:
             check.tensor("topk_weights", topk_weights, dtype=_F32, ndim=2)
             if shape_of(topk_weights)[0] != m:
                 raise ValueError(f"topk_weights must have {m} rows like x, got {shape_of(topk_weights)[0]}")
-        n = shape_of(handle[4])[0] if len(handle) == 6 else shape_of(handle[0])[0]
+        n = shape_of(handle[4])[0]
         bias_0, bias_1 = (bias if isinstance(bias, (tuple, list)) else (bias, None))
         if isinstance(bias, (tuple, list)) and len(bias) != 2:
             raise ValueError("bias must be one tensor or a tuple of two")
@@ -419,8 +419,6 @@ class Buffer:
         self._alive()
         config = self.get_combine_config(self.group_size) if config is None else config
         self.runtime.require_internode("internode_combine")
-        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
-            raise ValueError("handle must be the tuple returned by dispatch")
         return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                              allocate_on_comm_stream)
 
@@ -542,8 +540,7 @@ class Buffer:
         """
         self._alive()
         self._ll_required("low_latency_combine")
-        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
-            raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch")
+        check.handle(handle, 5, "low_latency_dispatch")
         t, hidden, num_experts = int(handle[2]), int(handle[3]), int(handle[4])
         e_local = num_experts // self.group_size
         check.tensor("x", x, dtype=BF16, shape=(e_local, self.group_size * t, hidden))
@@ -562,8 +559,7 @@ class Buffer:
         `[num_local_experts, num_ranks * T, hidden]` bf16, for the caller to fill."""
         self._alive()
         self._ll_required("get_next_low_latency_combine_buffer")
-        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
-            raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch")
+        check.handle(handle, 5, "low_latency_dispatch")
         return self.runtime.get_next_low_latency_combine_buffer(handle)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:

@@ -7,13 +7,14 @@ import numpy as np
 
 from .event import EventOverlap
 from .interop import BF16, FP8, TensorKind, from_cupy, kind_of, logical_dtype, to_cupy, to_storage_dtype
+from .interop import BOOL as _BOOL
+from .interop import F32 as _F32
+from .interop import I32 as _I32
+from .interop import I64 as _I64
 from .runtime.device import current_device_id
 from .runtime.streams import OpStreams, current_stream
 
 __all__ = ["CudaRuntime"]
-
-_I32, _I64, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
-
 
 
 def _dev(obj):
@@ -32,6 +33,17 @@ def _handle_to_caller(handle, like: TensorKind):
         else:
             out.append(h)
     return tuple(out)
+
+
+class _OnCallerStream:
+    """Stream choreography of a low-latency op without ``async_finish``: it runs on the caller's stream,
+    so there is nothing to wait for afterwards (the ``OpStreams`` interface, trivially)."""
+
+    def __init__(self, stream) -> None:
+        self.comm = stream
+
+    def finish(self) -> None:
+        return None
 
 
 class CudaRuntime:
@@ -164,19 +176,19 @@ class CudaRuntime:
         return from_cupy(combined, logical_dtype(x), like), from_cupy(weights, _F32, like), event
 
     # ------------------------------------------------------------------ low-latency ops
-    def _ll_stream(self, like, async_finish):
+    def _ll_streams(self, like, async_finish):
         """Low-latency kernels run on the caller's stream, or on the comm stream with ``async_finish``."""
         if async_finish:
             return self._streams(like, None, True, False)
-        return None
+        return _OnCallerStream(current_stream(like.framework, self.device_id))
 
     def low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                              round_scale, use_ue8m0, async_finish, return_recv_hook):
         engine = self._engine("low_latency")
         like = kind_of(x)
-        streams = self._ll_stream(like, async_finish)
-        stream = streams.comm if streams else current_stream(like.framework, self.device_id)
+        streams = self._ll_streams(like, async_finish)
+        stream = streams.comm
         with stream:
             recv_x, recv_scales, recv_count, handle, hook = engine.dispatch(
                 to_cupy(x), to_cupy(topk_idx), num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -184,7 +196,7 @@ class CudaRuntime:
                 cumulative_local_expert_recv_stats=_dev(cumulative_local_expert_recv_stats),
                 dispatch_wait_recv_cost_stats=self._wait_row(dispatch_wait_recv_cost_stats),
                 return_recv_hook=return_recv_hook, stream=stream)
-        event = EventOverlap(streams.finish() if streams else None)
+        event = EventOverlap(streams.finish())
         if use_fp8:
             scale_dtype = _I32 if use_ue8m0 else _F32
             recv = (from_cupy(recv_x, FP8, like), from_cupy(recv_scales, scale_dtype, like))
@@ -202,14 +214,14 @@ class CudaRuntime:
                             return_recv_hook, out, combine_wait_recv_cost_stats):
         engine = self._engine("low_latency")
         like = kind_of(x)
-        streams = self._ll_stream(like, async_finish)
-        stream = streams.comm if streams else current_stream(like.framework, self.device_id)
+        streams = self._ll_streams(like, async_finish)
+        stream = streams.comm
         with stream:
             combined, hook = engine.combine(
                 to_cupy(x), to_cupy(topk_idx), to_cupy(topk_weights), _handle_to_device(handle),
                 use_logfmt=use_logfmt, zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=_dev(out),
                 combine_wait_recv_cost_stats=self._wait_row(combine_wait_recv_cost_stats), stream=stream)
-        event = EventOverlap(streams.finish() if streams else None)
+        event = EventOverlap(streams.finish())
         result = out if out is not None else from_cupy(combined, logical_dtype(x), like)
         return result, event, hook
 

@@ -17,12 +17,13 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
-    "BF16", "FP8", "TensorKind", "kind_of", "logical_dtype", "to_numpy", "to_cupy", "from_numpy",
+    "BF16", "FP8", "I32", "I64", "F32", "BOOL", "TensorKind", "kind_of", "logical_dtype", "to_numpy", "to_cupy", "from_numpy",
     "from_cupy", "shape_of", "is_tensor", "copy_into", "to_storage_dtype",
 ]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+I32, I64, F32, BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
 # Dtypes some frameworks cannot exchange through DLPack travel as same-size integers.
 _STORAGE = {BF16: np.dtype(np.uint16), FP8: np.dtype(np.uint8), np.dtype(np.bool_): np.dtype(np.uint8)}
 
@@ -68,7 +69,7 @@ def kind_of(obj) -> TensorKind:
     raise TypeError(f"expected a torch tensor, CuPy array or NumPy array, got {type(obj).__name__}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_to_numpy_dtypes():
     torch = _torch()
     table = {
@@ -80,7 +81,7 @@ def _torch_to_numpy_dtypes():
     return table
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _numpy_to_torch_dtypes():
     return {v: k for k, v in _torch_to_numpy_dtypes().items()}
 
@@ -115,7 +116,6 @@ def to_numpy(obj) -> np.ndarray:
     if isinstance(obj, np.ndarray):
         return obj
     if _is_torch(obj):
-        torch = _torch()
         t = obj.detach()
         if dtype in _STORAGE:
             t = t.view(_numpy_to_torch_dtypes()[_signed_twin(_storage(dtype))])
@@ -236,7 +236,7 @@ def from_cupy(arr, dtype: np.dtype, like: TensorKind):
     return t
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cupy_holds(dtype: np.dtype) -> bool:
     import cupy
 

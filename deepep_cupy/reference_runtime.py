@@ -90,7 +90,7 @@ class ReferenceRuntime:
 
         def publish():
             # Results, and the caller's stats tensors, become visible when the receive has happened.
-            for dst, src in zip(outs, arrays):
+            for dst, src in zip(outs, arrays, strict=True):
                 copy_into(dst, src)
             if stats_np is not None:
                 copy_into(cumulative_local_expert_recv_stats, stats_np)

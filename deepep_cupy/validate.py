@@ -10,7 +10,7 @@ import numpy as np
 from .interop import BF16, FP8, is_tensor, logical_dtype, shape_of
 
 __all__ = [
-    "tensor", "optional_tensor", "positive_int", "nonneg_int", "topk_values", "values_enabled",
+    "tensor", "optional_tensor", "handle", "positive_int", "nonneg_int", "topk_values", "values_enabled",
 ]
 
 
@@ -43,7 +43,7 @@ def tensor(name: str, obj, *, dtype=None, shape=None, ndim=None, contiguous=True
     if ndim is not None and len(s) != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {list(s)}")
     if shape is not None:
-        if len(s) != len(shape) or any(w is not None and w != g for w, g in zip(shape, s)):
+        if len(s) != len(shape) or any(w is not None and w != g for w, g in zip(shape, s, strict=True)):
             want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(s)}")
     if contiguous and not _is_contiguous(obj):
@@ -59,6 +59,12 @@ def _is_contiguous(obj) -> bool:
     if hasattr(obj, "is_contiguous"):
         return bool(obj.is_contiguous())
     return bool(obj.flags.c_contiguous)
+
+
+def handle(value, length: int, source: str) -> None:
+    """A handle must be the tuple an earlier call returned (``length`` elements)."""
+    if not isinstance(value, (tuple, list)) or len(value) != length:
+        raise ValueError(f"handle must be the {length}-tuple returned by {source}")
 
 
 def positive_int(name: str, value) -> int:
@@ -99,7 +105,7 @@ def topk_values(name: str, topk_idx, num_experts: int) -> None:
         raise ValueError(f"{name} holds {bad} expert ids outside [-1, {num_experts})")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _count_out_of_range():
     import cupy
 

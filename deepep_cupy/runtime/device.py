@@ -9,7 +9,7 @@ import sys
 __all__ = ["gpu_count", "current_device_id", "compute_capability"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_count() -> int:
     """Number of CUDA devices visible to this process; 0 without a driver or GPU (never raises)."""
     if os.environ.get("DEEPEP_CUPY_FORCE_NO_GPU") == "1":

@@ -81,7 +81,7 @@ class TorchGroup(CommGroup):
 def _is_group_like(obj) -> bool:
     """Objects that already speak this interface (in-process test groups, for instance) are used as they are."""
     return all(hasattr(obj, a) for a in ("rank", "size", "allgather_object", "alltoall_object", "barrier")) \
-        and isinstance(getattr(obj, "rank"), int)
+        and isinstance(obj.rank, int)
 
 
 def make_group(group=None, comm=None) -> CommGroup:
