@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["Config", "NUM_MAX_NVL_PEERS", "low_latency_rdma_size_hint"]
@@ -84,9 +85,12 @@ class Config:
         return _align(control + slots * _slot_bytes(hidden_bytes), 128)
 
 
+@functools.lru_cache(maxsize=64)
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                num_experts: int) -> int:
-    """Bytes of symmetric buffer the low-latency kernels need (same value DeepEP reports)."""
+    """Bytes of symmetric buffer the low-latency kernels need (same value DeepEP reports).
+
+    Cached: every low-latency dispatch checks the buffer against it."""
     from .ops.low_latency_layout import rdma_size_hint
 
     return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
