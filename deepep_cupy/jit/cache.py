@@ -1,13 +1,16 @@
 """On-disk cubin cache and :func:`build`.
 
 Layout: ``<cache_dir>/<key[:2]>/<key>/kernel.cubin`` + ``meta.json``. An entry is written into a temporary
-directory under the cache root and renamed into place in one step, so readers never see half an entry
-and all ranks of a node may compile the same kernel at once: the first rename wins and the others
-discard their copy. The warm path is one ``stat`` and one small JSON read, with no compiler call.
+directory under the cache root and renamed into place in one step, so readers never see half an entry.
+A miss takes the entry's lock file first: the ranks of a node that need the same kernel wait for the one
+compiling it instead of compiling it each (where locks do not work they all compile, and the first
+rename wins). The warm path is one ``stat`` and one small JSON read, with no compiler call or lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -39,6 +42,7 @@ DEBUG_ENV = "DEEPEP_CUPY_JIT_DEBUG"
 _CUBIN = "kernel.cubin"
 _META = "meta.json"
 _STALE_TMP_S = 24 * 3600
+_LOCK_WAIT_S = 600.0  # longest wait for another process compiling the same kernel
 
 
 def cache_dir() -> Path:
@@ -190,6 +194,50 @@ def build(spec: BuildSpec, arch: str | None = None) -> CompiledKernel:
     if meta is not None:
         return CompiledKernel(entry / _CUBIN, dict(meta["lowered_names"]), key, True)
 
+    with _compile_lock(entry) as meta:
+        if meta is not None:  # another process compiled it while this one waited
+            return CompiledKernel(entry / _CUBIN, dict(meta["lowered_names"]), key, True)
+        return _compile_and_publish(spec, arch, root, options, key, entry)
+
+
+@contextlib.contextmanager
+def _compile_lock(entry: Path):
+    """Hold the entry's lock file while compiling, so that the ranks of a node compile a kernel once.
+
+    Yields the entry's metadata when it appeared while waiting (nothing left to do), else None. The
+    lock is advisory and best effort: where the file system refuses it, or another process holds it
+    longer than ``_LOCK_WAIT_S``, this process compiles on its own (the atomic publish keeps that safe).
+    """
+    lock_path = entry.parent / f".lock-{entry.name}"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield None
+        return
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        locked = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                meta = _read_entry(entry)
+                if meta is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            except OSError:
+                meta = None
+                break
+        yield _read_entry(entry) if locked or meta is not None else None
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _compile_and_publish(spec: BuildSpec, arch: str, root: Path, options: list[str], key: str,
+                         entry: Path) -> CompiledKernel:
     corrupt = entry.exists()
     params = spec.params()
     print(

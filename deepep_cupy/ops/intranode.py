@@ -49,8 +49,9 @@ NOTIFY_THREADS = 1024
 # deepep_cupy/bench/NOTES_intranode.md); the bench sweeps the alternatives.
 DISPATCH_WARPS, DISPATCH_UNROLL = 16, 8
 COMBINE_WARPS, COMBINE_UNROLL = 16, 8
-# With more ranks the combine receiver keeps one accumulator per load in flight: fewer loads per lane.
-COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 24, 2
+# With more ranks the combine receiver keeps one accumulator per load in flight: fewer loads per lane,
+# more warps (8 x H200, send 8: 32 x 2 took 1654 us, 24 x 2 1748 us, 24 x 4 1819 us).
+COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 
 
 def default_combine_shape(num_ranks: int) -> tuple[int, int]:
@@ -228,21 +229,29 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matri
 
 
 def default_self_warps(num_ranks: int, warps: int) -> int:
-    """Warps of a dispatch sender block that copy this rank's own tokens: none with peers, so every
-    sender warp pushes over NVLink; the receiver block does the local copy (:func:`default_recv_self_warps`).
+    """Warps of a dispatch sender block that copy this rank's own tokens.
 
-    Measured on 2 x H200 (16 warps, unroll 8, 4096 x 7168 BF16): 0 + 8 local warps took 390 us,
-    4 + 4 took 418 us, 12 + 0 took 458 us.
+    With one peer, none: every sender warp pushes over NVLink and the receiver block does the local copy
+    (2 x H200, 16 warps, unroll 8, 4096 x 7168 BF16: 0 + 8 local warps took 390 us, 4 + 4 418 us, 12 + 0
+    458 us). With more peers, the warps left over once every peer has ``W // R`` of them (8 x H200, 16
+    warps: 2 + 2 took 1167 us, 0 + 4 1208 us, 0 + 2 over 1208 us).
     """
-    return warps if num_ranks == 1 else 0
+    if num_ranks == 1:
+        return warps
+    return 0 if num_ranks == 2 else _leftover_warps(num_ranks, warps)
 
 
 def default_recv_self_warps(num_ranks: int, warps: int) -> int:
-    """Warps of a dispatch receiver block that copy this rank's own tokens: an even share ``W / R``."""
+    """Warps of a dispatch receiver block that copy this rank's own tokens: ``W / 2`` with one peer, else
+    the warps left over once every peer has ``W // R`` of them (see :func:`default_self_warps`)."""
     if num_ranks == 1:
         return 0
-    share = max(1, round(warps / num_ranks))
-    return min(share, warps - (num_ranks - 1))
+    return min(warps // 2, warps - 1) if num_ranks == 2 else _leftover_warps(num_ranks, warps)
+
+
+def _leftover_warps(num_ranks: int, warps: int) -> int:
+    share = max(1, warps // num_ranks)
+    return max(1, min(warps - (num_ranks - 1) * share, warps - (num_ranks - 1)))
 
 
 def publish_batch(send_tokens: int, cap: int) -> int:

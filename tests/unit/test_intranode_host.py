@@ -109,6 +109,7 @@ def test_default_self_warps():
     assert intranode.default_self_warps(1, 24) == 24
     assert intranode.default_recv_self_warps(1, 24) == 0
     assert intranode.default_self_warps(2, 16) == 0 and intranode.default_recv_self_warps(2, 16) == 8
+    assert intranode.default_self_warps(8, 16) == 2 and intranode.default_recv_self_warps(8, 16) == 2
     for w in (16, 24, 32):
         for r in range(2, 9):
             s, rs = intranode.default_self_warps(r, w), intranode.default_recv_self_warps(r, w)

@@ -234,11 +234,36 @@ def test_concurrent_builds_leave_one_entry(src_root):
         results = pool.map(_build_in_child, range(4))
     keys = {key for key, _, _ in results}
     assert len(keys) == 1
+    # The entry's lock makes the others wait for the first compile instead of compiling it again.
+    assert sorted(hit for _, hit, _ in results) == [False, True, True, True]
     assert all(magic == ELF_MAGIC for _, _, magic in results)
     cache = Path(cache_dir())
     assert len(_entries(cache)) == 1
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
     assert build(BuildSpec.make("tiny.cu", {"SCALE_BASE": 7}, ["scale_kernel<3>"]), "sm_90").from_cache
+
+
+def test_held_lock_delays_but_never_blocks_a_build(src_root, monkeypatch):
+    """A lock that is never released (a stuck process) costs the wait budget, then the build goes on."""
+    import fcntl
+    import os
+
+    from deepep_cupy.jit import cache as jit_cache
+
+    spec = BuildSpec.make("tiny.cu", {"SCALE_BASE": 11}, ["scale_kernel<5>"])
+    key = build(spec, "sm_90").key  # learn the key, then start over without the entry
+    entry = Path(cache_dir()) / key[:2] / key
+    shutil.rmtree(entry)
+    monkeypatch.setattr(jit_cache, "_LOCK_WAIT_S", 0.3)
+    fd = os.open(entry.parent / f".lock-{key}", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        start = time.perf_counter()
+        again = build(spec, "sm_90")
+        assert time.perf_counter() - start >= 0.3
+        assert not again.from_cache and again.key == key and again.cubin_path.read_bytes()[:4] == ELF_MAGIC
+    finally:
+        os.close(fd)
 
 
 def test_arch_none_without_gpu_is_a_clear_error(src_root):
