@@ -61,7 +61,8 @@ def test_recommended_configs_and_num_sms():
         Buffer.set_num_sms(24)
         cfg = Buffer.get_dispatch_config(2)
         assert (cfg.num_sms, cfg.num_max_nvl_chunked_recv_tokens) == (24, 256)
-        assert Buffer.get_combine_config(8).num_max_nvl_chunked_send_tokens == 4
+        assert Buffer.get_combine_config(8).num_max_nvl_chunked_send_tokens == 1
+        assert Buffer.get_combine_config(16).num_max_nvl_chunked_send_tokens == 4
         assert Buffer.get_dispatch_config(6).num_sms == 24  # any rank count gets a config
         with pytest.raises(ValueError, match="even"):
             Buffer.set_num_sms(7)
