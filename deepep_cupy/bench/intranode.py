@@ -90,8 +90,12 @@ def run(comm, args) -> list[dict]:
         def layout():
             return get_dispatch_layout(topk_idx, num_experts, num_ranks, num_ranks, stream=stream)
 
-        us = _slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream))
+        # GPU time (the host's issue time hidden behind a parked GPU, as DeepEP's timing hides it behind
+        # its cache flush), and the time of one call on an idle stream, the host's share included.
+        us = _slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream, park_us=300))
         rows.append(row("intranode layout", us))
+        us = _slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream))
+        rows.append(row("intranode layout (one call, host included)", us))
         per_rank, _, per_expert, in_rank = layout()
 
         # One non-cached dispatch to get the handle (and its time, notify + host sync included).

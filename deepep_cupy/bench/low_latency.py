@@ -18,27 +18,9 @@ import statistics
 
 import numpy as np
 
-from .timing import row
+from .timing import park, row
 
 __all__ = ["run"]
-
-_SLEEP_SRC = r"""
-extern "C" __global__ void park(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        __nanosleep(10000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-}
-"""
-
-
-def _park_kernel():
-    import cupy
-
-    return cupy.RawKernel(_SLEEP_SRC, "park")
-
 
 def _bytes(topk_idx: np.ndarray, hidden: int) -> dict[str, float]:
     selections = int((topk_idx != -1).sum())
@@ -87,7 +69,6 @@ def run(comm, args) -> list[dict]:
     rows: list[dict] = []
     try:
         x_d, topk_d, w_d, eo_d = (from_numpy(a, like) for a in (x, topk_idx, weights, expert_out))
-        park = _park_kernel()
         stream = cupy.cuda.get_current_stream()
 
         def dispatch(fp8=True, hook=False):
@@ -101,7 +82,7 @@ def run(comm, args) -> list[dict]:
         def sample(ops, with_parts=False):
             """One sample: mean GPU microseconds per op (and per part with hooks)."""
             comm.Barrier()
-            park((1,), (1,), (np.uint64(5_000_000),))
+            park(stream, 5000)
             if not with_parts:
                 start, end = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record(stream)

@@ -4,13 +4,44 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["time_op", "row", "format_table"]
+__all__ = ["time_op", "park", "row", "format_table"]
+
+_PARK_SRC = r"""
+extern "C" __global__ void park(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(10000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+_park_kernels: dict = {}
 
 
-def time_op(fn, *, warmup: int = 5, iters: int = 30, stream=None, before=None) -> float:
+def park(stream, us: float) -> None:
+    """Keep ``stream``'s GPU busy for ``us`` microseconds in a one-thread sleep kernel.
+
+    Queued ahead of a timed region, it lets the host enqueue the timed work before the GPU reaches it,
+    so the CUDA events then see GPU time only, without the host's launch overhead.
+    """
+    import cupy
+    import numpy as np
+
+    device = cupy.cuda.runtime.getDevice()
+    kernel = _park_kernels.get(device)
+    if kernel is None:
+        kernel = _park_kernels[device] = cupy.RawKernel(_PARK_SRC, "park")
+    with stream:
+        kernel((1,), (1,), (np.uint64(int(us * 1e3)),))
+
+
+def time_op(fn, *, warmup: int = 5, iters: int = 30, stream=None, before=None, park_us: float = 0.0) -> float:
     """Median microseconds of ``fn()`` measured with CUDA events on ``stream`` (CuPy's current by default).
 
     ``before`` runs outside the timed region ahead of each call (to flush caches or reset state).
+    ``park_us > 0`` parks the GPU (:func:`park`) before each start event: GPU time only. Otherwise the
+    stream is idle at the start event, and the time includes the host's work of issuing ``fn``.
     """
     import cupy
 
@@ -25,6 +56,8 @@ def time_op(fn, *, warmup: int = 5, iters: int = 30, stream=None, before=None) -
         if before:
             before()
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        if park_us > 0:
+            park(stream, park_us)
         start.record(stream)
         fn()
         end.record(stream)
