@@ -25,9 +25,9 @@ __all__ = ["Buffer"]
 
 
 # Recommended configs per rank count; other counts use the nearest entry. Ring capacities follow DeepEP's
-# tables (so buffers sized from them fit); the send chunks are tuned for our kernels (2 x H200, and combine
-# on 8 x H200, where one release per token was best: 1371 us against 1585 us at 8 tokens).
-_DISPATCH_CONFIGS = {2: (4, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+# tables (so buffers sized from them fit); the send chunks are tuned for our kernels on 2, 4 and 8 x H200
+# (combine: one release per token, 837 us against 1062 us at 4 tokens on 4 ranks; dispatch: 4 tokens).
+_DISPATCH_CONFIGS = {2: (4, 256, 6, 128), 4: (4, 256, 6, 128), 8: (4, 256, 6, 128), 16: (36, 288, 20, 128),
                      24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 64: (32, 288, 8, 128),
                      128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
 _COMBINE_CONFIGS = {2: (1, 256, 6, 128), 4: (1, 256, 6, 128), 8: (1, 256, 6, 128), 16: (4, 288, 12, 128),
