@@ -66,8 +66,8 @@ stage_startup() {
 }
 
 stage_host() {
-    timeout 120 python3 tools/host_overhead.py > "$OUT/host.log" 2>&1
-    SUMMARY+=("host overhead: $(grep -A20 'HOST OVERHEAD' "$OUT/host.log" | tail -n +2 | tr -s ' ' | tr '\n' ';')")
+    timeout 180 python3 tools/host_overhead.py --profile > "$OUT/host.log" 2>&1
+    SUMMARY+=("host overhead: $(grep -A40 "HOST OVERHEAD" "$OUT/host.log" | tail -n +2 | tr -s ' ' | tr '\n' ';')")
 }
 
 stage_tests-misc() { run_tests tests-misc "tests/gpu/test_buffer_misc.py tests/gpu/test_mixed_modes.py" 200; }
