@@ -38,6 +38,7 @@ from .low_latency_layout import (
     MAX_RANKS,
     MAX_TOKENS,
     MAX_TOPK,
+    REGIONS,
     LowLatencyLayout,
     rdma_size_hint,
 )
@@ -144,15 +145,18 @@ def _ptr(arr) -> np.uint64:
     return _NULL if arr is None else np.uint64(arr.data.ptr)
 
 
-def _require(cond: bool, message: str, exc=ValueError) -> None:
+def _require(cond: bool, message, exc=ValueError) -> None:
+    """Raise ``exc`` unless ``cond``; ``message`` is a string or, to keep formatting off the hot path, a
+    function returning one."""
     if not cond:
-        raise exc(message)
+        raise exc(message() if callable(message) else message)
 
 
 def _contiguous(arr, name: str):
     import cupy
 
-    _require(isinstance(arr, cupy.ndarray), f"{name} must be a CuPy array, got {type(arr).__name__}", TypeError)
+    _require(isinstance(arr, cupy.ndarray), lambda: f"{name} must be a CuPy array, got {type(arr).__name__}",
+             TypeError)
     if not arr.flags.c_contiguous:
         arr = cupy.ascontiguousarray(arr)
     return arr
@@ -202,7 +206,7 @@ class LowLatencyEngine:
         self.num_ranks = int(group.size)
         self.device_id = int(device_id)
         self.enable_shrink = bool(enable_shrink)
-        _require(0 < self.num_ranks <= MAX_RANKS, f"low-latency mode supports up to {MAX_RANKS} ranks")
+        _require(0 < self.num_ranks <= MAX_RANKS, lambda: f"low-latency mode supports up to {MAX_RANKS} ranks")
         _require(int(num_rdma_bytes) > 0, "low-latency mode needs num_rdma_bytes > 0 "
                                           "(see Buffer.get_low_latency_rdma_size_hint)")
         self.num_rdma_bytes = int(num_rdma_bytes)
@@ -238,13 +242,15 @@ class LowLatencyEngine:
 
     def _prepare(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> LowLatencyLayout:
         """The layout for these sizes; a change of sizes cleans the buffer first (collective)."""
+        current = self._layout
+        if (current is not None and current.num_max_dispatch_tokens_per_rank == num_max_dispatch_tokens_per_rank
+                and current.hidden == hidden and current.num_experts == num_experts):
+            return current
         layout = LowLatencyLayout(int(num_max_dispatch_tokens_per_rank), int(hidden), self.num_ranks,
                                   int(num_experts))
-        if layout == self._layout:
-            return layout
-        _require(layout.num_experts <= MAX_EXPERTS, f"low-latency mode supports up to {MAX_EXPERTS} experts")
+        _require(layout.num_experts <= MAX_EXPERTS, lambda: f"low-latency mode supports up to {MAX_EXPERTS} experts")
         _require(layout.num_max_dispatch_tokens_per_rank <= MAX_TOKENS,
-                 f"num_max_dispatch_tokens_per_rank must be at most {MAX_TOKENS}")
+                 lambda: f"num_max_dispatch_tokens_per_rank must be at most {MAX_TOKENS}")
         if not layout.fits(self.num_rdma_bytes):
             raise ValueError(
                 f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency T={layout.num_max_dispatch_tokens_per_rank}, "
@@ -254,8 +260,14 @@ class LowLatencyEngine:
         if self._layout is not None:
             self._clean_all()
         self._allocate_state(layout.num_experts)
-        self._layout = layout
+        self._use_layout(layout)
         return layout
+
+    def _use_layout(self, layout: LowLatencyLayout) -> None:
+        self._layout = layout
+        # Kernel arguments of each half's regions, computed once per layout (they are on every launch).
+        self._addrs = tuple({name: np.uint64(self._sym.ptr + layout.region(b, name)) for name in REGIONS}
+                            for b in (0, 1))
 
     def _allocate_state(self, num_experts: int) -> None:
         import cupy
@@ -283,7 +295,9 @@ class LowLatencyEngine:
         self._idx = 0
 
     def _sym_addr(self, layout: LowLatencyLayout, buffer_idx: int, region: str) -> np.uint64:
-        return np.uint64(self._sym.ptr + layout.region(buffer_idx, region))
+        if layout is not self._layout:
+            raise RuntimeError("low-latency layout changed under a launch")
+        return self._addrs[buffer_idx][region]
 
     def _next_buffer(self) -> int:
         b = self._idx
@@ -323,20 +337,21 @@ class LowLatencyEngine:
         self.check_errors()
         x = _contiguous(x, "x")
         topk_idx = _contiguous(topk_idx, "topk_idx")
-        _require(x.ndim == 2 and x.dtype == cupy.uint16, f"x must be [N, H] BF16 bits (uint16), got {x.dtype} {x.shape}",
-                 TypeError)
+        _require(x.ndim == 2 and x.dtype == cupy.uint16,
+                 lambda: f"x must be [N, H] BF16 bits (uint16), got {x.dtype} {x.shape}", TypeError)
         _require(topk_idx.ndim == 2 and topk_idx.dtype == cupy.int64 and topk_idx.shape[0] == x.shape[0],
-                 f"topk_idx must be int64 [N, K] with N = {x.shape[0]}, got {topk_idx.dtype} {topk_idx.shape}")
+                 lambda: f"topk_idx must be int64 [N, K] with N = {x.shape[0]}, got {topk_idx.dtype} {topk_idx.shape}")
         num_tokens, hidden = int(x.shape[0]), int(x.shape[1])
         topk = int(topk_idx.shape[1])
         t_max, num_experts = int(num_max_dispatch_tokens_per_rank), int(num_experts)
         use_ue8m0 = bool(use_ue8m0) and bool(use_fp8)
         round_scale = (bool(round_scale) or use_ue8m0) and bool(use_fp8)
-        _require(num_tokens <= t_max, f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={t_max}")
-        _require(1 <= topk <= MAX_TOPK, f"low-latency top-k must be in [1, {MAX_TOPK}], got {topk}")
-        _require(num_experts % self.num_ranks == 0, f"num_experts={num_experts} not divisible by {self.num_ranks} ranks")
-        _require(hidden % 8 == 0, f"hidden={hidden} must be a multiple of 8")
-        _require(not use_fp8 or hidden % 128 == 0, f"FP8 dispatch needs hidden % 128 == 0, got {hidden}")
+        _require(num_tokens <= t_max, lambda: f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={t_max}")
+        _require(1 <= topk <= MAX_TOPK, lambda: f"low-latency top-k must be in [1, {MAX_TOPK}], got {topk}")
+        _require(num_experts % self.num_ranks == 0,
+                 lambda: f"num_experts={num_experts} not divisible by {self.num_ranks} ranks")
+        _require(hidden % 8 == 0, lambda: f"hidden={hidden} must be a multiple of 8")
+        _require(not use_fp8 or hidden % 128 == 0, lambda: f"FP8 dispatch needs hidden % 128 == 0, got {hidden}")
         layout = self._prepare(t_max, hidden, num_experts)
         b = self._next_buffer()
 
@@ -366,11 +381,11 @@ class LowLatencyEngine:
         if cumulative_local_expert_recv_stats is not None:
             _require(cumulative_local_expert_recv_stats.dtype == cupy.int32
                      and cumulative_local_expert_recv_stats.size == e_local,
-                     f"cumulative_local_expert_recv_stats must be int32 [{e_local}]", TypeError)
+                     lambda: f"cumulative_local_expert_recv_stats must be int32 [{e_local}]", TypeError)
         if dispatch_wait_recv_cost_stats is not None:
             _require(dispatch_wait_recv_cost_stats.dtype == cupy.int64
                      and dispatch_wait_recv_cost_stats.size == self.num_ranks,
-                     f"dispatch_wait_recv_cost_stats must be int64 [{self.num_ranks}]", TypeError)
+                     lambda: f"dispatch_wait_recv_cost_stats must be int64 [{self.num_ranks}]", TypeError)
 
         seq = self._seq[b]
         base = self._arrival_base[b]
@@ -429,14 +444,14 @@ class LowLatencyEngine:
         layout_range = _contiguous(layout_range, "layout_range")
         _require(topk_idx.ndim == 2 and topk_idx.dtype == cupy.int64, "topk_idx must be int64 [N, K]", TypeError)
         _require(topk_weights.dtype == cupy.float32 and topk_weights.shape == topk_idx.shape,
-                 f"topk_weights must be float32 {topk_idx.shape}, got {topk_weights.dtype} {topk_weights.shape}",
+                 lambda: f"topk_weights must be float32 {topk_idx.shape}, got {topk_weights.dtype} {topk_weights.shape}",
                  TypeError)
         num_tokens, topk = int(topk_idx.shape[0]), int(topk_idx.shape[1])
         e_local = num_experts // self.num_ranks
         slab = self.num_ranks * t_max
-        _require(num_tokens <= t_max, f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={t_max}")
-        _require(1 <= topk <= MAX_TOPK, f"low-latency top-k must be in [1, {MAX_TOPK}], got {topk}")
-        _require(not use_logfmt or hidden % 128 == 0, f"LogFMT combine needs hidden % 128 == 0, got {hidden}")
+        _require(num_tokens <= t_max, lambda: f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={t_max}")
+        _require(1 <= topk <= MAX_TOPK, lambda: f"low-latency top-k must be in [1, {MAX_TOPK}], got {topk}")
+        _require(not use_logfmt or hidden % 128 == 0, lambda: f"LogFMT combine needs hidden % 128 == 0, got {hidden}")
         _require(src_info.shape == (e_local, slab) and src_info.dtype == cupy.int32,
                  "handle[0] (src_info) does not match the handle's sizes")
         _require(layout_range.shape == (e_local, self.num_ranks) and layout_range.dtype == cupy.int64,
@@ -448,7 +463,7 @@ class LowLatencyEngine:
         else:
             x = _contiguous(x, "x")
             _require(x.shape == (e_local, slab, hidden) and x.dtype == cupy.uint16,
-                     f"x must be uint16 [{e_local}, {slab}, {hidden}], got {x.dtype} {x.shape}", TypeError)
+                     lambda: f"x must be uint16 [{e_local}, {slab}, {hidden}], got {x.dtype} {x.shape}", TypeError)
             x_arg = x
         with stream:
             if out is None:
@@ -456,11 +471,11 @@ class LowLatencyEngine:
             else:
                 _require(isinstance(out, cupy.ndarray) and out.shape == (num_tokens, hidden)
                          and out.dtype == cupy.uint16 and out.flags.c_contiguous,
-                         f"out must be a C-contiguous uint16 [{num_tokens}, {hidden}] array", TypeError)
+                         lambda: f"out must be a C-contiguous uint16 [{num_tokens}, {hidden}] array", TypeError)
         if combine_wait_recv_cost_stats is not None:
             _require(combine_wait_recv_cost_stats.dtype == cupy.int64
                      and combine_wait_recv_cost_stats.size == self.num_ranks,
-                     f"combine_wait_recv_cost_stats must be int64 [{self.num_ranks}]", TypeError)
+                     lambda: f"combine_wait_recv_cost_stats must be int64 [{self.num_ranks}]", TypeError)
 
         warps, groups, blocks = warp_split(num_experts, self.num_sms)
         kernel = load(combine_spec(hidden, topk, warps, groups, bool(use_logfmt))).get_function(
@@ -508,11 +523,11 @@ class LowLatencyEngine:
         self._clean_all()
         if layout != self._layout:
             self._allocate_state(layout.num_experts)
-            self._layout = layout
+            self._use_layout(layout)
 
     # ------------------------------------------------------------------ masking
     def update_mask(self, rank: int, mask: bool) -> None:
-        _require(0 <= int(rank) < self.num_ranks, f"rank {rank} out of range [0, {self.num_ranks})")
+        _require(0 <= int(rank) < self.num_ranks, lambda: f"rank {rank} out of range [0, {self.num_ranks})")
         self.mask[int(rank)] = 1 if mask else 0
 
     def query_mask(self, out) -> None:

@@ -50,6 +50,9 @@ MAX_EXPERTS = 8192
 #: A token's experts are awaited by the lanes of one warp in the combine.
 MAX_TOPK = 32
 
+#: The regions of one buffer half, in address order.
+REGIONS = ("tags", "arrivals", "src_idx", "recv", "send")
+
 _ALIGN = 16
 _BUFFER_ALIGN = 128
 

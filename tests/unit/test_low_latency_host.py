@@ -266,3 +266,22 @@ def test_small_kernels_build(spec, tmp_path, monkeypatch):
     compiled = build(spec, "sm_90")
     assert compiled.cubin_path.stat().st_size > 0
     assert set(compiled.lowered_names) == set(spec.name_expressions)
+
+
+def test_engine_region_addresses_follow_the_layout():
+    """The launch arguments cached per layout are the symmetric base plus the layout's offsets."""
+    from types import SimpleNamespace
+
+    from deepep_cupy.ops.low_latency_layout import REGIONS
+
+    engine = object.__new__(ll.LowLatencyEngine)
+    engine._sym = SimpleNamespace(ptr=0x7F00_0000_0000)
+    for t, h, r, e in ((128, 7168, 2, 288), (1, 2056, 4, 16)):
+        layout = LowLatencyLayout(t, h, r, e)
+        engine._use_layout(layout)
+        for b in (0, 1):
+            for name in REGIONS:
+                addr = engine._sym_addr(layout, b, name)
+                assert isinstance(addr, np.uint64) and int(addr) == 0x7F00_0000_0000 + layout.region(b, name)
+    with pytest.raises(RuntimeError, match="layout changed"):
+        engine._sym_addr(LowLatencyLayout(128, 7168, 2, 288), 0, "send")  # equal but not the one in use
