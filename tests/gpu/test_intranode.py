@@ -14,30 +14,14 @@ from __future__ import annotations
 import hashlib
 import os
 
-import ml_dtypes
 import numpy as np
 import pytest
+from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
 
 from deepep_cupy.runtime.device import gpu_count
 
+pytestmark = MULTI_RANK_GPU
 
-def _comm():
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    return MPI.COMM_WORLD
-
-
-COMM = _comm()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.mpi,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs CUDA GPUs"),
-    pytest.mark.skipif(COMM is None or COMM.Get_size() < 2, reason="needs >= 2 MPI ranks (mpirun -np 2)"),
-]
-
-BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 NUM_SMS = 24
 NVL_BYTES = int(1e9)
 TEST_TIMEOUT_S = 30.0
@@ -104,18 +88,6 @@ def _skip_unless_framework_holds(fw, *dtypes):
 
 
 # ------------------------------------------------------------------------------------------- data
-def _to_dev(arr, fw, env):
-    from deepep_cupy.interop import TensorKind, from_numpy
-
-    return None if arr is None else from_numpy(arr, TensorKind(fw, env["dev"]))
-
-
-def _to_np(obj):
-    from deepep_cupy.interop import to_numpy
-
-    return None if obj is None else np.asarray(to_numpy(obj))
-
-
 def _routing(rng, n, num_experts, k, rank, size, only_rank0=False):
     scores = np.abs(rng.standard_normal((n, num_experts))).astype(np.float32) + 1
     if only_rank0:
@@ -128,13 +100,9 @@ def _routing(rng, n, num_experts, k, rank, size, only_rank0=False):
     return topk, weights
 
 
-def _bf16(rng, shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
-
-
 def _fp8(rng, n, hidden, column_major):
-    bits = rng.integers(0, 0x7F, size=(n, hidden), dtype=np.uint8) | (rng.integers(0, 2, (n, hidden), dtype=np.uint8) << 7)
-    x = bits.view(FP8)
+    raw = rng.integers(0, 0x7F, size=(n, hidden), dtype=np.uint8) | (rng.integers(0, 2, (n, hidden), dtype=np.uint8) << 7)
+    x = raw.view(FP8)
     scales = rng.random((n, hidden // 128), dtype=np.float32) + 0.5
     if column_major:
         scales = np.asfortranarray(scales)
@@ -157,24 +125,14 @@ def _poison(env, fw, nbytes_list):
         del blocks
 
 
-def _u(a):
-    """Bit view for exact comparisons."""
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return a.view(np.uint16)
-    if a.dtype == FP8:
-        return a.view(np.uint8)
-    return a
-
-
 # ------------------------------------------------------------------------------------------- one round
 def _layout(env, topk_dev, topk_np, num_experts):
     buf, ref = env["buf"], env["ref"]
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, num_experts)
     r_rank, _, r_expert, r_in = ref.get_dispatch_layout(topk_np, num_experts)
-    np.testing.assert_array_equal(_to_np(per_rank), r_rank)
-    np.testing.assert_array_equal(_to_np(per_expert), r_expert)
-    np.testing.assert_array_equal(_to_np(in_rank), r_in)
+    np.testing.assert_array_equal(to_np(per_rank), r_rank)
+    np.testing.assert_array_equal(to_np(per_expert), r_expert)
+    np.testing.assert_array_equal(to_np(in_rank), r_in)
     assert per_rdma is None
     return (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in)
 
@@ -185,29 +143,29 @@ def _check_dispatch(env, ours, refs, *, fp8, worst, with_topk=True):
     me, size = env["rank"], env["size"]
     num_recv = int(rhandle[0][size - 1, me])
     if fp8:
-        recv_x, recv_s = _to_np(recv[0]), _to_np(recv[1])
+        recv_x, recv_s = to_np(recv[0]), to_np(recv[1])
         np.testing.assert_array_equal(recv_s[:num_recv], rs[:num_recv])
     else:
-        recv_x = _to_np(recv)
+        recv_x = to_np(recv)
     rows = worst if worst else num_recv
     assert recv_x.shape[0] == rows, (recv_x.shape, rows)
-    np.testing.assert_array_equal(_u(recv_x[:num_recv]), _u(rx[:num_recv]))
+    np.testing.assert_array_equal(bits(recv_x[:num_recv]), bits(rx[:num_recv]))
     if with_topk:
-        np.testing.assert_array_equal(_to_np(r_idx), ridx)
-        np.testing.assert_array_equal(_to_np(r_w), rw)
+        np.testing.assert_array_equal(to_np(r_idx), ridx)
+        np.testing.assert_array_equal(to_np(r_w), rw)
         assert counts == rlist
         for k in range(6):
-            np.testing.assert_array_equal(_to_np(handle[k]), rhandle[k], err_msg=f"handle[{k}]")
+            np.testing.assert_array_equal(to_np(handle[k]), rhandle[k], err_msg=f"handle[{k}]")
     return num_recv
 
 
 def _check_combine(ours, refs, num_tokens):
-    cx, cw = _to_np(ours[0]), _to_np(ours[1]) if ours[1] is not None else None
+    cx, cw = to_np(ours[0]), to_np(ours[1]) if ours[1] is not None else None
     rx, rw = refs
     assert cx.shape == rx.shape
     a, b = cx.astype(np.float32), rx.astype(np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
-    exact = float(np.mean(_u(cx) == _u(rx))) if cx.size else 1.0
+    exact = float(np.mean(bits(cx) == bits(rx))) if cx.size else 1.0
     assert exact > 0.999, f"only {exact:.4%} of combined values are bit-identical to the reference"
     if rw is not None:
         np.testing.assert_allclose(cw, rw, rtol=1e-6, atol=1e-6)
@@ -220,14 +178,14 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     buf, ref = env["buf"], env["ref"]
     me, size = env["rank"], env["size"]
     topk, weights = _routing(rng, n, num_experts, k, me, size, only_rank0)
-    topk_dev, w_dev = _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
     if fp8:
         x_np, s_np = _fp8(rng, n, hidden, column_major)
-        x_dev = (_to_dev(x_np, fw, env), _to_dev(s_np, fw, env))
+        x_dev = (to_dev(x_np, fw, env), to_dev(s_np, fw, env))
     else:
-        x_np, s_np = _bf16(rng, (n, hidden)), None
-        x_dev = _to_dev(x_np, fw, env)
+        x_np, s_np = bf16(rng, (n, hidden)), None
+        x_dev = to_dev(x_np, fw, env)
     cfg = _cfg(env, recv)
     worst_rows = worst * n * size if worst else 0
     rows_guess = max(worst_rows, n * size)
@@ -245,33 +203,33 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     if cached:
         if fp8:
             x2_np, s2_np = _fp8(rng, n, hidden, column_major)
-            x2_dev = (_to_dev(x2_np, fw, env), _to_dev(s2_np, fw, env))
+            x2_dev = (to_dev(x2_np, fw, env), to_dev(s2_np, fw, env))
         else:
-            x2_np, s2_np = _bf16(rng, (n, hidden)), None
-            x2_dev = _to_dev(x2_np, fw, env)
+            x2_np, s2_np = bf16(rng, (n, hidden)), None
+            x2_dev = to_dev(x2_np, fw, env)
         c_recv, c_idx, c_w, c_counts, c_handle, _ = buf.dispatch(x2_dev, handle=handle, config=cfg)
         assert c_idx is None and c_w is None and c_counts is None
         c_refs = ref.dispatch(x2_np, s2_np, handle=refs[5], num_tokens_per_rank=None, is_token_in_rank=None,
                               num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=align,
                               num_worst_tokens=0)
-        got = _to_np(c_recv[0] if fp8 else c_recv)
-        np.testing.assert_array_equal(_u(got[:num_recv]), _u(c_refs[0][:num_recv]))
+        got = to_np(c_recv[0] if fp8 else c_recv)
+        np.testing.assert_array_equal(bits(got[:num_recv]), bits(c_refs[0][:num_recv]))
         if fp8:
-            np.testing.assert_array_equal(_to_np(c_recv[1])[:num_recv], c_refs[1][:num_recv])
+            np.testing.assert_array_equal(to_np(c_recv[1])[:num_recv], c_refs[1][:num_recv])
 
     # Combine: fresh "expert outputs" for every received row (padding rows included), weights, biases.
     rows = worst_rows if worst_rows else num_recv
-    y_np = _bf16(rng, (rows, hidden), scale=1.0 + me)
+    y_np = bf16(rng, (rows, hidden), scale=1.0 + me)
     yw_np = rng.random((rows, k), dtype=np.float32)
-    b0 = _bf16(rng, (n, hidden)) if bias >= 1 else None
-    b1 = _bf16(rng, (n, hidden)) if bias >= 2 else None
+    b0 = bf16(rng, (n, hidden)) if bias >= 1 else None
+    b1 = bf16(rng, (n, hidden)) if bias >= 2 else None
     bias_dev = None
     if bias == 1:
-        bias_dev = _to_dev(b0, fw, env)
+        bias_dev = to_dev(b0, fw, env)
     elif bias == 2:
-        bias_dev = (_to_dev(b0, fw, env), _to_dev(b1, fw, env))
+        bias_dev = (to_dev(b0, fw, env), to_dev(b1, fw, env))
     _poison(env, fw, [n * hidden * 2, n * k * 4])
-    combined = buf.combine(_to_dev(y_np, fw, env), handle, topk_weights=_to_dev(yw_np, fw, env), bias=bias_dev,
+    combined = buf.combine(to_dev(y_np, fw, env), handle, topk_weights=to_dev(yw_np, fw, env), bias=bias_dev,
                            config=cfg)
     r_comb = ref.combine(y_np, refs[5], topk_weights=yw_np, bias_0=b0, bias_1=b1)
     _check_combine(combined[:2], r_comb, n)
@@ -329,8 +287,8 @@ def test_repeatable_hashes(env):
     rng = np.random.default_rng([99, env["rank"]])
     n, hidden, experts, k = 1024, 7168, 256, 8
     topk, weights = _routing(rng, n, experts, k, env["rank"], env["size"])
-    x = _to_dev(_bf16(rng, (n, hidden)), fw, env)
-    topk_dev, w_dev = _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    x = to_dev(bf16(rng, (n, hidden)), fw, env)
+    topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
     cfg = _cfg(env, 64)
     digests = set()
@@ -353,8 +311,8 @@ def test_async_finish_and_previous_event(env):
     rng = np.random.default_rng([7, env["rank"]])
     n, hidden, experts, k = 256, 4096, 64, 4
     topk, weights = _routing(rng, n, experts, k, env["rank"], env["size"])
-    x_np = _bf16(rng, (n, hidden))
-    x, topk_dev, w_dev = _to_dev(x_np, fw, env), _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    x_np = bf16(rng, (n, hidden))
+    x, topk_dev, w_dev = to_dev(x_np, fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, experts)
     prev = buf.capture()
     recv, idx, w, counts, handle, event = buf.dispatch(
@@ -385,9 +343,9 @@ def test_cuda_graph_worst_tokens(env, monkeypatch):
     worst = n * size
     fw = "cupy"
     topk, weights = _routing(rng, n, experts, k, me, size)
-    x_np = _bf16(rng, (n, hidden))
-    y_np = _bf16(rng, (worst, hidden))
-    x, topk_dev, w_dev, y = (_to_dev(a, fw, env) for a in (x_np, topk, weights, y_np))
+    x_np = bf16(rng, (n, hidden))
+    y_np = bf16(rng, (worst, hidden))
+    x, topk_dev, w_dev, y = (to_dev(a, fw, env) for a in (x_np, topk, weights, y_np))
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
     cfg = _cfg(env)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -406,19 +364,19 @@ def test_cuda_graph_worst_tokens(env, monkeypatch):
         out = step()
         graph = stream.end_capture()
     for _ in range(3):
-        x_np = _bf16(rng, (n, hidden))
-        y_np = _bf16(rng, (worst, hidden))
+        x_np = bf16(rng, (n, hidden))
+        y_np = bf16(rng, (worst, hidden))
         with stream:  # in place, as raw bits: the graph holds these pointers
             x.view(cupy.uint16)[...] = cupy.asarray(x_np.view(np.uint16))
             y.view(cupy.uint16)[...] = cupy.asarray(y_np.view(np.uint16))
         graph.launch(stream)
         stream.synchronize()
         recv, idx, w, counts, handle, comb, comb_w = out
-        refs = ref.dispatch(x_np, None, handle=None, num_tokens_per_rank=None, is_token_in_rank=_to_np(in_rank),
-                            num_tokens_per_expert=_to_np(per_expert), topk_idx=topk, topk_weights=weights,
+        refs = ref.dispatch(x_np, None, handle=None, num_tokens_per_rank=None, is_token_in_rank=to_np(in_rank),
+                            num_tokens_per_expert=to_np(per_expert), topk_idx=topk, topk_weights=weights,
                             expert_alignment=1, num_worst_tokens=worst)
         _check_dispatch(env, (recv, idx, w, [], handle), refs, fp8=False, worst=worst)
-        r_comb = ref.combine(y_np, refs[5], topk_weights=_to_np(w), bias_0=None, bias_1=None)
+        r_comb = ref.combine(y_np, refs[5], topk_weights=to_np(w), bias_0=None, bias_1=None)
         _check_combine((comb, comb_w), r_comb, n)
     buf.runtime.intranode.check_errors()
 
@@ -435,7 +393,7 @@ def test_timeout_reports_and_recovers(env):
     rng = np.random.default_rng([31, me])
     n, hidden, experts, k = 64, 2048, 16, 2
     topk, weights = _routing(rng, n, experts, k, me, env["size"])
-    x, topk_dev, w_dev = _to_dev(_bf16(rng, (n, hidden)), fw, env), _to_dev(topk, fw, env), _to_dev(weights, fw, env)
+    x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
     buf.runtime.intranode.timeout_s = 2.0
     COMM.Barrier()

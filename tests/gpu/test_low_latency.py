@@ -15,19 +15,11 @@ import hashlib
 import os
 import time
 
-import ml_dtypes
 import numpy as np
 import pytest
+from gpu_common import BF16, COMM, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
 
 from deepep_cupy.runtime.device import gpu_count
-
-
-def _comm():
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    return MPI.COMM_WORLD
 
 
 def _have_nvshmem4py() -> bool:
@@ -38,16 +30,11 @@ def _have_nvshmem4py() -> bool:
     return True
 
 
-COMM = _comm()
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.mpi,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs CUDA GPUs"),
-    pytest.mark.skipif(COMM is None or COMM.Get_size() < 2, reason="needs >= 2 MPI ranks (mpirun -np 2)"),
+    *MULTI_RANK_GPU,
     pytest.mark.skipif(not _have_nvshmem4py(), reason="needs nvshmem4py (pip install nvshmem4py-cu13)"),
 ]
 
-BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 TEST_TIMEOUT_S = "30"
 SHORT_TIMEOUT_S = "2"
 # The DeepEP workload (its tests/test_low_latency.py): 128 tokens, hidden 7168, top-8 of 288 experts.
@@ -103,27 +90,6 @@ def _sync():
         pass
 
 
-def _to_dev(arr, fw, env):
-    from deepep_cupy.interop import TensorKind, from_numpy
-
-    return None if arr is None else from_numpy(arr, TensorKind(fw, env["dev"]))
-
-
-def _to_np(obj):
-    from deepep_cupy.interop import to_numpy
-
-    return None if obj is None else np.asarray(to_numpy(obj))
-
-
-def _u(a):
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return a.view(np.uint16)
-    if a.dtype == FP8:
-        return a.view(np.uint8)
-    return a
-
-
 def _routing(rng, n, num_experts, k, masked_slots=10):
     scores = np.abs(rng.standard_normal((n, num_experts))).astype(np.float32) + 1
     topk = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
@@ -133,16 +99,12 @@ def _routing(rng, n, num_experts, k, masked_slots=10):
     return topk, weights
 
 
-def _bf16(rng, shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
-
-
 def _expert_out(rng, counts, e_local, slab, hidden):
     """Expert outputs [E_local, R*T, H]: random rows where the dispatch put rows, zeros elsewhere (filling
     the whole slab would cost seconds for the DeepEP shape and is never read)."""
     out = np.zeros((e_local, slab, hidden), BF16)
     for i, c in enumerate(np.asarray(counts).tolist()):
-        out[i, :c] = _bf16(rng, (c, hidden), 0.5)
+        out[i, :c] = bf16(rng, (c, hidden), 0.5)
     return out
 
 
@@ -189,10 +151,10 @@ def _dispatch_both(env, fw, x, topk, t_max, num_experts, *, fp8, round_scale=Fal
     size = env["size"]
     e_local = num_experts // size
     kw = dict(use_fp8=fp8, round_scale=round_scale, use_ue8m0=ue8m0)
-    cum = _to_dev(np.zeros(e_local, np.int32), fw, env) if stats else None
-    wait = _to_dev(np.zeros(size, np.int64), fw, env) if stats else None
+    cum = to_dev(np.zeros(e_local, np.int32), fw, env) if stats else None
+    wait = to_dev(np.zeros(size, np.int64), fw, env) if stats else None
     recv, count, handle, _event, recv_hook = buf.low_latency_dispatch(
-        _to_dev(x, fw, env), _to_dev(topk, fw, env), t_max, num_experts, cumulative_local_expert_recv_stats=cum,
+        to_dev(x, fw, env), to_dev(topk, fw, env), t_max, num_experts, cumulative_local_expert_recv_stats=cum,
         dispatch_wait_recv_cost_stats=wait, return_recv_hook=hook, **kw)
     if hook:
         assert recv_hook is not None
@@ -203,15 +165,15 @@ def _dispatch_both(env, fw, x, topk, t_max, num_experts, *, fp8, round_scale=Fal
     r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
         x, topk, num_max_dispatch_tokens_per_rank=t_max, num_experts=num_experts,
         cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, return_recv_hook=False, **kw)
-    ours = {"count": _to_np(count), "src_info": _to_np(handle[0]), "layout": _to_np(handle[1])}
+    ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1])}
     refs = {"count": np.asarray(r_count), "src_info": np.asarray(r_handle[0]), "layout": np.asarray(r_handle[1])}
     if fp8:
-        ours["x"], ours["scales"] = _to_np(recv[0]), _to_np(recv[1])
+        ours["x"], ours["scales"] = to_np(recv[0]), to_np(recv[1])
         refs["x"], refs["scales"] = r_recv
     else:
-        ours["x"], refs["x"] = _to_np(recv), r_recv
+        ours["x"], refs["x"] = to_np(recv), r_recv
     if stats:
-        ours["cum"], ours["wait"] = _to_np(cum), _to_np(wait)
+        ours["cum"], ours["wait"] = to_np(cum), to_np(wait)
     return ours, refs, handle, r_handle
 
 
@@ -224,7 +186,7 @@ def _dispatch_failures(ours, refs, *, fp8) -> list[str]:
         return failures
     for i, c in enumerate(refs["count"].tolist()):
         _check(failures, f"recv_x[{i}]",
-               lambda i=i, c=c: np.testing.assert_array_equal(_u(ours["x"][i, :c]), _u(refs["x"][i, :c])))
+               lambda i=i, c=c: np.testing.assert_array_equal(bits(ours["x"][i, :c]), bits(refs["x"][i, :c])))
         if fp8:
             _check(failures, f"scales[{i}]",
                    lambda i=i, c=c: np.testing.assert_array_equal(ours["scales"][i, :c], refs["scales"][i, :c]))
@@ -236,7 +198,7 @@ def _dispatch_failures(ours, refs, *, fp8) -> list[str]:
 def _valid_hash(ours) -> str:
     h = hashlib.sha256()
     for i, c in enumerate(ours["count"].tolist()):
-        h.update(_u(ours["x"][i, :c]).tobytes())
+        h.update(bits(ours["x"][i, :c]).tobytes())
         if "scales" in ours:
             h.update(np.ascontiguousarray(ours["scales"][i, :c]).tobytes())
     h.update(ours["src_info"].tobytes())
@@ -254,9 +216,9 @@ def _combine_both(env, fw, expert_out, topk, weights, handle, r_handle, *, logfm
         copy_into(target, expert_out)
         x_dev = target
     else:
-        x_dev = _to_dev(expert_out, fw, env)
-    out_dev = _to_dev(np.zeros((topk.shape[0], expert_out.shape[2]), BF16), fw, env) if out else None
-    combined, _event, recv_hook = buf.low_latency_combine(x_dev, _to_dev(topk, fw, env), _to_dev(weights, fw, env),
+        x_dev = to_dev(expert_out, fw, env)
+    out_dev = to_dev(np.zeros((topk.shape[0], expert_out.shape[2]), BF16), fw, env) if out else None
+    combined, _event, recv_hook = buf.low_latency_combine(x_dev, to_dev(topk, fw, env), to_dev(weights, fw, env),
                                                           handle, use_logfmt=logfmt, zero_copy=zero_copy,
                                                           return_recv_hook=hook, out=out_dev)
     if hook:
@@ -266,13 +228,13 @@ def _combine_both(env, fw, expert_out, topk, weights, handle, r_handle, *, logfm
     _sync()
     r_combined, _ = ref.low_latency_combine(expert_out, topk, weights, r_handle, use_logfmt=logfmt, zero_copy=False,
                                             return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
-    return _to_np(combined), np.asarray(r_combined)
+    return to_np(combined), np.asarray(r_combined)
 
 
 def _combine_failures(ours, refs, *, logfmt, expert_out=None, topk=None, weights=None) -> list[str]:
     failures: list[str] = []
     if not logfmt:
-        _check(failures, "combined_x", lambda: np.testing.assert_array_equal(_u(ours), _u(refs)))
+        _check(failures, "combined_x", lambda: np.testing.assert_array_equal(bits(ours), bits(refs)))
         return failures
 
     def close():
@@ -293,7 +255,7 @@ def _round(env, fw, *, seed, t_max, hidden, num_experts, k, n=None, fp8=False, r
     rng = np.random.default_rng(seed * 1000 + rank)
     if n is None:
         n = int(rng.integers(1, t_max + 1))
-    x = _bf16(rng, (n, hidden))
+    x = bf16(rng, (n, hidden))
     topk, weights = _routing(rng, n, num_experts, k)
     ours, refs, handle, r_handle = _dispatch_both(env, fw, x, topk, t_max, num_experts, fp8=fp8,
                                                   round_scale=round_scale, ue8m0=ue8m0, hook=hook, stats=stats)
@@ -398,12 +360,12 @@ def test_two_dispatches_in_flight(env):
     data = []
     for _ in range(2):
         n = int(rng.integers(1, T_BIG + 1))
-        x = _bf16(rng, (n, H_BIG))
+        x = bf16(rng, (n, H_BIG))
         topk, w = _routing(rng, n, E_BIG, K_BIG)
         data.append((x, topk, w))
     results = []
     for x, topk, _ in data:
-        recv, count, handle, _e, hook = buf.low_latency_dispatch(_to_dev(x, fw, env), _to_dev(topk, fw, env), T_BIG,
+        recv, count, handle, _e, hook = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_BIG,
                                                                  E_BIG, use_fp8=True, return_recv_hook=True)
         results.append((recv, count, handle, hook))
     for r in results:
@@ -417,8 +379,8 @@ def test_two_dispatches_in_flight(env):
             x, topk, num_max_dispatch_tokens_per_rank=T_BIG, num_experts=E_BIG, use_fp8=True, round_scale=False,
             use_ue8m0=False, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
             return_recv_hook=False)
-        ours = {"count": _to_np(count), "src_info": _to_np(handle[0]), "layout": _to_np(handle[1]),
-                "x": _to_np(recv[0]), "scales": _to_np(recv[1])}
+        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
+                "x": to_np(recv[0]), "scales": to_np(recv[1])}
         theirs = {"count": r_count, "src_info": r_handle[0], "layout": r_handle[1], "x": r_recv[0], "scales": r_recv[1]}
         failures += _dispatch_failures(ours, theirs, fp8=True)
         refs.append((r_handle, r_count))
@@ -434,21 +396,21 @@ def test_repeats_are_bit_identical(env):
     buf, rank, size = env["buf"], env["rank"], env["size"]
     fw = FRAMEWORKS[0]
     rng = np.random.default_rng(16 + rank)
-    x = _bf16(rng, (T_BIG, H_BIG))
+    x = bf16(rng, (T_BIG, H_BIG))
     topk, w = _routing(rng, T_BIG, E_BIG, K_BIG)
-    x_dev, topk_dev, w_dev = (_to_dev(a, fw, env) for a in (x, topk, w))
+    x_dev, topk_dev, w_dev = (to_dev(a, fw, env) for a in (x, topk, w))
     _, count, _, _, _ = buf.low_latency_dispatch(x_dev, topk_dev, T_BIG, E_BIG, use_fp8=True)
-    expert_out = _expert_out(rng, _to_np(count), E_BIG // size, size * T_BIG, H_BIG)
-    eo_dev = _to_dev(expert_out, fw, env)
+    expert_out = _expert_out(rng, to_np(count), E_BIG // size, size * T_BIG, H_BIG)
+    eo_dev = to_dev(expert_out, fw, env)
     d_hashes, c_hashes = set(), set()
     for _ in range(20):
         recv, count, handle, _e, _h = buf.low_latency_dispatch(x_dev, topk_dev, T_BIG, E_BIG, use_fp8=True)
         combined, _e, _h = buf.low_latency_combine(eo_dev, topk_dev, w_dev, handle)
         _sync()
-        ours = {"count": _to_np(count), "src_info": _to_np(handle[0]), "layout": _to_np(handle[1]),
-                "x": _to_np(recv[0]), "scales": _to_np(recv[1])}
+        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
+                "x": to_np(recv[0]), "scales": to_np(recv[1])}
         d_hashes.add(_valid_hash(ours))
-        c_hashes.add(hashlib.sha256(_u(_to_np(combined)).tobytes()).hexdigest())
+        c_hashes.add(hashlib.sha256(bits(to_np(combined)).tobytes()).hexdigest())
     failures = []
     if len(d_hashes) != 1:
         failures.append(f"dispatch results differ across repeats: {len(d_hashes)} distinct hashes")
@@ -487,9 +449,9 @@ def test_rma_path(env, monkeypatch):
 def _small_data(rank, seed):
     rng = np.random.default_rng(seed + rank)
     n = T_SMALL
-    x = _bf16(rng, (n, H_SMALL))
+    x = bf16(rng, (n, H_SMALL))
     topk, w = _routing(rng, n, E_SMALL, 8, masked_slots=0)
-    expert_out = _bf16(rng, (E_SMALL // COMM.Get_size(), COMM.Get_size() * T_SMALL, H_SMALL), 0.5)
+    expert_out = bf16(rng, (E_SMALL // COMM.Get_size(), COMM.Get_size() * T_SMALL, H_SMALL), 0.5)
     return x, topk, w, expert_out
 
 
@@ -511,25 +473,25 @@ def test_shrink_masks_a_silent_rank(env, monkeypatch):
     try:
         if rank != silent:
             t0 = time.time()
-            recv, count, handle, _e, _h = buf.low_latency_dispatch(_to_dev(x, fw, env), _to_dev(topk, fw, env),
+            recv, count, handle, _e, _h = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env),
                                                                    T_SMALL, E_SMALL, use_fp8=False)
             _sync()
             first = time.time() - t0
-            status = _to_dev(np.zeros(size, np.int32), fw, env)
+            status = to_dev(np.zeros(size, np.int32), fw, env)
             buf.low_latency_query_mask_buffer(status)
             expected_mask = np.zeros(size, np.int32)
             expected_mask[silent] = 1
-            _check(failures, "mask after timeout", lambda: np.testing.assert_array_equal(_to_np(status), expected_mask))
-            combined, _e, _h = buf.low_latency_combine(_to_dev(expert_out, fw, env), _to_dev(topk, fw, env),
-                                                       _to_dev(w, fw, env), handle)
+            _check(failures, "mask after timeout", lambda: np.testing.assert_array_equal(to_np(status), expected_mask))
+            combined, _e, _h = buf.low_latency_combine(to_dev(expert_out, fw, env), to_dev(topk, fw, env),
+                                                       to_dev(w, fw, env), handle)
             t1 = time.time()
-            buf.low_latency_dispatch(_to_dev(x, fw, env), _to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
+            buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
             _sync()
             again = time.time() - t1
             if again > 1.0:
                 failures.append(f"dispatch after masking still waited {again:.1f} s (first call {first:.1f} s)")
-            ours = {"count": _to_np(count), "src_info": _to_np(handle[0]), "layout": _to_np(handle[1]),
-                    "x": _to_np(recv)}
+            ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
+                    "x": to_np(recv)}
         # The reference exchange involves every rank; each view masks the silent rank (itself, for it).
         ref.low_latency_update_mask_buffer(silent, True)
         r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
@@ -541,14 +503,14 @@ def test_shrink_masks_a_silent_rank(env, monkeypatch):
         if rank != silent:
             theirs = {"count": r_count, "src_info": r_handle[0], "layout": r_handle[1], "x": r_recv}
             failures += _dispatch_failures(ours, theirs, fp8=False)
-            failures += _combine_failures(_to_np(combined), np.asarray(r_combined), logfmt=False)
+            failures += _combine_failures(to_np(combined), np.asarray(r_combined), logfmt=False)
             buf.low_latency_clean_mask_buffer()
-            status = _to_dev(np.ones(size, np.int32), fw, env)
+            status = to_dev(np.ones(size, np.int32), fw, env)
             buf.low_latency_query_mask_buffer(status)
-            _check(failures, "mask after clean", lambda: np.testing.assert_array_equal(_to_np(status), 0))
+            _check(failures, "mask after clean", lambda: np.testing.assert_array_equal(to_np(status), 0))
             buf.low_latency_update_mask_buffer(silent, True)
             buf.low_latency_query_mask_buffer(status)
-            _check(failures, "mask after update", lambda: np.testing.assert_array_equal(_to_np(status)[silent], 1))
+            _check(failures, "mask after update", lambda: np.testing.assert_array_equal(to_np(status)[silent], 1))
     finally:
         _sync()
         COMM.Barrier()
@@ -571,10 +533,10 @@ def test_timeout_without_shrink_raises(env, monkeypatch):
     failures = []
     try:
         if rank != silent:
-            buf.low_latency_dispatch(_to_dev(x, fw, env), _to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
+            buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
             _sync()
             try:
-                buf.low_latency_dispatch(_to_dev(x, fw, env), _to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
+                buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
                 _sync()
                 failures.append("no DeepEPTimeoutError after a peer stayed silent")
             except DeepEPTimeoutError as exc:
@@ -620,12 +582,12 @@ def test_back_to_back_rounds(env):
     rng = np.random.default_rng(60 + rank)
     rounds = []
     for _ in range(4):
-        x = _bf16(rng, (T_BIG, H_BIG))
+        x = bf16(rng, (T_BIG, H_BIG))
         topk, w = _routing(rng, T_BIG, E_BIG, K_BIG)
         theirs, expert_out, r_combined = _ref_round(
             env, x, topk, w, lambda c: _expert_out(rng, c, E_BIG // size, size * T_BIG, H_BIG))
-        rounds.append(((_to_dev(x, fw, env), _to_dev(topk, fw, env), _to_dev(w, fw, env),
-                        _to_dev(expert_out, fw, env)), theirs, r_combined))
+        rounds.append(((to_dev(x, fw, env), to_dev(topk, fw, env), to_dev(w, fw, env),
+                        to_dev(expert_out, fw, env)), theirs, r_combined))
     _sync()
     COMM.Barrier()
     outs = []
@@ -636,10 +598,10 @@ def test_back_to_back_rounds(env):
     _sync()
     failures = _kernel_error(env)
     for i, ((recv, count, handle, combined), (_, theirs, r_combined)) in enumerate(zip(outs, rounds, strict=True)):
-        ours = {"count": _to_np(count), "src_info": _to_np(handle[0]), "layout": _to_np(handle[1]),
-                "x": _to_np(recv[0]), "scales": _to_np(recv[1])}
+        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
+                "x": to_np(recv[0]), "scales": to_np(recv[1])}
         failures += [f"round {i}: {m}" for m in _dispatch_failures(ours, theirs, fp8=True)]
-        failures += [f"round {i}: {m}" for m in _combine_failures(_to_np(combined), r_combined, logfmt=False)]
+        failures += [f"round {i}: {m}" for m in _combine_failures(to_np(combined), r_combined, logfmt=False)]
     _agree(failures)
 
 
@@ -652,11 +614,11 @@ def test_fused_vs_hook_timing(env, record_property):
     buf, rank, size = env["buf"], env["rank"], env["size"]
     fw = FRAMEWORKS[0]
     rng = np.random.default_rng(70 + rank)
-    x_d = _to_dev(_bf16(rng, (T_BIG, H_BIG)), fw, env)
+    x_d = to_dev(bf16(rng, (T_BIG, H_BIG)), fw, env)
     topk, w = _routing(rng, T_BIG, E_BIG, K_BIG)
-    topk_d, w_d = _to_dev(topk, fw, env), _to_dev(w, fw, env)
+    topk_d, w_d = to_dev(topk, fw, env), to_dev(w, fw, env)
     _, count, handle, _e, _h = buf.low_latency_dispatch(x_d, topk_d, T_BIG, E_BIG, use_fp8=True)
-    eo_d = _to_dev(_expert_out(rng, _to_np(count), E_BIG // size, size * T_BIG, H_BIG), fw, env)
+    eo_d = to_dev(_expert_out(rng, to_np(count), E_BIG // size, size * T_BIG, H_BIG), fw, env)
     stream = cupy.cuda.get_current_stream()
 
     def timed(fn, reps=10):
@@ -710,14 +672,14 @@ def test_cuda_graph(env, monkeypatch):
     rng = np.random.default_rng(50 + rank)
 
     def fresh():
-        x = _bf16(rng, (T_BIG, H_BIG))
+        x = bf16(rng, (T_BIG, H_BIG))
         topk, w = _routing(rng, T_BIG, E_BIG, K_BIG)
         theirs, expert_out, r_combined = _ref_round(
             env, x, topk, w, lambda c: _expert_out(rng, c, E_BIG // size, size * T_BIG, H_BIG))
         return x, topk, w, expert_out, theirs, r_combined
 
     x, topk, w, expert_out, _, _ = fresh()
-    x_dev, topk_dev, w_dev, eo_dev = (_to_dev(a, "cupy", env) for a in (x, topk, w, expert_out))
+    x_dev, topk_dev, w_dev, eo_dev = (to_dev(a, "cupy", env) for a in (x, topk, w, expert_out))
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         _, _, handle, _e, _h = buf.low_latency_dispatch(x_dev, topk_dev, T_BIG, E_BIG, use_fp8=True)
@@ -748,15 +710,15 @@ def test_cuda_graph(env, monkeypatch):
             graph.launch(stream)
         stream.synchronize()
         failures += [f"replay {replay}: {m}" for m in _kernel_error(env)]
-        ours = {"count": _to_np(count), "src_info": _to_np(handle[0]), "layout": _to_np(handle[1]),
-                "x": _to_np(recv[0]), "scales": _to_np(recv[1])}
+        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
+                "x": to_np(recv[0]), "scales": to_np(recv[1])}
         failures += [f"replay {replay}: {m}" for m in _dispatch_failures(ours, theirs, fp8=True)]
-        failures += [f"replay {replay}: {m}" for m in _combine_failures(_to_np(combined), r_combined, logfmt=False)]
+        failures += [f"replay {replay}: {m}" for m in _combine_failures(to_np(combined), r_combined, logfmt=False)]
     # Back to back, no host work in between: the last replay's results must still be right.
     for _ in range(4):
         graph.launch(stream)
     stream.synchronize()
     failures += [f"4 replays back to back: {m}" for m in _kernel_error(env)]
     failures += [f"4 replays back to back: {m}"
-                 for m in _combine_failures(_to_np(combined), r_combined, logfmt=False)]
+                 for m in _combine_failures(to_np(combined), r_combined, logfmt=False)]
     _agree(failures)
