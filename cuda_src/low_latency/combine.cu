@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                       int64_t* wait_recv_cost_stats,            // [R] or null
                       int phases, int zero_copy, int force_rma, int shrink, long long timeout_ns,
                       ErrorRecord* err) {
-    constexpr int kGroupThreads = kWarps * 32;
+    constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
     constexpr int kSlotBytes = 2 * kHidden;
     constexpr int kRowBytes = kLogfmt ? (kHidden / kChannelsPerBlock) * kLogfmtBlockBytes : 2 * kHidden;
     constexpr int kChunk = 32 * 8;  // channels per warp item in the reduction
@@ -53,16 +53,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ uint32_t s_arrived[kMaxExperts / 32];
     __shared__ uint32_t s_seq[2];
 
-    const int warp_in_block = static_cast<int>(threadIdx.x) / 32;
-    const int lane = lane_id();
-    const int group = warp_in_block / kWarps;
-    const int warp = warp_in_block % kWarps;
-    const int gthread = static_cast<int>(threadIdx.x) - group * kGroupThreads;
-    const int barrier_id = 1 + group;
+    const GroupCoords<kWarps, kGroups> at;
+    const int warp_in_block = at.warp_in_block, lane = at.lane, group = at.group, warp = at.warp;
+    const int gthread = at.gthread, barrier_id = at.barrier_id, total_groups = at.total_groups, gid = at.gid;
     const int num_local_experts = num_experts / num_ranks;
     const int slab = num_ranks * max_tokens;
-    const int total_groups = static_cast<int>(gridDim.x) * kGroups;
-    const int gid = static_cast<int>(blockIdx.x) * kGroups + group;
     const bool bail = !shrink;
 
     begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);

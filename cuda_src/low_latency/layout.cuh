@@ -136,6 +136,24 @@ __device__ __forceinline__ uint32_t next_sequence(uint32_t* counter, uint32_t* r
     return s;
 }
 
+// Where a thread sits in a dispatch or combine launch: each block holds kGroups groups of kWarps warps,
+// and a group (not a block) is the unit of work, with its own named barrier.
+template <int kWarps, int kGroups>
+struct GroupCoords {
+    static constexpr int kGroupThreads = kWarps * 32;
+    int warp_in_block, lane, group, warp, gthread, barrier_id, total_groups, gid;
+
+    __device__ __forceinline__ GroupCoords()
+        : warp_in_block(static_cast<int>(threadIdx.x) / 32),
+          lane(lane_id()),
+          group(warp_in_block / kWarps),
+          warp(warp_in_block % kWarps),
+          gthread(static_cast<int>(threadIdx.x) - group * kGroupThreads),
+          barrier_id(1 + group),
+          total_groups(static_cast<int>(gridDim.x) * kGroups),
+          gid(static_cast<int>(blockIdx.x) * kGroups + group) {}
+};
+
 // Prologue shared by the dispatch and combine kernels: claim this launch's sequence numbers for the
 // phases it runs (0 for a phase it skips) and snapshot the rank mask, so every warp of the block sees
 // one consistent view for the whole launch. Ends with a block barrier.
