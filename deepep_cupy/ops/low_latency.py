@@ -227,6 +227,7 @@ class LowLatencyEngine:
                 self._arrival_base = None  # uint64 [2, E]
                 self._ready = None  # uint32 [2, E]
                 self._layout: LowLatencyLayout | None = None
+                self._kernel_cache: dict[tuple, tuple] = {}
                 self._idx = 0
                 self._sym.array.fill(0)
                 cupy.cuda.Device(self.device_id).synchronize()
@@ -277,6 +278,28 @@ class LowLatencyEngine:
             self._ready = cupy.zeros((2, num_experts), dtype=cupy.uint32)
             self._seq.fill(0)
             cupy.cuda.Device(self.device_id).synchronize()
+        # One view per buffer half, made once: indexing a CuPy array costs microseconds on every launch.
+        self._seq_halves = (self._seq[0], self._seq[1])
+        self._base_halves = (self._arrival_base[0], self._arrival_base[1])
+        self._ready_halves = (self._ready[0], self._ready[1])
+
+    def _kernels(self, op: str, hidden: int, topk: int, num_experts: int, flag: bool):
+        """``(warps, groups, blocks, kernel, stage kernel or None)`` of ``op`` for these sizes, looked up
+        once per shape (``flag``: FP8 for the dispatch, LogFMT for the combine)."""
+        key = (op, hidden, topk, num_experts, flag, self.num_sms)
+        found = self._kernel_cache.get(key)
+        if found is None:
+            warps, groups, blocks = warp_split(num_experts, self.num_sms)
+            if op == "dispatch":
+                module = load(dispatch_spec(hidden, topk, warps, groups, flag))
+                kernel = module.get_function(dispatch_kernel_name(hidden, topk, warps, groups, flag))
+                stage = module.get_function(stage_kernel_name(hidden, flag))
+            else:
+                kernel = load(combine_spec(hidden, topk, warps, groups, flag)).get_function(
+                    combine_kernel_name(hidden, topk, warps, groups, flag))
+                stage = None
+            found = self._kernel_cache[key] = (warps, groups, blocks, kernel, stage)
+        return found
 
     def _clean_all(self) -> None:
         """Zero the whole symmetric buffer and the sequence state on every rank (collective, synchronous)."""
@@ -370,11 +393,8 @@ class LowLatencyEngine:
             src_info = cupy.empty((e_local, slab), dtype=cupy.int32)
             layout_range = cupy.empty((e_local, self.num_ranks), dtype=cupy.int64)
 
-        warps, groups, blocks = warp_split(num_experts, self.num_sms)
-        module = load(dispatch_spec(hidden, topk, warps, groups, bool(use_fp8)))
-        kernel = module.get_function(dispatch_kernel_name(hidden, topk, warps, groups, bool(use_fp8)))
+        warps, groups, blocks, kernel, stage = self._kernels("dispatch", hidden, topk, num_experts, bool(use_fp8))
         if self.staged and num_tokens > 0:
-            stage = module.get_function(stage_kernel_name(hidden, bool(use_fp8)))
             stage_blocks = max(1, min(-(-num_tokens // (_STAGE_THREADS // 32)), self.num_sms))
             stage((stage_blocks,), (_STAGE_THREADS,),
                   (x, np.int32(num_tokens), self._sym_addr(layout, b, "send"), np.int32(round_scale)), stream=stream)
@@ -387,8 +407,7 @@ class LowLatencyEngine:
                      and dispatch_wait_recv_cost_stats.size == self.num_ranks,
                      lambda: f"dispatch_wait_recv_cost_stats must be int64 [{self.num_ranks}]", TypeError)
 
-        seq = self._seq[b]
-        base = self._arrival_base[b]
+        seq, base = self._seq_halves[b], self._base_halves[b]
 
         def launch(phases: int) -> None:
             kernel((blocks,), (warps * groups * 32,), (
@@ -477,10 +496,8 @@ class LowLatencyEngine:
                      and combine_wait_recv_cost_stats.size == self.num_ranks,
                      lambda: f"combine_wait_recv_cost_stats must be int64 [{self.num_ranks}]", TypeError)
 
-        warps, groups, blocks = warp_split(num_experts, self.num_sms)
-        kernel = load(combine_spec(hidden, topk, warps, groups, bool(use_logfmt))).get_function(
-            combine_kernel_name(hidden, topk, warps, groups, bool(use_logfmt)))
-        seq, base, ready = self._seq[b], self._arrival_base[b], self._ready[b]
+        warps, groups, blocks, kernel, _ = self._kernels("combine", hidden, topk, num_experts, bool(use_logfmt))
+        seq, base, ready = self._seq_halves[b], self._base_halves[b], self._ready_halves[b]
 
         def launch(phases: int) -> None:
             kernel((blocks,), (warps * groups * 32,), (
