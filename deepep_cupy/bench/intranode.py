@@ -138,6 +138,24 @@ def run(comm, args) -> list[dict]:
                     out.append((ss, rs))
             return out
 
+        # The library's defaults: the recommended configs and the engine's block shapes.
+        from ..buffer import Buffer
+
+        dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
+        dcfg.num_sms = ccfg.num_sms = num_sms
+
+        def dispatch_defaults_us(data, data_scales):
+            _restore_defaults(engine)
+            return timed(lambda: engine.dispatch(
+                data, data_scales, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
+                num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
+                num_worst_tokens=0, config=dcfg, stream=stream))
+
+        def combine_defaults_us():
+            _restore_defaults(engine)
+            return timed(lambda: engine.combine(recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
+                                                config=ccfg, stream=stream))
+
         def sweep_dispatch(data, data_scales, nbytes, name):
             def point(warps, unroll, ss, rs, recv, send):
                 engine.dispatch_warps, engine.dispatch_unroll = warps, unroll
@@ -171,29 +189,14 @@ def run(comm, args) -> list[dict]:
             everything = [(us, desc(k)) for us, k in s1 + s2 + s3]
             best = report(name + " capacity", everything, nbytes)
             _restore_defaults(engine)
-            rows.append(row(name, best[0], nbytes, num_sms, best=best[1],
-                            old_protocol_us=round(ref[0], 2), default_us=round(s1[0][0], 2)))
+            rows.append(row(name, best[0], nbytes, num_sms, best=best[1], old_protocol_us=round(ref[0], 2),
+                            default_us=round(dispatch_defaults_us(data, data_scales), 2)))
 
         if getattr(args, "quick", False):
-            # The library's defaults only: the recommended configs and the engine's block shapes.
-            from ..buffer import Buffer
-
-            def default_point(name, op, nbytes):
-                rows.append(row(name, timed(op), nbytes, num_sms, best="defaults"))
-
-            dcfg = Buffer.get_dispatch_config(num_ranks)
-            dcfg.num_sms = num_sms
             for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),
                                                     (x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)")):
-                default_point(name, lambda d=data, sc=data_scales: engine.dispatch(
-                    d, sc, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
-                    num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
-                    num_worst_tokens=0, config=dcfg, stream=stream), nbytes)
-            ccfg = Buffer.get_combine_config(num_ranks)
-            ccfg.num_sms = num_sms
-            default_point("intranode combine BF16", lambda: engine.combine(
-                recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=ccfg, stream=stream),
-                bf16_bytes)
+                rows.append(row(name, dispatch_defaults_us(data, data_scales), nbytes, num_sms, best="defaults"))
+            rows.append(row("intranode combine BF16", combine_defaults_us(), bf16_bytes, num_sms, best="defaults"))
             engine.check_errors(stream)
             return rows
 
@@ -220,7 +223,7 @@ def run(comm, args) -> list[dict]:
         best = report(name + " capacity x batch", [p[:2] for p in c1 + c2], bf16_bytes)
         _restore_defaults(engine)
         rows.append(row(name, best[0], bf16_bytes, num_sms, best=best[1], old_protocol_us=round(ref[0], 2),
-                        default_us=round(c1[0][0], 2)))
+                        default_us=round(combine_defaults_us(), 2)))
         engine.check_errors(stream)
         if rank == 0:
             for r in rows:
