@@ -123,6 +123,21 @@ struct WaitCtx {
     int rank;
 };
 
+// The deadline check of every wait below, done by one thread every 64 polls: true when the wait must
+// end, either past the budget (reported here, naming `peer`) or because another thread already reported
+// a timeout (read every 4096 polls only: the record is host-mapped). `start` is the first check's time.
+__device__ __forceinline__ bool wait_expired(unsigned int spin, uint64_t& start, const WaitCtx& w, int op, int peer,
+                                             int line) {
+    const uint64_t now = deepep::globaltimer();
+    if (start == 0) start = now;
+    const long long waited = static_cast<long long>(now - start);
+    if (waited > w.budget_ns) {
+        deepep::report_timeout(w.err, op, w.rank, peer, line, waited);
+        return true;
+    }
+    return (spin & 4095u) == 0 && deepep::timeout_reported(w.err);
+}
+
 // Warp-wide wait until *flag satisfies pred (every lane polls with an acquire load, so every lane's later
 // loads are ordered after it). Returns false on timeout (reported) or when another thread reported one.
 // Must be called by all 32 lanes.
@@ -134,18 +149,7 @@ __device__ __forceinline__ bool warp_wait(const uint64_t* flag, Pred pred, const
         const uint64_t v = deepep::ld_acquire_sys(flag);
         if (__all_sync(kFullMask, pred(v))) return true;
         if ((spin & 63u) == 0) {
-            int give_up = 0;
-            if (deepep::lane_id() == 0) {
-                const uint64_t now = deepep::globaltimer();
-                if (start == 0) start = now;
-                const long long waited = static_cast<long long>(now - start);
-                if (waited > w.budget_ns) {
-                    deepep::report_timeout(w.err, op, w.rank, peer, line, waited);
-                    give_up = 1;
-                } else if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) {
-                    give_up = 1;
-                }
-            }
+            const int give_up = deepep::lane_id() == 0 && wait_expired(spin, start, w, op, peer, line);
             if (__shfl_sync(kFullMask, give_up, 0)) return false;
         }
     }
@@ -164,18 +168,7 @@ __device__ __forceinline__ bool warp_wait_lanes(const uint64_t* flag, uint64_t w
         if ((spin & 63u) == 0) {
             const int first = __ffs(waiting) - 1;
             const int first_peer = __shfl_sync(kFullMask, peer, first);
-            int give_up = 0;
-            if (deepep::lane_id() == 0) {
-                const uint64_t now = deepep::globaltimer();
-                if (start == 0) start = now;
-                const long long waited = static_cast<long long>(now - start);
-                if (waited > w.budget_ns) {
-                    deepep::report_timeout(w.err, op, w.rank, first_peer, line, waited);
-                    give_up = 1;
-                } else if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) {
-                    give_up = 1;
-                }
-            }
+            const int give_up = deepep::lane_id() == 0 && wait_expired(spin, start, w, op, first_peer, line);
             if (__shfl_sync(kFullMask, give_up, 0)) return false;
         }
     }
@@ -188,16 +181,7 @@ __device__ __forceinline__ bool thread_wait(const uint64_t* flag, Pred pred, con
     uint64_t start = 0;
     for (unsigned int spin = 1;; ++spin) {
         if (pred(deepep::ld_acquire_sys(flag))) return true;
-        if ((spin & 63u) == 0) {
-            const uint64_t now = deepep::globaltimer();
-            if (start == 0) start = now;
-            const long long waited = static_cast<long long>(now - start);
-            if (waited > w.budget_ns) {
-                deepep::report_timeout(w.err, op, w.rank, peer, line, waited);
-                return false;
-            }
-            if ((spin & 4095u) == 0 && deepep::timeout_reported(w.err)) return false;
-        }
+        if ((spin & 63u) == 0 && wait_expired(spin, start, w, op, peer, line)) return false;
     }
 }
 
