@@ -1,18 +1,11 @@
-// Bounded waits and the error record a kernel leaves when a wait times out.
+// The error record a kernel leaves when a wait times out, and the deadline the waits measure against.
 //
 // Every spin-wait in a kernel must give up after a budget (nanoseconds, passed as a kernel argument) and
 // report through an ErrorRecord instead of hanging or trapping: __trap() would poison the CUDA context,
 // while a reported timeout lets the kernel return and the host raise a clear Python error
-// (deepep_cupy.runtime.kernel_errors.KernelErrorRecord.check()).
-//
-//   __global__ void k(..., deepep::ErrorRecord* err, int64_t timeout_ns, int rank) {
-//       deepep::Deadline deadline(timeout_ns);
-//       if (!deepep::wait_until([&] { return deepep::ld_acquire_sys(flag) != 0; }, deadline, err,
-//                               OP_DISPATCH_RECV, rank, peer, __LINE__))
-//           return;   // timed out (here or in another thread): leave the kernel
-//   }
-//
-// Or use the macro DEEPEP_WAIT_OR_RETURN(cond, deadline, err, op, rank, peer), which fills in __LINE__.
+// (deepep_cupy.runtime.kernel_errors.KernelErrorRecord.check()). The waits themselves live with their
+// kernel families (intranode/layout.cuh, low_latency/layout.cuh): each polls its flag tightly and reads
+// the host-mapped record only rarely, since every such read is a PCIe round trip.
 #pragma once
 
 #include "nvrtc_compat.cuh"
@@ -72,31 +65,4 @@ struct Deadline {
     __device__ __forceinline__ bool expired() const { return globaltimer() - start_ns > budget_ns; }
 };
 
-// Spin until pred() is true. Returns true when it became true; false when the deadline passed (the
-// timeout is then reported) or another thread already reported one. pred must re-read memory with
-// volatile or acquire loads.
-template <typename Pred>
-__device__ __forceinline__ bool wait_until(Pred pred, const Deadline& deadline, ErrorRecord* rec, int op,
-                                           int rank, int peer, int line) {
-    for (unsigned int spin = 0;; ++spin) {
-        if (pred()) return true;
-        // Checking the clock and the record every few polls keeps the loop tight on the flag itself.
-        if ((spin & 15u) == 15u) {
-            if (deadline.expired()) {
-                report_timeout(rec, op, rank, peer, line, deadline.elapsed_ns());
-                return false;
-            }
-            if (timeout_reported(rec)) return false;
-        }
-    }
-}
-
 }  // namespace deepep
-
-// Wait for `cond` (an expression re-evaluated each poll) or return from the calling kernel on timeout.
-#define DEEPEP_WAIT_OR_RETURN(cond, deadline, rec, op, rank, peer)                                        \
-    do {                                                                                                  \
-        if (!::deepep::wait_until([&]() { return static_cast<bool>(cond); }, (deadline), (rec), (op), (rank), \
-                                  (peer), __LINE__))                                                      \
-            return;                                                                                       \
-    } while (0)

@@ -50,10 +50,7 @@ HEADERS_USE = r"""
 extern "C" __global__ void uses_helpers(int* flag, int4* data, int64_t* wide, deepep::ErrorRecord* err,
                                         long long timeout_ns, int rank, int peer) {
     deepep::Deadline deadline(timeout_ns);
-    DEEPEP_WAIT_OR_RETURN(deepep::ld_acquire_sys(flag) != 0, deadline, err, 1, rank, peer);
-    if (!deepep::wait_until([&] { return deepep::ld_volatile(flag + 1) > 0; }, deadline, err, 2, rank, peer,
-                            __LINE__))
-        return;
+    if (deepep::ld_acquire_sys(flag) == 0 && deadline.expired()) return;
     int4 v = deepep::ld_nc_v4(data);
     int4 w = deepep::ld_v4(data + 1);
     v.x += w.x + deepep::lane_id();
