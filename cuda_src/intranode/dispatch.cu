@@ -284,7 +284,6 @@ dispatch_kernel(const int4* __restrict__ x, const unsigned int* __restrict__ x_s
                          recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, ring_offset, free_offset,
                          slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset,
                          num_channels, clamp_batch(publish_batch, cap), err, rank, seq, num_recv};
-    const int num_self_total = num_self_warps + num_recv_self_warps;
 
     if (!is_sender && num_worst_tokens > 0) {
         // Padding rows of the index outputs (num_worst_tokens mode).

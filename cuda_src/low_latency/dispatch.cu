@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ uint32_t s_seq[2];
 
     const GroupCoords<kWarps, kGroups> at;
-    const int warp_in_block = at.warp_in_block, lane = at.lane, group = at.group, warp = at.warp;
+    const int lane = at.lane, group = at.group, warp = at.warp;
     const int gthread = at.gthread, barrier_id = at.barrier_id, total_groups = at.total_groups, gid = at.gid;
     const int num_local_experts = num_experts / num_ranks;
     const int slab = num_ranks * max_tokens;

@@ -5,11 +5,10 @@ Multi-rank cases run as threads (``_thread_group``) on the reference backend."""
 import ml_dtypes
 import numpy as np
 import pytest
+from _thread_group import run_ranks
 
 import deepep_cupy as deep_ep
 from deepep_cupy import Buffer, Config
-
-from _thread_group import run_ranks
 
 BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
 

@@ -404,7 +404,6 @@ def test_ll_dispatch_and_combine_bf16(num_ranks, seed):
     sizes = [T_MAX, 0, 5, 9]
 
     def fn(g):
-        n = sizes[g.rank] if num_ranks > 1 else 7
         cases = [make_case(seed, r, num_ranks, n=(sizes[r] if num_ranks > 1 else 7), e_local=e_local, k=4)
                  for r in range(num_ranks)]
         x, topk, w = cases[g.rank]
@@ -474,7 +473,6 @@ def test_ll_dispatch_fp8(num_ranks, mode):
     e_local, hidden = 2, 512
 
     def fn(g):
-        rng = np.random.default_rng([51, g.rank])
         cases = []
         for r in range(num_ranks):
             xr, tr, wr = make_case(51, r, num_ranks, n=6, e_local=e_local, hidden=hidden)
