@@ -109,6 +109,15 @@ def _fp8(rng, n, hidden, column_major):
     return x, scales
 
 
+def _inputs(env, fw, rng, n, hidden, fp8, column_major):
+    """Fresh tokens: ``(x, scales or None)`` in NumPy and the dispatch's ``x`` argument on the device."""
+    if fp8:
+        x_np, s_np = _fp8(rng, n, hidden, column_major)
+        return x_np, s_np, (to_dev(x_np, fw, env), to_dev(s_np, fw, env))
+    x_np = bf16(rng, (n, hidden))
+    return x_np, None, to_dev(x_np, fw, env)
+
+
 def _poison(env, fw, nbytes_list):
     """Fill pool blocks of the outputs' sizes with 0xAB so rows a kernel forgets to write show up."""
     import cupy
@@ -180,12 +189,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     topk, weights = _routing(rng, n, num_experts, k, me, size, only_rank0)
     topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
-    if fp8:
-        x_np, s_np = _fp8(rng, n, hidden, column_major)
-        x_dev = (to_dev(x_np, fw, env), to_dev(s_np, fw, env))
-    else:
-        x_np, s_np = bf16(rng, (n, hidden)), None
-        x_dev = to_dev(x_np, fw, env)
+    x_np, s_np, x_dev = _inputs(env, fw, rng, n, hidden, fp8, column_major)
     cfg = _cfg(env, recv)
     worst_rows = worst * n * size if worst else 0
     rows_guess = max(worst_rows, n * size)
@@ -201,12 +205,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         assert counts == []
 
     if cached:
-        if fp8:
-            x2_np, s2_np = _fp8(rng, n, hidden, column_major)
-            x2_dev = (to_dev(x2_np, fw, env), to_dev(s2_np, fw, env))
-        else:
-            x2_np, s2_np = bf16(rng, (n, hidden)), None
-            x2_dev = to_dev(x2_np, fw, env)
+        x2_np, s2_np, x2_dev = _inputs(env, fw, rng, n, hidden, fp8, column_major)
         c_recv, c_idx, c_w, c_counts, c_handle, _ = buf.dispatch(x2_dev, handle=handle, config=cfg)
         assert c_idx is None and c_w is None and c_counts is None
         c_refs = ref.dispatch(x2_np, s2_np, handle=refs[5], num_tokens_per_rank=None, is_token_in_rank=None,
