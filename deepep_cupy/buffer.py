@@ -10,16 +10,16 @@ from __future__ import annotations
 import os
 import socket
 
+from . import buffer_checks as checks
 from . import validate as check
 from .config import Config, low_latency_rdma_size_hint
 from .event import EventOverlap
-from .interop import BF16, FP8, shape_of
-from .interop import BOOL as _BOOL
-from .interop import F32 as _F32
 from .interop import I32 as _I32
 from .interop import I64 as _I64
+from .interop import shape_of
 from .runtime.device import gpu_count
 from .runtime.group import make_group
+from .tensors import meta
 
 __all__ = ["Buffer"]
 
@@ -33,6 +33,44 @@ _DISPATCH_CONFIGS = {2: (4, 256, 6, 128), 4: (4, 256, 6, 128), 8: (4, 256, 6, 12
 _COMBINE_CONFIGS = {2: (1, 256, 6, 128), 4: (1, 256, 6, 128), 8: (1, 256, 6, 128), 16: (4, 288, 12, 128),
                     24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 8, 128),
                     128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+
+def _lookup(plans: dict, key):
+    """The plan for ``key``, or None (also for a key that cannot be hashed: the argument checks of a new
+    plan then name the argument that made it so)."""
+    try:
+        return plans.get(key)
+    except TypeError:
+        return None
+
+
+def _store(plans: dict, key, plan):
+    try:
+        plans[key] = plan
+    except TypeError:
+        pass
+    return plan
+
+
+def _handle_meta(handle):
+    if handle is None:
+        return None
+    if type(handle) is not tuple or len(handle) != 6:
+        return ("bad handle", id(handle))
+    return tuple(meta(h) for h in handle)
+
+
+def _ll_handle_meta(handle):
+    if type(handle) is not tuple or len(handle) != 5:
+        return ("bad handle", id(handle))
+    return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
+
+
+def _config_key(config) -> tuple | None:
+    if type(config) is not Config:
+        return ("other", id(config))
+    return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
 
 
 def _pick_config(table: dict, num_ranks: int) -> Config:
@@ -108,6 +146,15 @@ class Buffer:
         self.num_nvl_ranks = self._nvl_domain_size(num_nvl_ranks)
         self.backend = _choose_backend(backend)
         self._destroyed = False
+        # Plans per op, keyed by the metadata of the tensors and the flags of a call (see ``_lookup``).
+        self._layout_plans: dict = {}
+        self._dispatch_plans: dict = {}
+        self._combine_plans: dict = {}
+        self._ll_dispatch_plans: dict = {}
+        self._ll_combine_plans: dict = {}
+        self._default_configs: dict = {}
+        # Expert-id values are checked on the host only by the reference backend; GPU kernels check them.
+        self._host_values = self.backend == "reference" and check.values_enabled()
         if self.backend == "reference":
             from .reference_runtime import ReferenceRuntime
 
@@ -199,11 +246,14 @@ class Buffer:
         return self.group_size // self.num_nvl_ranks
 
     def _num_experts_ok(self, num_experts) -> int:
-        num_experts = check.positive_int("num_experts", num_experts)
-        if num_experts % self.group_size != 0:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
-                             f"({self.group_size})")
-        return num_experts
+        return checks.num_experts_ok(num_experts, self.group_size)
+
+    def _default_config(self, table: dict) -> Config:
+        key = (id(table), Buffer.num_sms)
+        config = self._default_configs.get(key)
+        if config is None:
+            config = self._default_configs[key] = _pick_config(table, self.group_size)
+        return config
 
     def get_comm_stream(self):
         """The communication stream (torch stream for torch groups, CuPy stream otherwise); None on the reference backend."""
@@ -241,29 +291,19 @@ class Buffer:
             is_token_in_rank: `[num_tokens, num_ranks]` bool, whether a token goes to a rank.
             event: an ``EventOverlap`` (meaningful with ``async_finish``).
         """
-        self._alive()
-        num_experts = self._num_experts_ok(num_experts)
-        check.tensor("topk_idx", topk_idx, dtype=_I64, ndim=2)
-        check.topk_values("topk_idx", topk_idx, num_experts)
-        return self.runtime.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event,
-                                                async_finish=async_finish,
-                                                allocate_on_comm_stream=allocate_on_comm_stream)
-
-    def _check_x(self, x):
-        """Split BF16 ``x`` or the FP8 tuple ``(x_e4m3, scales)``; return (x, scales, num_tokens, hidden)."""
-        if isinstance(x, (tuple, list)):
-            if len(x) != 2:
-                raise ValueError("an FP8 x must be a tuple (x_e4m3 [N, H], scales [N, H/128])")
-            data, scales = x
-            n, h = check.tensor("x[0]", data, dtype=FP8, ndim=2)
-            if h % 128 != 0:
-                raise ValueError(f"FP8 hidden size must be a multiple of 128, got {h}")
-            check.tensor("x[1]", scales, dtype=_F32, shape=(n, h // 128), contiguous=False)
-            return data, scales, n, h
-        n, h = check.tensor("x", x, dtype=BF16, ndim=2)
-        if h % 8 != 0:
-            raise ValueError(f"BF16 hidden size must be a multiple of 8, got {h}")
-        return x, None, n, h
+        if self._destroyed:
+            self._alive()
+        key = (meta(topk_idx), num_experts, async_finish, allocate_on_comm_stream)
+        plan = _lookup(self._layout_plans, key)
+        if plan is None:
+            num_experts = checks.num_experts_ok(num_experts, self.group_size)
+            check.tensor("topk_idx", topk_idx, dtype=_I64, ndim=2)
+            plan = self.runtime.plan_layout(topk_idx, num_experts, async_finish=bool(async_finish),
+                                            allocate_on_comm_stream=bool(allocate_on_comm_stream))
+            _store(self._layout_plans, key, plan)
+        if self._host_values:
+            check.topk_values("topk_idx", topk_idx, num_experts)
+        return plan.run(topk_idx, previous_event)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -297,8 +337,10 @@ class Buffer:
                 prefix matrix (entry [i][r]: tokens rank r receives from ranks 0..i).
             event: an ``EventOverlap``.
         """
-        self._alive()
-        config = self.get_dispatch_config(self.group_size) if config is None else config
+        if self._destroyed:
+            self._alive()
+        if config is None:
+            config = self._default_config(_DISPATCH_CONFIGS)
         if self._num_rdma_ranks > 1:
             return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
@@ -311,38 +353,36 @@ class Buffer:
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream):
-        data, scales, n, hidden = self._check_x(x)
-        expert_alignment = check.positive_int("expert_alignment", expert_alignment)
-        num_worst_tokens = check.nonneg_int("num_worst_tokens", num_worst_tokens)
-        if not isinstance(config, Config):
-            raise TypeError(f"config must be a deepep_cupy.Config, got {type(config).__name__}")
-        r = self.group_size
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
-            check.handle(handle, 6, "dispatch")
-            check.tensor("handle[4] (is_token_in_rank)", handle[4], dtype=_BOOL, shape=(n, r))
-        else:
-            check.tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=_I32, shape=(r,))
-            check.tensor("is_token_in_rank", is_token_in_rank, dtype=_BOOL, shape=(n, r))
-            if num_tokens_per_expert is None:
-                raise ValueError("num_tokens_per_expert is required (from get_dispatch_layout)")
-            (e,) = check.tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=_I32, ndim=1)
-            self._num_experts_ok(e)
-            if (topk_idx is None) != (topk_weights is None):
-                raise ValueError("topk_idx and topk_weights must be given together")
-            if topk_idx is not None:
-                _, k = check.tensor("topk_idx", topk_idx, dtype=_I64, ndim=2)
-                if shape_of(topk_idx)[0] != n:
-                    raise ValueError(f"topk_idx must have {n} rows like x, got {shape_of(topk_idx)[0]}")
-                check.tensor("topk_weights", topk_weights, dtype=_F32, shape=(n, k))
-                check.topk_values("topk_idx", topk_idx, e)
-        return self.runtime.dispatch(
-            data, scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
-            is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
-            topk_weights=topk_weights, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            config=config, previous_event=previous_event, async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream)
+        scales = None
+        if type(x) is tuple:
+            x, scales = x
+        key = (meta(x), meta(scales), _handle_meta(handle), meta(num_tokens_per_rank), meta(is_token_in_rank),
+               meta(num_tokens_per_expert), meta(topk_idx), meta(topk_weights), expert_alignment, num_worst_tokens,
+               _config_key(config), async_finish, allocate_on_comm_stream)
+        plan = _lookup(self._dispatch_plans, key)
+        if plan is None:
+            plan = self._new_dispatch_plan(key, x if scales is None else (x, scales), handle, num_tokens_per_rank,
+                                           is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                           expert_alignment, num_worst_tokens, config, async_finish,
+                                           allocate_on_comm_stream)
+        if self._host_values and topk_idx is not None:
+            check.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0])
+        return plan.run(x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                        topk_weights, previous_event)
+
+    def _new_dispatch_plan(self, key, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                           topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, async_finish,
+                           allocate_on_comm_stream):
+        checks.dispatch_args(self.group_size, x, handle, num_tokens_per_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config)
+        data, scales = (x if isinstance(x, (tuple, list)) else (x, None))
+        plan = self.runtime.plan_dispatch(
+            data, scales, handle=handle, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+            topk_weights=topk_weights, expert_alignment=int(expert_alignment),
+            num_worst_tokens=int(num_worst_tokens), config=config, async_finish=bool(async_finish),
+            allocate_on_comm_stream=bool(allocate_on_comm_stream))
+        return _store(self._dispatch_plans, key, plan)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
@@ -361,8 +401,10 @@ class Buffer:
             combined_topk_weights: `[num_tokens, num_topk]` float32 sums, or None.
             event: an ``EventOverlap``.
         """
-        self._alive()
-        config = self.get_combine_config(self.group_size) if config is None else config
+        if self._destroyed:
+            self._alive()
+        if config is None:
+            config = self._default_config(_COMBINE_CONFIGS)
         if self._num_rdma_ranks > 1:
             return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
@@ -371,28 +413,19 @@ class Buffer:
 
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
-        check.handle(handle, 6, "dispatch")
-        m, hidden = check.tensor("x", x, dtype=BF16, ndim=2)
-        if hidden % 8 != 0:
-            raise ValueError(f"BF16 hidden size must be a multiple of 8, got {hidden}")
-        if not isinstance(config, Config):
-            raise TypeError(f"config must be a deepep_cupy.Config, got {type(config).__name__}")
-        num_recv = shape_of(handle[3])[0]
-        if m < num_recv:
-            raise ValueError(f"x has {m} rows but the handle describes {num_recv} received tokens")
-        if topk_weights is not None:
-            check.tensor("topk_weights", topk_weights, dtype=_F32, ndim=2)
-            if shape_of(topk_weights)[0] != m:
-                raise ValueError(f"topk_weights must have {m} rows like x, got {shape_of(topk_weights)[0]}")
-        n = shape_of(handle[4])[0]
-        bias_0, bias_1 = (bias if isinstance(bias, (tuple, list)) else (bias, None))
-        if isinstance(bias, (tuple, list)) and len(bias) != 2:
-            raise ValueError("bias must be one tensor or a tuple of two")
-        check.optional_tensor("bias[0]", bias_0, dtype=BF16, shape=(n, hidden))
-        check.optional_tensor("bias[1]", bias_1, dtype=BF16, shape=(n, hidden))
-        return self.runtime.combine(x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
-                                    config=config, previous_event=previous_event, async_finish=async_finish,
-                                    allocate_on_comm_stream=allocate_on_comm_stream)
+        if type(bias) is tuple or type(bias) is list:
+            bias_0, bias_1 = checks.split_bias(bias)
+        else:
+            bias_0, bias_1 = bias, None
+        key = (meta(x), _handle_meta(handle), meta(topk_weights), meta(bias_0), meta(bias_1), _config_key(config),
+               async_finish, allocate_on_comm_stream)
+        plan = _lookup(self._combine_plans, key)
+        if plan is None:
+            checks.combine_args(self.group_size, x, handle, topk_weights, bias, config)
+            plan = _store(self._combine_plans, key, self.runtime.plan_combine(
+                x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
+                async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))
+        return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -475,48 +508,26 @@ class Buffer:
             event: an ``EventOverlap``.
             hook: receive function with ``return_recv_hook``, else None.
         """
-        self._alive()
-        self._ll_required("low_latency_dispatch")
-        t = check.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
-        num_experts = self._num_experts_ok(num_experts)
-        n, hidden = check.tensor("x", x, dtype=BF16, ndim=2)
-        if n > t:
-            raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}")
-        if hidden % (128 if use_fp8 else 8) != 0:
-            raise ValueError(f"hidden must be a multiple of {128 if use_fp8 else 8}, got {hidden}")
-        if use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0 requires round_scale=True")
-        if use_ue8m0 and hidden % 512 != 0:
-            raise ValueError(f"use_ue8m0 needs hidden to be a multiple of 512, got {hidden}")
-        check.tensor("topk_idx", topk_idx, dtype=_I64, shape=(n, None))
-        check.topk_values("topk_idx", topk_idx, num_experts)
-        e_local = num_experts // self.group_size
-        check.optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                              dtype=_I32, shape=(e_local,))
-        self._check_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
-        self._check_ll_size(t, hidden, num_experts)
-        return self.runtime.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank=t, num_experts=num_experts,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_fp8=bool(use_fp8),
-            round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0), async_finish=async_finish,
-            return_recv_hook=bool(return_recv_hook))
-
-    def _check_wait_stats(self, name, stats) -> None:
-        if stats is None:
-            return
-        s = check.tensor(name, stats, dtype=_I64)
-        r = self.group_size
-        if s not in ((r,), (r, r)):
-            raise ValueError(f"{name} must have shape [{r}] or [{r}, {r}], got {list(s)}")
-
-    def _check_ll_size(self, t: int, hidden: int, num_experts: int) -> None:
-        if self.backend != "cuda":
-            return
-        need = low_latency_rdma_size_hint(t, hidden, self.group_size, num_experts)
-        if self.num_rdma_bytes < need:
-            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for T={t}, hidden={hidden}, "
-                             f"{num_experts} experts: need {need} (Buffer.get_low_latency_rdma_size_hint)")
+        if self._destroyed:
+            self._alive()
+        key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
+               meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8, round_scale,
+               use_ue8m0, async_finish, return_recv_hook)
+        plan = _lookup(self._ll_dispatch_plans, key)
+        if plan is None:
+            self._ll_required("low_latency_dispatch")
+            checks.ll_dispatch_args(self.group_size, self.num_rdma_bytes if self.backend == "cuda" else None, x,
+                                    topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                    round_scale, use_ue8m0)
+            plan = _store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                num_experts=int(num_experts), dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+                use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
+                async_finish=bool(async_finish), return_recv_hook=bool(return_recv_hook)))
+        if self._host_values:
+            check.topk_values("topk_idx", topk_idx, num_experts)
+        return plan.run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -539,21 +550,22 @@ class Buffer:
             event: an ``EventOverlap``.
             hook: receive function with ``return_recv_hook``, else None.
         """
-        self._alive()
-        self._ll_required("low_latency_combine")
-        check.handle(handle, 5, "low_latency_dispatch")
-        t, hidden, num_experts = int(handle[2]), int(handle[3]), int(handle[4])
-        e_local = num_experts // self.group_size
-        check.tensor("x", x, dtype=BF16, shape=(e_local, self.group_size * t, hidden))
-        n, k = check.tensor("topk_idx", topk_idx, dtype=_I64, ndim=2)
-        check.tensor("topk_weights", topk_weights, dtype=_F32, shape=(n, k))
-        check.topk_values("topk_idx", topk_idx, num_experts)
-        check.optional_tensor("out", out, dtype=BF16, shape=(n, hidden))
-        self._check_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
-        return self.runtime.low_latency_combine(
-            x, topk_idx, topk_weights, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
-            async_finish=async_finish, return_recv_hook=bool(return_recv_hook), out=out,
-            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        if self._destroyed:
+            self._alive()
+        key = (meta(x), meta(topk_idx), meta(topk_weights), _ll_handle_meta(handle), use_logfmt, zero_copy,
+               async_finish, return_recv_hook, meta(out), meta(combine_wait_recv_cost_stats))
+        plan = _lookup(self._ll_combine_plans, key)
+        if plan is None:
+            self._ll_required("low_latency_combine")
+            checks.ll_combine_args(self.group_size, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                                   combine_wait_recv_cost_stats)
+            plan = _store(self._ll_combine_plans, key, self.runtime.plan_low_latency_combine(
+                x, topk_idx, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
+                return_recv_hook=bool(return_recv_hook)))
+        if self._host_values:
+            check.topk_values("topk_idx", topk_idx, int(handle[4]))
+        return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The buffer the next ``low_latency_combine(..., zero_copy=True)`` sends from:

@@ -1,49 +1,19 @@
-"""Runs Buffer operations on the GPU: converts arrays to CuPy views, arranges streams and events, and
-calls the kernel launchers (``ops``) and engines that own the shared buffers."""
+"""Runs Buffer operations on the GPU: makes the launch plans of each op for the caller's framework, and
+owns the engines (NVLink buffer, NVSHMEM buffer) and the communication stream they share.
+
+``Buffer`` asks for a plan once per (op, shapes, dtypes, flags, framework) and then only calls
+``plan.run``; everything here besides ``run`` is off the hot path.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-
-from .event import EventOverlap
-from .interop import BF16, FP8, TensorKind, from_cupy, kind_of, logical_dtype, to_cupy, to_storage_dtype
-from .interop import BOOL as _BOOL
-from .interop import F32 as _F32
-from .interop import I32 as _I32
-from .interop import I64 as _I64
 from .runtime.device import current_device_id
-from .runtime.streams import OpStreams, current_stream
+from .runtime.group import check_agreement
+from .runtime.kernel_errors import timeout_seconds
+from .runtime.streams import current_stream_ptr
+from .tensors import frame_for
 
 __all__ = ["CudaRuntime"]
-
-
-def _dev(obj):
-    return None if obj is None else to_cupy(obj)
-
-
-def _handle_to_device(handle):
-    return None if handle is None else tuple(to_cupy(h) if hasattr(h, "shape") else h for h in handle)
-
-
-def _handle_to_caller(handle, like: TensorKind):
-    out = []
-    for h in handle:
-        if hasattr(h, "shape") and hasattr(h, "dtype"):
-            out.append(from_cupy(h, np.dtype(h.dtype), like))
-        else:
-            out.append(h)
-    return tuple(out)
-
-
-class _OnCallerStream:
-    """Stream choreography of a low-latency op without ``async_finish``: it runs on the caller's stream,
-    so there is nothing to wait for afterwards (the ``OpStreams`` interface, trivially)."""
-
-    def __init__(self, stream) -> None:
-        self.comm = stream
-
-    def finish(self) -> None:
-        return None
 
 
 class CudaRuntime:
@@ -62,6 +32,8 @@ class CudaRuntime:
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self.intranode = None
         self.low_latency = None
+        self._layout_errors = None
+        self._agreed: set = set()
         try:
             if num_nvl_bytes > 0:
                 from .ops.intranode import IntranodeEngine
@@ -90,9 +62,41 @@ class CudaRuntime:
             raise RuntimeError(f"this Buffer has no {name} buffer: create it with {need}")
         return engine
 
-    def _streams(self, like: TensorKind, previous_event, async_finish, allocate_on_comm_stream) -> OpStreams:
-        return OpStreams(self.comm_stream, like.framework, self.device_id, previous_event, async_finish,
-                         allocate_on_comm_stream)
+    def frame(self, obj):
+        """The framework adapter for a caller's tensor (torch or CuPy on this device)."""
+        mod = type(obj).__module__
+        if mod.startswith("torch"):
+            device = obj.get_device()
+            if device != self.device_id:
+                raise ValueError(f"tensors must be on cuda:{self.device_id} (this Buffer's device), got "
+                                 f"{'the CPU' if device < 0 else f'cuda:{device}'}")
+            return frame_for("torch", self.device_id)
+        if mod.startswith("cupy"):
+            if obj.data.device_id != self.device_id:
+                raise ValueError(f"arrays must be on device {self.device_id} (this Buffer's device), got "
+                                 f"{obj.data.device_id}")
+            return frame_for("cupy", self.device_id)
+        raise TypeError(f"expected a torch tensor or CuPy array, got {type(obj).__name__}")
+
+    def agree(self, op: str, **fields) -> None:
+        """Collective check that every rank passes the same ``fields`` to ``op``, once per distinct set of
+        values. Plans also depend on per-rank sizes (token counts), so a new plan is not always new on every
+        rank; these fields must be equal everywhere, so ranks that agree see the same new sets in the same
+        order, and only ranks that disagree end up in the check alone (named error or bounded timeout)."""
+        key = (op, tuple(fields.items()))
+        if key in self._agreed:
+            return
+        check_agreement(self.group, op, fields, timeout_seconds())
+        self._agreed.add(key)
+
+    @property
+    def layout_errors(self):
+        """The error record of the layout kernels (made at first use)."""
+        if self._layout_errors is None:
+            from .runtime.kernel_errors import KernelErrorRecord
+
+            self._layout_errors = KernelErrorRecord()
+        return self._layout_errors
 
     def get_comm_stream(self, torch_stream: bool):
         if torch_stream:
@@ -102,7 +106,7 @@ class CudaRuntime:
         return self.comm_stream
 
     def local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer):
-        import cupy
+        import numpy as np
 
         engine = self._engine("low_latency" if use_rdma_buffer else "intranode")
         ptr, nbytes = engine.local_buffer_view()
@@ -117,128 +121,101 @@ class CudaRuntime:
         numel = count if size is None else int(np.prod(tuple(size)))
         if count < 0 or numel > count:
             raise ValueError(f"{numel} elements at offset {offset} do not fit the {nbytes}-byte buffer")
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, self)
-        raw = cupy.ndarray((numel * itemsize,), cupy.uint8, cupy.cuda.MemoryPointer(mem, offset * itemsize))
         shape = (numel,) if size is None else tuple(size)
+        start = ptr + offset * itemsize
         if is_torch:
-            import torch
+            raw = frame_for("torch", self.device_id).wrap(start, (numel * itemsize,), np.dtype(np.uint8), owner=engine)
+            return raw.view(dtype).view(shape)
+        import cupy
 
-            return torch.from_dlpack(raw).view(dtype).view(shape)
-        return from_cupy(raw.view(to_storage_dtype(dtype)), np.dtype(dtype), TensorKind("cupy", self.device_id)).reshape(shape)
+        mem = cupy.cuda.UnownedMemory(start, numel * itemsize, engine, self.device_id)
+        return cupy.ndarray(shape, np.dtype(dtype), cupy.cuda.MemoryPointer(mem, 0))
 
-    # ------------------------------------------------------------------ high-throughput ops
-    def get_dispatch_layout(self, topk_idx, num_experts, *, previous_event, async_finish, allocate_on_comm_stream):
-        from .ops.layout import get_dispatch_layout
+    # ------------------------------------------------------------------ plans: high-throughput ops
+    def plan_layout(self, topk_idx, num_experts, *, async_finish, allocate_on_comm_stream):
+        from .ops.layout import LayoutPlan
 
-        like = kind_of(topk_idx)
-        streams = self._streams(like, previous_event, async_finish, allocate_on_comm_stream)
-        with streams.alloc:
-            outs = get_dispatch_layout(to_cupy(topk_idx), num_experts, self.num_ranks, self.num_nvl_ranks,
-                                       stream=streams.comm)
-        event = streams.finish()
-        per_rank, per_rdma, per_expert, in_rank = outs
-        return (from_cupy(per_rank, _I32, like), from_cupy(per_rdma, _I32, like),
-                from_cupy(per_expert, _I32, like), from_cupy(in_rank, _BOOL, like), EventOverlap(event))
+        return LayoutPlan(self.frame(topk_idx), num_tokens=int(topk_idx.shape[0]), num_topk=int(topk_idx.shape[1]),
+                          num_experts=num_experts, num_ranks=self.num_ranks, num_nvl_ranks=self.num_nvl_ranks,
+                          rank=self.rank, errors=self.layout_errors, comm_stream=self.comm_stream.ptr,
+                          async_finish=async_finish)
 
-    def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                 topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-                 async_finish, allocate_on_comm_stream):
+    def plan_dispatch(self, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
+                      expert_alignment, num_worst_tokens, config, async_finish, allocate_on_comm_stream):
+        from .ops.intranode_plans import DispatchPlan
+
         engine = self._engine("intranode")
-        like = kind_of(x)
-        x_dtype = logical_dtype(x)
-        streams = self._streams(like, previous_event, async_finish, allocate_on_comm_stream)
-        with streams.alloc:
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, new_handle = engine.dispatch(
-                to_cupy(x), _dev(x_scales), handle=_handle_to_device(handle),
-                num_tokens_per_rank=_dev(num_tokens_per_rank), is_token_in_rank=_dev(is_token_in_rank),
-                num_tokens_per_expert=_dev(num_tokens_per_expert), topk_idx=_dev(topk_idx),
-                topk_weights=_dev(topk_weights), expert_alignment=expert_alignment,
-                num_worst_tokens=num_worst_tokens, config=config, stream=streams.comm)
-        event = EventOverlap(streams.finish())
-        recv = from_cupy(recv_x, x_dtype, like)
-        if x_scales is not None:
-            recv = (recv, from_cupy(recv_scales, _F32, like))
-        if handle is not None:
-            return recv, None, None, None, None, event
-        return (recv, from_cupy(recv_topk_idx, _I64, like), from_cupy(recv_topk_weights, _F32, like),
-                counts, _handle_to_caller(new_handle, like), event)
+        plan = DispatchPlan(engine, self.frame(x), x, x_scales, handle=handle,
+                            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                            topk_weights=topk_weights, expert_alignment=expert_alignment,
+                            num_worst_tokens=num_worst_tokens, config=config, comm_stream=self.comm_stream.ptr,
+                            async_finish=async_finish)
+        self.agree("dispatch", hidden_bytes=plan.hidden_bytes, num_scales=plan.num_scales, num_topk=plan.num_topk,
+                   num_channels=plan.num_channels, ring_capacity=plan.cap, cached=handle is not None)
+        return plan
 
-    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, previous_event, async_finish,
-                allocate_on_comm_stream):
+    def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, async_finish,
+                     allocate_on_comm_stream):
+        from .ops.intranode_plans import CombinePlan
+
         engine = self._engine("intranode")
-        like = kind_of(x)
-        streams = self._streams(like, previous_event, async_finish, allocate_on_comm_stream)
-        with streams.alloc:
-            combined, weights = engine.combine(to_cupy(x), _handle_to_device(handle), topk_weights=_dev(topk_weights),
-                                               bias_0=_dev(bias_0), bias_1=_dev(bias_1), config=config,
-                                               stream=streams.comm)
-        event = EventOverlap(streams.finish())
-        return from_cupy(combined, logical_dtype(x), like), from_cupy(weights, _F32, like), event
+        plan = CombinePlan(engine, self.frame(x), x, handle, topk_weights=topk_weights, bias_0=bias_0,
+                           bias_1=bias_1, config=config, comm_stream=self.comm_stream.ptr, async_finish=async_finish)
+        self.agree("combine", hidden=int(x.shape[1]), num_topk=plan.num_topk, num_channels=plan.num_channels,
+                   ring_capacity=plan.cap)
+        return plan
 
-    # ------------------------------------------------------------------ low-latency ops
-    def _ll_streams(self, like, async_finish):
-        """Low-latency kernels run on the caller's stream, or on the comm stream with ``async_finish``."""
-        if async_finish:
-            return self._streams(like, None, True, False)
-        return _OnCallerStream(current_stream(like.framework, self.device_id))
+    # ------------------------------------------------------------------ plans: low-latency ops
+    def plan_low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
+                                  dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+                                  return_recv_hook):
+        from .ops.low_latency_plans import DispatchPlan
 
-    def low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
-                             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                             round_scale, use_ue8m0, async_finish, return_recv_hook):
         engine = self._engine("low_latency")
-        like = kind_of(x)
-        streams = self._ll_streams(like, async_finish)
-        stream = streams.comm
-        with stream:
-            recv_x, recv_scales, recv_count, handle, hook = engine.dispatch(
-                to_cupy(x), to_cupy(topk_idx), num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                cumulative_local_expert_recv_stats=_dev(cumulative_local_expert_recv_stats),
-                dispatch_wait_recv_cost_stats=self._wait_row(dispatch_wait_recv_cost_stats),
-                return_recv_hook=return_recv_hook, stream=stream)
-        event = EventOverlap(streams.finish())
-        if use_fp8:
-            scale_dtype = _I32 if use_ue8m0 else _F32
-            recv = (from_cupy(recv_x, FP8, like), from_cupy(recv_scales, scale_dtype, like))
-        else:
-            recv = from_cupy(recv_x, logical_dtype(x), like)
-        return recv, from_cupy(recv_count, _I32, like), _handle_to_caller(handle, like), event, hook
+        hidden = int(x.shape[1])
+        layout = engine.make_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.agree("low_latency_dispatch", num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                   hidden=hidden, num_experts=num_experts, use_fp8=use_fp8)
+        wait_row = dispatch_wait_recv_cost_stats is not None and dispatch_wait_recv_cost_stats.ndim == 2
+        return DispatchPlan(engine, self.frame(x), layout, num_tokens=int(x.shape[0]), topk=int(topk_idx.shape[1]),
+                            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                            return_recv_hook=return_recv_hook, wait_stats_row=int(wait_row),
+                            async_finish=async_finish, comm_stream=self.comm_stream.ptr)
 
-    def _wait_row(self, stats):
-        if stats is None:
-            return None
-        arr = to_cupy(stats)
-        return arr[self.rank] if arr.ndim == 2 else arr
+    def plan_low_latency_combine(self, x, topk_idx, handle, *, use_logfmt, zero_copy, combine_wait_recv_cost_stats,
+                                 async_finish, return_recv_hook):
+        from .ops.low_latency_plans import CombinePlan
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, use_logfmt, zero_copy, async_finish,
-                            return_recv_hook, out, combine_wait_recv_cost_stats):
         engine = self._engine("low_latency")
-        like = kind_of(x)
-        streams = self._ll_streams(like, async_finish)
-        stream = streams.comm
-        with stream:
-            combined, hook = engine.combine(
-                to_cupy(x), to_cupy(topk_idx), to_cupy(topk_weights), _handle_to_device(handle),
-                use_logfmt=use_logfmt, zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=_dev(out),
-                combine_wait_recv_cost_stats=self._wait_row(combine_wait_recv_cost_stats), stream=stream)
-        event = EventOverlap(streams.finish())
-        result = out if out is not None else from_cupy(combined, logical_dtype(x), like)
-        return result, event, hook
+        t_max, hidden, num_experts = int(handle[2]), int(handle[3]), int(handle[4])
+        layout = engine.make_layout(t_max, hidden, num_experts)
+        self.agree("low_latency_combine", num_max_dispatch_tokens_per_rank=t_max, hidden=hidden,
+                   num_experts=num_experts, use_logfmt=use_logfmt)
+        stats = combine_wait_recv_cost_stats
+        wait_row = stats is not None and stats.ndim == 2
+        return CombinePlan(engine, self.frame(topk_idx), layout, num_tokens=int(topk_idx.shape[0]),
+                           topk=int(topk_idx.shape[1]), use_logfmt=use_logfmt, zero_copy=zero_copy,
+                           return_recv_hook=return_recv_hook, wait_stats_row=int(wait_row),
+                           async_finish=async_finish, comm_stream=self.comm_stream.ptr)
 
     def get_next_low_latency_combine_buffer(self, handle):
         engine = self._engine("low_latency")
-        like = kind_of(handle[0])
-        return from_cupy(engine.get_next_combine_buffer(_handle_to_device(handle)), BF16, like)
+        layout = engine.make_layout(int(handle[2]), int(handle[3]), int(handle[4]))
+        return engine.combine_buffer_view(self.frame(handle[0]), layout, engine.peek_next_buffer())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        import cupy
+
         engine = self._engine("low_latency")
-        engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                     stream=current_stream(None, self.device_id))
+        stream = cupy.cuda.ExternalStream(current_stream_ptr(None, self.device_id), self.device_id)
+        engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=stream)
 
     def low_latency_update_mask_buffer(self, rank, mask):
         self._engine("low_latency").update_mask(rank, mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
+        from .interop import to_cupy
+
         self._engine("low_latency").query_mask(to_cupy(mask_status))
 
     def low_latency_clean_mask_buffer(self):
@@ -255,4 +232,3 @@ class CudaRuntime:
             if engine is not None:
                 setattr(self, name, None)
                 engine.destroy()
-

@@ -24,6 +24,16 @@ def _handle_from_numpy(handle, like):
     return tuple(from_numpy(h, like) if isinstance(h, np.ndarray) else h for h in handle)
 
 
+class _Plan:
+    """A reference-backend "plan": the op with the flags of the plan's key bound; every call does the
+    whole op (there is nothing to precompute on the host backend)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+
 class ReferenceRuntime:
     """The ``Buffer.runtime`` used when there is no GPU or the reference backend is forced."""
 
@@ -43,6 +53,46 @@ class ReferenceRuntime:
     def local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer):
         raise RuntimeError("get_local_buffer_tensor needs the GPU backend (the reference backend has no raw buffer)")
 
+    # ------------------------------------------------------------------ plans (the Buffer's entry points)
+    def plan_layout(self, topk_idx, num_experts, **_stream_args):
+        return _Plan(lambda topk_idx, previous_event=None: self.get_dispatch_layout(topk_idx, num_experts))
+
+    def plan_dispatch(self, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                      num_worst_tokens, config, **_stream_args):
+        def run(x, x_scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                topk_weights, previous_event=None):
+            return self.dispatch(x, x_scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
+                                 is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+                                 topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
+                                 num_worst_tokens=num_worst_tokens, config=config)
+        return _Plan(run)
+
+    def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
+        def run(x, handle, topk_weights, bias_0, bias_1, previous_event=None):
+            return self.combine(x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config)
+        return _Plan(run)
+
+    def plan_low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                  round_scale, use_ue8m0, async_finish, return_recv_hook, **_unused):
+        def run(x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
+            return self.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                num_experts=num_experts, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_fp8=use_fp8,
+                round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+                return_recv_hook=return_recv_hook)
+        return _Plan(run)
+
+    def plan_low_latency_combine(self, x, topk_idx, handle, *, use_logfmt, zero_copy, async_finish, return_recv_hook,
+                                 **_unused):
+        def run(x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
+            return self.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt=use_logfmt,
+                                            zero_copy=zero_copy, async_finish=async_finish,
+                                            return_recv_hook=return_recv_hook, out=out,
+                                            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        return _Plan(run)
+
+    # ------------------------------------------------------------------ ops
     def get_dispatch_layout(self, topk_idx, num_experts, **_stream_args):
         like = kind_of(topk_idx)
         outs = self.backend.get_dispatch_layout(to_numpy(topk_idx), num_experts)

@@ -31,6 +31,7 @@ from ..errors import DeepEPError
 from ..jit import BuildSpec, load
 from ..runtime.kernel_errors import timeout_seconds
 from . import intranode_layout as L
+from . import kernel_names
 
 __all__ = [
     "IntranodeEngine",
@@ -79,16 +80,9 @@ _I32, _I64, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.fl
 
 
 # ---------------------------------------------------------------------------------------------------- builds
-def _notify_name(num_ranks: int) -> str:
-    return f"deepep_intranode::notify_dispatch_kernel<{num_ranks}>"
-
-
-def _dispatch_name(num_ranks: int, warps: int, unroll: int) -> str:
-    return f"deepep_intranode::dispatch_kernel<{num_ranks}, {warps}, {unroll}>"
-
-
-def _combine_name(num_ranks: int, warps: int, unroll: int) -> str:
-    return f"deepep_intranode::combine_kernel<{num_ranks}, {warps}, {unroll}>"
+_notify_name = kernel_names.intranode_notify
+_dispatch_name = kernel_names.intranode_dispatch
+_combine_name = kernel_names.intranode_combine
 
 
 @functools.cache
@@ -261,38 +255,6 @@ def publish_batch(send_tokens: int, cap: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def _require_array(name, arr, *, dtype=None, ndim=None, shape=None, contiguous=True):
-    import cupy
-
-    if not isinstance(arr, cupy.ndarray):
-        raise TypeError(f"{name} must be a cupy.ndarray, got {type(arr).__name__}")
-    if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {arr.dtype}")
-    if ndim is not None and arr.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if shape is not None and tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
-    if contiguous and not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-    return arr
-
-
-def _scale_strides(x_scales, num_tokens: int) -> tuple[int, int, int]:
-    """``(num_scales, token stride, block stride)`` in elements, from the array's real strides."""
-    if x_scales.ndim not in (1, 2):
-        raise ValueError(f"x_scales must be 1-D or 2-D, got shape {x_scales.shape}")
-    if x_scales.dtype.itemsize != 4:
-        raise TypeError(f"x_scales must hold 4-byte elements (float32 or packed int32), got {x_scales.dtype}")
-    if x_scales.shape[0] != num_tokens:
-        raise ValueError(f"x_scales has {x_scales.shape[0]} rows, x has {num_tokens}")
-    strides = [s // 4 for s in x_scales.strides]
-    if any(s % 4 for s in x_scales.strides):
-        raise ValueError("x_scales strides must be multiples of 4 bytes")
-    if x_scales.ndim == 1:
-        return 1, strides[0], 0
-    return int(x_scales.shape[1]), strides[0], strides[1]
-
-
 def required_bytes(layout: L.BufferLayout, notify_end: int = 0) -> int:
     return max(layout.end, notify_end)
 
@@ -485,206 +447,6 @@ class IntranodeEngine:
 
     def _kernel(self, spec: BuildSpec, name: str):
         return load(spec).get_function(name)
-
-    # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                 topk_idx, topk_weights, expert_alignment: int, num_worst_tokens: int, config, stream):
-        """Send every token to the ranks of ``is_token_in_rank`` (see the class docstring for the handle).
-
-        Returns ``(recv_x, recv_x_scales or None, recv_topk_idx or None, recv_topk_weights or None,
-        num_recv_tokens_per_expert_list, handle)``. The list is ``[]`` with ``num_worst_tokens > 0`` and None in
-        cached mode (``handle`` given), where the given handle is returned. Only the non-cached path without
-        ``num_worst_tokens`` synchronises the host (to size the outputs).
-        """
-        import cupy
-
-        self._check_usable()
-        R, me = self.num_ranks, self.rank
-        _require_array("x", x, ndim=2)
-        num_tokens, hidden = (int(s) for s in x.shape)
-        hidden_bytes = hidden * x.dtype.itemsize
-        if hidden_bytes == 0 or hidden_bytes % 16:
-            raise ValueError(f"a token row must be a multiple of 16 bytes (8 bf16 / 16 fp8 elements); got "
-                             f"{hidden} x {x.dtype.itemsize} bytes")
-        num_scales, s_tok, s_blk = 0, 0, 0
-        if x_scales is not None:
-            _require_array("x_scales", x_scales, contiguous=False)
-            num_scales, s_tok, s_blk = _scale_strides(x_scales, num_tokens)
-        num_worst_tokens = int(num_worst_tokens or 0)
-        if num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
-        cached = handle is not None
-        cap = self._cap(config)
-
-        if cached:
-            if len(handle) != 6:
-                raise ValueError("handle must be the 6-tuple returned by an intranode dispatch")
-            rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx_h, is_token_in_rank, _ = handle
-            _require_array("handle[0] (rank_prefix_matrix)", rank_prefix, dtype=_I32, shape=(R, R))
-            _require_array("handle[1] (channel_prefix_matrix)", channel_prefix, dtype=_I32, ndim=2)
-            num_channels = int(channel_prefix.shape[1])
-            self._check_grid(num_channels)
-            _require_array("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix, dtype=_I32,
-                           shape=(R, num_channels))
-            _require_array("handle[3] (recv_src_idx)", recv_src_idx_h, dtype=_I32, ndim=1)
-            _require_array("handle[4] (is_token_in_rank)", is_token_in_rank, dtype=_BOOL, shape=(num_tokens, R))
-            num_rows = int(recv_src_idx_h.shape[0])
-            topk_idx = topk_weights = None
-            num_topk, num_local_experts = 0, 0
-        else:
-            num_channels = self._config_channels(config)
-            _require_array("is_token_in_rank", is_token_in_rank, dtype=_BOOL, shape=(num_tokens, R))
-            if num_tokens_per_expert is None:
-                raise ValueError("a dispatch without handle needs num_tokens_per_expert")
-            _require_array("num_tokens_per_expert", num_tokens_per_expert, dtype=_I32, ndim=1)
-            num_experts = int(num_tokens_per_expert.shape[0])
-            if num_experts % R:
-                raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})")
-            num_local_experts = num_experts // R
-            num_topk = 0
-            if topk_idx is not None:
-                _require_array("topk_idx", topk_idx, dtype=_I64, ndim=2)
-                if topk_idx.shape[0] != num_tokens:
-                    raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {num_tokens}")
-                num_topk = int(topk_idx.shape[1])
-                if topk_weights is not None:
-                    _require_array("topk_weights", topk_weights, dtype=_F32, shape=topk_idx.shape)
-            elif topk_weights is not None:
-                raise ValueError("topk_weights needs topk_idx")
-
-        slot = L.dispatch_slot(hidden_bytes, num_scales, num_topk)
-        layout = L.buffer_layout(R, num_channels, cap, slot)
-        notify_end = 0
-        if not cached:
-            notify_offset, notify_stride, notify_end = L.notify_layout(R, num_channels, num_local_experts)
-        self._check_size("dispatch", required_bytes(layout, notify_end), config, hidden_bytes)
-
-        warps, unroll = int(self.dispatch_warps), int(self.dispatch_unroll)
-        self_warps, recv_self_warps = self._self_warps(warps)
-        batch = self._batch(config)
-        dispatch_kernel = self._kernel(dispatch_spec(R, warps, unroll), _dispatch_name(R, warps, unroll))
-
-        counts_list = None
-        if not cached:
-            meta = self._meta_buffer(1 + num_local_experts, stream)
-            rank_prefix = cupy.empty((R, R), dtype=cupy.int32)
-            channel_prefix = cupy.empty((R, num_channels), dtype=cupy.int32)
-            recv_channel_prefix = cupy.empty((R, num_channels), dtype=cupy.int32)
-            notify = self._kernel(notify_spec(R), _notify_name(R))
-            args = notify_args(
-                is_token_in_rank=is_token_in_rank, num_tokens=num_tokens, num_channels=num_channels,
-                num_tokens_per_expert=num_tokens_per_expert, num_local_experts=num_local_experts,
-                expert_alignment=max(1, int(expert_alignment)), rank_prefix_matrix=rank_prefix,
-                channel_prefix_matrix=channel_prefix, recv_channel_prefix_matrix=recv_channel_prefix, meta=meta,
-                bases=self.bases, notify_offset=notify_offset, notify_stride=notify_stride, err_ptr=self.errors.ptr,
-                timeout_ns=self.timeout_ns, rank=me)
-            notify((1,), (NOTIFY_THREADS,), tuple(v for _, v in args), stream=stream,
-                   shared_mem=(R * num_channels + R) * 4)
-            if num_worst_tokens > 0:
-                num_rows = num_worst_tokens
-                counts_list = []
-                self._raise_recorded()
-            else:
-                host = meta.get(stream=stream)  # the one host sync of a dispatch, as in DeepEP
-                self._raise_recorded()
-                num_rows = int(host[0])
-                counts_list = [int(v) for v in host[1:]]
-
-        recv_x = cupy.empty((num_rows, hidden), dtype=x.dtype)
-        recv_scales = None
-        if x_scales is not None:
-            shape = (num_rows,) if x_scales.ndim == 1 else (num_rows, num_scales)
-            recv_scales = cupy.empty(shape, dtype=x_scales.dtype)
-        recv_topk_idx = recv_topk_weights = recv_src_idx = send_head = None
-        if not cached:
-            recv_src_idx = cupy.empty(num_rows, dtype=cupy.int32)
-            send_head = cupy.empty((num_tokens, R), dtype=cupy.int32)
-            if topk_idx is not None:
-                recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64)
-                if topk_weights is not None:
-                    recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32)
-
-        args = dispatch_args(
-            x=x, x_scales=x_scales, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=num_scales,
-            topk_idx=topk_idx, topk_weights=topk_weights, num_topk=num_topk, num_local_experts=num_local_experts,
-            is_token_in_rank=is_token_in_rank, num_tokens=num_tokens, hidden_int4=hidden_bytes // 16,
-            rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
-            recv_channel_prefix_matrix=recv_channel_prefix, recv_x=recv_x, recv_x_scales=recv_scales,
-            recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights, recv_src_idx=recv_src_idx,
-            send_head=send_head, num_out_rows=num_rows, num_worst_tokens=0 if cached else num_worst_tokens,
-            bases=self.bases, layout=layout, num_self_warps=self_warps, err_ptr=self.errors.ptr,
-            timeout_ns=self.timeout_ns, rank=me, num_recv_self_warps=recv_self_warps, batch=batch)
-        dispatch_kernel((2 * num_channels,), (warps * 32,), tuple(v for _, v in args), stream=stream)
-
-        if cached:
-            return recv_x, recv_scales, None, None, None, handle
-        new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head)
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts_list, new_handle
-
-    # ------------------------------------------------------------------ combine
-    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, stream):
-        """Sum, for every token of the original dispatch, the rows the ranks send back (+ biases).
-
-        ``x`` is bf16 (any 2-byte storage, e.g. uint16) ``[rows, H]`` with at least as many rows as the
-        handle's ``recv_src_idx``; only the first ``rank_prefix_matrix[R-1][me]`` are read. Returns
-        ``(combined_x [N, H], combined_topk_weights [N, K] float32 or None)``.
-        """
-        import cupy
-
-        self._check_usable()
-        R, me = self.num_ranks, self.rank
-        if handle is None or len(handle) != 6:
-            raise ValueError("combine needs the 6-tuple handle returned by an intranode dispatch")
-        rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head = handle
-        _require_array("x", x, ndim=2)
-        if x.dtype.itemsize != 2:
-            raise TypeError(f"combine sums bf16 rows; x must have 2-byte elements, got {x.dtype}")
-        num_x_rows, hidden = (int(s) for s in x.shape)
-        hidden_bytes = hidden * 2
-        if hidden_bytes % 16:
-            raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {hidden}")
-        _require_array("handle[0] (rank_prefix_matrix)", rank_prefix, dtype=_I32, shape=(R, R))
-        _require_array("handle[1] (channel_prefix_matrix)", channel_prefix, dtype=_I32, ndim=2)
-        num_channels = int(channel_prefix.shape[1])
-        self._check_grid(num_channels)
-        _require_array("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix, dtype=_I32,
-                       shape=(R, num_channels))
-        _require_array("handle[3] (recv_src_idx)", recv_src_idx, dtype=_I32, ndim=1)
-        _require_array("handle[4] (is_token_in_rank)", is_token_in_rank, dtype=_BOOL, ndim=2)
-        num_tokens = int(is_token_in_rank.shape[0])
-        _require_array("handle[5] (send_head)", send_head, dtype=_I32, shape=(num_tokens, R))
-        if num_x_rows < recv_src_idx.shape[0]:
-            raise ValueError(f"x has {num_x_rows} rows, fewer than the {recv_src_idx.shape[0]} rows the dispatch "
-                             "returned")
-        num_topk = 0
-        if topk_weights is not None:
-            _require_array("topk_weights", topk_weights, dtype=_F32, ndim=2)
-            if topk_weights.shape[0] != num_x_rows:
-                raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, x has {num_x_rows}")
-            num_topk = int(topk_weights.shape[1])
-        for name, bias in (("bias_0", bias_0), ("bias_1", bias_1)):
-            if bias is not None:
-                _require_array(name, bias, shape=(num_tokens, hidden))
-                if bias.dtype != x.dtype:
-                    raise TypeError(f"{name} must have the dtype of x ({x.dtype}), got {bias.dtype}")
-
-        cap = self._cap(config)
-        slot = L.combine_slot(hidden_bytes, num_topk)
-        layout = L.buffer_layout(R, num_channels, cap, slot)
-        self._check_size("combine", required_bytes(layout), config, hidden_bytes)
-        warps, unroll = int(self.combine_warps), int(self.combine_unroll)
-        kernel = self._kernel(combine_spec(R, warps, unroll), _combine_name(R, warps, unroll))
-
-        combined_x = cupy.empty((num_tokens, hidden), dtype=x.dtype)
-        combined_w = cupy.empty((num_tokens, num_topk), dtype=cupy.float32) if topk_weights is not None else None
-        args = combine_args(
-            x=x, topk_weights=topk_weights, num_topk=num_topk, bias_0=bias_0, bias_1=bias_1,
-            rank_prefix_matrix=rank_prefix, channel_prefix_matrix=channel_prefix,
-            recv_channel_prefix_matrix=recv_channel_prefix, send_head=send_head, num_tokens=num_tokens,
-            hidden_int4=hidden_bytes // 16, combined_x=combined_x, combined_topk_weights=combined_w, bases=self.bases,
-            layout=layout, err_ptr=self.errors.ptr, timeout_ns=self.timeout_ns, rank=me, batch=self._batch(config))
-        kernel((2 * num_channels,), (warps * 32,), tuple(v for _, v in args), stream=stream)
-        return combined_x, combined_w
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

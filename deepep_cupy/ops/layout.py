@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
+from ..event import EventOverlap
+from ..interop import BOOL, I32
 from ..jit import BuildSpec, load
+from ..runtime.launch import LaunchPlan
+from ..runtime.streams import OpStreams
+from . import kernel_names
 
-__all__ = ["MAX_TOPK", "get_dispatch_layout", "layout_spec", "representative_builds"]
+__all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "representative_builds"]
 
 MAX_TOPK = 128
 _SOURCE = "layout.cu"
@@ -17,8 +20,7 @@ _EXPERTS_PER_BLOCK = 32  # kExpertsPerBlock in layout.cu
 _RANKS_PER_BLOCK = 32  # kRanksPerBlock in layout.cu
 
 
-def _kernel_name(num_topk: int) -> str:
-    return f"dispatch_layout_kernel<{num_topk}>"
+_kernel_name = kernel_names.layout_count_tokens
 
 
 @functools.cache
@@ -32,78 +34,92 @@ def representative_builds() -> list[BuildSpec]:
     return [layout_spec(k) for k in (1, 4, 8, 32)]
 
 
-def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, num_nvl_ranks: int, stream=None):
-    """Count where each token goes.
+class LayoutPlan:
+    """``get_dispatch_layout`` for one (framework, N, K, E): count where each token goes.
 
-    Arguments:
-        topk_idx: CuPy ``int64`` array ``[N, K]``, C-contiguous, on the current device; ``-1`` selects no
-            expert. Ids must be below ``num_experts`` (larger ids are ignored by the kernel).
-        num_experts: total expert count ``E``, divisible by ``num_ranks``; experts live on ranks contiguously
-            (rank ``e // (E // R)``).
-        num_ranks: ``R``.
-        num_nvl_ranks: ranks per NVLink domain (node); ``R`` must be a multiple of it when smaller than ``R``.
-        stream: CuPy stream to launch on (None: the current stream). The outputs are allocated from the
-            current stream's memory pool, so callers choose the allocation stream with ``with stream:``.
-
-    Returns:
-        ``(num_tokens_per_rank int32[R], num_tokens_per_rdma_rank int32[R // num_nvl_ranks] or None when
-        num_nvl_ranks >= num_ranks, num_tokens_per_expert int32[E], is_token_in_rank bool[N, R])``. A token
-        counts once per rank and once per RDMA rank however many of its experts live there.
+    Experts live on ranks contiguously (rank ``e // (E // R)``); ``-1`` selects no expert, and an id outside
+    ``[-1, E)`` selects none either and is reported by the kernel (raised as ``ValueError`` at the next
+    call). Outputs: ``num_tokens_per_rank int32[R]``, ``num_tokens_per_rdma_rank int32[R / nvl]`` or None
+    within one NVLink domain, ``num_tokens_per_expert int32[E]``, ``is_token_in_rank bool[N, R]``; a token
+    counts once per rank and once per RDMA rank however many of its experts live there.
     """
+
+    def __init__(self, frame, *, num_tokens: int, num_topk: int, num_experts: int, num_ranks: int,
+                 num_nvl_ranks: int, rank: int, errors, comm_stream: int, async_finish: bool) -> None:
+        if not 1 <= num_topk <= MAX_TOPK:
+            raise ValueError(f"top-k must be between 1 and {MAX_TOPK}, got {num_topk}")
+        if num_experts % num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
+        self.has_rdma = num_nvl_ranks < num_ranks
+        if self.has_rdma and num_ranks % num_nvl_ranks:
+            raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of num_nvl_ranks ({num_nvl_ranks})")
+        if num_tokens * num_topk >= 2**31:
+            raise ValueError(f"too many tokens for the layout kernel: {num_tokens} x top-{num_topk}")
+        self.frame, self.errors = frame, errors
+        self.num_tokens, self.num_experts, self.num_ranks = num_tokens, num_experts, num_ranks
+        self.num_rdma_ranks = num_ranks // num_nvl_ranks
+        self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
+        kernel = load(layout_spec(num_topk)).get_function(_kernel_name(num_topk))
+        num_expert_blocks = -(-num_experts // _EXPERTS_PER_BLOCK)
+        num_rank_blocks = -(-num_ranks // _RANKS_PER_BLOCK)
+        # The grid does not depend on num_tokens: with N = 0 the kernel still writes zero counts.
+        self.plan = LaunchPlan(kernel, num_expert_blocks + num_rank_blocks, _THREADS, [
+            ("topk_idx", "ptr", None), ("num_tokens", "i32", num_tokens), ("num_experts", "i32", num_experts),
+            ("num_ranks", "i32", num_ranks), ("num_nvl_ranks", "i32", num_nvl_ranks if self.has_rdma else num_ranks),
+            ("num_expert_blocks", "i32", num_expert_blocks), ("num_tokens_per_expert", "ptr", None),
+            ("num_tokens_per_rank", "ptr", None), ("num_tokens_per_rdma_rank", "ptr", 0),
+            ("is_token_in_rank", "ptr", None), ("err", "ptr", errors.ptr), ("rank", "i32", rank)])
+        self.slots = tuple(self.plan.slot(n) for n in ("topk_idx", "num_tokens_per_expert", "num_tokens_per_rank",
+                                                        "num_tokens_per_rdma_rank", "is_token_in_rank"))
+
+    def run(self, topk_idx, previous_event=None):
+        if self.errors.flag_word():
+            self.errors.check()
+        frame = self.frame
+        ptr = frame.ptr
+        compute = frame.stream()
+        streams = OpStreams(self.comm_stream, compute, frame.framework, frame.device_id, previous_event,
+                            self.async_finish)
+        per_rank = frame.empty((self.num_ranks,), I32)
+        per_rdma = frame.empty((self.num_rdma_ranks,), I32) if self.has_rdma else None
+        per_expert = frame.empty((self.num_experts,), I32)
+        in_rank = frame.empty((self.num_tokens, self.num_ranks), BOOL)
+        s_topk, s_expert, s_rank, s_rdma, s_in = self.slots
+        s_topk.value = ptr(topk_idx)
+        s_expert.value = ptr(per_expert)
+        s_rank.value = ptr(per_rank)
+        if per_rdma is not None:
+            s_rdma.value = ptr(per_rdma)
+        s_in.value = ptr(in_rank)
+        self.plan.launch(self.comm_stream)
+        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(streams.finish())
+
+
+def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, num_nvl_ranks: int, stream=None):
+    """One layout on CuPy arrays, outside any Buffer (tests and benchmarks): the kernel runs on ``stream``
+    (a CuPy stream, default the current one) and the outputs are returned as
+    ``(per_rank, per_rdma or None, per_expert, is_token_in_rank)``."""
     import cupy
 
-    if not isinstance(topk_idx, cupy.ndarray):
-        raise TypeError(f"topk_idx must be a cupy.ndarray, got {type(topk_idx).__name__}")
-    if topk_idx.dtype != np.int64:
-        raise TypeError(f"topk_idx must be int64, got {topk_idx.dtype}")
-    if topk_idx.ndim != 2:
-        raise ValueError(f"topk_idx must be 2-D [num_tokens, num_topk], got shape {topk_idx.shape}")
+    from ..tensors import frame_for
+
+    if not isinstance(topk_idx, cupy.ndarray) or topk_idx.dtype != cupy.int64 or topk_idx.ndim != 2:
+        raise TypeError("topk_idx must be a 2-D int64 cupy.ndarray")
     if not topk_idx.flags.c_contiguous:
         raise ValueError("topk_idx must be C-contiguous")
-    num_tokens, num_topk = (int(s) for s in topk_idx.shape)
-    if not 1 <= num_topk <= MAX_TOPK:
-        raise ValueError(f"top-k must be between 1 and {MAX_TOPK}, got {num_topk}")
-    num_experts, num_ranks, num_nvl_ranks = int(num_experts), int(num_ranks), int(num_nvl_ranks)
-    if num_ranks <= 0 or num_experts <= 0 or num_nvl_ranks <= 0:
-        raise ValueError(
-            f"num_experts ({num_experts}), num_ranks ({num_ranks}) and num_nvl_ranks ({num_nvl_ranks}) must be positive"
-        )
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
-    has_rdma = num_nvl_ranks < num_ranks
-    if has_rdma and num_ranks % num_nvl_ranks:
-        raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of num_nvl_ranks ({num_nvl_ranks})")
-    if num_tokens * num_topk >= 2**31:
-        raise ValueError(f"too many tokens for the layout kernel: {num_tokens} x top-{num_topk}")
-    device_id = cupy.cuda.runtime.getDevice()
-    if topk_idx.device.id != device_id:
-        raise ValueError(f"topk_idx is on device {topk_idx.device.id}, but the current device is {device_id}")
+    stream = stream if stream is not None else cupy.cuda.get_current_stream()
+    errors = _standalone_errors()
+    plan = LayoutPlan(frame_for("cupy", topk_idx.data.device_id), num_tokens=int(topk_idx.shape[0]),
+                      num_topk=int(topk_idx.shape[1]), num_experts=int(num_experts), num_ranks=int(num_ranks),
+                      num_nvl_ranks=int(num_nvl_ranks), rank=0, errors=errors, comm_stream=stream.ptr,
+                      async_finish=False)
+    with stream:
+        outs = plan.run(topk_idx)
+    return outs[:4]
 
-    kernel = load(layout_spec(num_topk)).get_function(_kernel_name(num_topk))
-    num_expert_blocks = -(-num_experts // _EXPERTS_PER_BLOCK)
-    num_rank_blocks = -(-num_ranks // _RANKS_PER_BLOCK)
-    # Outputs come from the memory pool of the current stream (the caller chooses it, e.g. the compute
-    # stream); only the kernel runs on `stream`.
-    per_rank = cupy.empty(num_ranks, dtype=cupy.int32)
-    per_rdma = cupy.empty(num_ranks // num_nvl_ranks, dtype=cupy.int32) if has_rdma else None
-    per_expert = cupy.empty(num_experts, dtype=cupy.int32)
-    in_rank = cupy.empty((num_tokens, num_ranks), dtype=cupy.bool_)
-    # The grid does not depend on num_tokens: with N = 0 the kernel still writes zero counts.
-    kernel(
-        (num_expert_blocks + num_rank_blocks,),
-        (_THREADS,),
-        (
-            topk_idx,
-            np.int32(num_tokens),
-            np.int32(num_experts),
-            np.int32(num_ranks),
-            np.int32(num_nvl_ranks if has_rdma else num_ranks),
-            np.int32(num_expert_blocks),
-            per_expert,
-            per_rank,
-            per_rdma if per_rdma is not None else np.uint64(0),  # null pointer
-            in_rank,
-        ),
-        stream=stream,
-    )
-    return per_rank, per_rdma, per_expert, in_rank
+
+@functools.cache
+def _standalone_errors():
+    from ..runtime.kernel_errors import KernelErrorRecord
+
+    return KernelErrorRecord()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed"]
+__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed", "check_agreement"]
 
 
 class CommGroup(ABC):
@@ -34,6 +34,13 @@ class CommGroup(ABC):
     def bcast_object(self, obj, root: int = 0):
         return self.allgather_object(obj if self.rank == root else None)[root]
 
+    def allgather_ints(self, values: list[int], *, op: str, timeout_s: float) -> list[list[int]]:
+        """Every rank's ``values`` (a short list of ints), waiting at most ``timeout_s`` seconds.
+
+        Groups without a non-blocking collective wait like ``allgather_object``.
+        """
+        return [list(v) for v in self.allgather_object(list(values))]
+
 
 class MPIGroup(CommGroup):
     """An ``mpi4py.MPI.Comm``."""
@@ -56,6 +63,28 @@ class MPIGroup(CommGroup):
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def allgather_ints(self, values: list[int], *, op: str, timeout_s: float) -> list[list[int]]:
+        # A non-blocking all-gather polled against a deadline: a rank that never joins ends in a named
+        # error here instead of a hang.
+        import time
+
+        import numpy as np
+
+        send = np.asarray(values, dtype=np.int64)
+        recv = np.empty((self.size, send.size), dtype=np.int64)
+        request = self.comm.Iallgather(send, recv)
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                from ..errors import DeepEPTimeoutError
+
+                raise DeepEPTimeoutError(
+                    f"{op}: rank {self.rank} waited {timeout_s:.0f} s for the other ranks to check that they "
+                    "agree on the op's sizes and flags; some rank did not call the same op (or called it "
+                    "with a new shape this rank has already seen)")
+            time.sleep(0.0002)
+        return recv.tolist()
 
 
 class TorchGroup(CommGroup):
@@ -120,3 +149,15 @@ def init_torch_distributed(comm, backend: str = "gloo", **kwargs) -> None:
     port = comm.bcast(port, root=0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size(), **kwargs)
+
+
+def check_agreement(group: CommGroup, op: str, fields: dict, timeout_s: float) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks passed equal ``fields`` (name -> int or
+    bool) to ``op``. Collective; called once per new plan shape, never on the hot path."""
+    names = list(fields)
+    gathered = group.allgather_ints([int(fields[n]) for n in names], op=op, timeout_s=timeout_s)
+    for i, name in enumerate(names):
+        seen = [row[i] for row in gathered]
+        if any(v != seen[0] for v in seen):
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            raise ValueError(f"{op}: the ranks disagree on {name} ({per_rank}); every rank must pass the same value")

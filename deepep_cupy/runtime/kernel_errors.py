@@ -1,7 +1,9 @@
 """Host side of ``cuda_src/common/timeout.cuh``: the record a kernel fills when a wait times out.
 
-The record is 8 int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, reserved,
-waited_ns (int64 in words 6-7)``. ``flag`` is 0 while no error happened, -1 while a thread is writing
+The record is 8 int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, kind,
+waited_ns (int64 in words 6-7)``. ``kind`` 0 is a timeout; ``kind`` 1 is a bad argument value a kernel
+found (an expert id out of range), with the offending value in ``waited_ns`` and the op code naming the
+op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as ``ValueError``. ``flag`` is 0 while no error happened, -1 while a thread is writing
 the record and 1 once it is complete. By default it lives in pinned, device-mapped host memory, so the
 host reads it without a device synchronisation (kernels write it with system-scope fences).
 """
@@ -17,7 +19,19 @@ import numpy as np
 
 from ..errors import DeepEPError, DeepEPTimeoutError
 
-__all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "timeout_seconds"]
+__all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "KIND_VALUE", "timeout_seconds", "value_error"]
+
+#: ``kind`` word of a record that reports a bad argument value rather than a timeout.
+KIND_VALUE = 1
+
+
+def value_error(info: dict) -> ValueError:
+    """The ``ValueError`` for a bad value a kernel recorded (``info`` as :meth:`KernelErrorRecord.peek`)."""
+    from ..ops.kernel_names import VALUE_OP_ARGS
+
+    op, arg = VALUE_OP_ARGS.get(info["op"], (f"op {info['op']}", "an argument"))
+    return ValueError(f"{op}: {arg} held expert id {info['waited_ns']} on rank {info['rank']}, outside "
+                      f"[-1, num_experts); it was treated as -1 (no expert) by that call")
 
 RECORD_WORDS = 8
 DEFAULT_TIMEOUT_S = 100.0
@@ -63,6 +77,9 @@ class KernelErrorRecord:
             buf = (ctypes.c_int32 * RECORD_WORDS).from_address(host_ptr)
             self._host = np.frombuffer(buf, dtype=np.int32)
             self._host[:] = 0
+            # The flag word as a ctypes scalar: reading it costs a fraction of a microsecond, so every
+            # call can look at it (it lives in host memory: no device synchronisation).
+            self._flag = ctypes.c_int32.from_address(host_ptr)
             device_ptr = self._device_pointer(host_ptr)
             mem = cupy.cuda.UnownedMemory(device_ptr, _RECORD_BYTES, self)
             self.array = cupy.ndarray(
@@ -70,7 +87,13 @@ class KernelErrorRecord:
             )
         else:
             self._host = None
+            self._flag = None
             self.array = cupy.zeros(RECORD_WORDS, dtype=cupy.int32)
+
+    def flag_word(self) -> int:
+        """The record's flag as the host sees it now (nonzero: something was, or is being, recorded).
+        For a record in device memory this always returns 1 so callers fall through to :meth:`check`."""
+        return self._flag.value if self._flag is not None else 1
 
     @staticmethod
     def _device_pointer(host_ptr: int) -> int:
@@ -102,6 +125,7 @@ class KernelErrorRecord:
             "rank": int(words[2]),
             "peer": int(words[3]),
             "line": int(words[4]),
+            "kind": int(words[5]),
             "waited_ns": waited,
         }
 
@@ -122,6 +146,8 @@ class KernelErrorRecord:
         if info is None:
             return
         self.reset()
+        if info["kind"] == KIND_VALUE:
+            raise value_error(info)
         op = (op_names or {}).get(info["op"], f"op {info['op']}")
         ms = info["waited_ns"] / 1e6
         raise DeepEPTimeoutError(

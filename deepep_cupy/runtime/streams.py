@@ -1,81 +1,107 @@
-"""The caller's current stream in its framework, the library's communication stream, and events."""
+"""Streams and events as raw CUDA handles: the caller's current stream, the library's communication
+stream, and the events that order them.
+
+Everything here works on ``cudaStream_t`` / ``cudaEvent_t`` integers, so torch callers, CuPy callers and
+CUDA-graph capture all see plain ``cudaEventRecord`` / ``cudaStreamWaitEvent`` calls on their own streams
+(a capture follows such a fork onto the communication stream and back).
+"""
 
 from __future__ import annotations
 
-import functools
 import sys
-import warnings
 
-__all__ = ["current_stream", "DeviceEvent", "OpStreams"]
+__all__ = ["current_stream", "current_stream_ptr", "DeviceEvent", "OpStreams"]
+
+_DISABLE_TIMING = 0x2  # cudaEventDisableTiming
+
+
+def _rt():
+    import cupy
+
+    return cupy.cuda.runtime
+
+
+def current_stream_ptr(framework: str | None, device_id: int) -> int:
+    """The stream the caller is computing on: torch's current stream for torch callers (or for anyone
+    while torch has initialised CUDA), else CuPy's."""
+    torch = sys.modules.get("torch")
+    if framework == "torch" or (framework is None and torch is not None and torch.cuda.is_initialized()):
+        return torch._C._cuda_getCurrentRawStream(device_id)
+    import cupy
+
+    return cupy.cuda.get_current_stream(device_id).ptr
 
 
 def current_stream(framework: str | None, device_id: int):
-    """The stream the caller is computing on, as a CuPy stream object."""
+    """The caller's current stream as a CuPy stream object (for code that wants one)."""
     import cupy
 
-    torch = sys.modules.get("torch")
-    if framework == "torch" or (framework is None and torch is not None and torch.cuda.is_initialized()):
-        return _external(torch.cuda.current_stream(device_id).cuda_stream, device_id)
-    return cupy.cuda.get_current_stream(device_id)
-
-
-@functools.lru_cache(maxsize=64)
-def _external(ptr: int, device_id: int):
-    """A CuPy view of a stream another framework owns (cached: one wrapper per stream)."""
-    import cupy
-
-    with warnings.catch_warnings():
-        # Newer CuPy prefers Stream.from_external(obj), which needs the owner object; the pointer is what we have.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(ptr, device_id)
+    ptr = current_stream_ptr(framework, device_id)
+    return cupy.cuda.ExternalStream(ptr, device_id)
 
 
 class DeviceEvent:
-    """A CUDA event recorded on a stream; ``framework`` decides what "current stream" means when waiting."""
+    """A CUDA event recorded on ``stream`` (an int handle). ``framework`` decides what "the current
+    stream" is when waiting on it without naming one."""
 
-    def __init__(self, stream, framework: str | None, device_id: int) -> None:
-        import cupy
+    __slots__ = ("handle", "framework", "device_id")
 
+    def __init__(self, stream: int, framework: str | None, device_id: int) -> None:
+        rt = _rt()
+        self.handle = rt.eventCreateWithFlags(_DISABLE_TIMING)
         self.framework = framework
         self.device_id = device_id
-        self.event = cupy.cuda.Event(disable_timing=True)
-        self.event.record(stream)
+        rt.eventRecord(self.handle, stream)
 
-    def wait(self, stream) -> None:
-        stream.wait_event(self.event)
+    def wait(self, stream: int) -> None:
+        _rt().streamWaitEvent(stream, self.handle, 0)
 
     def wait_on_current_stream(self) -> None:
-        self.wait(current_stream(self.framework, self.device_id))
+        self.wait(current_stream_ptr(self.framework, self.device_id))
 
     def synchronize(self) -> None:
-        self.event.synchronize()
+        _rt().eventSynchronize(self.handle)
+
+    def query(self) -> bool:
+        try:
+            _rt().eventQuery(self.handle)
+            return True
+        except Exception:
+            return False
+
+    def __del__(self) -> None:
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle:
+            try:
+                _rt().eventDestroy(handle)
+            except Exception:
+                pass  # interpreter shutdown
 
 
 class OpStreams:
-    """Stream choreography of one high-throughput op, as DeepEP does it.
+    """Stream choreography of one op, as DeepEP does it.
 
-    The op runs on the communication stream after ``previous_event`` (or after the caller's stream);
-    without ``async_finish`` the caller's stream waits for it, with it the returned event does.
-    Outputs are allocated on the caller's stream unless ``allocate_on_comm_stream``.
+    The op runs on the communication stream ``comm`` after ``previous_event`` (or after the caller's
+    stream ``compute``); without ``async_finish`` the caller's stream waits for it at :meth:`finish`,
+    with it the returned event does.
     """
 
-    def __init__(self, comm_stream, framework, device_id, previous_event, async_finish, allocate_on_comm_stream):
-        self.comm = comm_stream
-        self.compute = current_stream(framework, device_id)
+    __slots__ = ("comm", "compute", "framework", "device_id", "async_finish")
+
+    def __init__(self, comm: int, compute: int, framework, device_id: int, previous_event, async_finish: bool):
+        self.comm = comm
+        self.compute = compute
         self.framework = framework
         self.device_id = device_id
         self.async_finish = async_finish
-        self.alloc = comm_stream if allocate_on_comm_stream else self.compute
-        self.event = None
         if previous_event is not None and getattr(previous_event, "event", None) is not None:
-            previous_event.event.wait(self.comm)
+            previous_event.event.wait(comm)
         else:
-            DeviceEvent(self.compute, framework, device_id).wait(self.comm)
+            DeviceEvent(compute, framework, device_id).wait(comm)
 
     def finish(self) -> DeviceEvent | None:
         done = DeviceEvent(self.comm, self.framework, self.device_id)
         if self.async_finish:
-            self.event = done
             return done
         done.wait(self.compute)
         return None

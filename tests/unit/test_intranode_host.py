@@ -148,7 +148,10 @@ _TYPE_RE = re.compile(r"\s+")
 
 def _kernel_params(path: Path, kernel: str) -> list[tuple[str, str]]:
     text = path.read_text()
-    start = text.index(kernel + "(")
+    # The kernel's definition: its name followed by "(" after the last __global__ before it.
+    match = re.search(r"__global__[^;{]*?\b" + re.escape(kernel) + r"\(", text, re.S)
+    assert match is not None, f"no __global__ {kernel}( in {path}"
+    start = match.end() - len(kernel) - 1
     depth, i = 0, start + len(kernel)
     for i in range(start + len(kernel), len(text)):
         if text[i] == "(":
@@ -184,7 +187,7 @@ class _FakeArray:
 
 
 def test_notify_args_match_kernel_signature():
-    params = _kernel_params(CUDA_SRC / "notify.cu", "notify_dispatch_kernel")
+    params = _kernel_params(CUDA_SRC / "notify.cu", "notify")
     a = _FakeArray()
     packed = intranode.notify_args(is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a,
                                    num_local_experts=4, expert_alignment=1, rank_prefix_matrix=a,
@@ -194,7 +197,7 @@ def test_notify_args_match_kernel_signature():
 
 
 def test_dispatch_args_match_kernel_signature():
-    params = _kernel_params(CUDA_SRC / "dispatch.cu", "dispatch_kernel")
+    params = _kernel_params(CUDA_SRC / "dispatch.cu", "dispatch")
     a = _FakeArray()
     lay = L.buffer_layout(2, 12, 256, L.dispatch_slot(7168, 56, 8))
     packed = intranode.dispatch_args(
@@ -210,7 +213,7 @@ def test_dispatch_args_match_kernel_signature():
 
 
 def test_combine_args_match_kernel_signature():
-    params = _kernel_params(CUDA_SRC / "combine.cu", "combine_kernel")
+    params = _kernel_params(CUDA_SRC / "combine.cu", "combine")
     a = _FakeArray()
     lay = L.buffer_layout(2, 12, 256, L.combine_slot(7168 * 2, 8))
     packed = intranode.combine_args(

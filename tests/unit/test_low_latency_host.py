@@ -217,12 +217,28 @@ def test_heap_size_and_parse():
     assert nvshmem_runtime._parse_size("1234") == 1234
 
 
-def test_hook_runs_once():
-    calls = []
-    hook = ll._Hook(lambda: calls.append(1))
+def test_hook_runs_once_with_the_receive_phase():
+    import ctypes
+
+    from deepep_cupy.ops import low_latency_plans
+
+    class FakePlan:
+        def __init__(self):
+            self.phases = ctypes.c_int32(ll.PHASE_SEND)
+            self.launches = []
+
+        def slot(self, name):
+            assert name == "phases"
+            return self.phases
+
+        def launch(self, stream):
+            self.launches.append((stream, self.phases.value))
+
+    plan = FakePlan()
+    hook = low_latency_plans._Hook(plan, 1234)
     hook()
     hook()
-    assert calls == [1]
+    assert plan.launches == [(1234, ll.PHASE_RECV)]
 
 
 def test_timeout_from_env(monkeypatch):
@@ -269,19 +285,21 @@ def test_small_kernels_build(spec, tmp_path, monkeypatch):
 
 
 def test_engine_region_addresses_follow_the_layout():
-    """The launch arguments cached per layout are the symmetric base plus the layout's offsets."""
+    """The region addresses plans keep are the symmetric base plus the layout's offsets, and layouts of
+    equal sizes are one object (plans compare them by identity)."""
     from types import SimpleNamespace
 
     from deepep_cupy.ops.low_latency_layout import REGIONS
 
     engine = object.__new__(ll.LowLatencyEngine)
     engine._sym = SimpleNamespace(ptr=0x7F00_0000_0000)
+    engine._layouts = {}
     for t, h, r, e in ((128, 7168, 2, 288), (1, 2056, 4, 16)):
-        layout = LowLatencyLayout(t, h, r, e)
-        engine._use_layout(layout)
+        engine.num_ranks, engine.num_rdma_bytes = r, 1 << 40
+        layout = engine.make_layout(t, h, e)
+        assert engine.make_layout(t, h, e) is layout
+        assert layout == LowLatencyLayout(t, h, r, e)
+        addrs = engine.region_addresses(layout)
         for b in (0, 1):
             for name in REGIONS:
-                addr = engine._sym_addr(layout, b, name)
-                assert isinstance(addr, np.uint64) and int(addr) == 0x7F00_0000_0000 + layout.region(b, name)
-    with pytest.raises(RuntimeError, match="layout changed"):
-        engine._sym_addr(LowLatencyLayout(128, 7168, 2, 288), 0, "send")  # equal but not the one in use
+                assert addrs[b][name] == 0x7F00_0000_0000 + layout.region(b, name)

@@ -1,0 +1,189 @@
+"""The argument checks of every ``Buffer`` op, run once per new plan (a call whose tensors have the
+metadata of an earlier call skips them). Each raises ``TypeError``/``ValueError`` naming the argument.
+
+Values only the device sees (expert ids) are checked inside the kernels on the GPU backend and raised
+at the next call; the reference backend checks them on the host.
+"""
+
+from __future__ import annotations
+
+from . import validate as check
+from .config import Config, low_latency_rdma_size_hint
+from .interop import BF16, BOOL, F32, FP8, I32, I64, shape_of
+
+__all__ = ["num_experts_ok", "split_x", "dispatch_args", "combine_args", "ll_dispatch_args", "ll_combine_args",
+           "config_key"]
+
+
+def num_experts_ok(num_experts, num_ranks: int) -> int:
+    num_experts = check.positive_int("num_experts", num_experts)
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})")
+    return num_experts
+
+
+def config_key(config) -> tuple:
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a deepep_cupy.Config, got {type(config).__name__}")
+    return (int(config.num_sms), int(config.num_max_nvl_chunked_send_tokens),
+            int(config.num_max_nvl_chunked_recv_tokens), int(config.num_max_rdma_chunked_send_tokens),
+            int(config.num_max_rdma_chunked_recv_tokens))
+
+
+def split_x(x):
+    """Split BF16 ``x`` or the FP8 tuple ``(x_e4m3, scales)``; return (x, scales, num_tokens, hidden)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError("an FP8 x must be a tuple (x_e4m3 [N, H], scales [N, H/128])")
+        data, scales = x
+        n, h = check.tensor("x[0]", data, dtype=FP8, ndim=2)
+        if h % 128 != 0:
+            raise ValueError(f"FP8 hidden size must be a multiple of 128, got {h}")
+        check.tensor("x[1]", scales, dtype=F32, shape=(n, h // 128), contiguous=False)
+        return data, scales, n, h
+    n, h = check.tensor("x", x, dtype=BF16, ndim=2)
+    if h % 8 != 0:
+        raise ValueError(f"BF16 hidden size must be a multiple of 8, got {h}")
+    return x, None, n, h
+
+
+def _tensor_handle(handle, length: int, source: str, dtypes) -> None:
+    check.handle(handle, length, source)
+    for i, want in enumerate(dtypes):
+        if want is not None:
+            check.tensor(f"handle[{i}]", handle[i], dtype=want, contiguous=False)
+
+
+def dispatch_args(num_ranks: int, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config) -> None:
+    _, _, n, _ = split_x(x)
+    check.positive_int("expert_alignment", expert_alignment)
+    check.nonneg_int("num_worst_tokens", num_worst_tokens)
+    config_key(config)
+    r = num_ranks
+    if handle is not None:
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+        _tensor_handle(handle, 6, "dispatch", (I32, I32, I32, I32, BOOL, I32))
+        check.tensor("handle[0] (rank_prefix_matrix)", handle[0], dtype=I32, shape=(r, r))
+        check.tensor("handle[1] (channel_prefix_matrix)", handle[1], dtype=I32, ndim=2)
+        c = shape_of(handle[1])[1]
+        check.tensor("handle[2] (recv_channel_prefix_matrix)", handle[2], dtype=I32, shape=(r, c))
+        check.tensor("handle[3] (recv_src_idx)", handle[3], dtype=I32, ndim=1)
+        check.tensor("handle[4] (is_token_in_rank)", handle[4], dtype=BOOL, shape=(n, r))
+        return
+    check.tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=I32, shape=(r,))
+    check.tensor("is_token_in_rank", is_token_in_rank, dtype=BOOL, shape=(n, r))
+    if num_tokens_per_expert is None:
+        raise ValueError("num_tokens_per_expert is required (from get_dispatch_layout)")
+    (e,) = check.tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=I32, ndim=1)
+    if e == 0 or e % r != 0:
+        raise ValueError(f"num_tokens_per_expert must have one entry per expert, a positive multiple of the "
+                         f"number of ranks ({r}); got {e} entries")
+    if (topk_idx is None) != (topk_weights is None):
+        raise ValueError("topk_idx and topk_weights must be given together")
+    if topk_idx is not None:
+        _, k = check.tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
+        if shape_of(topk_idx)[0] != n:
+            raise ValueError(f"topk_idx must have {n} rows like x, got {shape_of(topk_idx)[0]}")
+        check.tensor("topk_weights", topk_weights, dtype=F32, shape=(n, k))
+
+
+def split_bias(bias):
+    if isinstance(bias, (tuple, list)):
+        if len(bias) != 2:
+            raise ValueError("bias must be one tensor or a tuple of two")
+        return bias[0], bias[1]
+    return bias, None
+
+
+def combine_args(num_ranks: int, x, handle, topk_weights, bias, config) -> None:
+    _tensor_handle(handle, 6, "dispatch", (I32, I32, I32, I32, BOOL, I32))
+    r = num_ranks
+    m, hidden = check.tensor("x", x, dtype=BF16, ndim=2)
+    if hidden % 8 != 0:
+        raise ValueError(f"BF16 hidden size must be a multiple of 8, got {hidden}")
+    config_key(config)
+    check.tensor("handle[0] (rank_prefix_matrix)", handle[0], dtype=I32, shape=(r, r))
+    check.tensor("handle[1] (channel_prefix_matrix)", handle[1], dtype=I32, ndim=2)
+    c = shape_of(handle[1])[1]
+    check.tensor("handle[2] (recv_channel_prefix_matrix)", handle[2], dtype=I32, shape=(r, c))
+    (num_recv,) = check.tensor("handle[3] (recv_src_idx)", handle[3], dtype=I32, ndim=1)
+    n, _ = check.tensor("handle[4] (is_token_in_rank)", handle[4], dtype=BOOL, shape=(None, r))
+    check.tensor("handle[5] (send_head)", handle[5], dtype=I32, shape=(n, r))
+    if m < num_recv:
+        raise ValueError(f"x has {m} rows but the handle describes {num_recv} received tokens")
+    if topk_weights is not None:
+        check.tensor("topk_weights", topk_weights, dtype=F32, ndim=2)
+        if shape_of(topk_weights)[0] != m:
+            raise ValueError(f"topk_weights must have {m} rows like x, got {shape_of(topk_weights)[0]}")
+    bias_0, bias_1 = split_bias(bias)
+    check.optional_tensor("bias[0]", bias_0, dtype=BF16, shape=(n, hidden))
+    check.optional_tensor("bias[1]", bias_1, dtype=BF16, shape=(n, hidden))
+
+
+def _wait_stats(name, stats, r: int) -> None:
+    if stats is None:
+        return
+    s = check.tensor(name, stats, dtype=I64)
+    if s not in ((r,), (r, r)):
+        raise ValueError(f"{name} must have shape [{r}] or [{r}, {r}], got {list(s)}")
+
+
+def ll_dispatch_args(num_ranks: int, num_rdma_bytes: int | None, x, topk_idx, t, num_experts,
+                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                     use_ue8m0) -> None:
+    t = check.positive_int("num_max_dispatch_tokens_per_rank", t)
+    num_experts = num_experts_ok(num_experts, num_ranks)
+    n, hidden = check.tensor("x", x, dtype=BF16, ndim=2)
+    if n > t:
+        raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}")
+    if hidden % (128 if use_fp8 else 8) != 0:
+        raise ValueError(f"hidden must be a multiple of {128 if use_fp8 else 8}, got {hidden}")
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0 requires round_scale=True")
+    if use_ue8m0 and hidden % 512 != 0:
+        raise ValueError(f"use_ue8m0 needs hidden to be a multiple of 512, got {hidden}")
+    _, k = check.tensor("topk_idx", topk_idx, dtype=I64, shape=(n, None))
+    if not 1 <= k <= 32:
+        raise ValueError(f"topk_idx must have 1 to 32 columns (top-k) for the low-latency kernels, got {k}")
+    check.optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtype=I32,
+                          shape=(num_experts // num_ranks,))
+    _wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, num_ranks)
+    if num_rdma_bytes is not None:
+        need = low_latency_rdma_size_hint(t, hidden, num_ranks, num_experts)
+        if num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for T={t}, hidden={hidden}, "
+                             f"{num_experts} experts: need {need} (Buffer.get_low_latency_rdma_size_hint)")
+
+
+def ll_handle(handle, num_ranks: int) -> tuple[int, int, int]:
+    """Check a low-latency handle's structure; return its ``(T, hidden, num_experts)``."""
+    check.handle(handle, 5, "low_latency_dispatch")
+    try:
+        t = check.positive_int("handle[2] (num_max_dispatch_tokens_per_rank)", handle[2])
+        hidden = check.positive_int("handle[3] (hidden)", handle[3])
+        num_experts = num_experts_ok(handle[4], num_ranks)
+    except ValueError as exc:
+        raise ValueError(f"handle is not one returned by low_latency_dispatch: {exc}") from None
+    e_local, slab = num_experts // num_ranks, num_ranks * t
+    check.tensor("handle[0] (src_info)", handle[0], dtype=I32, shape=(e_local, slab))
+    check.tensor("handle[1] (layout_range)", handle[1], dtype=I64, shape=(e_local, num_ranks))
+    return t, hidden, num_experts
+
+
+def ll_combine_args(num_ranks: int, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                    combine_wait_recv_cost_stats) -> None:
+    t, hidden, num_experts = ll_handle(handle, num_ranks)
+    e_local = num_experts // num_ranks
+    check.tensor("x", x, dtype=BF16, shape=(e_local, num_ranks * t, hidden))
+    n, k = check.tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
+    if n > t:
+        raise ValueError(f"topk_idx has {n} tokens, more than the handle's num_max_dispatch_tokens_per_rank={t}")
+    if not 1 <= k <= 32:
+        raise ValueError(f"topk_idx must have 1 to 32 columns (top-k) for the low-latency kernels, got {k}")
+    check.tensor("topk_weights", topk_weights, dtype=F32, shape=(n, k))
+    if use_logfmt and hidden % 128 != 0:
+        raise ValueError(f"use_logfmt needs hidden to be a multiple of 128, got {hidden}")
+    check.optional_tensor("out", out, dtype=BF16, shape=(n, hidden))
+    _wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, num_ranks)

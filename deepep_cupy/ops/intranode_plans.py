@@ -1,0 +1,298 @@
+"""Launch plans of the intranode (NVLink) dispatch and combine.
+
+A plan fixes, for one (framework, shapes, dtypes, config, flags), the kernels, the buffer layout and the
+argument blocks; a call allocates its outputs in the caller's framework, patches pointers and launches
+on the communication stream. Only a dispatch without handle and without ``num_worst_tokens`` waits for
+the device (for the received counts, to size its outputs), as in DeepEP.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..event import EventOverlap
+from ..interop import BF16, F32, FP8, I32, I64
+from ..runtime.launch import LaunchPlan
+from ..runtime.streams import OpStreams
+from . import intranode_layout as L
+from .intranode import (
+    NOTIFY_THREADS,
+    combine_args,
+    combine_spec,
+    dispatch_args,
+    dispatch_spec,
+    notify_args,
+    notify_spec,
+    required_bytes,
+)
+from .kernel_names import intranode_combine, intranode_dispatch, intranode_notify
+
+__all__ = ["DispatchPlan", "CombinePlan"]
+
+_MEMCPY_D2H = 2
+
+
+def _launch_args(named) -> list:
+    """``(name, value)`` pairs of the argument builders -> LaunchPlan arguments. Integers stand for
+    pointers (patched per call), NumPy scalars keep their width, arrays give their address."""
+    out = []
+    for name, value in named:
+        if isinstance(value, np.int32):
+            out.append((name, "i32", int(value)))
+        elif isinstance(value, np.int64):
+            out.append((name, "i64", int(value)))
+        elif isinstance(value, (np.uint64, int)):
+            out.append((name, "ptr", int(value)))
+        else:
+            out.append((name, "ptr", int(value.data.ptr)))
+    return out
+
+
+def _strides(t) -> tuple[int, ...]:
+    """Element strides of a torch tensor or CuPy array."""
+    if hasattr(t, "stride") and callable(t.stride):
+        return tuple(t.stride())
+    return tuple(s // t.itemsize for s in t.strides)
+
+
+def _scale_strides(x_scales, num_tokens: int) -> tuple[int, int, int]:
+    """``(num_scales, token stride, block stride)`` in elements, from the array's real strides."""
+    shape = tuple(x_scales.shape)
+    if len(shape) not in (1, 2):
+        raise ValueError(f"x_scales must be 1-D or 2-D, got shape {list(shape)}")
+    if shape[0] != num_tokens:
+        raise ValueError(f"x_scales has {shape[0]} rows, x has {num_tokens}")
+    strides = _strides(x_scales)
+    if len(shape) == 1:
+        return 1, strides[0], 0
+    return shape[1], strides[0], strides[1]
+
+
+class _Plan:
+    def __init__(self, engine, frame, comm_stream: int, async_finish: bool) -> None:
+        self.engine, self.frame = engine, frame
+        self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
+
+    def _begin(self, previous_event) -> OpStreams:
+        engine = self.engine
+        if engine._broken is not None or engine.errors.flag_word():
+            engine._check_usable()
+        frame = self.frame
+        return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
+                         self.async_finish)
+
+
+class DispatchPlan(_Plan):
+    """Intranode ``dispatch`` (with or without a cached handle) for one set of shapes and flags."""
+
+    def __init__(self, engine, frame, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
+                 expert_alignment, num_worst_tokens, config, comm_stream: int, async_finish: bool) -> None:
+        super().__init__(engine, frame, comm_stream, async_finish)
+        engine._check_usable()
+        R, me = engine.num_ranks, engine.rank
+        num_tokens, hidden = (int(s) for s in x.shape)
+        itemsize = 1 if x_scales is not None else 2
+        self.hidden_bytes = hidden_bytes = hidden * itemsize
+        if hidden_bytes == 0 or hidden_bytes % 16:
+            raise ValueError(f"a token row must be a multiple of 16 bytes (8 bf16 / 16 fp8 elements); got "
+                             f"{hidden} x {itemsize} bytes")
+        self.num_scales, s_tok, s_blk = 0, 0, 0
+        self.scales_shape = None
+        if x_scales is not None:
+            self.num_scales, s_tok, s_blk = _scale_strides(x_scales, num_tokens)
+            self.scales_shape = tuple(x_scales.shape[1:])
+        self.num_worst_tokens = num_worst_tokens = int(num_worst_tokens or 0)
+        if num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
+        self.cached = handle is not None
+        self.cap = cap = engine._cap(config)
+        self.num_tokens, self.hidden = num_tokens, hidden
+        self.x_key = FP8 if x_scales is not None else BF16
+        self.num_topk, num_local_experts = 0, 0
+        if self.cached:
+            self.num_channels = int(handle[1].shape[1])
+            engine._check_grid(self.num_channels)
+            self.num_rows = int(handle[3].shape[0])
+            self.has_weights = False
+        else:
+            self.num_channels = engine._config_channels(config)
+            num_local_experts = int(num_tokens_per_expert.shape[0]) // R
+            if topk_idx is not None:
+                self.num_topk = int(topk_idx.shape[1])
+            self.has_topk, self.has_weights = topk_idx is not None, topk_weights is not None
+            self.num_rows = num_worst_tokens
+        self.num_local_experts = num_local_experts
+        slot = L.dispatch_slot(hidden_bytes, self.num_scales, self.num_topk)
+        layout = L.buffer_layout(R, self.num_channels, cap, slot)
+        notify_end = 0
+        if not self.cached:
+            notify_offset, notify_stride, notify_end = L.notify_layout(R, self.num_channels, num_local_experts)
+        engine._check_size("dispatch", required_bytes(layout, notify_end), config, hidden_bytes)
+
+        warps, unroll = int(engine.dispatch_warps), int(engine.dispatch_unroll)
+        self_warps, recv_self_warps = engine._self_warps(warps)
+        kernel = engine._kernel(dispatch_spec(R, warps, unroll), intranode_dispatch(R, warps, unroll))
+        named = dispatch_args(
+            x=0, x_scales=0, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=self.num_scales,
+            topk_idx=0, topk_weights=0, num_topk=self.num_topk, num_local_experts=num_local_experts,
+            is_token_in_rank=0, num_tokens=num_tokens, hidden_int4=hidden_bytes // 16, rank_prefix_matrix=0,
+            channel_prefix_matrix=0, recv_channel_prefix_matrix=0, recv_x=0, recv_x_scales=0, recv_topk_idx=0,
+            recv_topk_weights=0, recv_src_idx=0, send_head=0, num_out_rows=self.num_rows,
+            num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
+            num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
+            num_recv_self_warps=recv_self_warps, batch=engine._batch(config))
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named))
+        self.slots = tuple(self.plan.slot(n) for n in (
+            "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
+            "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
+            "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows"))
+        self.notify = None
+        if not self.cached:
+            import cupy
+
+            with cupy.cuda.Device(engine.device_id):
+                stream = cupy.cuda.ExternalStream(comm_stream, engine.device_id)
+                self.meta = engine._meta_buffer(1 + num_local_experts, stream)
+                self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * (1 + num_local_experts)),
+                                               dtype=np.int32, count=1 + num_local_experts)
+            notify = engine._kernel(notify_spec(R), intranode_notify(R))
+            named = notify_args(
+                is_token_in_rank=0, num_tokens=num_tokens, num_channels=self.num_channels, num_tokens_per_expert=0,
+                num_local_experts=num_local_experts, expert_alignment=max(1, int(expert_alignment)),
+                rank_prefix_matrix=0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0, meta=self.meta,
+                bases=engine.bases, notify_offset=notify_offset, notify_stride=notify_stride,
+                err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
+            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, _launch_args(named),
+                                     shared_mem=(R * self.num_channels + R) * 4)
+            self.notify_slots = tuple(self.notify.slot(n) for n in (
+                "is_token_in_rank", "num_tokens_per_expert", "rank_prefix_matrix", "channel_prefix_matrix",
+                "recv_channel_prefix_matrix"))
+
+    def run(self, x, x_scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+            topk_weights, previous_event=None):
+        streams = self._begin(previous_event)
+        engine, frame = self.engine, self.frame
+        ptr, empty, R = frame.ptr, frame.empty, engine.num_ranks
+        (s_x, s_scales, s_topk, s_w, s_in_rank, s_rank_prefix, s_chan, s_recv_chan, s_recv_x, s_recv_scales,
+         s_recv_topk, s_recv_w, s_src, s_head, s_rows) = self.slots
+        counts_list = None
+        if self.cached:
+            rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, _ = handle
+            num_rows = self.num_rows
+        else:
+            rank_prefix = empty((R, R), I32)
+            channel_prefix = empty((R, self.num_channels), I32)
+            recv_channel_prefix = empty((R, self.num_channels), I32)
+            n_in, n_tpe, n_rank, n_chan, n_recv_chan = self.notify_slots
+            n_in.value = ptr(is_token_in_rank)
+            n_tpe.value = ptr(num_tokens_per_expert)
+            n_rank.value = ptr(rank_prefix)
+            n_chan.value = ptr(channel_prefix)
+            n_recv_chan.value = ptr(recv_channel_prefix)
+            self.notify.launch(self.comm_stream)
+            if self.num_worst_tokens > 0:
+                num_rows, counts_list = self.num_worst_tokens, []
+            else:
+                num_rows, counts_list = self._received_counts()
+        recv_x = empty((num_rows, self.hidden), self.x_key)
+        s_x.value = ptr(x)
+        s_recv_x.value = ptr(recv_x)
+        s_in_rank.value = ptr(is_token_in_rank)
+        s_rank_prefix.value = ptr(rank_prefix)
+        s_chan.value = ptr(channel_prefix)
+        s_recv_chan.value = ptr(recv_channel_prefix)
+        s_rows.value = num_rows
+        recv_scales = None
+        if x_scales is not None:
+            recv_scales = empty((num_rows, *self.scales_shape), F32)
+            s_scales.value = ptr(x_scales)
+            s_recv_scales.value = ptr(recv_scales)
+        recv_topk_idx = recv_topk_weights = None
+        if not self.cached:
+            recv_src_idx = empty((num_rows,), I32)
+            send_head = empty((self.num_tokens, R), I32)
+            s_src.value = ptr(recv_src_idx)
+            s_head.value = ptr(send_head)
+            if self.num_topk:
+                recv_topk_idx = empty((num_rows, self.num_topk), I64)
+                s_topk.value = ptr(topk_idx)
+                s_recv_topk.value = ptr(recv_topk_idx)
+                if self.has_weights:
+                    recv_topk_weights = empty((num_rows, self.num_topk), F32)
+                    s_w.value = ptr(topk_weights)
+                    s_recv_w.value = ptr(recv_topk_weights)
+        self.plan.launch(self.comm_stream)
+        event = EventOverlap(streams.finish())
+        recv = recv_x if x_scales is None else (recv_x, recv_scales)
+        if self.cached:
+            return recv, None, None, None, None, event
+        new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head)
+        return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
+
+    def _received_counts(self) -> tuple[int, list[int]]:
+        """The one host wait of a dispatch: the notify kernel's totals, read into pinned memory."""
+        import cupy
+
+        host = self.host_meta
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
+        rt.streamSynchronize(self.comm_stream)
+        self.engine._raise_recorded()
+        return int(host[0]), [int(v) for v in host[1:]]
+
+
+
+class CombinePlan(_Plan):
+    """Intranode ``combine`` for one set of shapes and flags."""
+
+    def __init__(self, engine, frame, x, handle, *, topk_weights, bias_0, bias_1, config, comm_stream: int,
+                 async_finish: bool) -> None:
+        super().__init__(engine, frame, comm_stream, async_finish)
+        engine._check_usable()
+        R, me = engine.num_ranks, engine.rank
+        num_x_rows, hidden = (int(s) for s in x.shape)
+        hidden_bytes = hidden * 2
+        if hidden_bytes % 16:
+            raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {hidden}")
+        self.num_channels = int(handle[1].shape[1])
+        engine._check_grid(self.num_channels)
+        self.num_tokens, self.hidden = int(handle[4].shape[0]), hidden
+        self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        self.has_weights = topk_weights is not None
+        self.cap = engine._cap(config)
+        slot = L.combine_slot(hidden_bytes, self.num_topk)
+        layout = L.buffer_layout(R, self.num_channels, self.cap, slot)
+        engine._check_size("combine", required_bytes(layout), config, hidden_bytes)
+        warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
+        kernel = engine._kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
+        named = combine_args(
+            x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0,
+            channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
+            hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
+            layout=layout, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
+            batch=engine._batch(config))
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named))
+        self.slots = tuple(self.plan.slot(n) for n in (
+            "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
+            "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
+
+    def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):
+        streams = self._begin(previous_event)
+        frame = self.frame
+        ptr = frame.ptr
+        s_x, s_w, s_b0, s_b1, s_rank, s_chan, s_recv_chan, s_head, s_out, s_out_w = self.slots
+        combined = frame.empty((self.num_tokens, self.hidden), BF16)
+        combined_w = frame.empty((self.num_tokens, self.num_topk), F32) if self.has_weights else None
+        s_x.value = ptr(x)
+        s_rank.value = ptr(handle[0])
+        s_chan.value = ptr(handle[1])
+        s_recv_chan.value = ptr(handle[2])
+        s_head.value = ptr(handle[5])
+        s_out.value = ptr(combined)
+        s_b0.value = 0 if bias_0 is None else ptr(bias_0)
+        s_b1.value = 0 if bias_1 is None else ptr(bias_1)
+        if combined_w is not None:
+            s_w.value = ptr(topk_weights)
+            s_out_w.value = ptr(combined_w)
+        self.plan.launch(self.comm_stream)
+        return combined, combined_w, EventOverlap(streams.finish())

@@ -1,0 +1,223 @@
+"""Launch plans of the low-latency dispatch and combine: everything that depends only on shapes, dtypes
+and flags is fixed when a plan is made; a call allocates its outputs in the caller's framework, patches
+the pointers that changed and launches.
+
+A plan keeps one argument block per buffer half (the region addresses and per-half state differ), so a
+call never rebuilds constant arguments, and a receive hook relaunches the block of its own half with
+the pointers of its own call (at most two results are held at once, one per half, as in DeepEP).
+"""
+
+from __future__ import annotations
+
+from ..event import EventOverlap
+from ..interop import BF16, F32, FP8, I32, I64
+from ..runtime.launch import LaunchPlan
+from ..runtime.streams import OpStreams
+from .low_latency import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
+
+__all__ = ["DispatchPlan", "CombinePlan"]
+
+_BOTH = PHASE_SEND | PHASE_RECV
+
+
+class _Hook:
+    """Launches the receive phase of one call once; later calls do nothing. The argument block of the
+    call's buffer half still holds the call's pointers: only the next call on the same half (which the
+    two-results rule forbids before the hook ran) would change them."""
+
+    __slots__ = ("_plan", "_stream")
+
+    def __init__(self, plan: LaunchPlan, stream: int) -> None:
+        self._plan = plan
+        self._stream = stream
+
+    def __call__(self) -> None:
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            plan.slot("phases").value = PHASE_RECV
+            plan.launch(self._stream)
+
+
+class _Plan:
+    """What both low-latency plans share: engine, frame, layout and the stream choreography."""
+
+    def __init__(self, engine, frame, layout, async_finish: bool, comm_stream: int) -> None:
+        self.engine = engine
+        self.frame = frame
+        self.layout = layout
+        self.async_finish = bool(async_finish)
+        self.comm_stream = comm_stream
+        self.regions = engine.region_addresses(layout)
+
+    def _begin(self) -> tuple[int, object]:
+        """Check for errors recorded by earlier launches, make the layout current (a collective clean if
+        another layout was used since), and choose the stream: the caller's, or the communication stream
+        after it with ``async_finish``."""
+        engine = self.engine
+        if engine.errors.flag_word():
+            engine.check_errors()
+        if engine.layout is not self.layout:
+            engine.use_layout(self.layout)
+        compute = self.frame.stream()
+        if not self.async_finish:
+            return compute, None
+        streams = OpStreams(self.comm_stream, compute, self.frame.framework, self.frame.device_id, None, True)
+        return self.comm_stream, streams
+
+    @staticmethod
+    def _end(streams) -> EventOverlap:
+        return EventOverlap(None if streams is None else streams.finish())
+
+    def _common_args(self, b: int) -> list:
+        engine, r = self.engine, self.regions[b]
+        state = engine.state_ptrs[b]
+        return r, state, [
+            ("num_experts", "i32", self.layout.num_experts), ("num_ranks", "i32", engine.num_ranks),
+            ("rank", "i32", engine.rank),
+        ]
+
+
+class DispatchPlan(_Plan):
+    """``low_latency_dispatch`` for one (framework, N, H, K, T, E, flags)."""
+
+    def __init__(self, engine, frame, layout, *, num_tokens: int, topk: int, use_fp8: bool, round_scale: bool,
+                 use_ue8m0: bool, return_recv_hook: bool, wait_stats_row: int, async_finish: bool,
+                 comm_stream: int) -> None:
+        super().__init__(engine, frame, layout, async_finish, comm_stream)
+        hidden, num_experts, t_max = layout.hidden, layout.num_experts, layout.num_max_dispatch_tokens_per_rank
+        self.num_tokens, self.hidden, self.t_max, self.num_experts = num_tokens, hidden, t_max, num_experts
+        self.use_fp8, self.use_ue8m0 = bool(use_fp8), bool(use_ue8m0) and bool(use_fp8)
+        round_scale = (bool(round_scale) or self.use_ue8m0) and self.use_fp8
+        self.hook = bool(return_recv_hook)
+        self.num_ranks = engine.num_ranks
+        self.e_local = num_experts // engine.num_ranks
+        self.slab = engine.num_ranks * t_max
+        # Byte offset of this rank's row in a [R, R] wait-stats tensor (0 for a [R] one).
+        self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
+        warps, groups, blocks, kernel, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8)
+        self.plans, self.stages = [], []
+        for b in (0, 1):
+            r, state, common = self._common_args(b)
+            args = [("x", "ptr", None), ("topk_idx", "ptr", None), ("num_tokens", "i32", num_tokens),
+                    ("max_tokens", "i32", t_max), *common,
+                    ("sym_tags", "ptr", r["tags"]), ("sym_arrivals", "ptr", r["arrivals"]),
+                    ("sym_src_idx", "ptr", r["src_idx"]), ("sym_recv", "ptr", r["recv"]),
+                    ("sym_stage", "ptr", r["send"]), ("seq_state", "ptr", state["seq"]),
+                    ("arrival_base", "ptr", state["base"]), ("mask", "ptr", state["mask"]),
+                    ("out_x", "ptr", None), ("out_scales", "ptr", 0), ("out_scales_ue8m0", "ptr", 0),
+                    ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_layout_range", "ptr", None),
+                    ("cumulative_recv_stats", "ptr", 0), ("wait_recv_cost_stats", "ptr", 0),
+                    ("phases", "i32", _BOTH), ("staged", "i32", int(engine.staged)),
+                    ("force_rma", "i32", int(engine.force_rma)), ("round_scale", "i32", int(round_scale)),
+                    ("use_ue8m0", "i32", int(self.use_ue8m0)), ("shrink", "i32", int(engine.enable_shrink)),
+                    ("timeout_ns", "i64", timeout_ns()), ("err", "ptr", engine.errors.ptr)]
+            self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args))
+            if engine.staged and num_tokens > 0:
+                stage_blocks = max(1, min(-(-num_tokens // (STAGE_THREADS // 32)), engine.num_sms))
+                self.stages.append(LaunchPlan(stage, stage_blocks, STAGE_THREADS, [
+                    ("x", "ptr", None), ("num_tokens", "i32", num_tokens), ("sym_stage", "ptr", r["send"]),
+                    ("round_scale", "i32", int(round_scale))]))
+        names = ("x", "topk_idx", "out_x", "out_scales", "out_scales_ue8m0", "out_count", "out_src_info",
+                 "out_layout_range", "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
+        self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
+        self.num_scales = -(-hidden // 512) if self.use_ue8m0 else hidden // 128
+
+    def run(self, x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
+        stream, streams = self._begin()
+        frame, e_local, slab, hidden = self.frame, self.e_local, self.slab, self.hidden
+        ptr = frame.ptr
+        recv_x = frame.empty((e_local, slab, hidden), FP8 if self.use_fp8 else BF16)
+        count = frame.empty((e_local,), I32)
+        src_info = frame.empty((e_local, slab), I32)
+        layout_range = frame.empty((e_local, self.num_ranks), I64)
+        b = self.engine.next_buffer()
+        s_x, s_topk, s_out, s_scales, s_ue8m0, s_count, s_src, s_range, s_cum, s_wait, s_phases = self.slots[b]
+        x_ptr = ptr(x)
+        s_x.value = x_ptr
+        s_topk.value = ptr(topk_idx)
+        s_out.value = ptr(recv_x)
+        recv = recv_x
+        if self.use_fp8:
+            scales = frame.empty((e_local, self.num_scales, slab), I32 if self.use_ue8m0 else F32)
+            (s_ue8m0 if self.use_ue8m0 else s_scales).value = ptr(scales)
+            recv = (recv_x, frame.transpose_last(scales))
+        s_count.value = ptr(count)
+        s_src.value = ptr(src_info)
+        s_range.value = ptr(layout_range)
+        s_cum.value = 0 if cumulative_local_expert_recv_stats is None else ptr(cumulative_local_expert_recv_stats)
+        s_wait.value = 0 if dispatch_wait_recv_cost_stats is None else \
+            ptr(dispatch_wait_recv_cost_stats) + self.wait_offset
+        if self.stages:
+            stage = self.stages[b]
+            stage.slot("x").value = x_ptr
+            stage.launch(stream)
+        plan = self.plans[b]
+        hook = None
+        if self.hook:
+            s_phases.value = PHASE_SEND
+            plan.launch(stream)
+            hook = _Hook(plan, stream)
+        else:
+            s_phases.value = _BOTH
+            plan.launch(stream)
+        handle = (src_info, layout_range, self.t_max, hidden, self.num_experts)
+        return recv, count, handle, self._end(streams), hook
+
+
+class CombinePlan(_Plan):
+    """``low_latency_combine`` for one (framework, N, H, K, T, E, flags)."""
+
+    def __init__(self, engine, frame, layout, *, num_tokens: int, topk: int, use_logfmt: bool, zero_copy: bool,
+                 return_recv_hook: bool, wait_stats_row: int, async_finish: bool, comm_stream: int) -> None:
+        super().__init__(engine, frame, layout, async_finish, comm_stream)
+        hidden, num_experts, t_max = layout.hidden, layout.num_experts, layout.num_max_dispatch_tokens_per_rank
+        self.num_tokens, self.hidden = num_tokens, hidden
+        self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
+        self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
+        warps, groups, blocks, kernel, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt))
+        self.plans = []
+        for b in (0, 1):
+            r, state, common = self._common_args(b)
+            args = [("x", "ptr", r["send"] if zero_copy else None), ("src_info", "ptr", None),
+                    ("layout_range", "ptr", None), ("topk_idx", "ptr", None), ("topk_weights", "ptr", None),
+                    ("num_tokens", "i32", num_tokens), ("max_tokens", "i32", t_max), *common,
+                    ("sym_tags", "ptr", r["tags"]), ("sym_arrivals", "ptr", r["arrivals"]),
+                    ("sym_recv", "ptr", r["recv"]), ("sym_send", "ptr", r["send"]),
+                    ("seq_state", "ptr", state["seq"]), ("arrival_base", "ptr", state["base"]),
+                    ("ready", "ptr", state["ready"]), ("mask", "ptr", state["mask"]), ("out", "ptr", None),
+                    ("wait_recv_cost_stats", "ptr", 0), ("phases", "i32", _BOTH),
+                    ("zero_copy", "i32", int(zero_copy)), ("force_rma", "i32", int(engine.force_rma)),
+                    ("shrink", "i32", int(engine.enable_shrink)), ("timeout_ns", "i64", timeout_ns()),
+                    ("err", "ptr", engine.errors.ptr)]
+            self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args))
+        names = ("x", "src_info", "layout_range", "topk_idx", "topk_weights", "out", "wait_recv_cost_stats",
+                 "phases")
+        self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
+
+    def run(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
+        stream, streams = self._begin()
+        frame = self.frame
+        ptr = frame.ptr
+        if out is None:
+            out = frame.empty((self.num_tokens, self.hidden), BF16)
+        b = self.engine.next_buffer()
+        s_x, s_src, s_range, s_topk, s_w, s_out, s_wait, s_phases = self.slots[b]
+        if not self.zero_copy:
+            s_x.value = ptr(x)
+        s_src.value = ptr(handle[0])
+        s_range.value = ptr(handle[1])
+        s_topk.value = ptr(topk_idx)
+        s_w.value = ptr(topk_weights)
+        s_out.value = ptr(out)
+        s_wait.value = 0 if combine_wait_recv_cost_stats is None else \
+            ptr(combine_wait_recv_cost_stats) + self.wait_offset
+        plan = self.plans[b]
+        hook = None
+        if self.hook:
+            s_phases.value = PHASE_SEND
+            plan.launch(stream)
+            hook = _Hook(plan, stream)
+        else:
+            s_phases.value = _BOTH
+            plan.launch(stream)
+        return out, self._end(streams), hook

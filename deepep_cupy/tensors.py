@@ -1,0 +1,197 @@
+"""Tensors on the GPU path, per framework: raw pointers, the current stream, output allocation and the
+metadata that plan caches are keyed by.
+
+A torch caller is served in torch (``data_ptr()``, torch's current stream, ``torch.empty`` from torch's
+caching allocator, so a CUDA graph's memory pool owns what a captured op allocates); a CuPy caller in
+CuPy. This module is the one place that knows how each framework does those things; nothing here goes
+through DLPack.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .interop import BF16, BOOL, F32, FP8, I32, I64
+
+__all__ = ["TorchFrame", "CupyFrame", "frame_for", "meta", "U8", "U16"]
+
+U8, U16 = np.dtype(np.uint8), np.dtype(np.uint16)
+
+
+class TorchFrame:
+    """torch tensors on one CUDA device."""
+
+    framework = "torch"
+
+    def __init__(self, device_id: int) -> None:
+        import torch
+
+        self.device_id = int(device_id)
+        self.device = torch.device("cuda", self.device_id)
+        self._empty = torch.empty
+        self._raw_stream = torch._C._cuda_getCurrentRawStream
+        self.dtypes = {BF16: torch.bfloat16, FP8: torch.float8_e4m3fn, I32: torch.int32, I64: torch.int64,
+                       F32: torch.float32, BOOL: torch.bool, U8: torch.uint8, U16: torch.bfloat16}
+
+    def stream(self) -> int:
+        """The caller's current stream on this device (a ``cudaStream_t`` as int)."""
+        return self._raw_stream(self.device_id)
+
+    def empty(self, shape, dtype: np.dtype):
+        return self._empty(shape, dtype=self.dtypes[dtype], device=self.device)
+
+    @staticmethod
+    def ptr(t) -> int:
+        return t.data_ptr()
+
+    def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):
+        """A tensor over device memory the library owns (``owner`` must outlive it). Built from a
+        ``__cuda_array_interface__`` without a stream, so torch adds no synchronisation."""
+        import torch
+
+        storage = _STORAGE_TYPESTR[dtype]
+        t = torch.as_tensor(_DeviceMemory(ptr, tuple(shape), storage, owner), device=self.device)
+        return t.view(self.dtypes[dtype]) if dtype in (BF16, FP8) else t
+
+    @staticmethod
+    def transpose_last(t):
+        """The view with the last two dimensions swapped (column-major scales)."""
+        return t.transpose(-1, -2)
+
+    @staticmethod
+    def numel(t) -> int:
+        return t.numel()
+
+
+class CupyFrame:
+    """CuPy arrays on one CUDA device. BF16/FP8 outputs carry ``ml_dtypes`` dtypes when this CuPy can hold
+    them, else their same-size integer storage (uint16 / uint8)."""
+
+    framework = "cupy"
+
+    def __init__(self, device_id: int) -> None:
+        import cupy
+
+        self.device_id = int(device_id)
+        self._cupy = cupy
+        self._empty = cupy.empty
+        self._get_stream = cupy.cuda.get_current_stream
+        self.dtypes = {d: d for d in (I32, I64, F32, BOOL, U8, U16)}
+        self.dtypes[BF16] = BF16 if _cupy_holds(BF16) else U16
+        self.dtypes[FP8] = FP8 if _cupy_holds(FP8) else U8
+
+    def stream(self) -> int:
+        return self._get_stream(self.device_id).ptr
+
+    def empty(self, shape, dtype: np.dtype):
+        return self._empty(shape, dtype=self.dtypes[dtype])
+
+    @staticmethod
+    def ptr(t) -> int:
+        return t.data.ptr
+
+    def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):
+        """An array over device memory the library owns (``owner`` must outlive it)."""
+        cupy = self._cupy
+        want = self.dtypes[dtype]
+        nbytes = int(np.prod(shape)) * want.itemsize
+        mem = cupy.cuda.UnownedMemory(int(ptr), nbytes, owner, self.device_id)
+        return cupy.ndarray(tuple(shape), dtype=want, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    @staticmethod
+    def transpose_last(t):
+        axes = list(range(t.ndim))
+        axes[-1], axes[-2] = axes[-2], axes[-1]
+        return t.transpose(axes)
+
+    @staticmethod
+    def numel(t) -> int:
+        return t.size
+
+
+_STORAGE_TYPESTR = {BF16: "<i2", FP8: "|u1", I32: "<i4", I64: "<i8", F32: "<f4", U8: "|u1", U16: "<i2"}
+
+
+class _DeviceMemory:
+    """Just a ``__cuda_array_interface__`` (version 3, no stream) over library-owned memory."""
+
+    def __init__(self, ptr: int, shape, typestr: str, owner) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (int(ptr), False),
+                                         "version": 3, "strides": None, "stream": None}
+
+
+@functools.cache
+def _cupy_holds(dtype: np.dtype) -> bool:
+    import cupy
+
+    try:
+        cupy.empty(0, dtype=np.uint8).view(dtype)
+        return True
+    except Exception:
+        return False
+
+
+_frames: dict = {}
+
+
+def frame_for(framework: str, device_id: int):
+    """The frame of ``framework`` ('torch' or 'cupy') on ``device_id`` (one per pair)."""
+    key = (framework, device_id)
+    frame = _frames.get(key)
+    if frame is None:
+        cls = TorchFrame if framework == "torch" else CupyFrame
+        frame = _frames[key] = cls(device_id)
+    return frame
+
+
+# ------------------------------------------------------------------------------------------ metadata
+def _torch_meta(t):
+    return ("torch", t.shape, t.dtype, t.is_contiguous(), t.get_device())
+
+
+def _cupy_meta(t):
+    return ("cupy", t.shape, t.dtype, t.flags.c_contiguous, t.data.device_id)
+
+
+def _numpy_meta(t):
+    return ("numpy", t.shape, t.dtype, t.flags.c_contiguous, -1)
+
+
+_META_BY_TYPE: dict = {np.ndarray: _numpy_meta}
+
+
+def _register_types() -> None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _META_BY_TYPE.setdefault(torch.Tensor, _torch_meta)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        _META_BY_TYPE.setdefault(cupy.ndarray, _cupy_meta)
+
+
+def meta(t):
+    """What a plan depends on about a tensor argument: framework, shape, dtype, contiguity, device.
+
+    Cheap (a dictionary lookup on the type and a few attribute reads), hashable, and None for None. An
+    object that is no tensor gets a key of its own, so the full argument checks that run for every new
+    key report it by name.
+    """
+    if t is None:
+        return None
+    fn = _META_BY_TYPE.get(type(t))
+    if fn is None:
+        _register_types()
+        fn = _META_BY_TYPE.get(type(t))
+        if fn is None:
+            for cls, candidate in list(_META_BY_TYPE.items()):
+                if isinstance(t, cls):
+                    fn = candidate
+                    break
+            else:
+                return ("other", type(t), id(t))
+    return fn(t)
