@@ -214,6 +214,9 @@ def normalize_arch(arch: str) -> str:
     return text
 
 
+_ARCH_HINT = "pass arch='sm_90' (or another sm_XX) to build() to compile without a GPU"
+
+
 @functools.cache
 def _arch_of_device(device_id: int) -> str:
     from cuda.bindings import driver
@@ -239,25 +242,25 @@ def current_device_id() -> int:
     try:
         import cupy
     except ImportError as exc:
-        raise RuntimeError("deepep_cupy: CuPy is required to find the current GPU") from exc
+        raise RuntimeError(
+            "deepep_cupy: CuPy is required to find the current GPU (install the cuda12 or cuda13 extra)"
+        ) from exc
     try:
         return int(cupy.cuda.runtime.getDevice())
     except Exception as exc:
-        raise RuntimeError(
-            "deepep_cupy: no CUDA device found; pass arch='sm_90' (or another sm_XX) to build() to compile "
-            "without a GPU"
-        ) from exc
+        raise RuntimeError(f"deepep_cupy: no CUDA device found; {_ARCH_HINT}") from exc
 
 
 def current_device_arch() -> str:
     """``sm_XX`` of CuPy's current device, read through the driver without creating a context."""
-    device_id = current_device_id()
+    # Every way of failing here (no CuPy, no device, a driver error) ends with the way round it: an explicit
+    # arch compiles on a machine without a GPU or without CuPy.
     try:
-        return _arch_of_device(device_id)
+        return _arch_of_device(current_device_id())
     except RuntimeError as exc:
-        raise RuntimeError(
-            f"{exc}; pass arch='sm_90' (or another sm_XX) to build() to compile without a GPU"
-        ) from exc
+        if _ARCH_HINT in str(exc):
+            raise
+        raise RuntimeError(f"{exc}; {_ARCH_HINT}") from exc
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""Session settings for the multi-rank tests (each rank is its own pytest session)."""
+
+import os
+import shutil
+import tempfile
+
+# Caches a test run would otherwise create in the user's home: deepep_cupy's kernel cache (read by
+# deepep_cupy.jit.cache.cache_dir()) and the one CuPy makes when it is imported. Spelled out here so that
+# loading this file imports nothing.
+CACHE_ENVS = {"DEEPEP_CUPY_CACHE_DIR": "deepep_cupy", "CUPY_CACHE_DIR": "cupy"}
+
+
+def pytest_configure(config):
+    """Point every cache the user has not chosen at a temporary directory, removed at the end."""
+    unset = [name for name in CACHE_ENVS if not os.environ.get(name)]
+    if not unset:
+        return
+    root = tempfile.mkdtemp(prefix="deepep_cupy_test_cache_")
+    for name in unset:
+        os.environ[name] = os.path.join(root, CACHE_ENVS[name])
+
+    def cleanup():
+        for name in unset:
+            os.environ.pop(name, None)
+        shutil.rmtree(root, ignore_errors=True)
+
+    config.add_cleanup(cleanup)
