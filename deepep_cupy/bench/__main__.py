@@ -1,6 +1,8 @@
 """Run the benchmarks under MPI and print DeepEP-style tables.
 
-    mpirun -np 2 python -m deepep_cupy.bench all --json out.json --plot out.png
+    mpirun -np 2 python -m deepep_cupy.bench [suite ...] --json out.json --plot out.png
+
+With no suite named, every suite runs (as with ``all``).
 """
 
 from __future__ import annotations
@@ -10,15 +12,20 @@ import faulthandler
 import importlib
 import json
 import os
+import sys
 
 from .timing import format_table
 
-SUITES = ("baselines", "intranode", "low_latency")
+SUITES = ("baselines", "intranode", "low_latency", "host")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("suites", nargs="*", default=["all"], choices=SUITES + ("all",))
+    # No `choices` here: Python 3.11's argparse checks a `nargs="*"` positional's default (or the empty list)
+    # against them and rejects a command line that names no suite. The names are checked below instead.
+    names = SUITES + ("all",)
+    parser.add_argument("suites", nargs="*", metavar="suite",
+                        help=f"one or more of {', '.join(names)} (default: all)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (normal kernels)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
@@ -31,6 +38,14 @@ def main() -> None:
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--plot", help="save a bar chart of GB/s to this PNG")
     args = parser.parse_args()
+    unknown = [name for name in args.suites if name not in names]
+    if unknown:
+        parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(names)}")
+    suites = SUITES if not args.suites or "all" in args.suites else tuple(dict.fromkeys(args.suites))
+    reason = _no_gpu_reason()
+    if reason:
+        # One line, no traceback: the usual cause is running it on a machine without GPUs.
+        sys.exit(f"{parser.prog}: the benchmarks need CUDA GPUs; {reason}")
 
     os.environ.setdefault("DEEPEP_CUPY_VALIDATE", "0")
     for var in ("NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
@@ -50,7 +65,7 @@ def main() -> None:
         pass
 
     rows = []
-    for suite in (SUITES if "all" in args.suites else args.suites):
+    for suite in suites:
         # A suite that hangs (a peer gone, a collective mismatched) is killed with every thread's stack.
         faulthandler.dump_traceback_later(args.suite_timeout, exit=True)
         module = importlib.import_module(f".{suite}", __package__)
@@ -72,6 +87,17 @@ def main() -> None:
                 json.dump(rows, f, indent=1)
         if args.plot:
             _plot(rows, args.plot)
+
+
+def _no_gpu_reason() -> str | None:
+    """Why the benchmarks cannot run here (no CuPy, no driver, no device), or None when they can."""
+    from ..runtime.device import gpu_count
+
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed (pip install deepep_cupy[cuda13], or [cuda12])"
+    return None if gpu_count() > 0 else "no CUDA driver or device found"
 
 
 def _plot(rows, path) -> None:
