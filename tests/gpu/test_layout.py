@@ -64,7 +64,7 @@ def test_layout_matches_reference(n, k, num_experts, num_ranks, num_nvl):
             idx[rng.random(idx.shape) < 0.05 * repeat] = -1
         want = _reference(idx, num_experts, num_ranks, num_nvl)
         got = get_dispatch_layout(cupy.asarray(idx), num_experts, num_ranks, num_nvl)
-        for name, w, g in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), want, got):
+        for name, w, g in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), want, got, strict=True):
             if w is None:
                 assert g is None, name
                 continue

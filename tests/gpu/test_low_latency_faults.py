@@ -1,0 +1,161 @@
+"""Low-latency faults and transports on GPUs through the public ``deepep_cupy.Buffer`` API: the NVSHMEM RMA
+path (puts instead of NVLink stores), a silent rank masked with ``enable_shrink``, and a silent rank
+without it ending in DeepEPTimeoutError.
+
+Run on every rank:  mpirun -np 2 python -m pytest tests/gpu/test_low_latency_faults.py -q
+Each test creates its own small Buffer (the module's fixture holds none); the silent-rank tests use a 2 s
+kernel wait budget. Same conventions as test_low_latency.py otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from gpu_common import COMM, to_dev, to_np
+from ll_common import (
+    E_SMALL,
+    FRAMEWORKS,
+    H_SMALL,
+    LL_MARKS,
+    SHORT_TIMEOUT_S,
+    T_SMALL,
+    agree,
+    check,
+    combine_failures,
+    dispatch_failures,
+    hint,
+    ll_env,
+    run_round,
+    small_data,
+    sync,
+)
+
+pytestmark = LL_MARKS
+
+
+@pytest.fixture(scope="module")
+def env():
+    yield from ll_env(with_buffer=False)
+
+
+def test_rma_path(env, monkeypatch):
+    """NVSHMEM puts, fences and signals instead of NVLink stores (DEEPEP_CUPY_LL_FORCE_RMA=1)."""
+    import deepep_cupy
+    from deepep_cupy.reference.backend import ReferenceBackend
+    from deepep_cupy.runtime.group import MPIGroup
+
+    monkeypatch.setenv("DEEPEP_CUPY_LL_FORCE_RMA", "1")
+    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
+                             explicitly_destroy=True)
+    monkeypatch.delenv("DEEPEP_CUPY_LL_FORCE_RMA")
+    local = dict(env, buf=buf, ref=ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=env["size"], low_latency_mode=True,
+                                                    enable_shrink=False))
+    failures = []
+    try:
+        assert buf.runtime.low_latency.staged
+        for i, (fp8, logfmt, zero_copy) in enumerate([(False, False, False), (True, True, False), (True, False, True),
+                                                      (True, True, True)]):
+            f, _, _ = run_round(local, FRAMEWORKS[0], seed=20 + i, t_max=T_SMALL, hidden=H_SMALL, num_experts=E_SMALL,
+                                k=8, fp8=fp8, logfmt=logfmt, zero_copy=zero_copy)
+            failures += [f"fp8={fp8} logfmt={logfmt} zero_copy={zero_copy}: {m}" for m in f]
+    finally:
+        sync()
+        COMM.Barrier()
+        buf.destroy()
+    agree(failures)
+
+
+def test_shrink_masks_a_silent_rank(env, monkeypatch):
+    """The last rank stops calling; the others finish with it masked and match the reference with that mask."""
+    import deepep_cupy
+    from deepep_cupy.reference.backend import ReferenceBackend
+    from deepep_cupy.runtime.group import MPIGroup
+
+    rank, size = env["rank"], env["size"]
+    silent = size - 1
+    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", SHORT_TIMEOUT_S)
+    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
+                             enable_shrink=True, explicitly_destroy=True)
+    ref = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True, enable_shrink=True)
+    fw = FRAMEWORKS[0]
+    x, topk, w, expert_out = small_data(rank, 30)
+    failures = []
+    try:
+        if rank != silent:
+            t0 = time.time()
+            recv, count, handle, _e, _h = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env),
+                                                                   T_SMALL, E_SMALL, use_fp8=False)
+            sync()
+            first = time.time() - t0
+            status = to_dev(np.zeros(size, np.int32), fw, env)
+            buf.low_latency_query_mask_buffer(status)
+            expected_mask = np.zeros(size, np.int32)
+            expected_mask[silent] = 1
+            check(failures, "mask after timeout", lambda: np.testing.assert_array_equal(to_np(status), expected_mask))
+            combined, _e, _h = buf.low_latency_combine(to_dev(expert_out, fw, env), to_dev(topk, fw, env),
+                                                       to_dev(w, fw, env), handle)
+            t1 = time.time()
+            buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
+            sync()
+            again = time.time() - t1
+            if again > 1.0:
+                failures.append(f"dispatch after masking still waited {again:.1f} s (first call {first:.1f} s)")
+            ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
+                    "x": to_np(recv)}
+        # The reference exchange involves every rank; each view masks the silent rank (itself, for it).
+        ref.low_latency_update_mask_buffer(silent, True)
+        r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
+            x, topk, num_max_dispatch_tokens_per_rank=T_SMALL, num_experts=E_SMALL, use_fp8=False, round_scale=False,
+            use_ue8m0=False, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+            return_recv_hook=False)
+        r_combined, _ = ref.low_latency_combine(expert_out, topk, w, r_handle, use_logfmt=False, zero_copy=False,
+                                                return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
+        if rank != silent:
+            theirs = {"count": r_count, "src_info": r_handle[0], "layout": r_handle[1], "x": r_recv}
+            failures += dispatch_failures(ours, theirs, fp8=False)
+            failures += combine_failures(to_np(combined), np.asarray(r_combined), logfmt=False)
+            buf.low_latency_clean_mask_buffer()
+            status = to_dev(np.ones(size, np.int32), fw, env)
+            buf.low_latency_query_mask_buffer(status)
+            check(failures, "mask after clean", lambda: np.testing.assert_array_equal(to_np(status), 0))
+            buf.low_latency_update_mask_buffer(silent, True)
+            buf.low_latency_query_mask_buffer(status)
+            check(failures, "mask after update", lambda: np.testing.assert_array_equal(to_np(status)[silent], 1))
+    finally:
+        sync()
+        COMM.Barrier()
+        buf.destroy()
+    agree(failures)
+
+
+def test_timeout_without_shrink_raises(env, monkeypatch):
+    """Without enable_shrink a silent peer ends the wait with DeepEPTimeoutError (at the next call)."""
+    import deepep_cupy
+    from deepep_cupy.errors import DeepEPTimeoutError
+
+    rank, size = env["rank"], env["size"]
+    silent = size - 1
+    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", SHORT_TIMEOUT_S)
+    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
+                             explicitly_destroy=True)
+    fw = FRAMEWORKS[0]
+    x, topk, _w, _eo = small_data(rank, 40)
+    failures = []
+    try:
+        if rank != silent:
+            buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
+            sync()
+            try:
+                buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
+                sync()
+                failures.append("no DeepEPTimeoutError after a peer stayed silent")
+            except DeepEPTimeoutError as exc:
+                if f"peer {silent}" not in str(exc):
+                    failures.append(f"timeout message does not name the peer: {exc}")
+    finally:
+        sync()
+        COMM.Barrier()
+        buf.destroy()
+    agree(failures)
