@@ -10,9 +10,12 @@
 //     the masks with ballots, lane j keeping the count of rank j.
 // The grid does not depend on N, so N = 0 still launches and writes zero counts.
 // Experts map to ranks contiguously: rank = e / (E / R); RDMA rank = rank / num_nvl_ranks.
-// Ids < 0 select nothing; ids >= E are ignored (the host rejects them before launch).
+// Id -1 selects nothing. Any other id outside [0, E) is bad: it selects nothing either, and the first
+// rank block (which reads every id) reports one of them as a value error (op kValueOpLayout) when given
+// an error record, so the host needs no check of its own before the launch.
 
 #include "common/nvrtc_compat.cuh"
+#include "common/value_errors.cuh"
 
 namespace deepep_layout {
 
@@ -61,8 +64,12 @@ __device__ void count_experts(const int64_t* __restrict__ topk_idx, int64_t tota
 }
 
 __device__ __forceinline__ void add_to_masks(int64_t e, int num_experts, int experts_per_rank, int num_nvl_ranks,
-                                             int r_lo, uint32_t& rank_mask, uint32_t& rdma_mask) {
-    if (e < 0 || e >= num_experts) return;
+                                             int r_lo, uint32_t& rank_mask, uint32_t& rdma_mask,
+                                             deepep::BadValue& bad) {
+    if (e < 0 || e >= num_experts) {
+        bad.check_expert_id(e, num_experts);  // off the common path: only ids that select nothing get here
+        return;
+    }
     const int rank = static_cast<int>(e) / experts_per_rank;
     const int rel = rank - r_lo;
     if (rel >= 0 && rel < kRanksPerBlock) rank_mask |= 1u << rel;
@@ -70,16 +77,20 @@ __device__ __forceinline__ void add_to_masks(int64_t e, int num_experts, int exp
     if (rdma_rel >= 0 && rdma_rel < kRanksPerBlock) rdma_mask |= 1u << rdma_rel;
 }
 
+// err: where to report a bad id (null: this block does not report; the kernel passes it to one block).
 template <int kTopK>
 __device__ void count_ranks(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
                             int num_nvl_ranks, int block, int* __restrict__ num_tokens_per_rank,
-                            int* __restrict__ num_tokens_per_rdma_rank, bool* __restrict__ is_token_in_rank) {
+                            int* __restrict__ num_tokens_per_rdma_rank, bool* __restrict__ is_token_in_rank,
+                            deepep::ErrorRecord* err, int rank) {
     __shared__ int rank_counts[kRanksPerBlock];
     __shared__ int rdma_counts[kRanksPerBlock];
+    __shared__ int bad_claimed;  // one warp of the block reports
     if (threadIdx.x < kRanksPerBlock) {
         rank_counts[threadIdx.x] = 0;
         rdma_counts[threadIdx.x] = 0;
     }
+    if (threadIdx.x == 0) bad_claimed = 0;
     __syncthreads();
 
     const int lane = threadIdx.x % 32;
@@ -95,6 +106,7 @@ __device__ void count_ranks(const int64_t* __restrict__ topk_idx, int num_tokens
 
     int my_rank_count = 0;  // lane j: tokens of this warp that reach rank r_lo + j
     int my_rdma_count = 0;
+    deepep::BadValue bad;
     // The loop bound is uniform per warp so that every lane joins the ballots.
     for (int base = warp * 32; base < num_tokens; base += kThreads) {
         const int t = base + lane;
@@ -106,14 +118,14 @@ __device__ void count_ranks(const int64_t* __restrict__ topk_idx, int num_tokens
 #pragma unroll
                 for (int k = 0; k < kTopK / 2; ++k) {
                     const longlong2 v = __ldg(vec + k);
-                    add_to_masks(v.x, num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask, rdma_mask);
-                    add_to_masks(v.y, num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask, rdma_mask);
+                    add_to_masks(v.x, num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask, rdma_mask, bad);
+                    add_to_masks(v.y, num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask, rdma_mask, bad);
                 }
             } else {
 #pragma unroll
                 for (int k = 0; k < kTopK; ++k)
                     add_to_masks(__ldg(row + k), num_experts, experts_per_rank, num_nvl_ranks, r_lo, rank_mask,
-                                 rdma_mask);
+                                 rdma_mask, bad);
             }
             bool* out = is_token_in_rank + static_cast<int64_t>(t) * num_ranks + r_lo;
             if (word_stores) {
@@ -138,6 +150,12 @@ __device__ void count_ranks(const int64_t* __restrict__ topk_idx, int num_tokens
         }
     }
 
+    // Every lane is here (the loop bound is uniform per warp): the first warp with a bad id reports it.
+    if (err != nullptr && __any_sync(0xffffffffu, bad.found)) {
+        const int claimed = lane == 0 ? atomicExch(&bad_claimed, 1) : 0;
+        if (__shfl_sync(0xffffffffu, claimed, 0) == 0)
+            bad.report_from_warp(err, deepep::kValueOpLayout, rank, __LINE__);
+    }
     if (lane < n_rank && my_rank_count) atomicAdd(&rank_counts[lane], my_rank_count);
     if (lane < n_rdma && my_rdma_count) atomicAdd(&rdma_counts[lane], my_rdma_count);
     __syncthreads();
@@ -147,22 +165,29 @@ __device__ void count_ranks(const int64_t* __restrict__ topk_idx, int num_tokens
 
 }  // namespace deepep_layout
 
+namespace deepep_cupy::layout {
+
 // Grid: num_expert_blocks (= ceil(E / 32)) + ceil(R / 32) blocks of 1024 threads.
-// num_tokens_per_rdma_rank may be null (single NVLink domain).
+// num_tokens_per_rdma_rank may be null (single NVLink domain). err may be null (bad ids are then only
+// ignored); rank is the value reported with a bad id.
 template <int kTopK>
 __global__ void __launch_bounds__(deepep_layout::kThreads, 1)
-    dispatch_layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
-                           int num_nvl_ranks, int num_expert_blocks, int* __restrict__ num_tokens_per_expert,
-                           int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_rdma_rank,
-                           bool* __restrict__ is_token_in_rank) {
+    count_tokens(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
+                 int num_nvl_ranks, int num_expert_blocks, int* __restrict__ num_tokens_per_expert,
+                 int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_rdma_rank,
+                 bool* __restrict__ is_token_in_rank, deepep::ErrorRecord* err, int rank) {
     static_assert(kTopK >= 1 && kTopK <= 128, "top-k out of range");
     const int block = static_cast<int>(blockIdx.x);
     if (block < num_expert_blocks) {
         deepep_layout::count_experts(topk_idx, static_cast<int64_t>(num_tokens) * kTopK, num_experts, block,
                                      num_tokens_per_expert);
     } else {
-        deepep_layout::count_ranks<kTopK>(topk_idx, num_tokens, num_experts, num_ranks, num_nvl_ranks,
-                                          block - num_expert_blocks, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                          is_token_in_rank);
+        // Every rank block reads all ids; the first one reports.
+        const int rank_block = block - num_expert_blocks;
+        deepep_layout::count_ranks<kTopK>(topk_idx, num_tokens, num_experts, num_ranks, num_nvl_ranks, rank_block,
+                                          num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                          rank_block == 0 ? err : nullptr, rank);
     }
 }
+
+}  // namespace deepep_cupy::layout

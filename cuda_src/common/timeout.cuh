@@ -1,4 +1,5 @@
-// The error record a kernel leaves when a wait times out, and the deadline the waits measure against.
+// The error record a kernel leaves when a wait times out or an input value is out of range, and the
+// deadline the waits measure against.
 //
 // Every spin-wait in a kernel must give up after a budget (nanoseconds, passed as a kernel argument) and
 // report through an ErrorRecord instead of hanging or trapping: __trap() would poison the CUDA context,
@@ -6,6 +7,11 @@
 // (deepep_cupy.runtime.kernel_errors.KernelErrorRecord.check()). The waits themselves live with their
 // kernel families (intranode/layout.cuh, low_latency/layout.cuh): each polls its flag tightly and reads
 // the host-mapped record only rarely, since every such read is a PCIe round trip.
+//
+// The same record carries value errors (report_value_error, see common/value_errors.cuh): a kernel that
+// finds a bad input value treats it as harmless, finishes its work normally and leaves the value for the
+// host to raise on. Such a report must not make other waits give up (timeout_reported ignores it): the
+// peers still expect every byte of this kernel.
 #pragma once
 
 #include "nvrtc_compat.cuh"
@@ -14,7 +20,10 @@
 namespace deepep {
 
 // Layout shared with the host: 8 x int32 words (32 bytes). waited_ns sits at byte offset 24.
-// flag: 0 = no error; -1 = a writer is filling the record; 1 = complete (fields valid).
+// flag: 0 = no error; -1 = a timeout is being written, -2 = a value error is being written (the host
+// treats both as "not yet recorded"); 1 = complete (fields valid).
+// reserved: what the complete record holds, kRecordTimeout (waited_ns = nanoseconds waited on `peer`) or
+// kRecordValueError (waited_ns = the offending value, peer = -1).
 struct ErrorRecord {
     int flag;
     int op;
@@ -30,25 +39,53 @@ static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord must stay 8 int32 words");
 // enough to turn a hang into an error).
 constexpr long long kDefaultTimeoutNs = 100LL * 1000 * 1000 * 1000;
 
-// Has any thread (of any kernel sharing this record) already reported? Lets other waiters give up early.
+// Values of ErrorRecord::reserved and of the in-progress flag of each kind of report.
+constexpr int kRecordTimeout = 0;
+constexpr int kRecordValueError = 1;
+constexpr int kFlagWritingTimeout = -1;
+constexpr int kFlagWritingValueError = -2;
+
+// Has any thread (of any kernel sharing this record) already reported a timeout? Lets other waiters give
+// up early. A value error does not count: it never stops a kernel, so waiting on stays right. The kind of
+// a complete record is read only once its flag is seen (volatile load, then an acquire fence), so a
+// record without errors costs one load as before.
 __device__ __forceinline__ bool timeout_reported(const ErrorRecord* rec) {
-    return rec != nullptr && ld_volatile(&rec->flag) != 0;
+    if (rec == nullptr) return false;
+    const int flag = ld_volatile(&rec->flag);
+    if (flag == 0 || flag == kFlagWritingValueError) return false;
+    if (flag != 1) return true;  // a timeout is being written
+    fence_acq_rel_sys();
+    return ld_volatile(&rec->reserved) == kRecordTimeout;
 }
 
-// Record a timeout. The first writer wins; later reports are dropped. Returns true for the winner.
-// The record is written with system-scope visibility so the host can read it from mapped memory.
-__device__ __forceinline__ bool report_timeout(ErrorRecord* rec, int op, int rank, int peer, int line,
-                                               long long waited_ns) {
+// Fill the record once: the first writer (of either kind) wins and later reports are dropped. Returns
+// true for the winner. The record is written with system-scope visibility so the host can read it from
+// mapped memory.
+__device__ __forceinline__ bool fill_error_record(ErrorRecord* rec, int writing_flag, int kind, int op, int rank,
+                                                  int peer, int line, long long payload) {
     if (rec == nullptr) return false;
-    if (atomic_cas_acq_rel_sys(&rec->flag, 0, -1) != 0) return false;
+    if (atomic_cas_acq_rel_sys(&rec->flag, 0, writing_flag) != 0) return false;
     rec->op = op;
     rec->rank = rank;
     rec->peer = peer;
     rec->line = line;
-    rec->waited_ns = waited_ns;
+    rec->reserved = kind;
+    rec->waited_ns = payload;
     __threadfence_system();
     st_release_sys(&rec->flag, 1);
     return true;
+}
+
+// Record a timeout of op `op` waiting on `peer` for waited_ns nanoseconds (reserved = kRecordTimeout).
+__device__ __forceinline__ bool report_timeout(ErrorRecord* rec, int op, int rank, int peer, int line,
+                                               long long waited_ns) {
+    return fill_error_record(rec, kFlagWritingTimeout, kRecordTimeout, op, rank, peer, line, waited_ns);
+}
+
+// Record a bad input value of op `op` (reserved = kRecordValueError, peer = -1, waited_ns = the value).
+// The op codes are listed in common/value_errors.cuh.
+__device__ __forceinline__ bool report_value_error(ErrorRecord* rec, int op, int rank, int line, long long value) {
+    return fill_error_record(rec, kFlagWritingValueError, kRecordValueError, op, rank, -1, line, value);
 }
 
 // A point in time after which waits give up. Cheap to copy; build one per kernel (or per wait).

@@ -66,16 +66,22 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
+}  // namespace deepep_intranode
+
+namespace deepep_cupy::intranode {
+
+using namespace ::deepep_intranode;
+
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
-combine_kernel(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
-               const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
-               const int* __restrict__ rank_prefix_matrix, const int* __restrict__ channel_prefix_matrix,
-               const int* __restrict__ recv_channel_prefix_matrix, const int* __restrict__ send_head, int num_tokens,
-               int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights,
-               const long long* __restrict__ bases, long long ring_offset, long long free_offset, int slot_bytes,
-               int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, deepep::ErrorRecord* err,
-               long long timeout_ns, int rank) {
+combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
+        const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
+        const int* __restrict__ rank_prefix_matrix, const int* __restrict__ channel_prefix_matrix,
+        const int* __restrict__ recv_channel_prefix_matrix, const int* __restrict__ send_head, int num_tokens,
+        int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights,
+        const long long* __restrict__ bases, long long ring_offset, long long free_offset, int slot_bytes,
+        int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, deepep::ErrorRecord* err,
+        long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -298,4 +304,4 @@ combine_kernel(const int4* __restrict__ x, const float* __restrict__ topk_weight
     end_kernel(ctrl, seq);
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -31,8 +31,15 @@
 // or -1. Top-k ids become local ids of the destination (e - d * E_local, or -1 when e is elsewhere) with
 // weight 0 for -1. When num_worst_tokens > 0 the receiver blocks also fill the padding rows of the index
 // outputs (-1 / 0); rows beyond num_out_rows are dropped and reported.
+//
+// Bad top-k ids (below -1 or >= R * E_local) are elsewhere for every destination, so they become -1
+// like any other id of another rank. The sending warps also note them as they load them, and every warp
+// that saw one reports it at its end as a value error (op kValueOpIntranodeDispatch; the first report
+// wins). Only ids of tokens that go to some rank are read, so only those are checked here (the layout
+// kernel checks them all).
 
 #include "common/nvrtc_compat.cuh"
+#include "common/value_errors.cuh"
 #include "intranode/layout.cuh"
 
 namespace deepep_intranode {
@@ -98,6 +105,9 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
     const uint64_t* free_words =
         reinterpret_cast<const uint64_t*>(my_base + a.free_offset) + static_cast<long long>(c * R + dst) * a.cap;
 
+    const long long num_experts = static_cast<long long>(R) * a.num_local_experts;
+    deepep::BadValue bad;  // bad top-k ids this lane loaded
+
     int count = 0;      // tokens of this channel for dst seen so far
     int run_first = 0;  // first index of this warp's unpublished run
     int run_len = 0;    // tokens of it written so far
@@ -137,6 +147,7 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
                 if (a.recv_topk_idx != nullptr) {
                     for (int j = lane; j < a.num_topk; j += 32) {
                         const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + j];
+                        bad.check_expert_id(e, num_experts);
                         const long long local = e - static_cast<long long>(rank) * a.num_local_experts;
                         const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
                         a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
@@ -166,6 +177,7 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
                 float* slot_w = reinterpret_cast<float*>(slot_ptr + a.slot_topk_weights_offset);
                 for (int j = lane; j < a.num_topk; j += 32) {
                     const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + j];
+                    bad.check_expert_id(e, num_experts);
                     const long long local = e - static_cast<long long>(dst) * a.num_local_experts;
                     const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
                     slot_idx[j] = mine ? static_cast<int>(local) : -1;
@@ -185,6 +197,8 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
     }
     // The last run of the channel may be short.
     if (ok && run_len > 0) publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
+    // Every lane is here (all branches above are uniform over the warp).
+    bad.report_from_warp(a.err, deepep::kValueOpIntranodeDispatch, rank, __LINE__);
 }
 
 // One warp of the group receiving channel c from src.
@@ -253,20 +267,26 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const WaitC
     }
 }
 
+}  // namespace deepep_intranode
+
+namespace deepep_cupy::intranode {
+
+using namespace ::deepep_intranode;
+
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
-dispatch_kernel(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
-                long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
-                const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
-                const bool* __restrict__ is_token_in_rank, int num_tokens, int hidden_int4,
-                const int* __restrict__ rank_prefix_matrix, const int* __restrict__ channel_prefix_matrix,
-                const int* __restrict__ recv_channel_prefix_matrix, int4* __restrict__ recv_x,
-                unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
-                float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx, int* __restrict__ send_head,
-                int num_out_rows, int num_worst_tokens, const long long* __restrict__ bases, long long ring_offset,
-                long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
-                int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
-                int publish_batch, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
+         long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
+         const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
+         const bool* __restrict__ is_token_in_rank, int num_tokens, int hidden_int4,
+         const int* __restrict__ rank_prefix_matrix, const int* __restrict__ channel_prefix_matrix,
+         const int* __restrict__ recv_channel_prefix_matrix, int4* __restrict__ recv_x,
+         unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
+         float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx, int* __restrict__ send_head,
+         int num_out_rows, int num_worst_tokens, const long long* __restrict__ bases, long long ring_offset,
+         long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
+         int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
+         int publish_batch, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -323,4 +343,4 @@ dispatch_kernel(const int4* __restrict__ x, const unsigned int* __restrict__ x_s
     end_kernel(ctrl, seq);
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

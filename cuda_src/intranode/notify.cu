@@ -19,14 +19,20 @@ namespace deepep_intranode {
 
 constexpr int kNotifyThreads = 1024;
 
+}  // namespace deepep_intranode
+
+namespace deepep_cupy::intranode {
+
+using namespace ::deepep_intranode;
+
 template <int kNumRanks>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-notify_dispatch_kernel(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channels,
-                       const int* __restrict__ num_tokens_per_expert, int num_local_experts, int expert_alignment,
-                       int* __restrict__ rank_prefix_matrix, int* __restrict__ channel_prefix_matrix,
-                       int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ meta,
-                       const long long* __restrict__ bases, long long notify_offset, int notify_stride,
-                       deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channels,
+       const int* __restrict__ num_tokens_per_expert, int num_local_experts, int expert_alignment,
+       int* __restrict__ rank_prefix_matrix, int* __restrict__ channel_prefix_matrix,
+       int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ meta,
+       const long long* __restrict__ bases, long long notify_offset, int notify_stride,
+       deepep::ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     extern __shared__ int s_counts[];  // [R][C] per-channel counts, then [R] totals
     __shared__ int s_abort;
@@ -133,4 +139,4 @@ notify_dispatch_kernel(const bool* __restrict__ is_token_in_rank, int num_tokens
     end_kernel(ctrl, seq);
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -10,33 +10,41 @@
 // and accumulates in k order. Only that one warp per block ever polls a flag.
 // On the RMA path, units of the receive phase first turn put-with-signal counters into local ready
 // flags (one unit per global expert). See layout.cuh for the buffer layout and the protocol.
+//
+// Top-k ids outside [-1, E) contribute nothing, like -1. While one warp per block waits for the experts,
+// the block's other warps check every id once and report a bad one as a value error (op
+// kValueOpLowLatencyCombine; the first report wins).
 #include "common/nvshmem_includes.cuh"
+#include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
 
 using namespace deepep;
 using namespace deepep::ll;
 
+namespace deepep_cupy::low_latency {
+
 template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
-    ll_combine_kernel(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
-                      const int* __restrict__ src_info,         // [E_local, R*T]
-                      const int64_t* __restrict__ layout_range, // [E_local, R]
-                      const int64_t* __restrict__ topk_idx,     // [N, K]
-                      const float* __restrict__ topk_weights,   // [N, K]
-                      int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
-                      uint32_t* sym_tags,                       // [E]
-                      uint64_t* sym_arrivals,                   // [E]
-                      uint8_t* sym_recv,                        // [E][T] slots of 2H bytes
-                      uint8_t* sym_send,                        // [E_local][R*T] rows of 2H bytes
-                      uint32_t* seq_state,                      // [4]
-                      uint64_t* arrival_base,                   // [E] local
-                      uint32_t* ready,                          // [E] local
-                      int* mask,                                // [R]
-                      uint16_t* out,                            // [N, H] bf16 bits
-                      int64_t* wait_recv_cost_stats,            // [R] or null
-                      int phases, int zero_copy, int force_rma, int shrink, long long timeout_ns,
-                      ErrorRecord* err) {
+    combine(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
+            const int* __restrict__ src_info,         // [E_local, R*T]
+            const int64_t* __restrict__ layout_range, // [E_local, R]
+            const int64_t* __restrict__ topk_idx,     // [N, K]
+            const float* __restrict__ topk_weights,   // [N, K]
+            int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
+            uint32_t* sym_tags,                       // [E]
+            uint64_t* sym_arrivals,                   // [E]
+            uint8_t* sym_recv,                        // [E][T] slots of 2H bytes
+            uint8_t* sym_send,                        // [E_local][R*T] rows of 2H bytes
+            uint32_t* seq_state,                      // [4]
+            uint64_t* arrival_base,                   // [E] local
+            uint32_t* ready,                          // [E] local
+            int* mask,                                // [R]
+            uint16_t* out,                            // [N, H] bf16 bits
+            int64_t* wait_recv_cost_stats,            // [R] or null
+            int phases, int zero_copy, int force_rma, int shrink, long long timeout_ns,
+            ErrorRecord* err) {
     constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
+    constexpr int kBlockWarps = kWarps * kGroups;
     constexpr int kSlotBytes = 2 * kHidden;
     constexpr int kRowBytes = kLogfmt ? (kHidden / kChannelsPerBlock) * kLogfmtBlockBytes : 2 * kHidden;
     constexpr int kChunk = 32 * 8;  // channels per warp item in the reduction
@@ -188,6 +196,18 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 if (lane == 0) s_arrived[e0 / 32] = bits;
             }
         }
+        // Meanwhile the other warps of the block have nothing to do: they check the top-k ids stage C will
+        // read (each id once over the grid) and report a bad one. Stage C itself only drops bad ids, so its
+        // loop carries nothing more. A block of one warp checks after its wait.
+        if (kBlockWarps == 1 || warp_in_block != 0) {
+            constexpr int kCheckers = kBlockWarps > 1 ? kBlockWarps - 1 : 1;
+            const int checker = static_cast<int>(blockIdx.x) * kCheckers + (kBlockWarps > 1 ? warp_in_block - 1 : 0);
+            const long long stride = static_cast<long long>(gridDim.x) * kCheckers * 32;
+            BadValue bad;
+            for (long long i = checker * 32ll + lane; i < static_cast<long long>(num_tokens) * kTopk; i += stride)
+                bad.check_expert_id(__ldg(topk_idx + i), num_experts);
+            bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
+        }
         __syncthreads();
 
         // Stage C: reduction, one (token, chunk) item per warp.
@@ -198,12 +218,15 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             const int col = (item % kNumChunks) * kChunk + lane * 8;
             const bool active = col < kHidden;
 
-            // Lane k holds expert topk_idx[t, k]; -1 means "contributes nothing".
+            // Lane k holds expert topk_idx[t, k]; -1 means "contributes nothing". The range check is done
+            // on the 64-bit id: narrowing first could turn a huge id into a valid one.
             int expert = -1;
             if (lane < kTopk) {
-                expert = static_cast<int>(__ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane));
-                if (expert < 0 || expert >= num_experts || ((s_arrived[expert / 32] >> (expert % 32)) & 1u) == 0)
-                    expert = -1;
+                const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
+                if (id >= 0 && id < num_experts) {
+                    expert = static_cast<int>(id);
+                    if (((s_arrived[expert / 32] >> (expert % 32)) & 1u) == 0) expert = -1;
+                }
             }
             __syncwarp();
 
@@ -246,3 +269,5 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         }
     }
 }
+
+}  // namespace deepep_cupy::low_latency

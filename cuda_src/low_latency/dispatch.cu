@@ -9,36 +9,44 @@
 // receive phase has one unit per (local expert, source rank): it waits for the counts of all sources
 // up to its own (its rows start after theirs), then copies its rows into the packed outputs.
 // See layout.cuh for the buffer layout and the completion protocol.
+//
+// Top-k ids outside [-1, E) never equal the expert a group scans for, so they select nothing, like -1.
+// The group that scans for this rank's first local expert (never skipped unless this rank is masked)
+// also reports one of them as a value error (op kValueOpLowLatencyDispatch); every group pays the same
+// compare per id, which keeps the scan loop free of branches.
 #include "common/nvshmem_includes.cuh"
+#include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
 
 using namespace deepep;
 using namespace deepep::ll;
 
+namespace deepep_cupy::low_latency {
+
 // Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.
 template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
-    ll_dispatch_kernel(const uint16_t* __restrict__ x,          // [N, H] bf16 bits
-                       const int64_t* __restrict__ topk_idx,    // [N, K]
-                       int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
-                       uint32_t* sym_tags,                      // [E]
-                       uint64_t* sym_arrivals,                  // [E]
-                       int* sym_src_idx,                        // [E][T]
-                       uint8_t* sym_recv,                       // [E][T] slots of 2H bytes
-                       const uint8_t* sym_stage,                // [T] staged messages (RMA path)
-                       uint32_t* seq_state,                     // [4] send seq, readers, recv seq, readers
-                       uint64_t* arrival_base,                  // [E] local
-                       int* mask,                               // [R]
-                       uint8_t* out_x,                          // [E_local, R*T, H or 2H bytes]
-                       float* out_scales,                       // [E_local, H/128, R*T]
-                       int* out_scales_ue8m0,                   // [E_local, ceil(H/512), R*T]
-                       int* out_count,                          // [E_local]
-                       int* out_src_info,                       // [E_local, R*T]
-                       int64_t* out_layout_range,               // [E_local, R]
-                       int* cumulative_recv_stats,              // [E_local] or null
-                       int64_t* wait_recv_cost_stats,           // [R] or null
-                       int phases, int staged, int force_rma, int round_scale, int use_ue8m0, int shrink,
-                       long long timeout_ns, ErrorRecord* err) {
+    dispatch(const uint16_t* __restrict__ x,       // [N, H] bf16 bits
+             const int64_t* __restrict__ topk_idx, // [N, K]
+             int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
+             uint32_t* sym_tags,                   // [E]
+             uint64_t* sym_arrivals,               // [E]
+             int* sym_src_idx,                     // [E][T]
+             uint8_t* sym_recv,                    // [E][T] slots of 2H bytes
+             const uint8_t* sym_stage,             // [T] staged messages (RMA path)
+             uint32_t* seq_state,                  // [4] send seq, readers, recv seq, readers
+             uint64_t* arrival_base,               // [E] local
+             int* mask,                            // [R]
+             uint8_t* out_x,                       // [E_local, R*T, H or 2H bytes]
+             float* out_scales,                    // [E_local, H/128, R*T]
+             int* out_scales_ue8m0,                // [E_local, ceil(H/512), R*T]
+             int* out_count,                       // [E_local]
+             int* out_src_info,                    // [E_local, R*T]
+             int64_t* out_layout_range,            // [E_local, R]
+             int* cumulative_recv_stats,           // [E_local] or null
+             int64_t* wait_recv_cost_stats,        // [R] or null
+             int phases, int staged, int force_rma, int round_scale, int use_ue8m0, int shrink,
+             long long timeout_ns, ErrorRecord* err) {
     constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
     constexpr int kNumScales = kHidden / kChannelsPerBlock;
     constexpr int kSlotBytes = 2 * kHidden;
@@ -75,17 +83,23 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group (shared snapshot)
 
             // Which tokens pick e, 32 at a time.
+            BadValue bad;
             for (int c = warp; c < num_chunks; c += kWarps) {
                 const int t = c * 32 + lane;
                 bool hit = false;
                 if (t < num_tokens) {
                     const int64_t* row = topk_idx + static_cast<int64_t>(t) * kTopk;
 #pragma unroll
-                    for (int k = 0; k < kTopk; ++k) hit |= (__ldg(row + k) == static_cast<int64_t>(e));
+                    for (int k = 0; k < kTopk; ++k) {
+                        const int64_t id = __ldg(row + k);
+                        hit |= (id == static_cast<int64_t>(e));
+                        bad.check_expert_id(id, num_experts);
+                    }
                 }
                 const uint32_t bits = __ballot_sync(kFullMask, hit);
                 if (lane == 0) s_chunks[group][c] = bits;
             }
+            if (e == rank * num_local_experts) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
             group_sync(barrier_id, kGroupThreads);
 
             uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
@@ -253,10 +267,10 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 }
 
 // RMA path only: cast (or copy) every token once into the symmetric staging area, which the puts of
-// ll_dispatch_kernel read. One warp per token.
+// the dispatch kernel read. One warp per token.
 template <int kHidden, bool kFP8>
 __global__ void __launch_bounds__(256, 1)
-    ll_dispatch_stage_kernel(const uint16_t* __restrict__ x, int num_tokens, uint8_t* sym_stage, int round_scale) {
+    stage(const uint16_t* __restrict__ x, int num_tokens, uint8_t* sym_stage, int round_scale) {
     constexpr int kSlotBytes = 2 * kHidden;
     const int lane = lane_id();
     const int warps = static_cast<int>(gridDim.x * blockDim.x) / 32;
@@ -270,3 +284,5 @@ __global__ void __launch_bounds__(256, 1)
         }
     }
 }
+
+}  // namespace deepep_cupy::low_latency

@@ -1,0 +1,100 @@
+"""NVRTC name expressions of every kernel in ``cuda_src/``, and the op codes of the value errors they report.
+
+Every kernel lives in a ``deepep_cupy::<family>`` namespace, and each family has exactly one kernel whose
+name contains ``::dispatch`` and one containing ``::combine``. A profiler trace therefore shows a short
+name for each kernel, and ``::dispatch`` / ``::combine`` picks out the data-moving kernels. Helper kernels
+(the FP8 staging kernel, the intranode count exchange, the layout counts) have neither word in their names.
+
+Each function returns the string to give to ``BuildSpec.make(..., name_expressions=[...])`` and then to
+``LoadedModule.get_function``. Template arguments appear as C++ spells them: integers in decimal,
+booleans as ``true`` / ``false``, separated by ``", "``.
+
+Value errors: a kernel that reads ``topk_idx`` treats an id outside ``[-1, num_experts)`` as ``-1`` (no
+expert) and reports one such id through its error record (``cuda_src/common/value_errors.cuh``): flag 1,
+``op`` one of the ``VALUE_OP_*`` codes below, ``peer`` -1, the word after ``line`` set to
+:data:`RECORD_KIND_VALUE_ERROR`, and the offending id in the 64-bit word where a timeout keeps the time it
+waited. :data:`VALUE_OP_ARGS` names the operation and the argument for each code.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RECORD_KIND_TIMEOUT",
+    "RECORD_KIND_VALUE_ERROR",
+    "VALUE_OP_ARGS",
+    "VALUE_OP_INTRANODE_DISPATCH",
+    "VALUE_OP_LAYOUT",
+    "VALUE_OP_LL_COMBINE",
+    "VALUE_OP_LL_DISPATCH",
+    "intranode_combine",
+    "intranode_dispatch",
+    "intranode_notify",
+    "layout_count_tokens",
+    "ll_combine",
+    "ll_dispatch",
+    "ll_stage",
+]
+
+#: The ``reserved`` word of the error record (word 5): what a complete record reports.
+RECORD_KIND_TIMEOUT = 0
+RECORD_KIND_VALUE_ERROR = 1
+
+#: Op codes of value errors (``kValueOp*`` in ``cuda_src/common/value_errors.cuh``).
+VALUE_OP_LAYOUT = 301
+VALUE_OP_INTRANODE_DISPATCH = 302
+VALUE_OP_LL_DISPATCH = 303
+VALUE_OP_LL_COMBINE = 304
+
+#: Op code -> (operation, argument) for error messages.
+VALUE_OP_ARGS: dict[int, tuple[str, str]] = {
+    VALUE_OP_LAYOUT: ("get_dispatch_layout", "topk_idx"),
+    VALUE_OP_INTRANODE_DISPATCH: ("intranode_dispatch", "topk_idx"),
+    VALUE_OP_LL_DISPATCH: ("low_latency_dispatch", "topk_idx"),
+    VALUE_OP_LL_COMBINE: ("low_latency_combine", "topk_idx"),
+}
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _ints(*values: int) -> str:
+    return ", ".join(str(int(v)) for v in values)
+
+
+# ---------------------------------------------------------------------------------------- low latency
+def ll_dispatch(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool) -> str:
+    """``deepep_cupy::low_latency::dispatch<H, K, W, G, fp8>`` (``cuda_src/low_latency/dispatch.cu``)."""
+    return f"deepep_cupy::low_latency::dispatch<{_ints(hidden, topk, warps, groups)}, {_flag(use_fp8)}>"
+
+
+def ll_stage(hidden: int, use_fp8: bool) -> str:
+    """``deepep_cupy::low_latency::stage<H, fp8>``: the RMA path's staging cast, same source as the dispatch."""
+    return f"deepep_cupy::low_latency::stage<{_ints(hidden)}, {_flag(use_fp8)}>"
+
+
+def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool) -> str:
+    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt>`` (``cuda_src/low_latency/combine.cu``)."""
+    return f"deepep_cupy::low_latency::combine<{_ints(hidden, topk, warps, groups)}, {_flag(use_logfmt)}>"
+
+
+# ---------------------------------------------------------------------------------------- intranode
+def intranode_notify(num_ranks: int) -> str:
+    """``deepep_cupy::intranode::notify<R>``: the count exchange before a dispatch (``intranode/notify.cu``)."""
+    return f"deepep_cupy::intranode::notify<{_ints(num_ranks)}>"
+
+
+def intranode_dispatch(num_ranks: int, warps: int, unroll: int) -> str:
+    """``deepep_cupy::intranode::dispatch<R, W, U>`` (``cuda_src/intranode/dispatch.cu``)."""
+    return f"deepep_cupy::intranode::dispatch<{_ints(num_ranks, warps, unroll)}>"
+
+
+def intranode_combine(num_ranks: int, warps: int, unroll: int) -> str:
+    """``deepep_cupy::intranode::combine<R, W, U>`` (``cuda_src/intranode/combine.cu``)."""
+    return f"deepep_cupy::intranode::combine<{_ints(num_ranks, warps, unroll)}>"
+
+
+# ---------------------------------------------------------------------------------------- layout
+def layout_count_tokens(num_topk: int) -> str:
+    """``deepep_cupy::layout::count_tokens<K>``: tokens per expert / rank / RDMA rank (``cuda_src/layout.cu``)."""
+    return f"deepep_cupy::layout::count_tokens<{_ints(num_topk)}>"
