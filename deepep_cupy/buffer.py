@@ -172,6 +172,8 @@ class Buffer:
                                        allow_nvlink=bool(allow_nvlink_for_low_latency_mode),
                                        allow_mnnvl=bool(allow_mnnvl), use_fabric=bool(use_fabric),
                                        enable_shrink=self.enable_shrink)
+            # Engine tuning (block shapes, batches) is part of what the normal ops' plans fixed.
+            self.runtime.plans_invalidated = self._drop_normal_plans
 
     def _nvl_domain_size(self, requested: int | None) -> int:
         env = os.environ.get("DEEPEP_CUPY_NVL_RANKS")
@@ -231,10 +233,10 @@ class Buffer:
         if gpu_count() == 0:
             return EventOverlap(None)
         from .runtime.device import current_device_id
-        from .runtime.streams import DeviceEvent, current_stream
+        from .runtime.streams import DeviceEvent, current_stream_ptr
 
         dev = current_device_id()
-        return EventOverlap(DeviceEvent(current_stream(None, dev), None, dev))
+        return EventOverlap(DeviceEvent(current_stream_ptr(None, dev), None, dev))
 
     # ------------------------------------------------------------------ plumbing
     def _alive(self) -> None:
@@ -247,6 +249,10 @@ class Buffer:
 
     def _num_experts_ok(self, num_experts) -> int:
         return checks.num_experts_ok(num_experts, self.group_size)
+
+    def _drop_normal_plans(self) -> None:
+        self._dispatch_plans.clear()
+        self._combine_plans.clear()
 
     def _default_config(self, table: dict) -> Config:
         key = (id(table), Buffer.num_sms)
@@ -354,7 +360,7 @@ class Buffer:
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream):
         scales = None
-        if type(x) is tuple:
+        if (type(x) is tuple or type(x) is list) and len(x) == 2:
             x, scales = x
         key = (meta(x), meta(scales), _handle_meta(handle), meta(num_tokens_per_rank), meta(is_token_in_rank),
                meta(num_tokens_per_expert), meta(topk_idx), meta(topk_weights), expert_alignment, num_worst_tokens,

@@ -128,7 +128,7 @@ def _cupy_holds(dtype: np.dtype) -> bool:
     import cupy
 
     try:
-        cupy.empty(0, dtype=np.uint8).view(dtype)
+        cupy.empty((1,), dtype=dtype)  # allocating is what the frame does (a view alone may pass)
         return True
     except Exception:
         return False

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
-#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode tests-low-latency startup bench
+#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode
+#       tests-low-latency tests-graphs tests-pressure startup host bench
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
 set -uo pipefail
@@ -17,7 +18,7 @@ NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "$NGPU" --bind-to none
         -x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
         -x PYTHONUNBUFFERED -x DEEPEP_CUPY_CACHE_DIR -x DEEPEP_CUPY_TIMEOUT_S)
-STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency startup bench}
+STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-pressure startup bench}
 SUMMARY=()
 
 stage_info() {
@@ -48,7 +49,7 @@ PY
 
 run_tests() {  # name, test path, timeout
     local name=$1 path=$2 limit=$3
-    timeout "$limit" "${MPIRUN[@]}" bash -c "python3 -m pytest $path -q -p no:cacheprovider -x --timeout=$limit \
+    timeout "$limit" "${MPIRUN[@]}" bash -c "python3 -m pytest $path -q -p no:cacheprovider ${PYTEST_ARGS:--x} --timeout=$limit \
         > $OUT/$name.rank\$OMPI_COMM_WORLD_RANK.log 2>&1"
     local rc=$?
     SUMMARY+=("$name (rc $rc): $(for f in "$OUT"/$name.rank*.log; do tail -1 "$f"; done | tr '\n' ';')")
@@ -56,7 +57,11 @@ run_tests() {  # name, test path, timeout
 
 stage_tests-layout() { run_tests tests-layout tests/gpu/test_layout.py 300; }
 stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 300; }
-stage_tests-low-latency() { run_tests tests-low-latency tests/gpu/test_low_latency.py 420; }
+stage_tests-low-latency() {
+    run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
+}
+stage_tests-graphs() { run_tests tests-graphs "tests/gpu/test_torch_graphs.py tests/gpu/test_torch_graphs_intranode.py" 300; }
+stage_tests-pressure() { run_tests tests-pressure tests/gpu/test_pressure.py 300; }
 
 stage_startup() {
     local cold; cold=$(mktemp -d)

@@ -69,8 +69,7 @@ class LaunchPlan:
         self._array = (ctypes.c_void_p * max(len(args), 1))(
             *[ctypes.addressof(self._slots[name]) for name in self.names])
         self._address = ctypes.addressof(self._array)
-        raw = getattr(kernel, "raw", kernel)
-        self._fn = _driver().CUfunction(int(raw.ptr))
+        self._fn = _driver().CUfunction(_function_address(kernel))
 
     def slot(self, name: str):
         """The ctypes scalar behind argument ``name`` (set ``.value`` to patch it)."""
@@ -110,6 +109,13 @@ def _raise_launch_error(err, kernel) -> None:
     _, text = driver.cuGetErrorString(err)
     detail = text.decode() if isinstance(text, bytes) else str(text)
     raise RuntimeError(f"launching {name} failed: {detail} ({err})")
+
+
+def _function_address(kernel) -> int:
+    """The ``CUfunction`` behind a project kernel, a ``cupy.RawKernel`` or a CuPy ``Function``."""
+    raw = getattr(kernel, "raw", kernel)
+    function = getattr(raw, "kernel", raw)  # RawKernel -> its loaded Function
+    return int(function.ptr)
 
 
 def _dim3(value) -> tuple[int, int, int]:

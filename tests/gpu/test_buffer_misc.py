@@ -70,10 +70,18 @@ def test_too_small_buffer_raises_before_launch():
         per_rank, _, per_expert, in_rank, _ = small.get_dispatch_layout(idx, experts)
         with pytest.raises(ValueError, match="num_nvl_bytes|bytes"):
             small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        # An expert id out of range is found by the kernel (no host sync on the call) and raised by the
+        # next call; the bad id itself counted as "no expert".
         bad = idx.copy()
         bad[0, 0] = experts
+        per_rank_bad = small.get_dispatch_layout(bad, experts)[0]
+        cupy.cuda.Device().synchronize()
         with pytest.raises(ValueError, match="topk_idx"):
-            small.get_dispatch_layout(bad, experts)
+            small.get_dispatch_layout(idx, experts)
+        expect = cupy.asnumpy(per_rank)
+        got = cupy.asnumpy(per_rank_bad)
+        assert got.sum() <= expect.sum()
+        small.get_dispatch_layout(idx, experts)  # reported once: the next call works
     finally:
         small.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
