@@ -39,6 +39,7 @@ class CudaRuntime:
                 from .ops.intranode import IntranodeEngine
 
                 self.intranode = IntranodeEngine(group, self.device_id, num_nvl_bytes, use_fabric=use_fabric)
+                self.intranode.on_tuning_change = self._drop_intranode_plans
             if low_latency_mode or num_rdma_bytes > 0:
                 from .ops.low_latency import LowLatencyEngine
 
@@ -50,6 +51,12 @@ class CudaRuntime:
             raise
 
     # ------------------------------------------------------------------ helpers
+    #: Called with no arguments when the intranode engine's tuning changes (the Buffer drops its plans).
+    plans_invalidated = None
+
+    def _drop_intranode_plans(self) -> None:
+        if self.plans_invalidated is not None:
+            self.plans_invalidated()
     def require_internode(self, op: str) -> None:
         raise NotImplementedError(
             f"{op}: the GPU backend runs one NVLink domain per group; this group spans "

@@ -289,6 +289,17 @@ class IntranodeEngine:
           if none.
     """
 
+    #: Attributes plans are built from: changing one drops the plans made with the old value.
+    TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
+              "recv_self_warps", "publish_batch")
+
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in IntranodeEngine.TUNING:
+            listener = self.__dict__.get("on_tuning_change")
+            if listener is not None:
+                listener()
+
     def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False) -> None:
         import cupy
 
