@@ -12,11 +12,16 @@ import socket
 
 from . import buffer_checks as checks
 from . import validate as check
+from .buffer_low_latency import LowLatencyOps
 from .config import Config, low_latency_rdma_size_hint
 from .event import EventOverlap
 from .interop import I32 as _I32
 from .interop import I64 as _I64
 from .interop import shape_of
+from .plan_cache import config_key as _config_key
+from .plan_cache import handle_meta as _handle_meta
+from .plan_cache import lookup as _lookup
+from .plan_cache import store as _store
 from .runtime.device import gpu_count
 from .runtime.group import make_group
 from .tensors import meta
@@ -35,44 +40,6 @@ _COMBINE_CONFIGS = {2: (1, 256, 6, 128), 4: (1, 256, 6, 128), 8: (1, 256, 6, 128
                     128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 
-def _lookup(plans: dict, key):
-    """The plan for ``key``, or None (also for a key that cannot be hashed: the argument checks of a new
-    plan then name the argument that made it so)."""
-    try:
-        return plans.get(key)
-    except TypeError:
-        return None
-
-
-def _store(plans: dict, key, plan):
-    try:
-        plans[key] = plan
-    except TypeError:
-        pass
-    return plan
-
-
-def _handle_meta(handle):
-    if handle is None:
-        return None
-    if type(handle) is not tuple or len(handle) != 6:
-        return ("bad handle", id(handle))
-    return tuple(meta(h) for h in handle)
-
-
-def _ll_handle_meta(handle):
-    if type(handle) is not tuple or len(handle) != 5:
-        return ("bad handle", id(handle))
-    return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
-
-
-def _config_key(config) -> tuple | None:
-    if type(config) is not Config:
-        return ("other", id(config))
-    return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
-
-
 def _pick_config(table: dict, num_ranks: int) -> Config:
     key = min(table, key=lambda k: (abs(k - num_ranks), k))
     return Config(Buffer.num_sms, *table[key])
@@ -89,7 +56,7 @@ def _choose_backend(requested: str | None) -> str:
     return choice
 
 
-class Buffer:
+class Buffer(LowLatencyOps):
     """Communication buffers for expert-parallel MoE: dispatch tokens to the ranks holding their experts
     and combine the expert outputs back.
 
@@ -174,6 +141,9 @@ class Buffer:
                                        enable_shrink=self.enable_shrink)
             # Engine tuning (block shapes, batches) is part of what the normal ops' plans fixed.
             self.runtime.plans_invalidated = self._drop_normal_plans
+        # Agreement checks across ranks still in flight (see CudaRuntime.agree); looked at by every call
+        # while there are any.
+        self._pending: list = getattr(self.runtime, "pending_agreements", [])
 
     def _nvl_domain_size(self, requested: int | None) -> int:
         env = os.environ.get("DEEPEP_CUPY_NVL_RANKS")
@@ -309,6 +279,8 @@ class Buffer:
             _store(self._layout_plans, key, plan)
         if self._host_values:
             check.topk_values("topk_idx", topk_idx, num_experts)
+        if self._pending:
+            self.runtime.poll_agreements()
         return plan.run(topk_idx, previous_event)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -373,6 +345,8 @@ class Buffer:
                                            allocate_on_comm_stream)
         if self._host_values and topk_idx is not None:
             check.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0])
+        if self._pending:
+            self.runtime.poll_agreements()
         return plan.run(x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, previous_event)
 
@@ -431,6 +405,8 @@ class Buffer:
             plan = _store(self._combine_plans, key, self.runtime.plan_combine(
                 x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
                 async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))
+        if self._pending:
+            self.runtime.poll_agreements()
         return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -461,151 +437,6 @@ class Buffer:
         self.runtime.require_internode("internode_combine")
         return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                              allocate_on_comm_stream)
-
-    # ------------------------------------------------------------------ low-latency ops
-    def _ll_required(self, op: str) -> None:
-        if not self.low_latency_mode:
-            raise RuntimeError(f"{op} needs a Buffer created with low_latency_mode=True")
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Re-zero what the low-latency kernels expect zeroed (needed after normal kernels used the buffer).
-
-        Arguments:
-            num_max_dispatch_tokens_per_rank: as for ``low_latency_dispatch``.
-            hidden: hidden size.
-            num_experts: total experts.
-        """
-        self._alive()
-        self._ll_required("clean_low_latency_buffer")
-        check.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
-        check.positive_int("hidden", hidden)
-        self._num_experts_ok(num_experts)
-        self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
-        """Low-latency dispatch for decoding: every (token, expert) pair goes straight to the expert's rank.
-
-        Two result buffers alternate, so at most two dispatch/combine results may be held at once.
-
-        Arguments:
-            x: `[num_tokens, hidden]` bf16, ``num_tokens <= num_max_dispatch_tokens_per_rank``.
-            topk_idx: `[num_tokens, num_topk]` int64, -1 for none.
-            num_max_dispatch_tokens_per_rank: T, same on every rank.
-            num_experts: total experts.
-            cumulative_local_expert_recv_stats: optional `[num_local_experts]` int32, received counts are added.
-            dispatch_wait_recv_cost_stats: optional `[num_ranks]` (or `[num_ranks, num_ranks]`, this rank's row)
-                int64, wait time per source rank is added (nanoseconds).
-            use_fp8: cast to FP8 e4m3 with one float32 scale per 128 channels (amax / 448).
-            round_scale: round scales up to powers of two.
-            use_ue8m0: pack power-of-two scales as 8-bit exponents, 4 per int32 (needs ``round_scale``).
-            async_finish: do not make the current stream wait; wait on the returned event instead.
-            return_recv_hook: only issue the sends; calling the returned hook receives.
-
-        Returns:
-            recv_x: `[num_local_experts, num_ranks * T, hidden]` bf16, or with FP8 a tuple of the e4m3 data
-                and scales `[num_local_experts, num_ranks * T, hidden // 128]` float32 (UE8M0: int32,
-                `hidden // 512`), scales column-major in their last two dimensions. Rows of each expert are
-                grouped by source rank in rank order, in source token order within a source.
-            recv_count: `[num_local_experts]` int32 valid rows per expert.
-            handle: `(src_info, layout_range, T, hidden, num_experts)` for ``low_latency_combine``.
-            event: an ``EventOverlap``.
-            hook: receive function with ``return_recv_hook``, else None.
-        """
-        if self._destroyed:
-            self._alive()
-        key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
-               meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8, round_scale,
-               use_ue8m0, async_finish, return_recv_hook)
-        plan = _lookup(self._ll_dispatch_plans, key)
-        if plan is None:
-            self._ll_required("low_latency_dispatch")
-            checks.ll_dispatch_args(self.group_size, self.num_rdma_bytes if self.backend == "cuda" else None, x,
-                                    topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                    round_scale, use_ue8m0)
-            plan = _store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
-                num_experts=int(num_experts), dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
-                use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
-                async_finish=bool(async_finish), return_recv_hook=bool(return_recv_hook)))
-        if self._host_values:
-            check.topk_values("topk_idx", topk_idx, num_experts)
-        return plan.run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
-
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
-                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out=None, combine_wait_recv_cost_stats=None):
-        """Low-latency combine: bring expert outputs back and reduce them **with** the top-k weights.
-
-        Arguments:
-            x: `[num_local_experts, num_ranks * T, hidden]` bf16 expert outputs in the dispatch layout.
-            topk_idx: `[num_tokens, num_topk]` int64, the routing given to ``low_latency_dispatch``.
-            topk_weights: `[num_tokens, num_topk]` float32.
-            handle: from ``low_latency_dispatch``.
-            use_logfmt: send a 10-bit logarithmic format per 128 channels (less traffic, ~1% error).
-            zero_copy: ``x`` was already written into ``get_next_low_latency_combine_buffer(handle)``.
-            async_finish, return_recv_hook: as for ``low_latency_dispatch``.
-            out: optional `[num_tokens, hidden]` bf16 output written in place and returned.
-            combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
-
-        Returns:
-            combined_x: `[num_tokens, hidden]` bf16, the weighted sum over each token's valid experts.
-            event: an ``EventOverlap``.
-            hook: receive function with ``return_recv_hook``, else None.
-        """
-        if self._destroyed:
-            self._alive()
-        key = (meta(x), meta(topk_idx), meta(topk_weights), _ll_handle_meta(handle), use_logfmt, zero_copy,
-               async_finish, return_recv_hook, meta(out), meta(combine_wait_recv_cost_stats))
-        plan = _lookup(self._ll_combine_plans, key)
-        if plan is None:
-            self._ll_required("low_latency_combine")
-            checks.ll_combine_args(self.group_size, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                                   combine_wait_recv_cost_stats)
-            plan = _store(self._ll_combine_plans, key, self.runtime.plan_low_latency_combine(
-                x, topk_idx, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
-                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
-                return_recv_hook=bool(return_recv_hook)))
-        if self._host_values:
-            check.topk_values("topk_idx", topk_idx, int(handle[4]))
-        return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
-
-    def get_next_low_latency_combine_buffer(self, handle):
-        """The buffer the next ``low_latency_combine(..., zero_copy=True)`` sends from:
-        `[num_local_experts, num_ranks * T, hidden]` bf16, for the caller to fill."""
-        self._alive()
-        self._ll_required("get_next_low_latency_combine_buffer")
-        check.handle(handle, 5, "low_latency_dispatch")
-        return self.runtime.get_next_low_latency_combine_buffer(handle)
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (``mask=True``) or unmask a rank: masked ranks neither send nor receive in low-latency ops."""
-        self._alive()
-        self._shrink_required("low_latency_update_mask_buffer")
-        rank_to_mask = check.nonneg_int("rank_to_mask", rank_to_mask)
-        if rank_to_mask >= self.group_size:
-            raise ValueError(f"rank_to_mask must be below {self.group_size}, got {rank_to_mask}")
-        self.runtime.low_latency_update_mask_buffer(rank_to_mask, bool(mask))
-
-    def low_latency_query_mask_buffer(self, mask_status) -> None:
-        """Write 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
-        self._alive()
-        self._shrink_required("low_latency_query_mask_buffer")
-        check.tensor("mask_status", mask_status, dtype=_I32, shape=(self.group_size,))
-        self.runtime.low_latency_query_mask_buffer(mask_status)
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
-        self._alive()
-        self._shrink_required("low_latency_clean_mask_buffer")
-        self.runtime.low_latency_clean_mask_buffer()
-
-    def _shrink_required(self, op: str) -> None:
-        if not self.enable_shrink:
-            raise RuntimeError(f"{op} needs a Buffer created with enable_shrink=True")
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

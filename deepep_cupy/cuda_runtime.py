@@ -8,12 +8,14 @@ owns the engines (NVLink buffer, NVSHMEM buffer) and the communication stream th
 from __future__ import annotations
 
 from .runtime.device import current_device_id
-from .runtime.group import check_agreement
-from .runtime.kernel_errors import timeout_seconds
+from .runtime.group import Agreement
 from .runtime.streams import current_stream_ptr
 from .tensors import frame_for
 
 __all__ = ["CudaRuntime"]
+
+# How long a new plan waits for the other ranks' half of its agreement check before going on without it.
+_AGREEMENT_WAIT_S = 0.05
 
 
 class CudaRuntime:
@@ -34,6 +36,7 @@ class CudaRuntime:
         self.low_latency = None
         self._layout_errors = None
         self._agreed: set = set()
+        self.pending_agreements: list = []
         try:
             if num_nvl_bytes > 0:
                 from .ops.intranode import IntranodeEngine
@@ -86,15 +89,33 @@ class CudaRuntime:
         raise TypeError(f"expected a torch tensor or CuPy array, got {type(obj).__name__}")
 
     def agree(self, op: str, **fields) -> None:
-        """Collective check that every rank passes the same ``fields`` to ``op``, once per distinct set of
-        values. Plans also depend on per-rank sizes (token counts), so a new plan is not always new on every
-        rank; these fields must be equal everywhere, so ranks that agree see the same new sets in the same
-        order, and only ranks that disagree end up in the check alone (named error or bounded timeout)."""
+        """Check that every rank passes the same ``fields`` to ``op``, once per distinct set of values.
+
+        Plans also depend on per-rank sizes (token counts), so a new plan is not new on every rank; these
+        fields must be equal everywhere, so ranks that agree start the same checks in the same order. The
+        check waits a little for the others (they normally arrive at once), then goes on: a rank that
+        never comes (masked, dead) must not stop this one, and an unfinished check is looked at again by
+        every later call (:meth:`poll_agreements`), which raises a disagreement on every rank.
+        """
         key = (op, tuple(fields.items()))
         if key in self._agreed:
             return
-        check_agreement(self.group, op, fields, timeout_seconds())
+        check = Agreement(self.group, op, fields)
         self._agreed.add(key)
+        try:
+            done = check.wait(_AGREEMENT_WAIT_S)
+        except ValueError:
+            self._agreed.discard(key)  # every rank saw the same rows: all of them check again next time
+            raise
+        if not done:
+            self.pending_agreements.append(check)
+
+    def poll_agreements(self) -> None:
+        """Finish the agreement checks still in flight; raise the first disagreement found."""
+        pending = self.pending_agreements
+        for check in list(pending):
+            if check.poll():
+                pending.remove(check)
 
     @property
     def layout_errors(self):

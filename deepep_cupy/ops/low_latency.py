@@ -37,7 +37,6 @@ from .low_latency_layout import (
     MAX_EXPERTS,
     MAX_RANKS,
     MAX_TOKENS,
-    MAX_TOPK,
     REGIONS,
     LowLatencyLayout,
     rdma_size_hint,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed", "check_agreement"]
+__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed", "Agreement"]
 
 
 class CommGroup(ABC):
@@ -34,12 +34,35 @@ class CommGroup(ABC):
     def bcast_object(self, obj, root: int = 0):
         return self.allgather_object(obj if self.rank == root else None)[root]
 
-    def allgather_ints(self, values: list[int], *, op: str, timeout_s: float) -> list[list[int]]:
-        """Every rank's ``values`` (a short list of ints), waiting at most ``timeout_s`` seconds.
+    def start_allgather_ints(self, values: list[int]):
+        """Start gathering every rank's ``values`` (a short list of ints); returns a request whose
+        ``test()`` gives the rows once every rank has joined, else None. Groups without a non-blocking
+        collective complete it at once (blocking like ``allgather_object``)."""
+        return _Done([list(v) for v in self.allgather_object(list(values))])
 
-        Groups without a non-blocking collective wait like ``allgather_object``.
-        """
-        return [list(v) for v in self.allgather_object(list(values))]
+
+class _Done:
+    __slots__ = ("rows",)
+
+    def __init__(self, rows) -> None:
+        self.rows = rows
+
+    def test(self):
+        return self.rows
+
+
+class _MPIGather:
+    """An ``Iallgather`` in flight: ``test()`` returns the rows once complete, else None."""
+
+    __slots__ = ("request", "recv", "rows")
+
+    def __init__(self, request, recv) -> None:
+        self.request, self.recv, self.rows = request, recv, None
+
+    def test(self):
+        if self.rows is None and self.request.Test():
+            self.rows = self.recv.tolist()
+        return self.rows
 
 
 class MPIGroup(CommGroup):
@@ -49,6 +72,8 @@ class MPIGroup(CommGroup):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # Collective, like the Buffer construction this happens in.
+        self._checks = comm.Dup() if hasattr(comm, "Dup") else None
 
     def allgather_object(self, obj) -> list:
         return self.comm.allgather(obj)
@@ -64,27 +89,16 @@ class MPIGroup(CommGroup):
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def allgather_ints(self, values: list[int], *, op: str, timeout_s: float) -> list[list[int]]:
-        # A non-blocking all-gather polled against a deadline: a rank that never joins ends in a named
-        # error here instead of a hang.
-        import time
-
+    def start_allgather_ints(self, values: list[int]):
+        # On a communicator of our own, so that a gather still in flight (a rank that has not made the same
+        # call yet, or never will) can never be matched with the caller's collectives on ``comm``.
         import numpy as np
 
+        if self._checks is None:
+            raise RuntimeError("this MPI group was made without its checks communicator")
         send = np.asarray(values, dtype=np.int64)
         recv = np.empty((self.size, send.size), dtype=np.int64)
-        request = self.comm.Iallgather(send, recv)
-        deadline = time.monotonic() + timeout_s
-        while not request.Test():
-            if time.monotonic() > deadline:
-                from ..errors import DeepEPTimeoutError
-
-                raise DeepEPTimeoutError(
-                    f"{op}: rank {self.rank} waited {timeout_s:.0f} s for the other ranks to check that they "
-                    "agree on the op's sizes and flags; some rank did not call the same op (or called it "
-                    "with a new shape this rank has already seen)")
-            time.sleep(0.0002)
-        return recv.tolist()
+        return _MPIGather(self._checks.Iallgather(send, recv), recv)
 
 
 class TorchGroup(CommGroup):
@@ -151,13 +165,40 @@ def init_torch_distributed(comm, backend: str = "gloo", **kwargs) -> None:
                             world_size=comm.Get_size(), **kwargs)
 
 
-def check_agreement(group: CommGroup, op: str, fields: dict, timeout_s: float) -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks passed equal ``fields`` (name -> int or
-    bool) to ``op``. Collective; called once per new plan shape, never on the hot path."""
-    names = list(fields)
-    gathered = group.allgather_ints([int(fields[n]) for n in names], op=op, timeout_s=timeout_s)
-    for i, name in enumerate(names):
-        seen = [row[i] for row in gathered]
-        if any(v != seen[0] for v in seen):
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
-            raise ValueError(f"{op}: the ranks disagree on {name} ({per_rank}); every rank must pass the same value")
+class Agreement:
+    """Checks, without waiting, that every rank passed equal ``fields`` (name -> int or bool) to ``op``.
+
+    Started when a rank makes a plan for a new set of values; :meth:`poll` looks at the gather and, once
+    every rank has joined, raises the same ``ValueError`` on every rank if they disagree. Nothing waits
+    for a rank that never joins (a dead or masked rank must not stop the others; the kernels' own
+    timeouts handle it).
+    """
+
+    def __init__(self, group: CommGroup, op: str, fields: dict) -> None:
+        self.op = op
+        self.names = list(fields)
+        self.request = group.start_allgather_ints([int(fields[n]) for n in self.names])
+
+    def poll(self) -> bool:
+        """True once complete (raising on disagreement); False while some rank has not joined."""
+        rows = self.request.test()
+        if rows is None:
+            return False
+        for i, name in enumerate(self.names):
+            seen = [row[i] for row in rows]
+            if any(v != seen[0] for v in seen):
+                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+                raise ValueError(f"{self.op}: the ranks disagree on {name} ({per_rank}); every rank must pass "
+                                 "the same value")
+        return True
+
+    def wait(self, seconds: float) -> bool:
+        """Poll for up to ``seconds`` (ranks making the same call normally join within microseconds)."""
+        import time
+
+        deadline = time.monotonic() + seconds
+        while not self.poll():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0001)
+        return True

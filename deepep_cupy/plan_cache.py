@@ -1,0 +1,51 @@
+"""Plan caches of the ``Buffer``: the keys a call's plan is looked up by.
+
+A key holds what a plan depends on: each tensor argument's framework, shape, dtype, contiguity and
+device (:func:`deepep_cupy.tensors.meta`) and the op's flags. A call whose key was seen before skips
+every argument check and goes straight to the plan's launch.
+"""
+
+from __future__ import annotations
+
+from .config import Config
+from .tensors import meta
+
+__all__ = ["lookup", "store", "handle_meta", "ll_handle_meta", "config_key"]
+
+
+def lookup(plans: dict, key):
+    """The plan for ``key``, or None (also for a key that cannot be hashed: the argument checks of a new
+    plan then name the argument that made it so)."""
+    try:
+        return plans.get(key)
+    except TypeError:
+        return None
+
+
+def store(plans: dict, key, plan):
+    try:
+        plans[key] = plan
+    except TypeError:
+        pass
+    return plan
+
+
+def handle_meta(handle):
+    if handle is None:
+        return None
+    if type(handle) is not tuple or len(handle) != 6:
+        return ("bad handle", id(handle))
+    return tuple(meta(h) for h in handle)
+
+
+def ll_handle_meta(handle):
+    if type(handle) is not tuple or len(handle) != 5:
+        return ("bad handle", id(handle))
+    return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
+
+
+def config_key(config) -> tuple | None:
+    if type(config) is not Config:
+        return ("other", id(config))
+    return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
