@@ -4,15 +4,16 @@ A :class:`LaunchPlan` holds the driver function handle, grid, block and shared m
 a ctypes parameter block laid out like the kernel's arguments (one C scalar per argument and the
 ``void*[]`` array pointing at them). A call changes only the few slots that differ between calls
 (pointers, counts) by assigning ``.value`` of the slot, then passes the array's address to
-``cuLaunchKernel``: no per-argument conversion happens at launch, which is what makes the host path of
+``cuLaunchKernel`` (see :func:`_choose_launcher`): no per-argument conversion happens at launch, which is what makes the host path of
 an op a few microseconds instead of the tens that generic launchers spend packing ~30 arguments.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
-__all__ = ["LaunchPlan", "ARG_TYPES"]
+__all__ = ["LaunchPlan", "ARG_TYPES", "LAUNCHER"]
 
 #: Argument kinds a plan understands, as ctypes types (pointers travel as 64-bit integers).
 ARG_TYPES = {
@@ -69,7 +70,7 @@ class LaunchPlan:
         self._array = (ctypes.c_void_p * max(len(args), 1))(
             *[ctypes.addressof(self._slots[name]) for name in self.names])
         self._address = ctypes.addressof(self._array)
-        self._fn = _driver().CUfunction(_function_address(kernel))
+        self._fn = _function_address(kernel)
 
     def slot(self, name: str):
         """The ctypes scalar behind argument ``name`` (set ``.value`` to patch it)."""
@@ -86,29 +87,52 @@ class LaunchPlan:
     def launch(self, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` (an int; 0 is the legacy default stream)."""
         g, b = self.grid, self.block
-        err, = _launch(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, self._address, 0)
-        if err is not _SUCCESS and err != _SUCCESS:
+        err = _launch(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, self._address, None)
+        if err:
             _raise_launch_error(err, self.kernel)
 
 
-_SUCCESS = None
+def _bindings_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> int:
+    err, = _driver().cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+    return int(err)
 
 
-def _launch(*args):
+def _choose_launcher():
+    """``cuLaunchKernel`` straight from the driver library through ctypes (about a microsecond of Python
+    per launch), or through ``cuda.bindings`` (a few more: it wraps every handle in an object); the
+    second also when ``DEEPEP_CUPY_LAUNCHER=bindings`` or the driver library cannot be opened here."""
+    if os.environ.get("DEEPEP_CUPY_LAUNCHER", "ctypes") != "bindings":
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        except (OSError, AttributeError):
+            fn = None
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            return fn, "ctypes"
+    return _bindings_launch, "bindings"
+
+
+def _launch(*args) -> int:
     # Bound on first use so that importing this module needs no CUDA driver.
-    global _launch, _SUCCESS
-    driver = _driver()
-    _SUCCESS = driver.CUresult.CUDA_SUCCESS
-    _launch = driver.cuLaunchKernel
+    global _launch, LAUNCHER
+    _launch, LAUNCHER = _choose_launcher()
     return _launch(*args)
 
 
+#: Which launcher is in use ("ctypes" or "bindings"); None until the first launch.
+LAUNCHER = None
+
+
 def _raise_launch_error(err, kernel) -> None:
-    driver = _driver()
     name = getattr(kernel, "name", repr(kernel))
-    _, text = driver.cuGetErrorString(err)
-    detail = text.decode() if isinstance(text, bytes) else str(text)
-    raise RuntimeError(f"launching {name} failed: {detail} ({err})")
+    try:
+        driver = _driver()
+        _, text = driver.cuGetErrorString(driver.CUresult(int(err)))
+        detail = text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:  # the message must not depend on the driver answering
+        detail = "see the CUDA driver's error codes"
+    raise RuntimeError(f"launching {name} failed: {detail} (CUresult {int(err)})")
 
 
 def _function_address(kernel) -> int:

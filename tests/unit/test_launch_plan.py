@@ -1,0 +1,81 @@
+"""LaunchPlan: the argument block a kernel launch passes to cuLaunchKernel (no GPU needed: the driver
+call is replaced by one that reads the block back)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from deepep_cupy.runtime import launch
+
+
+class _Function:
+    ptr = 0xABC0
+
+
+class _Kernel:
+    """What jit.module.Kernel looks like to a plan: ``raw.kernel.ptr``."""
+
+    name = "fake<1>"
+
+    class raw:  # noqa: N801 - mirrors the attribute name
+        kernel = _Function
+
+
+def _read_block(address: int, kinds):
+    array = (ctypes.c_void_p * len(kinds)).from_address(address)
+    out = []
+    for slot_address, kind in zip(array, kinds, strict=True):
+        out.append(launch.ARG_TYPES[kind].from_address(slot_address).value)
+    return out
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    calls = []
+
+    def fake(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        calls.append({"fn": fn, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem, "stream": stream,
+                      "params": params})
+        return 0
+
+    monkeypatch.setattr(launch, "_launch", fake)
+    return calls
+
+
+def test_block_holds_every_argument_in_order(captured):
+    args = [("x", "ptr", 0x1000), ("n", "i32", -7), ("big", "i64", 1 << 40), ("flag", "u32", 3),
+            ("scale", "f32", 0.5), ("out", "ptr", None)]
+    plan = launch.LaunchPlan(_Kernel(), (12,), 256, args, shared_mem=64)
+    plan.slot("out").value = 0x2000
+    plan.launch(77)
+    (call,) = captured
+    assert call["fn"] == 0xABC0 and call["grid"] == (12, 1, 1) and call["block"] == (256, 1, 1)
+    assert call["smem"] == 64 and call["stream"] == 77
+    assert _read_block(call["params"], [k for _, k, _ in args]) == [0x1000, -7, 1 << 40, 3, 0.5, 0x2000]
+
+
+def test_patching_changes_only_that_slot(captured):
+    plan = launch.LaunchPlan(_Kernel(), (2, 3), (32, 4), [("a", "ptr", 1), ("b", "i32", 2)])
+    plan.launch(0)
+    plan.set(b=5)
+    plan.launch(0)
+    first, second = captured
+    assert first["grid"] == (2, 3, 1) and first["block"] == (32, 4, 1)
+    assert first["params"] == second["params"]  # the same block, patched in place
+    assert _read_block(second["params"], ["ptr", "i32"]) == [1, 5]
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="unknown kind"):
+        launch.LaunchPlan(_Kernel(), 1, 1, [("a", "float64", 1)])
+    with pytest.raises(ValueError, match="duplicate"):
+        launch.LaunchPlan(_Kernel(), 1, 1, [("a", "ptr", 1), ("a", "i32", 1)])
+
+
+def test_a_failed_launch_raises_with_the_kernel_name(monkeypatch):
+    monkeypatch.setattr(launch, "_launch", lambda *a: 1)  # CUDA_ERROR_INVALID_VALUE
+    plan = launch.LaunchPlan(_Kernel(), 1, 1, [("a", "ptr", 1)])
+    with pytest.raises(RuntimeError, match=r"fake<1>"):
+        plan.launch(0)
