@@ -222,7 +222,11 @@ class DispatchPlan(_Plan):
                     s_w.value = ptr(topk_weights)
                     s_recv_w.value = ptr(recv_topk_weights)
         self.plan.launch(self.comm_stream)
-        event = EventOverlap(streams.finish())
+        event = streams.finish()
+        # With async_finish the communication stream still uses these after the call returns: the event
+        # keeps them alive until the caller is done with it (as DeepEP's EventOverlap does).
+        event = EventOverlap(event, (x, x_scales, topk_idx, topk_weights, recv_x, recv_scales, handle)
+                             if event is not None else None)
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
@@ -295,4 +299,6 @@ class CombinePlan(_Plan):
             s_w.value = ptr(topk_weights)
             s_out_w.value = ptr(combined_w)
         self.plan.launch(self.comm_stream)
-        return combined, combined_w, EventOverlap(streams.finish())
+        event = streams.finish()
+        keep = (x, handle, topk_weights, bias_0, bias_1, combined, combined_w) if event is not None else None
+        return combined, combined_w, EventOverlap(event, keep)

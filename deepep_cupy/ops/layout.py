@@ -92,7 +92,9 @@ class LayoutPlan:
             s_rdma.value = ptr(per_rdma)
         s_in.value = ptr(in_rank)
         self.plan.launch(self.comm_stream)
-        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(streams.finish())
+        event = streams.finish()
+        keep = (topk_idx, per_rank, per_rdma, per_expert, in_rank) if event is not None else None
+        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(event, keep)
 
 
 def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, num_nvl_ranks: int, stream=None):

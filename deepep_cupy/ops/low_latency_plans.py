@@ -65,8 +65,12 @@ class _Plan:
         return self.comm_stream, streams
 
     @staticmethod
-    def _end(streams) -> EventOverlap:
-        return EventOverlap(None if streams is None else streams.finish())
+    def _end(streams, keep) -> EventOverlap:
+        """The op's event; with ``async_finish`` it also keeps ``keep`` (what the communication stream
+        still uses) alive until the caller is done with the event."""
+        if streams is None:
+            return EventOverlap(None)
+        return EventOverlap(streams.finish(), keep)
 
     def _common_args(self, b: int) -> list:
         engine, r = self.engine, self.regions[b]
@@ -161,7 +165,8 @@ class DispatchPlan(_Plan):
             s_phases.value = _BOTH
             plan.launch(stream)
         handle = (src_info, layout_range, self.t_max, hidden, self.num_experts)
-        return recv, count, handle, self._end(streams), hook
+        keep = (x, topk_idx, recv, count, handle) if streams is not None else None
+        return recv, count, handle, self._end(streams, keep), hook
 
 
 class CombinePlan(_Plan):
@@ -220,4 +225,5 @@ class CombinePlan(_Plan):
         else:
             s_phases.value = _BOTH
             plan.launch(stream)
-        return out, self._end(streams), hook
+        keep = (x, topk_idx, topk_weights, handle, out) if streams is not None else None
+        return out, self._end(streams, keep), hook
