@@ -15,7 +15,7 @@ import numpy as np
 
 from .interop import BF16, BOOL, F32, FP8, I32, I64
 
-__all__ = ["TorchFrame", "CupyFrame", "frame_for", "meta", "U8", "U16"]
+__all__ = ["TorchFrame", "CupyFrame", "SmallOutputs", "frame_for", "meta", "U8", "U16"]
 
 U8, U16 = np.dtype(np.uint8), np.dtype(np.uint16)
 
@@ -34,6 +34,7 @@ class TorchFrame:
         self._raw_stream = torch._C._cuda_getCurrentRawStream
         self.dtypes = {BF16: torch.bfloat16, FP8: torch.float8_e4m3fn, I32: torch.int32, I64: torch.int64,
                        F32: torch.float32, BOOL: torch.bool, U8: torch.uint8, U16: torch.bfloat16}
+        self._i32, self._f32, self._i64 = torch.int32, torch.float32, torch.int64
 
     def stream(self) -> int:
         """The caller's current stream on this device (a ``cudaStream_t`` as int)."""
@@ -59,6 +60,13 @@ class TorchFrame:
     def transpose_last(t):
         """The view with the last two dimensions swapped (column-major scales)."""
         return t.transpose(-1, -2)
+
+    def empty_many(self, layout: SmallOutputs) -> list:
+        """Several small 4- and 8-byte outputs carved from one allocation (one ``torch.empty`` and a view
+        each cost less than one ``torch.empty`` each)."""
+        words = self._empty((layout.total_words,), dtype=self._i32, device=self.device)
+        bases = {I32: words, F32: words.view(self._f32), I64: words.view(self._i64)}
+        return [bases[dtype].as_strided(shape, strides, offset) for shape, dtype, strides, offset in layout.parts]
 
     @staticmethod
     def numel(t) -> int:
@@ -91,6 +99,10 @@ class CupyFrame:
     @staticmethod
     def ptr(t) -> int:
         return t.data.ptr
+
+    def empty_many(self, layout: SmallOutputs) -> list:
+        """Several small outputs (CuPy's slicing costs more than its allocations: one each)."""
+        return [self._empty(shape, dtype=self.dtypes[dtype]) for shape, dtype, _, _ in layout.parts]
 
     def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):
         """An array over device memory the library owns (``owner`` must outlive it)."""
@@ -150,6 +162,31 @@ def frame_for(framework: str, device_id: int):
 # ------------------------------------------------------------------------------------------ metadata
 def _torch_meta(t):
     return ("torch", t.shape, t.dtype, t.is_contiguous(), t.get_device())
+
+
+class SmallOutputs:
+    """Where several small int32 / float32 / int64 outputs sit inside one int32 allocation: per part
+    ``(shape, dtype, strides, offset)`` with strides and offset in elements of the part's dtype, every
+    part starting on a 64-byte boundary."""
+
+    _ALIGN_WORDS = 16
+
+    def __init__(self, specs) -> None:
+        self.parts = []
+        words = 0
+        for shape, dtype in specs:
+            dtype = np.dtype(dtype)
+            if dtype not in (I32, F32, I64):
+                raise ValueError(f"small outputs hold int32, float32 or int64, not {dtype}")
+            shape = tuple(int(d) for d in shape)
+            strides, step = [], 1
+            for d in reversed(shape):
+                strides.append(step)
+                step *= max(d, 1)
+            per_word = dtype.itemsize // 4
+            self.parts.append((shape, dtype, tuple(reversed(strides)), words // per_word))
+            words += -(-int(np.prod(shape, dtype=np.int64)) * per_word // self._ALIGN_WORDS) * self._ALIGN_WORDS
+        self.total_words = max(words, 1)
 
 
 def _cupy_meta(t):

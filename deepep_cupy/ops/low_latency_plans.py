@@ -13,6 +13,7 @@ from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
 from ..runtime.launch import LaunchPlan
 from ..runtime.streams import OpStreams
+from ..tensors import SmallOutputs
 from .low_latency import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -125,15 +126,19 @@ class DispatchPlan(_Plan):
                  "out_layout_range", "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
         self.num_scales = -(-hidden // 512) if self.use_ue8m0 else hidden // 128
+        # Counts, source info and layout ranges (and the scales) come from one allocation.
+        small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.e_local, self.num_ranks), I64)]
+        if self.use_fp8:
+            small.append(((self.e_local, self.num_scales, self.slab), I32 if self.use_ue8m0 else F32))
+        self.small = SmallOutputs(small)
 
     def run(self, x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
         stream, streams = self._begin()
         frame, e_local, slab, hidden = self.frame, self.e_local, self.slab, self.hidden
         ptr = frame.ptr
         recv_x = frame.empty((e_local, slab, hidden), FP8 if self.use_fp8 else BF16)
-        count = frame.empty((e_local,), I32)
-        src_info = frame.empty((e_local, slab), I32)
-        layout_range = frame.empty((e_local, self.num_ranks), I64)
+        small = frame.empty_many(self.small)
+        count, src_info, layout_range = small[0], small[1], small[2]
         b = self.engine.next_buffer()
         s_x, s_topk, s_out, s_scales, s_ue8m0, s_count, s_src, s_range, s_cum, s_wait, s_phases = self.slots[b]
         x_ptr = ptr(x)
@@ -142,7 +147,7 @@ class DispatchPlan(_Plan):
         s_out.value = ptr(recv_x)
         recv = recv_x
         if self.use_fp8:
-            scales = frame.empty((e_local, self.num_scales, slab), I32 if self.use_ue8m0 else F32)
+            scales = small[3]
             (s_ue8m0 if self.use_ue8m0 else s_scales).value = ptr(scales)
             recv = (recv_x, frame.transpose_last(scales))
         s_count.value = ptr(count)

@@ -1,0 +1,45 @@
+"""Small outputs carved from one allocation: shapes, dtypes, alignment, no overlap (torch on the CPU
+stands in for a CUDA device: the views are the same)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepep_cupy.interop import F32, I32, I64
+from deepep_cupy.tensors import SmallOutputs, TorchFrame
+
+torch = pytest.importorskip("torch")
+
+
+def _cpu_frame():
+    frame = object.__new__(TorchFrame)
+    frame.device = torch.device("cpu")
+    frame._empty = torch.empty
+    frame._i32, frame._f32, frame._i64 = torch.int32, torch.float32, torch.int64
+    return frame
+
+
+@pytest.mark.parametrize("e_local,slab,ranks,scales", [(144, 256, 2, 56), (1, 1, 1, 1), (3, 17, 5, 4)])
+def test_parts_are_separate_aligned_and_typed(e_local, slab, ranks, scales):
+    specs = [((e_local,), I32), ((e_local, slab), I32), ((e_local, ranks), I64), ((e_local, scales, slab), F32)]
+    layout = SmallOutputs(specs)
+    parts = _cpu_frame().empty_many(layout)
+    want_dtypes = [torch.int32, torch.int32, torch.int64, torch.float32]
+    spans = []
+    for t, (shape, _), dtype in zip(parts, specs, want_dtypes, strict=True):
+        assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 64 == 0
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+    # Writing each part through its own view leaves the others intact.
+    for i, t in enumerate(parts):
+        t.fill_(i + 1)
+    for i, t in enumerate(parts):
+        assert np.all(t.numpy() == i + 1)
+
+
+def test_only_four_and_eight_byte_parts():
+    with pytest.raises(ValueError, match="int32, float32 or int64"):
+        SmallOutputs([((4,), np.dtype(np.uint8))])
