@@ -65,6 +65,16 @@ class _Plan:
         streams = OpStreams(self.comm_stream, compute, self.frame.framework, self.frame.device_id, None, True)
         return self.comm_stream, streams
 
+    def _launch(self, plan: LaunchPlan, phases, stream: int):
+        """Launch both phases, or with a receive hook only the send phase; return the hook or None."""
+        if self.hook:
+            phases.value = PHASE_SEND
+            plan.launch(stream)
+            return _Hook(plan, stream)
+        phases.value = _BOTH
+        plan.launch(stream)
+        return None
+
     @staticmethod
     def _end(streams, keep) -> EventOverlap:
         """The op's event; with ``async_finish`` it also keeps ``keep`` (what the communication stream
@@ -160,15 +170,7 @@ class DispatchPlan(_Plan):
             stage = self.stages[b]
             stage.slot("x").value = x_ptr
             stage.launch(stream)
-        plan = self.plans[b]
-        hook = None
-        if self.hook:
-            s_phases.value = PHASE_SEND
-            plan.launch(stream)
-            hook = _Hook(plan, stream)
-        else:
-            s_phases.value = _BOTH
-            plan.launch(stream)
+        hook = self._launch(self.plans[b], s_phases, stream)
         handle = (src_info, layout_range, self.t_max, hidden, self.num_experts)
         keep = (x, topk_idx, recv, count, handle) if streams is not None else None
         return recv, count, handle, self._end(streams, keep), hook
@@ -221,14 +223,6 @@ class CombinePlan(_Plan):
         s_out.value = ptr(out)
         s_wait.value = 0 if combine_wait_recv_cost_stats is None else \
             ptr(combine_wait_recv_cost_stats) + self.wait_offset
-        plan = self.plans[b]
-        hook = None
-        if self.hook:
-            s_phases.value = PHASE_SEND
-            plan.launch(stream)
-            hook = _Hook(plan, stream)
-        else:
-            s_phases.value = _BOTH
-            plan.launch(stream)
+        hook = self._launch(self.plans[b], s_phases, stream)
         keep = (x, topk_idx, topk_weights, handle, out) if streams is not None else None
         return out, self._end(streams, keep), hook
