@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
     parser.add_argument("--suite-timeout", type=float, default=240, help="seconds before a hung suite is killed")
     parser.add_argument("--json", help="write all rows to this file")
-    parser.add_argument("--plot", help="save a bar chart of GB/s to this PNG")
+    parser.add_argument("--plot", help="save a chart of the run to this PNG (each op next to the naive NCCL path and "
+                                       "the copy engine; python -m deepep_cupy.bench.plot redraws it from --json)")
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in names]
     if unknown:
@@ -79,14 +80,21 @@ def main() -> None:
         comm.Barrier()
         faulthandler.cancel_dump_traceback_later()
     if comm.Get_rank() == 0:
-        print(f"\n{comm.Get_size()} ranks, {args.tokens} tokens x {args.hidden} hidden, top-{args.topk} of "
-              f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
+        workload = (f"{comm.Get_size()} ranks, {args.tokens} tokens x {args.hidden} hidden, top-{args.topk} of "
+                    f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
+        print(f"\n{workload}")
         print(format_table(rows), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         if args.plot:
-            _plot(rows, args.plot)
+            from ..tuning import gpu_model
+            from .plot import plot
+
+            try:
+                plot(rows, args.plot, title=f"{gpu_model() or 'GPU'}, {workload}")
+            except ImportError as exc:  # the numbers are printed (and in --json) already
+                print(f"--plot skipped: {exc} (pip install matplotlib)", file=sys.stderr)
 
 
 def _no_gpu_reason() -> str | None:
@@ -98,21 +106,6 @@ def _no_gpu_reason() -> str | None:
     except ImportError:
         return "CuPy is not installed (pip install deepep_cupy[cuda13], or [cuda12])"
     return None if gpu_count() > 0 else "no CUDA driver or device found"
-
-
-def _plot(rows, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [r for r in rows if "GB/s" in r]
-    fig, ax = plt.subplots(figsize=(10, 0.4 * len(shown) + 1))
-    ax.barh([r["op"] for r in shown], [r["GB/s"] for r in shown])
-    ax.set_xlabel("GB/s (bytes received per rank / time)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""Charts of a benchmark run: each op next to the naive NCCL path and the copy engine of the same run.
+
+    python -m deepep_cupy.bench.plot bench.json bench.png [--title "2 x H200"]
+
+``bench.json`` is what ``python -m deepep_cupy.bench --json`` wrote. Top row, one group of bars per
+high-throughput op, in µs (lower is better) and GB/s (higher is better): deepep_cupy's best point, the naive
+PyTorch + NCCL path of the same run for the same op (BF16 dispatch and combine only: the naive path has no
+FP8), and the copy engine's NVLink peer copy, one way, as the bound of one GPU's receive bandwidth (its
+time is what moving the op's bytes at that rate takes). Bottom row: the ops with nothing to compare to
+(layout, low-latency kernels), in µs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["SERIES", "compared_ops", "other_ops", "plot", "main"]
+
+SERIES = ("deepep_cupy", "naive NCCL path", "copy engine, one way")
+_COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f")
+_NAIVE = (("dispatch BF16", "naive NCCL dispatch"), ("combine BF16", "naive NCCL combine"))
+_COPY_ENGINE = "copy engine 0->1"
+
+
+def _suite(r: dict) -> str:
+    # Rows of runs older than the "suite" field are told apart by their names.
+    if "suite" in r:
+        return r["suite"]
+    op = r.get("op", "")
+    if op.startswith("LL "):
+        return "low_latency"
+    if op.startswith(("naive NCCL", "copy engine")):
+        return "baselines"
+    return "intranode" if op.startswith("intranode") else "other"
+
+
+def _measured(rows) -> list[dict]:
+    return [r for r in rows if isinstance(r.get("us"), (int, float)) and r["us"] > 0 and "failed" not in r.get("note", "")]
+
+
+def compared_ops(rows) -> list[dict]:
+    """``[{"op": name, <series>: (us, GB/s) or None, ...}]`` for every high-throughput op with GB/s."""
+    rows = _measured(rows)
+    by_name = {r["op"]: r for r in rows}
+    engine = by_name.get(_COPY_ENGINE)
+    engine_gbs = engine.get("GB/s") if engine else None
+    out = []
+    for r in rows:
+        if _suite(r) != "intranode" or "GB/s" not in r:
+            continue
+        name = r["op"].removeprefix("intranode ")
+        group = {"op": name, SERIES[0]: (r["us"], r["GB/s"]), SERIES[1]: None, SERIES[2]: None}
+        for key, naive_name in _NAIVE:
+            naive = by_name.get(naive_name)
+            if key in name and naive is not None:
+                group[SERIES[1]] = (naive["us"], naive.get("GB/s"))
+        if engine_gbs:
+            group[SERIES[2]] = (r["us"] * r["GB/s"] / engine_gbs, engine_gbs)
+        out.append(group)
+    return out
+
+
+def other_ops(rows) -> list[tuple[str, float]]:
+    """``[(name, us)]``: layout and low-latency ops, which have no baseline in the run."""
+    out = []
+    for r in _measured(rows):
+        suite = _suite(r)
+        if suite == "low_latency" or (suite == "intranode" and "GB/s" not in r):
+            out.append((r["op"].removeprefix("intranode "), r["us"]))
+    return out
+
+
+def _grouped(ax, groups, index: int, unit: str) -> None:
+    """Horizontal grouped bars: one group per op, one bar per series; values written at the bars' ends."""
+    height = 0.8 / len(SERIES)
+    top = max((g[s][index] or 0) for g in groups for s in SERIES if g[s]) or 1
+    for j, (series, color) in enumerate(zip(SERIES, _COLORS, strict=True)):
+        ys, values = [], []
+        for i, g in enumerate(groups):
+            if g[series] and g[series][index]:
+                ys.append(i + (j - (len(SERIES) - 1) / 2) * height)
+                values.append(g[series][index])
+        bars = ax.barh(ys, values, height=height, color=color, label=series)
+        for bar, v in zip(bars, values, strict=True):
+            ax.text(bar.get_width() + top * 0.01, bar.get_y() + bar.get_height() / 2, f"{v:,.0f}", va="center",
+                    fontsize=7)
+    ax.set_yticks(range(len(groups)), [g["op"] for g in groups])
+    ax.set_xlim(0, top * 1.18)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot(rows, path: str, title: str | None = None) -> None:
+    """Save the chart of ``rows`` (a benchmark run's rows, as in its JSON) to ``path``."""
+    groups, others = compared_ops(rows), other_ops(rows)
+    if not groups and not others:
+        raise ValueError("nothing to plot: the run has no intranode or low-latency rows")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [max(len(groups), 1) * 0.9 + 1.2] if groups else []
+    heights += [len(others) * 0.28 + 1.0] if others else []
+    head = (0.4 if title else 0) + (0.4 if groups else 0)  # room for the title and the legend
+    fig = plt.figure(figsize=(12, sum(heights) + head))
+    grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
+    row = 0
+    if groups:
+        ax_us, ax_gbs = fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
+        _grouped(ax_us, groups, 0, "µs per call (lower is better)")
+        _grouped(ax_gbs, groups, 1, "GB/s, bytes received per rank (higher is better)")
+        ax_gbs.set_yticklabels([])
+        handles, labels = ax_us.get_legend_handles_labels()
+        both = {r["op"]: r for r in _measured(rows)}.get("copy engine both ways")
+        if both and "GB/s" in both:
+            labels = [f"{label} ({both['GB/s']:,.0f} GB/s both ways)" if label == SERIES[2] else label
+                      for label in labels]
+        fig.legend(handles, labels, loc="upper center", ncol=len(SERIES), fontsize=9,
+                   bbox_to_anchor=(0.5, 1 - 0.35 / fig.get_figheight()) if title else (0.5, 1.0))
+        row += 1
+    if others:
+        ax = fig.add_subplot(grid[row, :])
+        bars = ax.barh(range(len(others)), [us for _, us in others], color=_COLORS[0])
+        top = max(us for _, us in others)
+        for bar, (_, us) in zip(bars, others, strict=True):
+            ax.text(bar.get_width() + top * 0.005, bar.get_y() + bar.get_height() / 2, f"{us:,.1f}", va="center",
+                    fontsize=7)
+        ax.set_yticks(range(len(others)), [name for name, _ in others])
+        ax.set_xlim(0, top * 1.1)
+        ax.invert_yaxis()
+        ax.set_xlabel("µs per call, deepep_cupy (no baseline in the run)")
+        ax.grid(axis="x", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 1 - head / fig.get_figheight()))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m deepep_cupy.bench.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("json", help="rows written by python -m deepep_cupy.bench --json")
+    parser.add_argument("png", help="where to save the chart")
+    parser.add_argument("--title", help="a title, e.g. the machine and the workload")
+    args = parser.parse_args(argv)
+    with open(args.json) as f:
+        rows = json.load(f)
+    plot(rows, args.png, args.title)
+
+
+if __name__ == "__main__":
+    main()

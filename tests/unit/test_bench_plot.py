@@ -1,0 +1,62 @@
+"""The benchmark chart from a run's JSON rows: which bars stand next to which, and that the PNG is drawn."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deepep_cupy.bench import plot
+
+# Rows shaped as `python -m deepep_cupy.bench --json` writes them; the numbers are made up.
+ROWS = [
+    {"op": "copy engine 0->1", "us": 2000.0, "GB/s": 400.0, "suite": "baselines"},
+    {"op": "copy engine both ways", "us": 2100.0, "GB/s": 760.0, "suite": "baselines"},
+    {"op": "naive NCCL dispatch", "us": 700.0, "GB/s": 150.0, "suite": "baselines"},
+    {"op": "naive NCCL combine", "us": 1000.0, "GB/s": 105.0, "suite": "baselines"},
+    {"op": "intranode layout", "us": 20.0, "suite": "intranode"},
+    {"op": "intranode dispatch BF16 (cached)", "us": 400.0, "GB/s": 300.0, "SMs": 24, "suite": "intranode"},
+    {"op": "intranode dispatch FP8 (cached)", "us": 300.0, "GB/s": 200.0, "SMs": 24, "suite": "intranode"},
+    {"op": "intranode combine BF16", "us": 500.0, "GB/s": 240.0, "SMs": 24, "suite": "intranode"},
+    {"op": "LL dispatch FP8", "us": 45.0, "GB/s": 170.0, "suite": "low_latency"},
+    {"op": "low_latency", "note": "failed: RuntimeError: x", "suite": "low_latency"},
+    {"op": "host: dispatch", "us": 20.0, "framework": "torch", "suite": "host"},
+]
+
+
+def test_each_op_next_to_the_naive_path_and_the_copy_engine():
+    groups = {g["op"]: g for g in plot.compared_ops(ROWS)}
+    assert list(groups) == ["dispatch BF16 (cached)", "dispatch FP8 (cached)", "combine BF16"]
+    ours, naive, engine = plot.SERIES
+    assert groups["dispatch BF16 (cached)"][ours] == (400.0, 300.0)
+    assert groups["dispatch BF16 (cached)"][naive] == (700.0, 150.0)
+    assert groups["combine BF16"][naive] == (1000.0, 105.0)
+    assert groups["dispatch FP8 (cached)"][naive] is None  # the naive path has no FP8
+    # The copy engine's time is the op's bytes at the one-way copy rate.
+    assert groups["dispatch BF16 (cached)"][engine] == pytest.approx((400.0 * 300.0 / 400.0, 400.0))
+    assert plot.other_ops(ROWS) == [("layout", 20.0), ("LL dispatch FP8", 45.0)]
+
+
+def test_rows_without_suite_or_baselines():
+    rows = [{k: v for k, v in r.items() if k != "suite"} for r in ROWS if not r["op"].startswith(("naive", "copy"))]
+    groups = plot.compared_ops(rows)
+    assert [g["op"] for g in groups] == ["dispatch BF16 (cached)", "dispatch FP8 (cached)", "combine BF16"]
+    assert all(g[plot.SERIES[1]] is None and g[plot.SERIES[2]] is None for g in groups)
+    assert ("LL dispatch FP8", 45.0) in plot.other_ops(rows)
+
+
+def test_png_from_the_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    src, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    src.write_text(json.dumps(ROWS))
+    env = dict(os.environ, MPLCONFIGDIR=str(tmp_path / "mpl"))  # matplotlib's font cache, not in the home directory
+    got = subprocess.run([sys.executable, "-m", "deepep_cupy.bench.plot", str(src), str(png), "--title", "test"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert got.returncode == 0, got.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nothing_to_plot(tmp_path):
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot.plot([{"op": "host: dispatch", "us": 1.0, "suite": "host"}], str(tmp_path / "x.png"))
