@@ -25,6 +25,7 @@ from .plan_cache import store as _store
 from .runtime.device import gpu_count
 from .runtime.group import make_group
 from .tensors import meta
+from .tuning import tuned_config
 
 __all__ = ["Buffer"]
 
@@ -40,7 +41,13 @@ _COMBINE_CONFIGS = {2: (1, 256, 6, 128), 4: (1, 256, 6, 128), 8: (1, 256, 6, 128
                     128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 
-def _pick_config(table: dict, num_ranks: int) -> Config:
+def _pick_config(table: dict, num_ranks: int, hidden: int | None = None) -> Config:
+    # Configs stored by `python -m deepep_cupy.tune` for this GPU model and rank count come first; after
+    # set_num_sms, the ones tuned at that SM count.
+    tuned = tuned_config("dispatch" if table is _DISPATCH_CONFIGS else "combine", num_ranks, hidden,
+                         Buffer.num_sms if Buffer._num_sms_set else None)
+    if tuned is not None:
+        return tuned
     key = min(table, key=lambda k: (abs(k - num_ranks), k))
     return Config(Buffer.num_sms, *table[key])
 
@@ -76,6 +83,7 @@ class Buffer(LowLatencyOps):
     """
 
     num_sms: int = 20
+    _num_sms_set: bool = False  # set_num_sms was called: tuned configs keep that SM count
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -170,16 +178,21 @@ class Buffer(LowLatencyOps):
         if new_num_sms % 2 != 0:
             raise ValueError(f"new_num_sms must be even, got {new_num_sms}")
         Buffer.num_sms = int(new_num_sms)
+        Buffer._num_sms_set = True
 
     @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        """A recommended dispatch ``Config`` for ``num_ranks`` ranks."""
-        return _pick_config(_DISPATCH_CONFIGS, check.positive_int("num_ranks", num_ranks))
+    def get_dispatch_config(num_ranks: int, hidden: int | None = None) -> Config:
+        """A recommended dispatch ``Config`` for ``num_ranks`` ranks.
+
+        The one ``python -m deepep_cupy.tune`` stored for this GPU model, ``num_ranks`` and ``hidden`` (None:
+        the hidden size tuned last) when there is one, else the built-in recommendation.
+        """
+        return _pick_config(_DISPATCH_CONFIGS, check.positive_int("num_ranks", num_ranks), hidden)
 
     @staticmethod
-    def get_combine_config(num_ranks: int) -> Config:
-        """A recommended combine ``Config`` for ``num_ranks`` ranks."""
-        return _pick_config(_COMBINE_CONFIGS, check.positive_int("num_ranks", num_ranks))
+    def get_combine_config(num_ranks: int, hidden: int | None = None) -> Config:
+        """A recommended combine ``Config`` for ``num_ranks`` ranks (tuned or built-in, as ``get_dispatch_config``)."""
+        return _pick_config(_COMBINE_CONFIGS, check.positive_int("num_ranks", num_ranks), hidden)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
