@@ -1,0 +1,46 @@
+"""The README's set-up: two commands; the first installs the CUDA wheels only where a GPU driver answers.
+
+CI runs the first command as written on a machine without a GPU and checks that no CUDA wheel came with it;
+here its pip target is expanded by bash with a fake ``nvidia-smi`` on PATH (one that finds a GPU, one that
+finds none) and with none at all."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _setup_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Set up\n", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_two_one_line_commands():
+    commands = _setup_commands()
+    assert len(commands) == 2 and all("\n" not in c for c in commands)
+    assert commands[0].endswith("mpiexec -n 4 python examples/quickstart.py")
+    assert "tools/run_tests.sh" in commands[1]
+    # CI runs the test command as written.
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("driver, extras", [(None, ".[mpi]"), ("exit 0", ".[mpi,cuda13]"), ("exit 6", ".[mpi]")])
+def test_cuda_extra_only_where_a_gpu_driver_answers(tmp_path, driver, extras):
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    install = _setup_commands()[0].rsplit(" && ", 1)[0]
+    assert install.startswith("pip install -e ")
+    # The pip target as bash expands it, with only the fake driver tool (or nothing) on PATH.
+    if driver is not None:
+        (tmp_path / "nvidia-smi").write_text(f"#!{bash}\n{driver}\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    echo = "printf '%s\\n' " + install.removeprefix("pip install -e ")
+    got = subprocess.run([bash, "-c", echo], capture_output=True, text=True, timeout=30, env={"PATH": str(tmp_path)})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == extras
