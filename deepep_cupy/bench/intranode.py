@@ -64,6 +64,7 @@ def run(comm, args) -> list[dict]:
 
     from ..config import Config
     from ..ops.intranode import IntranodeEngine
+    from ..ops.intranode_plans import direct_combine, direct_dispatch
     from ..ops.layout import get_dispatch_layout
     from ..runtime.group import MPIGroup
 
@@ -102,7 +103,7 @@ def run(comm, args) -> list[dict]:
         cfg0 = Config(num_sms, 8, max(RECV_TOKENS))
 
         def dispatch_full():
-            return engine.dispatch(x_bf16, None, handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            return direct_dispatch(engine, x_bf16, None, handle=None, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                    num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                                    expert_alignment=1, num_worst_tokens=0, config=cfg0, stream=stream)
 
@@ -146,14 +147,14 @@ def run(comm, args) -> list[dict]:
 
         def dispatch_defaults_us(data, data_scales):
             _restore_defaults(engine)
-            return timed(lambda: engine.dispatch(
+            return timed(lambda: direct_dispatch(engine,
                 data, data_scales, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
                 num_worst_tokens=0, config=dcfg, stream=stream))
 
         def combine_defaults_us():
             _restore_defaults(engine)
-            return timed(lambda: engine.combine(recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
+            return timed(lambda: direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
                                                 config=ccfg, stream=stream))
 
         def sweep_dispatch(data, data_scales, nbytes, name):
@@ -163,7 +164,7 @@ def run(comm, args) -> list[dict]:
                 cfg = Config(num_sms, send, recv)
 
                 def op():
-                    engine.dispatch(data, data_scales, handle=handle, num_tokens_per_rank=None,
+                    direct_dispatch(engine, data, data_scales, handle=handle, num_tokens_per_rank=None,
                                     is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                                     topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=cfg,
                                     stream=stream)
@@ -209,7 +210,7 @@ def run(comm, args) -> list[dict]:
             cfg = Config(num_sms, send, recv)
 
             def op():
-                engine.combine(recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
+                direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
                                stream=stream)
 
             return (timed(op), f"recv {recv}, send {send}, warps {warps}, unroll {unroll}", (warps, unroll))
