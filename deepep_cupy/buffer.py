@@ -137,6 +137,8 @@ class Buffer(LowLatencyOps):
                                             low_latency_mode=self.low_latency_mode,
                                             enable_shrink=self.enable_shrink,
                                             num_channels=max(self.num_sms // 2, 1))
+            # A bad argument on one rank is raised on every rank (each op starts with a host exchange).
+            checks.report_failures(self)
         else:
             from .cuda_runtime import CudaRuntime
 
@@ -357,7 +359,8 @@ class Buffer(LowLatencyOps):
                                            expert_alignment, num_worst_tokens, config, async_finish,
                                            allocate_on_comm_stream)
         if self._host_values and topk_idx is not None:
-            check.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0])
+            check.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0],
+                              bound="the length of num_tokens_per_expert, which needs one entry per expert")
         if self._pending:
             self.runtime.poll_agreements()
         return plan.run(x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,

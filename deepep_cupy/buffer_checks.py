@@ -7,12 +7,15 @@ at the next call; the reference backend checks them on the host.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 from . import validate as check
 from .config import Config, low_latency_rdma_size_hint
-from .interop import BF16, BOOL, F32, FP8, I32, I64, shape_of
+from .interop import BF16, BOOL, F32, FP8, I32, I64, is_tensor, shape_of
 
 __all__ = ["num_experts_ok", "split_x", "dispatch_args", "combine_args", "ll_dispatch_args", "ll_combine_args",
-           "config_key"]
+           "config_key", "report_failures"]
 
 
 def num_experts_ok(num_experts, num_ranks: int) -> int:
@@ -157,8 +160,8 @@ def ll_dispatch_args(num_ranks: int, num_rdma_bytes: int | None, x, topk_idx, t,
                              f"{num_experts} experts: need {need} (Buffer.get_low_latency_rdma_size_hint)")
 
 
-def ll_handle(handle, num_ranks: int) -> tuple[int, int, int]:
-    """Check a low-latency handle's structure; return its ``(T, hidden, num_experts)``."""
+def ll_handle_sizes(handle, num_ranks: int) -> tuple[int, int, int]:
+    """Check a low-latency handle's structure and sizes (not its tensors); return ``(T, hidden, num_experts)``."""
     check.handle(handle, 5, "low_latency_dispatch")
     try:
         t = check.positive_int("handle[2] (num_max_dispatch_tokens_per_rank)", handle[2])
@@ -166,6 +169,15 @@ def ll_handle(handle, num_ranks: int) -> tuple[int, int, int]:
         num_experts = num_experts_ok(handle[4], num_ranks)
     except ValueError as exc:
         raise ValueError(f"handle is not one returned by low_latency_dispatch: {exc}") from None
+    if not is_tensor(handle[0]):
+        raise TypeError(f"handle[0] (src_info) must be a tensor, got {type(handle[0]).__name__}: the handle is not "
+                        "one returned by low_latency_dispatch")
+    return t, hidden, num_experts
+
+
+def ll_handle(handle, num_ranks: int) -> tuple[int, int, int]:
+    """Check a low-latency handle's structure; return its ``(T, hidden, num_experts)``."""
+    t, hidden, num_experts = ll_handle_sizes(handle, num_ranks)
     e_local, slab = num_experts // num_ranks, num_ranks * t
     check.tensor("handle[0] (src_info)", handle[0], dtype=I32, shape=(e_local, slab))
     check.tensor("handle[1] (layout_range)", handle[1], dtype=I64, shape=(e_local, num_ranks))
@@ -187,3 +199,37 @@ def ll_combine_args(num_ranks: int, x, topk_idx, topk_weights, handle, use_logfm
         raise ValueError(f"use_logfmt needs hidden to be a multiple of 128, got {hidden}")
     check.optional_tensor("out", out, dtype=BF16, shape=(n, hidden))
     _wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, num_ranks)
+
+
+# The collective methods of ``Buffer`` and the op of the runtime each one runs.
+_COLLECTIVE_METHODS = {"dispatch": "dispatch", "internode_dispatch": "dispatch", "combine": "combine",
+                       "internode_combine": "combine", "low_latency_dispatch": "low_latency_dispatch",
+                       "low_latency_combine": "low_latency_combine"}
+
+
+def report_failures(buffer) -> None:
+    """Make an error that one of ``buffer``'s collective methods raises on this rank before the op's first
+    exchange (a bad argument, found by the checks above) reach ``buffer.runtime.report_failure``, which
+    raises it on every rank where the op starts with a host exchange (the reference backend).
+
+    Installed on the instance, and only for a runtime that has ``report_failure``: the methods of a GPU
+    ``Buffer`` stay as they are (no wrapper on the hot path; there the peers' kernels time out instead).
+    """
+    report = getattr(buffer.runtime, "report_failure", None)
+    if report is None:
+        return
+    ref = weakref.ref(buffer)  # no cycle through the instance's own attributes
+    for name, op in _COLLECTIVE_METHODS.items():
+        setattr(buffer, name, _reporting(getattr(type(buffer), name), op, ref))
+
+
+def _reporting(method, op: str, ref):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        buffer = ref()
+        try:
+            return method(buffer, *args, **kwargs)
+        except Exception as exc:
+            buffer.runtime.report_failure(op, exc)
+            raise
+    return call

@@ -126,7 +126,7 @@ class LowLatencyOps:
                 combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
                 return_recv_hook=bool(return_recv_hook)))
         if self._host_values:
-            check.topk_values("topk_idx", topk_idx, int(handle[4]))
+            check.topk_values("topk_idx", topk_idx, int(handle[4]), bound="handle[4] (num_experts)")
         if self._pending:
             self.runtime.poll_agreements()
         return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
@@ -136,7 +136,7 @@ class LowLatencyOps:
         `[num_local_experts, num_ranks * T, hidden]` bf16, for the caller to fill."""
         self._alive()
         self._ll_required("get_next_low_latency_combine_buffer")
-        check.handle(handle, 5, "low_latency_dispatch")
+        checks.ll_handle_sizes(handle, self.group_size)
         return self.runtime.get_next_low_latency_combine_buffer(handle)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from .event import EventOverlap
 from .interop import copy_into, from_numpy, kind_of, to_numpy
-from .reference import ReferenceBackend
+from .reference import ReferenceBackend, collective
 
 __all__ = ["ReferenceRuntime"]
 
@@ -42,6 +42,17 @@ class ReferenceRuntime:
                                         enable_shrink=enable_shrink, num_channels=num_channels)
         self.group = group
         self._combine_buffers = {}
+        self._destroyed = False
+
+    #: Ops whose first step is an exchange every rank joins (``reference.collective.start``).
+    COLLECTIVE_OPS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
+
+    def report_failure(self, op: str, exc: BaseException) -> None:
+        """``exc`` was raised on this rank before it reached ``op``'s first exchange (a bad argument found
+        by the Buffer's checks): join that exchange with it, so the other ranks raise it too instead of
+        waiting for this one. Raises (on every rank) unless there is nothing to report."""
+        if op in self.COLLECTIVE_OPS and not self._destroyed and collective.own_failure(exc):
+            collective.start(self.group, op, error=exc)
 
     # The reference backend has no streams: every op is complete when it returns.
     def get_comm_stream(self, torch_stream: bool):
@@ -217,7 +228,12 @@ class ReferenceRuntime:
         self.backend.low_latency_clean_mask_buffer()
 
     def destroy(self):
+        """Local: the reference backend holds no memory other ranks use, so nothing waits for them."""
         self._combine_buffers.clear()
+        self._destroyed = True
+        close = getattr(self.group, "close", None)
+        if close is not None:
+            close()
 
     def release_local(self):
         self._combine_buffers.clear()

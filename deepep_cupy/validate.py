@@ -79,8 +79,8 @@ def nonneg_int(name: str, value) -> int:
     return int(value)
 
 
-def topk_values(name: str, topk_idx, num_experts: int) -> None:
-    """Every entry must be -1 or a valid expert id.
+def topk_values(name: str, topk_idx, num_experts: int, bound: str = "num_experts") -> None:
+    """Every entry must be -1 or a valid expert id; ``bound`` names where ``num_experts`` came from.
 
     On the GPU this costs one reduction and a wait for it; it is skipped while a CUDA graph is being
     captured (nothing may wait then) and when ``DEEPEP_CUPY_VALIDATE=0``.
@@ -102,7 +102,7 @@ def topk_values(name: str, topk_idx, num_experts: int) -> None:
             return
         bad = int(_count_out_of_range()(topk_idx, np.int64(num_experts)))
     if bad:
-        raise ValueError(f"{name} holds {bad} expert ids outside [-1, {num_experts})")
+        raise ValueError(f"{name} holds {bad} expert ids outside [-1, {num_experts}) ({num_experts} = {bound})")
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import quant
+from . import collective, quant
 
 
 def check_unique_experts(topk_idx: np.ndarray) -> None:
@@ -58,16 +58,30 @@ def dispatch(group, x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_e
     t_max = num_max_dispatch_tokens_per_rank
     e_local = num_experts // nranks
     n, h = x.shape
-    if n > t_max:
-        raise ValueError(f"low-latency dispatch: {n} tokens exceed num_max_dispatch_tokens_per_rank={t_max}")
-    topk_idx = np.asarray(topk_idx, dtype=np.int64)
-    check_unique_experts(topk_idx)
+    error = fields = None
+    try:
+        if n > t_max:
+            raise ValueError(f"low-latency dispatch: x has {n} tokens, more than "
+                             f"num_max_dispatch_tokens_per_rank={t_max}")
+        if num_experts <= 0 or num_experts % nranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the number of ranks "
+                             f"({nranks})")
+        topk_idx = np.asarray(topk_idx, dtype=np.int64)
+        if topk_idx.ndim != 2 or topk_idx.shape[0] != n:
+            raise ValueError(f"topk_idx must have shape [{n}, *], got {list(topk_idx.shape)}")
+        check_unique_experts(topk_idx)
+        fields = {"num_max_dispatch_tokens_per_rank": t_max, "hidden": h, "num_experts": num_experts,
+                  "use_fp8": bool(use_fp8), "round_scale": bool(round_scale), "use_ue8m0": bool(use_ue8m0),
+                  "x dtype": str(x.dtype)}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by start()
+        error = exc
+    collective.start(group, "low_latency_dispatch", fields=fields, error=error)
 
     if use_fp8:
         data, scale = quant.fp8_cast_per_128(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
     else:
         data, scale = x, None
-    tok, kk = np.nonzero(topk_idx >= 0)
+    tok, kk = np.nonzero((topk_idx >= 0) & (topk_idx < num_experts))  # an id out of range selects nothing
     experts = topk_idx[tok, kk]
     order = np.lexsort((tok, experts))
     tok, experts = tok[order], experts[order]
@@ -84,7 +98,7 @@ def dispatch(group, x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_e
         if scale is not None:
             p["scale"] = scale[t]
         payloads.append(p)
-    got = group.alltoall_object(payloads)
+    got = collective.alltoall(group, payloads, "low_latency_dispatch (data)")
 
     slab = nranks * t_max
     recv_x = np.zeros((e_local, slab, h), dtype=data.dtype)
@@ -118,6 +132,39 @@ def dispatch(group, x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_e
     return recv_x, scales_out, count.astype(np.int32), src_info, layout_range
 
 
+def _combine_prepare(group, x, topk_idx, topk_weights, handle, use_logfmt):
+    """Check this rank's handle and inputs (the bounds the exchange relies on); return ``(begins, counts,
+    src_info, hidden, E_local)``."""
+    nranks = group.size
+    src_info, layout_range, t_max, hidden, num_experts = handle
+    e_local = num_experts // nranks
+    slab = nranks * t_max
+    if use_logfmt and hidden % quant.BLOCK:
+        raise ValueError(f"LogFMT combine needs hidden to be a multiple of {quant.BLOCK}, got {hidden}")
+    src_info = np.asarray(src_info)
+    layout_range = np.asarray(layout_range, dtype=np.int64)
+    if src_info.shape != (e_local, slab) or layout_range.shape != (e_local, nranks):
+        raise ValueError(f"handle[0] (src_info) and handle[1] (layout_range) must have shapes [{e_local}, {slab}] "
+                         f"and [{e_local}, {nranks}], got {list(src_info.shape)} and {list(layout_range.shape)}")
+    if np.shape(x) != (e_local, slab, hidden):
+        raise ValueError(f"x must have shape [{e_local}, {slab}, {hidden}] (from the handle), got {list(np.shape(x))}")
+    if np.ndim(topk_idx) != 2 or np.shape(topk_weights) != np.shape(topk_idx):
+        raise ValueError(f"topk_idx and topk_weights must be 2-D of the same shape, got "
+                         f"{list(np.shape(topk_idx))} and {list(np.shape(topk_weights))}")
+    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
+    if (begins < 0).any() or (begins + counts > slab).any():
+        raise ValueError(f"handle[1] (layout_range) holds rows outside the {slab} rows of an expert's slab: the "
+                         "handle is not one low_latency_dispatch returned")
+    for i in range(e_local):
+        for s in range(nranks):
+            b, c = int(begins[i, s]), int(counts[i, s])
+            part = src_info[i, b:b + c]
+            if c and (part.min() < 0 or part.max() >= t_max):
+                raise ValueError(f"handle[0] (src_info) names token {int(part.max())} outside [0, {t_max}) for "
+                                 f"local expert {i}, rank {s}: the handle is not one low_latency_dispatch returned")
+    return begins, counts, src_info, hidden, e_local
+
+
 def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, masked: np.ndarray):
     """Return the expert outputs to their source ranks and reduce them with the top-k weights.
 
@@ -130,12 +177,15 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
     ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
     """
     me, nranks = group.rank, group.size
-    src_info, layout_range, _t_max, hidden, num_experts = handle
-    e_local = num_experts // nranks
-    if use_logfmt and hidden % quant.BLOCK:
-        raise ValueError(f"LogFMT combine needs hidden to be a multiple of {quant.BLOCK}, got {hidden}")
-    layout_range = np.asarray(layout_range, dtype=np.int64)
-    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
+    error = fields = None
+    try:
+        begins, counts, src_info, hidden, e_local = _combine_prepare(group, x, topk_idx, topk_weights, handle,
+                                                                     use_logfmt)
+        fields = {"num_max_dispatch_tokens_per_rank": handle[2], "hidden": hidden, "num_experts": handle[4],
+                  "use_logfmt": bool(use_logfmt)}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by start()
+        error = exc
+    collective.start(group, "low_latency_combine", fields=fields, error=error)
 
     payloads = []
     for s in range(nranks):
@@ -158,11 +208,21 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
         else:
             p["x"] = np.array(rows)
         payloads.append(p)
-    got = group.alltoall_object(payloads)
+    got = collective.alltoall(group, payloads, "low_latency_combine (data)")
 
     topk_idx = np.asarray(topk_idx, dtype=np.int64)
     weights = np.asarray(topk_weights, dtype=np.float32)
     n, k_top = topk_idx.shape
+    error = None
+    for o, p in enumerate(got):
+        if p is not None and p["src"].size and not (masked[me] or masked[o]) and (
+                p["src"].min() < 0 or p["src"].max() >= n):
+            error = ValueError(
+                f"low_latency_combine: rank {o} returns token {int(p['src'].max())} of rank {me}, whose topk_idx "
+                f"has {n} rows: pass low_latency_combine the topk_idx given to low_latency_dispatch (and its "
+                "handle)")
+            break
+    collective.finish(group, "low_latency_combine", error)
     lookup = np.full((nranks, e_local, n), -1, dtype=np.int64)
     all_rows, offset = [], 0
     for o in range(nranks):
@@ -182,7 +242,7 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
     tokens = np.arange(n)
     for k in range(k_top):
         e = topk_idx[:, k]
-        valid = e >= 0
+        valid = (e >= 0) & (e < e_local * nranks)  # an id out of range selects nothing (as in the kernels)
         where = np.full(n, -1, dtype=np.int64)
         ev = e[valid]
         where[valid] = lookup[ev // e_local, ev % e_local, tokens[valid]]

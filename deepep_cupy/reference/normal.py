@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import collective
+
 
 def dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int, num_nvl_ranks: int):
     """Count tokens per rank, per RDMA rank (node) and per expert.
@@ -28,7 +30,7 @@ def dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int, num_
     topk_idx = np.asarray(topk_idx, dtype=np.int64)
     n = topk_idx.shape[0]
     e_local = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # an id out of range selects nothing (as in the kernels)
     per_expert = np.bincount(topk_idx[valid], minlength=num_experts).astype(np.int32)
     is_token_in_rank = np.zeros((n, num_ranks), dtype=bool)
     rows, cols = np.nonzero(valid)
@@ -66,6 +68,45 @@ def _align(count: int, alignment: int) -> int:
     return -(-count // alignment) * alignment if alignment > 1 else count
 
 
+def _columns(a) -> str:
+    return "None" if a is None else f"{np.shape(a)[1]} columns"
+
+
+def _dispatch_prepare(group, x, x_scales, handle, is_token_in_rank, num_tokens_per_expert, topk_idx):
+    """This rank's own checks and routing, before anything is exchanged."""
+    nranks = group.size
+    if handle is not None:
+        is_token_in_rank = handle[4]
+    if is_token_in_rank is None:
+        raise ValueError("dispatch needs is_token_in_rank (from get_dispatch_layout) or a handle")
+    is_token_in_rank = np.asarray(is_token_in_rank, dtype=bool)
+    n = x.shape[0]
+    if is_token_in_rank.shape != (n, nranks):
+        where = "handle[4] (is_token_in_rank)" if handle is not None else "is_token_in_rank"
+        raise ValueError(f"{where} must have shape [{n}, {nranks}], got {list(is_token_in_rank.shape)}")
+    e_local = None
+    if handle is None:
+        if num_tokens_per_expert is None:
+            raise ValueError("non-cached dispatch needs num_tokens_per_expert")
+        e = np.shape(num_tokens_per_expert)[0]
+        if e == 0 or e % nranks:
+            raise ValueError(f"num_tokens_per_expert must have one entry per expert, a positive multiple of the "
+                             f"number of ranks ({nranks}); got {e} entries")
+        e_local = e // nranks
+        if topk_idx is not None and np.shape(topk_idx)[0] != n:
+            raise ValueError(f"topk_idx must have {n} rows like x, got {np.shape(topk_idx)[0]}")
+    if x_scales is not None and np.shape(x_scales)[0] != n:
+        raise ValueError(f"x[1] (scales) must have {n} rows like x[0], got {np.shape(x_scales)[0]}")
+    return is_token_in_rank, e_local
+
+
+def _worst_overflow(counts: np.ndarray, worst: list) -> None:
+    over = [(r, int(counts[:, r].sum()), w) for r, w in enumerate(worst) if w > 0 and counts[:, r].sum() > w]
+    if over:
+        text = "; ".join(f"rank {r} receives {got} tokens, more than its num_worst_tokens={w}" for r, got, w in over)
+        raise collective.mark_agreed(ValueError(f"dispatch: {text}"))
+
+
 def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
              expert_alignment: int, num_worst_tokens: int, num_channels: int):
     """Send every token to every rank ``r`` with ``is_token_in_rank[t, r]``.
@@ -79,27 +120,38 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
     Cached mode (``handle`` given): routing comes from ``handle[4]``; only ``x``/``x_scales`` travel;
     the top-k outputs and the list are None and the given handle is returned unchanged.
 
-    ``num_worst_tokens > 0``: every row output has exactly that many rows (ValueError if more were
-    received); padding rows are 0 in data and scales, -1 in ``recv_topk_idx`` and ``recv_src_idx``,
-    0.0 in weights; the list is ``[]``.
+    ``num_worst_tokens > 0``: every row output has exactly that many rows (a ``ValueError`` on every rank,
+    before anything moves, when any rank would receive more); padding rows are 0 in data and scales, -1 in
+    ``recv_topk_idx`` and ``recv_src_idx``, 0.0 in weights; the list is ``[]``.
+
+    The ranks first exchange their token counts and the values they must agree on (``collective.start``):
+    a rank's bad argument or a disagreement (hidden size, dtypes, expert count, top-k width, cached or not)
+    raises on every rank.
 
     Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, list, handle)``.
     """
     me, nranks = group.rank, group.size
     cached = handle is not None
     if cached:
-        is_token_in_rank = handle[4]
         topk_idx = topk_weights = None
-    is_token_in_rank = np.asarray(is_token_in_rank, dtype=bool)
+    error = fields = info = None
+    try:
+        is_token_in_rank, e_local = _dispatch_prepare(group, x, x_scales, handle, is_token_in_rank,
+                                                      num_tokens_per_expert, topk_idx)
+        fields = {"handle (a cached dispatch)": cached, "hidden": x.shape[1], "x dtype": str(x.dtype),
+                  "x scales": _columns(x_scales)}
+        if not cached:
+            fields.update({"num_experts (entries of num_tokens_per_expert)": e_local * nranks,
+                           "topk_idx": _columns(topk_idx), "topk_weights": _columns(topk_weights)})
+        info = (is_token_in_rank.sum(axis=0, dtype=np.int64), int(num_worst_tokens))
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by start()
+        error = exc
+    infos = collective.start(group, "dispatch", fields=fields, error=error, info=info)
+    counts = np.stack([i[0] for i in infos])  # [source, destination]
+    _worst_overflow(counts, [i[1] for i in infos])
+
     scales = None if x_scales is None else np.array(x_scales, order="C")  # values, any input strides
     cpm = channel_prefix_matrix(is_token_in_rank, num_channels)
-    e_local = None
-    if not cached:
-        if num_tokens_per_expert is None:
-            raise ValueError("non-cached dispatch needs num_tokens_per_expert")
-        num_tokens_per_expert = np.asarray(num_tokens_per_expert)
-        e_local = num_tokens_per_expert.shape[0] // nranks
-
     payloads = []
     for r in range(nranks):
         idx = np.nonzero(is_token_in_rank[:, r])[0]
@@ -111,16 +163,12 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
         if topk_weights is not None:
             p["topk_weights"] = np.asarray(topk_weights, dtype=np.float32)[idx]
         if not cached:
-            p["per_expert"] = num_tokens_per_expert[r * e_local:(r + 1) * e_local].astype(np.int64)
+            p["per_expert"] = np.asarray(num_tokens_per_expert)[r * e_local:(r + 1) * e_local].astype(np.int64)
         payloads.append(p)
-    got = group.alltoall_object(payloads)
+    got = collective.alltoall(group, payloads, "dispatch (data)")
 
-    num_recv = sum(g["src"].shape[0] for g in got)
-    rows = num_recv
-    if num_worst_tokens > 0:
-        if num_recv > num_worst_tokens:
-            raise ValueError(f"rank {me} received {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}")
-        rows = num_worst_tokens
+    num_recv = int(counts[:, me].sum())
+    rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
 
     def stack(key, dtype, tail, fill):
         out = np.full((rows,) + tail, fill, dtype=dtype)
@@ -143,8 +191,7 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
             w = stack("topk_weights", np.float32, (k,), 0)
             recv_topk_weights = np.where(mine, w, np.float32(0)).astype(np.float32)
 
-    counts = group.allgather_object(is_token_in_rank.sum(axis=0, dtype=np.int64))
-    rank_prefix = np.cumsum(np.stack(counts), axis=0).astype(np.int32)
+    rank_prefix = np.cumsum(counts, axis=0).astype(np.int32)
     recv_cpm = np.zeros((nranks, num_channels), dtype=np.int32)
     for s, g in enumerate(got):
         recv_cpm[s, 1:] = g["cpm"][:-1]
@@ -159,6 +206,47 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle
 
 
+def _combine_prepare(group, x, handle, topk_weights):
+    """Check this rank's handle against itself (the bounds the exchange relies on); return the row range
+    ``[start, end)`` of ``x`` each source rank gets back."""
+    me, nranks = group.rank, group.size
+    rank_prefix, _, _, recv_src_idx, is_token_in_rank, _ = handle
+    rank_prefix = np.asarray(rank_prefix)
+    if rank_prefix.shape != (nranks, nranks):
+        raise ValueError(f"handle[0] (rank_prefix_matrix) must have shape [{nranks}, {nranks}], "
+                         f"got {list(rank_prefix.shape)}")
+    if np.ndim(is_token_in_rank) != 2 or np.shape(is_token_in_rank)[1] != nranks:
+        raise ValueError(f"handle[4] (is_token_in_rank) must have shape [*, {nranks}], "
+                         f"got {list(np.shape(is_token_in_rank))}")
+    ends = rank_prefix[:, me].astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    num_recv = int(ends[-1])
+    rows = min(np.shape(recv_src_idx)[0], x.shape[0])
+    if (starts > ends).any() or ends[0] < 0 or num_recv > rows:
+        raise ValueError(f"handle[0] (rank_prefix_matrix) column {me} must rise from 0 to at most {rows} (the rows "
+                         f"of x and of handle[3]), got {ends.tolist()}: the handle is not one dispatch returned")
+    src = np.asarray(recv_src_idx[:num_recv], dtype=np.int64)
+    if num_recv and src.min() < 0:
+        raise ValueError("handle[3] (recv_src_idx) holds negative token indices among the received rows: the "
+                         "handle is not one dispatch returned")
+    if topk_weights is not None and np.shape(topk_weights)[0] < num_recv:
+        raise ValueError(f"topk_weights must have at least {num_recv} rows, got {np.shape(topk_weights)[0]}")
+    return starts, ends, np.asarray(is_token_in_rank, dtype=bool), rank_prefix
+
+
+def _combine_received(got, me: int, in_rank: np.ndarray) -> None:
+    """What each rank sent back must name exactly the tokens this rank sent it."""
+    n = in_rank.shape[0]
+    for r, g in enumerate(got):
+        src, sent = g["src"], int(in_rank[:, r].sum())
+        if src.shape[0] != sent:
+            raise ValueError(f"rank {r} returned {src.shape[0]} rows for rank {me}, which sent it {sent} tokens: "
+                             f"handle[0] (rank_prefix_matrix) of rank {r} does not match this rank's handle")
+        if src.size and (src.min() < 0 or src.max() >= n):
+            raise ValueError(f"handle[3] (recv_src_idx) of rank {r} names token {int(src.max())} of rank {me}, "
+                             f"which has {n} tokens: the handle is not one dispatch returned")
+
+
 def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
     """Send each received row back to its source rank and sum there (no weights).
 
@@ -168,12 +256,20 @@ def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
     ``combined_topk_weights`` is the same float32 rank-ordered sum of the ``topk_weights`` rows (no bias),
     None when ``topk_weights`` is None. Only the first ``rank_prefix_matrix[R-1, me]`` rows of ``x`` are
     used (``x`` may carry ``num_worst_tokens`` padding rows). Tokens sent nowhere combine to the bias.
+
+    A handle that does not describe what the ranks exchanged (another call's, or altered) raises a
+    ``ValueError`` on every rank, before or right after the exchange (``collective.start``/``finish``).
     """
     me, nranks = group.rank, group.size
-    rank_prefix, _, _, recv_src_idx, is_token_in_rank, _ = handle
-    n = is_token_in_rank.shape[0]
-    ends = np.asarray(rank_prefix)[:, me].astype(np.int64)
-    starts = np.concatenate([[0], ends[:-1]])
+    error = fields = None
+    try:
+        starts, ends, in_rank, rank_prefix = _combine_prepare(group, x, handle, topk_weights)
+        fields = {"hidden": tuple(x.shape[1:]), "x dtype": str(x.dtype), "topk_weights": _columns(topk_weights),
+                  "handle[0] (rank_prefix_matrix)": tuple(map(tuple, rank_prefix.tolist()))}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by start()
+        error = exc
+    collective.start(group, "combine", fields=fields, error=error)
+    recv_src_idx = handle[3]
     payloads = []
     for s in range(nranks):
         b, e = int(starts[s]), int(ends[s])
@@ -181,8 +277,15 @@ def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
         if topk_weights is not None:
             p["w"] = np.array(topk_weights[b:e], dtype=np.float32)
         payloads.append(p)
-    got = group.alltoall_object(payloads)
+    got = collective.alltoall(group, payloads, "combine (data)")
+    error = None
+    try:
+        _combine_received(got, me, in_rank)
+    except ValueError as exc:
+        error = exc
+    collective.finish(group, "combine", error)
 
+    n = in_rank.shape[0]
     acc = np.zeros((n,) + x.shape[1:], dtype=np.float32)
     if bias_0 is not None or bias_1 is not None:
         b0 = acc if bias_0 is None else np.asarray(bias_0, dtype=np.float32)
