@@ -251,42 +251,26 @@ class CudaRuntime:
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self):
-        """A barrier (no peer may still write into this rank's buffers), then the release. The barrier leaves
-        out the ranks this rank has masked and waits at most ``DEEPEP_CUPY_TIMEOUT_S``; the buffers are
-        released whether or not it completes, and then its ``DeepEPTimeoutError`` names who did not come."""
-        among = self._unmasked_ranks()
+        """A barrier (no peer may still write into this rank's buffers), then the release. The barrier waits at
+        most ``DEEPEP_CUPY_TIMEOUT_S``; when a rank does not come (dead, or masked and gone) the buffers that
+        need no peer are released, the NVSHMEM memory stays allocated (its free is collective and would never
+        return), and the barrier's ``DeepEPTimeoutError`` names the missing ranks."""
         everyone = False
         try:
             if isinstance(self.group, CommGroup):
-                self.group.barrier(op="Buffer.destroy", among=among)
+                self.group.barrier(op="Buffer.destroy")
             else:
                 self.group.barrier()
-            everyone = among is None or len(among) == self.num_ranks
+            everyone = True
         finally:
             try:
-                if not everyone and self.low_latency is not None:
-                    # NVSHMEM's free is collective over every PE: with a rank gone it would never return.
-                    # The symmetric memory stays allocated; what needs no peer is released below.
+                if not everyone:
                     self.low_latency = None
                 self.release_local()
             finally:
-                self.group_close()
-
-    def group_close(self):
-        close = getattr(self.group, "close", None)
-        if close is not None:
-            close()
-
-    def _unmasked_ranks(self):
-        """The ranks this rank has not masked (None: all of them, or the mask cannot be read)."""
-        engine = self.low_latency
-        if engine is None or not engine.enable_shrink:
-            return None
-        try:
-            mask = engine.mask.get()
-        except Exception:  # noqa: BLE001 - a broken device: wait for everyone
-            return None
-        return [r for r in range(self.num_ranks) if not mask[r]]
+                close = getattr(self.group, "close", None)
+                if close is not None:
+                    close()
 
     def release_local(self):
         for name in ("intranode", "low_latency"):

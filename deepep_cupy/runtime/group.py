@@ -146,11 +146,10 @@ class CommGroup(ABC):
             return obj
         return self._unpack(self._exchange({}, [root], op), op)[root]
 
-    def barrier(self, op: str | None = None, among=None) -> None:
-        """Wait until every rank (or every rank of ``among``, which must hold this rank) has arrived."""
+    def barrier(self, op: str | None = None) -> None:
+        """Wait until every rank has arrived."""
         op = op or _caller()
-        ranks = range(self.size) if among is None else sorted(set(int(r) for r in among) | {self.rank})
-        peers = [p for p in ranks if p != self.rank]
+        peers = [p for p in range(self.size) if p != self.rank]
         data = pickle.dumps((op, None))
         self._unpack(self._exchange({p: data for p in peers}, peers, op), op)
 
@@ -338,9 +337,9 @@ class TorchGroup(CommGroup):
             return super().bcast_object(obj, root, op=op or _caller())
         return self._gather(obj if self.rank == root else None, op or _caller())[root]
 
-    def barrier(self, op: str | None = None, among=None) -> None:
+    def barrier(self, op: str | None = None) -> None:
         if self._p2p:
-            return super().barrier(op=op or _caller(), among=among)
+            return super().barrier(op=op or _caller())
         self._gather(None, op or _caller())
 
     def _gather(self, obj, op: str) -> list:
