@@ -1,11 +1,9 @@
-"""Moving arrays between the caller's framework (torch, CuPy, NumPy) and the backends.
+"""Moving arrays between the caller's framework (torch, CuPy, NumPy) and the NumPy reference backend.
 
-Backends see two kinds of arrays:
-  * the GPU backend: CuPy arrays in *storage* dtypes (bf16 as uint16, fp8 as uint8), zero-copy views
-    of what the caller passed;
-  * the reference backend: NumPy arrays in *logical* dtypes (``ml_dtypes.bfloat16``,
-    ``ml_dtypes.float8_e4m3fn``).
-Results go back in the framework, device and dtype of the caller's ``x``.
+The reference backend computes on NumPy arrays in *logical* dtypes (``ml_dtypes.bfloat16``,
+``ml_dtypes.float8_e4m3fn``); its results go back in the framework, device and dtype of the caller's
+``x``. Tests use the same conversions to feed GPU runs and read them back. (The GPU backend's hot path
+does not come through here: ``deepep_cupy.tensors`` serves each framework natively.)
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import numpy as np
 
 __all__ = [
     "BF16", "FP8", "I32", "I64", "F32", "BOOL", "TensorKind", "kind_of", "logical_dtype", "to_numpy", "to_cupy", "from_numpy",
-    "from_cupy", "shape_of", "is_tensor", "copy_into", "to_storage_dtype",
+    "shape_of", "is_tensor", "copy_into", "to_storage_dtype",
 ]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -219,29 +217,14 @@ def copy_into(dst, src: np.ndarray) -> None:
         dst[...] = fresh
 
 
-def from_cupy(arr, dtype: np.dtype, like: TensorKind):
-    """Return a CuPy result (storage dtype ``arr``, logical ``dtype``) in the caller's framework."""
-    if arr is None:
-        return None
-    dtype = np.dtype(dtype)
-    if like.framework == "cupy":
-        return _cupy_logical(arr, dtype)
-    if like.framework == "numpy":
-        return arr.get().view(dtype) if dtype in _STORAGE else arr.get()
-    torch = _torch()
-    storage = _signed_twin(_storage(dtype))
-    t = torch.from_dlpack(arr.view(storage) if arr.dtype != storage else arr)
-    if dtype in _STORAGE:
-        t = t.view(_numpy_to_torch_dtypes()[dtype])
-    return t
-
-
 @functools.cache
 def _cupy_holds(dtype: np.dtype) -> bool:
+    """Whether this CuPy can allocate arrays of ``dtype`` (bf16 and fp8 through ml_dtypes; a view alone
+    may pass where an allocation fails)."""
     import cupy
 
     try:
-        cupy.empty(0, dtype=np.uint8).view(dtype)
+        cupy.empty((1,), dtype=dtype)
         return True
     except Exception:
         return False

@@ -9,11 +9,9 @@ through DLPack.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from .interop import BF16, BOOL, F32, FP8, I32, I64
+from .interop import BF16, BOOL, F32, FP8, I32, I64, _cupy_holds
 
 __all__ = ["TorchFrame", "CupyFrame", "SmallOutputs", "frame_for", "meta", "U8", "U16"]
 
@@ -133,17 +131,6 @@ class _DeviceMemory:
         self.owner = owner
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (int(ptr), False),
                                          "version": 3, "strides": None, "stream": None}
-
-
-@functools.cache
-def _cupy_holds(dtype: np.dtype) -> bool:
-    import cupy
-
-    try:
-        cupy.empty((1,), dtype=dtype)  # allocating is what the frame does (a view alone may pass)
-        return True
-    except Exception:
-        return False
 
 
 _frames: dict = {}
