@@ -14,6 +14,8 @@ _MAX_TOPK = 128
 _MAX_SCALES = 128
 # Bytes of per-token source metadata carried across RDMA (source node index + NVLink bitmask).
 _SOURCE_META_BYTES = 8
+# Control word (one int4) each RDMA ring slot carries besides the token.
+_RDMA_SLOT_CONTROL_BYTES = 16
 
 
 def _align(value: int, alignment: int) -> int:
@@ -75,14 +77,34 @@ class Config:
         control = self.num_channels * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
         return _align(control + slots * _slot_bytes(hidden_bytes), 128)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer the internode kernels need; 0 when every rank shares one NVLink domain."""
-        if num_ranks <= NUM_MAX_NVL_PEERS:
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_nvl_ranks: int | None = None) -> int:
+        """Bytes of RDMA (NVSHMEM) buffer the internode kernels need; 0 when every rank shares one NVLink domain.
+
+        ``num_nvl_ranks`` is the NVLink-domain size; None means DeepEP's 8, for which the value is DeepEP
+        V1's byte for byte (0 up to 8 ranks). Per channel and source domain: the control words (for each
+        domain rank a start and an end prefix, plus the domain's two prefixes, for dispatch and combine)
+        and two rings (dispatch, combine) of ``num_max_rdma_chunked_recv_tokens`` slots, each slot holding
+        the token, its source metadata, room for 128 top-k ids (int64) and weights, 128 scales, and one
+        16-byte control word; rounded up to 128 bytes.
+        """
+        if num_ranks <= 0:
+            raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+        if num_nvl_ranks is None:
+            if num_ranks <= NUM_MAX_NVL_PEERS:
+                return 0
+            num_nvl_ranks = NUM_MAX_NVL_PEERS
+        elif isinstance(num_nvl_ranks, bool) or not isinstance(num_nvl_ranks, int) or num_nvl_ranks <= 0:
+            raise ValueError(f"num_nvl_ranks must be a positive int, got {num_nvl_ranks!r}")
+        if num_ranks % num_nvl_ranks:
+            raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of the NVLink-domain size ({num_nvl_ranks})")
+        num_rdma_ranks = num_ranks // num_nvl_ranks
+        if num_rdma_ranks == 1:
             return 0
-        num_rdma_ranks = num_ranks // NUM_MAX_NVL_PEERS
+        if self.num_sms % 2:
+            raise ValueError(f"internode kernels need an even Config.num_sms, got {self.num_sms}")
         slots = self.num_channels * num_rdma_ranks * self.num_max_rdma_chunked_recv_tokens * 2
-        control = self.num_channels * num_rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
-        return _align(control + slots * _slot_bytes(hidden_bytes), 128)
+        control = self.num_channels * num_rdma_ranks * (num_nvl_ranks * 2 + 2) * 2 * 4
+        return _align(control + slots * (_slot_bytes(hidden_bytes) + _RDMA_SLOT_CONTROL_BYTES), 128)
 
 
 @functools.lru_cache(maxsize=64)
