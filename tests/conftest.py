@@ -1,13 +1,14 @@
-"""Session settings for the CPU tests."""
+"""Session settings of every test suite (each MPI rank is a pytest session of its own)."""
 
 import os
 import shutil
 import tempfile
 
 # Caches a test run would otherwise create in the user's home: deepep_cupy's kernel cache (read by
-# deepep_cupy.jit.cache.cache_dir()) and the one CuPy makes when it is imported. Spelled out here so that
-# loading this file imports nothing.
-CACHE_ENVS = {"DEEPEP_CUPY_CACHE_DIR": "deepep_cupy", "CUPY_CACHE_DIR": "cupy"}
+# deepep_cupy.jit.cache.cache_dir()), the one CuPy makes when it is imported, and matplotlib's font cache
+# and IPython's profile (the plotting and notebook tests). Spelled out here so that loading this file imports nothing.
+CACHE_ENVS = {"DEEPEP_CUPY_CACHE_DIR": "deepep_cupy", "CUPY_CACHE_DIR": "cupy", "MPLCONFIGDIR": "matplotlib",
+              "IPYTHONDIR": "ipython"}
 
 
 def pytest_configure(config):

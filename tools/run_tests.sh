@@ -10,11 +10,12 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Caches go to one temporary directory shared by every step (and every rank), removed at the end, not to the
 # user's home: the kernels the tests compile, and the directory CuPy makes when imported. A cache directory
 # the user chose is used as it is.
-if [ -z "${DEEPEP_CUPY_CACHE_DIR:-}" ] || [ -z "${CUPY_CACHE_DIR:-}" ]; then
+if [ -z "${DEEPEP_CUPY_CACHE_DIR:-}" ] || [ -z "${CUPY_CACHE_DIR:-}" ] || [ -z "${MPLCONFIGDIR:-}" ]; then
     TEST_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/deepep_cupy_test_cache.XXXXXX")
     trap 'rm -rf "$TEST_CACHE"' EXIT
     export DEEPEP_CUPY_CACHE_DIR=${DEEPEP_CUPY_CACHE_DIR:-$TEST_CACHE/deepep_cupy}
     export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$TEST_CACHE/cupy}
+    export MPLCONFIGDIR=${MPLCONFIGDIR:-$TEST_CACHE/matplotlib}
 fi
 
 python -m pytest tests/unit -q -p no:cacheprovider "$@"
