@@ -164,3 +164,40 @@ def test_timeout_without_shrink_raises(env, monkeypatch):
         COMM.Barrier()
         buf.destroy()
     agree(failures)
+
+
+def test_ranks_that_disagree_get_a_named_error_before_any_kernel(env):
+    """Rank 0 passes another num_max_dispatch_tokens_per_rank than the others: every rank raises the same
+    ValueError naming the argument and each rank's value, from the plan's agreement check (no kernel runs,
+    so nothing times out); the next call with agreeing values works."""
+    import deepep_cupy
+
+    rank = env["rank"]
+    fw = FRAMEWORKS[0]
+    t_bad = T_SMALL if rank else T_SMALL // 2
+    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
+                             explicitly_destroy=True)
+    x, topk, _w, _eo = small_data(rank, 50)
+    x, topk = x[: T_SMALL // 2], topk[: T_SMALL // 2]
+    failures = []
+    try:
+        t0 = time.time()
+        try:
+            buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), t_bad, E_SMALL, use_fp8=False)
+            sync()
+            failures.append("no ValueError when the ranks disagree on num_max_dispatch_tokens_per_rank")
+        except ValueError as exc:
+            text = str(exc)
+            if "num_max_dispatch_tokens_per_rank" not in text or f"rank 0: {T_SMALL // 2}" not in text:
+                failures.append(f"the error does not name the argument and the values: {text}")
+        if time.time() - t0 > 1.0:
+            failures.append(f"the disagreement took {time.time() - t0:.1f} s to report (a kernel ran?)")
+        recv, count, _h, _e, _hook = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL,
+                                                                E_SMALL, use_fp8=False)
+        sync()
+        check(failures, "a dispatch after the error", lambda: np.testing.assert_array_less(-1, to_np(count)))
+    finally:
+        sync()
+        COMM.Barrier()
+        buf.destroy()
+    agree(failures)
