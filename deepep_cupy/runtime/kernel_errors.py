@@ -31,7 +31,8 @@ def value_error(info: dict) -> ValueError:
 
     op, arg = VALUE_OP_ARGS.get(info["op"], (f"op {info['op']}", "an argument"))
     return ValueError(f"{op}: {arg} held expert id {info['waited_ns']} on rank {info['rank']}, outside "
-                      f"[-1, num_experts); it was treated as -1 (no expert) by that call")
+                      f"[-1, num_experts); the call that passed it treated it as -1 (no expert). Found by "
+                      f"the kernel, so reported at this rank's next call")
 
 RECORD_WORDS = 8
 DEFAULT_TIMEOUT_S = 100.0
