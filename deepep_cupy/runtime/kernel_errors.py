@@ -1,11 +1,14 @@
-"""Host side of ``cuda_src/common/timeout.cuh``: the record a kernel fills when a wait times out.
+"""Host side of ``cuda_src/common/timeout.cuh``: the record a kernel fills when a wait times out or it
+finds a bad argument value.
 
 The record is 8 int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, kind,
 waited_ns (int64 in words 6-7)``. ``kind`` 0 is a timeout; ``kind`` 1 is a bad argument value a kernel
 found (an expert id out of range), with the offending value in ``waited_ns`` and the op code naming the
-op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as ``ValueError``. ``flag`` is 0 while no error happened, -1 while a thread is writing
-the record and 1 once it is complete. By default it lives in pinned, device-mapped host memory, so the
-host reads it without a device synchronisation (kernels write it with system-scope fences).
+op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as ``ValueError``.
+``flag`` is 0 while nothing was recorded, negative while a thread is writing the record (-1 for a
+timeout, -2 for a value) and 1 once it is complete. By default it lives in pinned, device-mapped host
+memory, so the host reads it without a device synchronisation (kernels write it with system-scope
+fences).
 """
 
 from __future__ import annotations
