@@ -326,8 +326,11 @@ class Buffer(LowLatencyOps):
             recv_topk_weights: `[num_recv, num_topk]` float32, 0 where ``recv_topk_idx`` is -1.
             num_recv_tokens_per_expert_list: list of received tokens per local expert (aligned); empty with
                 ``num_worst_tokens``.
-            handle: routing for ``combine`` and cached dispatches; ``handle[0]`` is the `[num_ranks, num_ranks]`
-                prefix matrix (entry [i][r]: tokens rank r receives from ranks 0..i).
+            handle: routing for ``combine`` and cached dispatches. Within one NVLink domain DeepEP's 6-tuple:
+                ``handle[0]`` is the `[num_ranks, num_ranks]` prefix matrix (entry [i][r]: tokens rank r receives
+                from ranks 0..i). Across several domains DeepEP's 10-tuple (``reference/internode.py``):
+                ``handle[0]`` is ``is_token_in_rank``, ``handle[-4]`` the `[num_ranks]` prefix sum of the tokens
+                received from each rank.
             event: an ``EventOverlap``.
         """
         if self._destroyed:
@@ -371,7 +374,7 @@ class Buffer(LowLatencyOps):
                            allocate_on_comm_stream):
         checks.dispatch_args(self.group_size, x, handle, num_tokens_per_rank, is_token_in_rank,
                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                             config)
+                             config, num_rdma_ranks=self._num_rdma_ranks)
         data, scales = (x if isinstance(x, (tuple, list)) else (x, None))
         plan = self.runtime.plan_dispatch(
             data, scales, handle=handle, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
@@ -417,7 +420,8 @@ class Buffer(LowLatencyOps):
                async_finish, allocate_on_comm_stream)
         plan = _lookup(self._combine_plans, key)
         if plan is None:
-            checks.combine_args(self.group_size, x, handle, topk_weights, bias, config)
+            checks.combine_args(self.group_size, x, handle, topk_weights, bias, config,
+                                num_rdma_ranks=self._num_rdma_ranks)
             plan = _store(self._combine_plans, key, self.runtime.plan_combine(
                 x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
                 async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))

@@ -10,11 +10,13 @@ from __future__ import annotations
 import functools
 import weakref
 
+import numpy as np
+
 from . import validate as check
 from .config import Config, low_latency_rdma_size_hint
 from .interop import BF16, BOOL, F32, FP8, I32, I64, is_tensor, shape_of
 
-__all__ = ["num_experts_ok", "split_x", "dispatch_args", "combine_args", "ll_dispatch_args", "ll_combine_args",
+__all__ = ["num_experts_ok", "split_x", "internode_handle", "dispatch_args", "combine_args", "ll_dispatch_args", "ll_combine_args",
            "config_key", "report_failures"]
 
 
@@ -57,8 +59,29 @@ def _tensor_handle(handle, length: int, source: str, dtypes) -> None:
             check.tensor(f"handle[{i}]", handle[i], dtype=want, contiguous=False)
 
 
+_U8 = np.dtype(np.uint8)
+
+
+def internode_handle(handle, num_ranks: int, num_rdma_ranks: int, num_tokens=None) -> int:
+    """Check DeepEP's 10-entry internode handle (see ``reference/internode.py``); return its received rows."""
+    r, d = num_ranks, num_rdma_ranks
+    _tensor_handle(handle, 10, "an internode dispatch (a group of several NVLink domains)",
+                   (BOOL, I32, I32, I32, I32, I32, I32, _U8, I32, I32))
+    n, _ = check.tensor("handle[0] (is_token_in_rank)", handle[0], dtype=BOOL, shape=(num_tokens, r))
+    _, c = check.tensor("handle[1] (rdma_channel_prefix_matrix)", handle[1], dtype=I32, shape=(d, None))
+    check.tensor("handle[2] (gbl_channel_prefix_matrix)", handle[2], dtype=I32, shape=(r, c))
+    check.tensor("handle[3] (recv_rdma_channel_prefix_matrix)", handle[3], dtype=I32, shape=(d, c))
+    check.tensor("handle[4] (recv_rdma_rank_prefix_sum)", handle[4], dtype=I32, shape=(d,))
+    check.tensor("handle[5] (recv_gbl_channel_prefix_matrix)", handle[5], dtype=I32, shape=(r, c))
+    check.tensor("handle[6] (recv_gbl_rank_prefix_sum)", handle[6], dtype=I32, shape=(r,))
+    rows, _ = check.tensor("handle[7] (recv_src_meta)", handle[7], dtype=_U8, shape=(None, 8))
+    check.tensor("handle[8] (send_rdma_head)", handle[8], dtype=I32, shape=(n, d))
+    check.tensor("handle[9] (send_nvl_head)", handle[9], dtype=I32, shape=(None, r // d))
+    return rows
+
+
 def dispatch_args(num_ranks: int, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config) -> None:
+                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, num_rdma_ranks: int = 1) -> None:
     _, _, n, _ = split_x(x)
     check.positive_int("expert_alignment", expert_alignment)
     check.nonneg_int("num_worst_tokens", num_worst_tokens)
@@ -67,6 +90,9 @@ def dispatch_args(num_ranks: int, x, handle, num_tokens_per_rank, is_token_in_ra
     if handle is not None:
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+        if num_rdma_ranks > 1:
+            internode_handle(handle, r, num_rdma_ranks, n)
+            return
         _tensor_handle(handle, 6, "dispatch", (I32, I32, I32, I32, BOOL, I32))
         check.tensor("handle[0] (rank_prefix_matrix)", handle[0], dtype=I32, shape=(r, r))
         check.tensor("handle[1] (channel_prefix_matrix)", handle[1], dtype=I32, ndim=2)
@@ -100,13 +126,20 @@ def split_bias(bias):
     return bias, None
 
 
-def combine_args(num_ranks: int, x, handle, topk_weights, bias, config) -> None:
-    _tensor_handle(handle, 6, "dispatch", (I32, I32, I32, I32, BOOL, I32))
+def combine_args(num_ranks: int, x, handle, topk_weights, bias, config, num_rdma_ranks: int = 1) -> None:
+    if num_rdma_ranks > 1:
+        internode_handle(handle, num_ranks, num_rdma_ranks)
+    else:
+        _tensor_handle(handle, 6, "dispatch", (I32, I32, I32, I32, BOOL, I32))
     r = num_ranks
     m, hidden = check.tensor("x", x, dtype=BF16, ndim=2)
     if hidden % 8 != 0:
         raise ValueError(f"BF16 hidden size must be a multiple of 8, got {hidden}")
     config_key(config)
+    if num_rdma_ranks > 1:
+        n, _ = shape_of(handle[0])
+        _combine_rest(m, hidden, shape_of(handle[7])[0], n, topk_weights, bias)
+        return
     check.tensor("handle[0] (rank_prefix_matrix)", handle[0], dtype=I32, shape=(r, r))
     check.tensor("handle[1] (channel_prefix_matrix)", handle[1], dtype=I32, ndim=2)
     c = shape_of(handle[1])[1]
@@ -114,6 +147,10 @@ def combine_args(num_ranks: int, x, handle, topk_weights, bias, config) -> None:
     (num_recv,) = check.tensor("handle[3] (recv_src_idx)", handle[3], dtype=I32, ndim=1)
     n, _ = check.tensor("handle[4] (is_token_in_rank)", handle[4], dtype=BOOL, shape=(None, r))
     check.tensor("handle[5] (send_head)", handle[5], dtype=I32, shape=(n, r))
+    _combine_rest(m, hidden, num_recv, n, topk_weights, bias)
+
+
+def _combine_rest(m, hidden, num_recv, n, topk_weights, bias) -> None:
     if m < num_recv:
         raise ValueError(f"x has {m} rows but the handle describes {num_recv} received tokens")
     if topk_weights is not None:

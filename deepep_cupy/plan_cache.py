@@ -33,7 +33,7 @@ def store(plans: dict, key, plan):
 def handle_meta(handle):
     if handle is None:
         return None
-    if type(handle) is not tuple or len(handle) != 6:
+    if type(handle) is not tuple or len(handle) not in (6, 10):
         return ("bad handle", id(handle))
     return tuple(meta(h) for h in handle)
 

@@ -14,9 +14,9 @@ Differences from the GPU buffers, all of them on the lenient side:
   other one).
 * The wait-time statistics (``dispatch_wait_recv_cost_stats``, ``combine_wait_recv_cost_stats``)
   are accepted and left unchanged (0 is added): a host exchange has no per-peer wait time.
-* The normal-mode handle is the 6-tuple of the NVLink-domain kernels whatever the node count
-  (``num_rdma_ranks`` only changes ``get_dispatch_layout``'s per-node counts); received rows are
-  always grouped by source rank.
+* The normal-mode handle is the 6-tuple of the NVLink-domain kernels within one domain and DeepEP's
+  10-entry internode handle across several (``internode.py``); received rows are grouped by source
+  rank in both cases, the same rows in the same order.
 * With ``return_recv_hook=True`` the exchange happens at call time; the returned arrays are
   poisoned (NaN data and scales, -1 counts and packed UE8M0 words) until the hook is called, which
   writes the results in place; the receive statistics are accumulated by the hook.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import low_latency, normal
+from . import internode, low_latency, normal
 from .quant import BF16
 
 
@@ -66,9 +66,15 @@ class ReferenceBackend:
 
         The handle is ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, C] int32,
         recv_channel_prefix_matrix [R, C] int32, recv_src_idx [rows] int32, is_token_in_rank [N, R] bool,
-        send_head [N, R] int32)``.
+        send_head [N, R] int32)`` within one NVLink domain, the 10-tuple of ``internode.py`` across several.
         """
         del num_tokens_per_rank
+        if self.num_rdma_ranks > 1:
+            return internode.dispatch(
+                self.group, x, x_scales, handle=handle, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens or 0),
+                num_channels=self.num_channels, num_nvl_ranks=self.num_nvl_ranks)
         return normal.dispatch(self.group, x, x_scales, handle=handle, is_token_in_rank=is_token_in_rank,
                                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                                topk_weights=topk_weights, expert_alignment=int(expert_alignment),
@@ -76,6 +82,8 @@ class ReferenceBackend:
 
     def combine(self, x, handle, *, topk_weights, bias_0, bias_1):
         """See ``normal.combine``. Returns ``(combined_x, combined_topk_weights or None)``."""
+        if self.num_rdma_ranks > 1:
+            return internode.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
         return normal.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
 
     # ------------------------------------------------------------------ low-latency mode

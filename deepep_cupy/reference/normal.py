@@ -72,17 +72,18 @@ def _columns(a) -> str:
     return "None" if a is None else f"{np.shape(a)[1]} columns"
 
 
-def _dispatch_prepare(group, x, x_scales, handle, is_token_in_rank, num_tokens_per_expert, topk_idx):
+def _dispatch_prepare(group, x, x_scales, handle, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                      handle_in_rank: int = 4):
     """This rank's own checks and routing, before anything is exchanged."""
     nranks = group.size
     if handle is not None:
-        is_token_in_rank = handle[4]
+        is_token_in_rank = handle[handle_in_rank]
     if is_token_in_rank is None:
         raise ValueError("dispatch needs is_token_in_rank (from get_dispatch_layout) or a handle")
     is_token_in_rank = np.asarray(is_token_in_rank, dtype=bool)
     n = x.shape[0]
     if is_token_in_rank.shape != (n, nranks):
-        where = "handle[4] (is_token_in_rank)" if handle is not None else "is_token_in_rank"
+        where = f"handle[{handle_in_rank}] (is_token_in_rank)" if handle is not None else "is_token_in_rank"
         raise ValueError(f"{where} must have shape [{n}, {nranks}], got {list(is_token_in_rank.shape)}")
     e_local = None
     if handle is None:
@@ -108,7 +109,8 @@ def _worst_overflow(counts: np.ndarray, worst: list) -> None:
 
 
 def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-             expert_alignment: int, num_worst_tokens: int, num_channels: int):
+             expert_alignment: int, num_worst_tokens: int, num_channels: int, handle_in_rank: int = 4,
+             extra: list | None = None):
     """Send every token to every rank ``r`` with ``is_token_in_rank[t, r]``.
 
     Received rows are grouped by source rank (rank order), each group in source token order.
@@ -128,6 +130,10 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
     a rank's bad argument or a disagreement (hidden size, dtypes, expert count, top-k width, cached or not)
     raises on every rank.
 
+    ``handle_in_rank``: where a cached handle holds ``is_token_in_rank`` (4 here, 0 in the internode
+    handle). ``extra``: one dict per destination rank, merged into what this rank sends it; on return the
+    list holds instead what every source rank sent this rank (its rows' token indices under ``"src"``).
+
     Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, list, handle)``.
     """
     me, nranks = group.rank, group.size
@@ -137,7 +143,7 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
     error = fields = info = None
     try:
         is_token_in_rank, e_local = _dispatch_prepare(group, x, x_scales, handle, is_token_in_rank,
-                                                      num_tokens_per_expert, topk_idx)
+                                                      num_tokens_per_expert, topk_idx, handle_in_rank)
         fields = {"handle (a cached dispatch)": cached, "hidden": x.shape[1], "x dtype": str(x.dtype),
                   "x scales": _columns(x_scales)}
         if not cached:
@@ -164,8 +170,12 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
             p["topk_weights"] = np.asarray(topk_weights, dtype=np.float32)[idx]
         if not cached:
             p["per_expert"] = np.asarray(num_tokens_per_expert)[r * e_local:(r + 1) * e_local].astype(np.int64)
+        if extra is not None:
+            p.update(extra[r])
         payloads.append(p)
     got = collective.alltoall(group, payloads, "dispatch (data)")
+    if extra is not None:
+        extra[:] = got
 
     num_recv = int(counts[:, me].sum())
     rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
@@ -234,15 +244,16 @@ def _combine_prepare(group, x, handle, topk_weights):
     return starts, ends, np.asarray(is_token_in_rank, dtype=bool), rank_prefix
 
 
-def _combine_received(got, me: int, in_rank: np.ndarray) -> None:
+def _combine_received(got, me: int, in_rank: np.ndarray, prefix: str) -> None:
     """What each rank sent back must name exactly the tokens this rank sent it."""
     n = in_rank.shape[0]
     for r, g in enumerate(got):
-        src, sent = g["src"], int(in_rank[:, r].sum())
-        if src.shape[0] != sent:
-            raise ValueError(f"rank {r} returned {src.shape[0]} rows for rank {me}, which sent it {sent} tokens: "
-                             f"handle[0] (rank_prefix_matrix) of rank {r} does not match this rank's handle")
-        if src.size and (src.min() < 0 or src.max() >= n):
+        rows, sent = g["x"].shape[0], int(in_rank[:, r].sum())
+        if rows != sent:
+            raise ValueError(f"rank {r} returned {rows} rows for rank {me}, which sent it {sent} tokens: "
+                             f"{prefix} of rank {r} does not match this rank's handle")
+        src = g.get("src")
+        if src is not None and src.size and (src.min() < 0 or src.max() >= n):
             raise ValueError(f"handle[3] (recv_src_idx) of rank {r} names token {int(src.max())} of rank {me}, "
                              f"which has {n} tokens: the handle is not one dispatch returned")
 
@@ -260,30 +271,49 @@ def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
     A handle that does not describe what the ranks exchanged (another call's, or altered) raises a
     ``ValueError`` on every rank, before or right after the exchange (``collective.start``/``finish``).
     """
-    me, nranks = group.rank, group.size
-    error = fields = None
+    error = fields = starts = ends = in_rank = None
     try:
         starts, ends, in_rank, rank_prefix = _combine_prepare(group, x, handle, topk_weights)
-        fields = {"hidden": tuple(x.shape[1:]), "x dtype": str(x.dtype), "topk_weights": _columns(topk_weights),
-                  "handle[0] (rank_prefix_matrix)": tuple(map(tuple, rank_prefix.tolist()))}
+        fields = {"handle[0] (rank_prefix_matrix)": tuple(map(tuple, rank_prefix.tolist()))}
     except Exception as exc:  # noqa: BLE001 - reported to every rank by start()
         error = exc
+    return combine_rows(group, x, starts, ends, in_rank, handle[3], topk_weights=topk_weights, bias_0=bias_0,
+                        bias_1=bias_1, fields=fields, error=error, prefix="handle[0] (rank_prefix_matrix)")
+
+
+def combine_rows(group, x, starts, ends, in_rank, recv_src_idx, *, topk_weights, bias_0, bias_1, fields, error,
+                 prefix):
+    """``combine`` once the handle is read: rows ``[starts[s], ends[s])`` of ``x`` go back to rank ``s``.
+
+    ``recv_src_idx`` names each row's source token; None: the source places the rows from rank ``r`` on its
+    tokens with ``in_rank[:, r]``, in token order (the order dispatch delivered them in). ``fields`` (values
+    every rank must agree on besides hidden size, dtype and top-k width) and ``error`` (what this rank found
+    wrong so far) go to ``collective.start``; ``prefix`` names the handle entry the row ranges come from.
+    """
+    me, nranks = group.rank, group.size
+    if error is None:
+        fields = {"hidden": tuple(x.shape[1:]), "x dtype": str(x.dtype), "topk_weights": _columns(topk_weights),
+                  **(fields or {})}
     collective.start(group, "combine", fields=fields, error=error)
-    recv_src_idx = handle[3]
     payloads = []
     for s in range(nranks):
         b, e = int(starts[s]), int(ends[s])
-        p = {"src": np.asarray(recv_src_idx[b:e], dtype=np.int64).copy(), "x": np.array(x[b:e])}
+        p = {"x": np.array(x[b:e])}
+        if recv_src_idx is not None:
+            p["src"] = np.asarray(recv_src_idx[b:e], dtype=np.int64).copy()
         if topk_weights is not None:
             p["w"] = np.array(topk_weights[b:e], dtype=np.float32)
         payloads.append(p)
     got = collective.alltoall(group, payloads, "combine (data)")
     error = None
     try:
-        _combine_received(got, me, in_rank)
+        _combine_received(got, me, in_rank, prefix)
     except ValueError as exc:
         error = exc
     collective.finish(group, "combine", error)
+    for r, g in enumerate(got):
+        if "src" not in g:
+            g["src"] = np.nonzero(in_rank[:, r])[0]
 
     n = in_rank.shape[0]
     acc = np.zeros((n,) + x.shape[1:], dtype=np.float32)
