@@ -91,7 +91,8 @@ def _extras(me: int, in_rank: np.ndarray, num_nvl_ranks: int, num_channels: int)
 def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
              expert_alignment: int, num_worst_tokens: int, num_channels: int, num_nvl_ranks: int):
     """``normal.dispatch`` with the internode handle (see the module docstring); a cached dispatch takes that
-    handle and returns it unchanged."""
+    handle, returns it unchanged and, as DeepEP's, as many rows as ``handle[7]`` (a handle from a dispatch
+    with ``num_worst_tokens`` gives that many rows, zero-padded)."""
     me, nranks = group.rank, group.size
     lsize, ndom = num_nvl_ranks, nranks // num_nvl_ranks
     common = dict(num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -99,6 +100,13 @@ def dispatch(group, x, x_scales, *, handle, is_token_in_rank, num_tokens_per_exp
     if handle is not None:
         if not isinstance(handle, (tuple, list)) or len(handle) != len(HANDLE_FIELDS):
             handle = (None,)  # normal.dispatch reports it on every rank
+        else:  # as DeepEP: a cached dispatch returns as many rows as handle[7] has (num_worst_tokens padding)
+            try:
+                rows = int(np.shape(handle[7])[0])
+                if rows > int(np.asarray(handle[6])[-1]):
+                    common["num_worst_tokens"] = max(rows, num_worst_tokens)
+            except Exception:  # noqa: BLE001 - a malformed handle: normal.dispatch reports it on every rank
+                pass
         return normal.dispatch(group, x, x_scales, handle=handle, is_token_in_rank=None, handle_in_rank=0, **common)
     extra = rdma_cpm = send_rdma_head = None
     try:

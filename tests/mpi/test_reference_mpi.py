@@ -64,8 +64,11 @@ def test_layout_dispatch_combine(group, seed):
     me, nranks, e_local, channels = group.rank, group.size, 2, 3
     cases = [S.make_case(seed, r, nranks, n=_n(r), e_local=e_local) for r in range(nranks)]
     x, topk, w = cases[me]
-    b = ReferenceBackend(group, num_nvl_ranks=1, low_latency_mode=False, enable_shrink=False, num_channels=channels)
-    layout = b.get_dispatch_layout(topk, e_local * nranks)
+    # The layout with one rank per domain (per-domain counts); the exchange within one domain (the 6-tuple handle).
+    layout = ReferenceBackend(group, num_nvl_ranks=1, low_latency_mode=False,
+                              enable_shrink=False).get_dispatch_layout(topk, e_local * nranks)
+    b = ReferenceBackend(group, num_nvl_ranks=nranks, low_latency_mode=False, enable_shrink=False,
+                         num_channels=channels)
     recv_x, _, recv_tk, recv_tw, lst, handle = b.dispatch(
         x, None, handle=None, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
         num_tokens_per_expert=layout[2], topk_idx=topk, topk_weights=w, expert_alignment=2, num_worst_tokens=0)
