@@ -30,22 +30,27 @@ def store(plans: dict, key, plan):
     return plan
 
 
+#: Part of a key that is never stored: an unhashable marker makes the lookup miss and the store skip,
+#: so the argument checks of a new plan run (and name the argument) on every such call.
+_NOT_A_KEY = ["unchecked"]
+
+
 def handle_meta(handle):
     if handle is None:
         return None
-    if type(handle) is not tuple or len(handle) not in (6, 10):
-        return ("bad handle", id(handle))
+    if not isinstance(handle, (tuple, list)) or len(handle) not in (6, 10):
+        return _NOT_A_KEY
     return tuple(meta(h) for h in handle)
 
 
 def ll_handle_meta(handle):
-    if type(handle) is not tuple or len(handle) != 5:
-        return ("bad handle", id(handle))
+    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+        return _NOT_A_KEY
     return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
 
 
-def config_key(config) -> tuple | None:
-    if type(config) is not Config:
-        return ("other", id(config))
+def config_key(config) -> tuple | list:
+    if not isinstance(config, Config):
+        return _NOT_A_KEY
     return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
             config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)

@@ -202,8 +202,8 @@ def meta(t):
     """What a plan depends on about a tensor argument: framework, shape, dtype, contiguity, device.
 
     Cheap (a dictionary lookup on the type and a few attribute reads), hashable, and None for None. An
-    object that is no tensor gets a key of its own, so the full argument checks that run for every new
-    key report it by name.
+    object that is no tensor gets an unhashable marker: a key holding it is never cached, so the full
+    argument checks run for that call and report the argument by name.
     """
     if t is None:
         return None
@@ -217,5 +217,5 @@ def meta(t):
                     fn = candidate
                     break
             else:
-                return ("other", type(t), id(t))
+                return ["not a tensor"]  # unhashable: such a call is never cached, its checks name it
     return fn(t)
