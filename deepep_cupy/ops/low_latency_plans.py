@@ -83,7 +83,8 @@ class _Plan:
             return EventOverlap(None)
         return EventOverlap(streams.finish(), keep)
 
-    def _common_args(self, b: int) -> list:
+    def _common_args(self, b: int) -> tuple[dict, dict, list]:
+        """Half ``b``'s region addresses, its state addresses, and the sizes both kernels take."""
         engine, r = self.engine, self.regions[b]
         state = engine.state_ptrs[b]
         return r, state, [
