@@ -1,0 +1,83 @@
+"""The argument blocks of the low-latency and layout plans name the kernels' parameters in order (the
+blocks are written by hand; a kernel signature change must show up here, not as garbage on a GPU)."""
+
+from __future__ import annotations
+
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+from deepep_cupy.ops import low_latency_plans as lp
+from deepep_cupy.ops.low_latency_layout import REGIONS, LowLatencyLayout
+from deepep_cupy.runtime import launch
+
+SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+
+
+class _Kernel:
+    name = "fake"
+
+    class raw:  # noqa: N801 - mirrors jit.module.Kernel
+        class kernel:  # noqa: N801
+            ptr = 1
+
+
+def _engine(staged: bool):
+    layout = LowLatencyLayout(32, 2048, 2, 16)
+    return types.SimpleNamespace(
+        num_ranks=2, rank=1, errors=types.SimpleNamespace(ptr=99, flag_word=lambda: 0), layout=layout,
+        staged=staged, force_rma=False, enable_shrink=False, num_sms=132,
+        state_ptrs=({"seq": 1, "base": 2, "ready": 3, "mask": 4},) * 2,
+        region_addresses=lambda _: ({n: 100 + i for i, n in enumerate(REGIONS)},) * 2,
+        kernels=lambda *a: (4, 2, 8, _Kernel, _Kernel), use_layout=lambda _: None), layout
+
+
+def _names(path: Path, kernel: str) -> list[str]:
+    """Parameter names of ``__global__ ... kernel(...)`` in ``path`` (line comments dropped first: they
+    hold shapes with commas)."""
+    text = re.sub(r"//[^\n]*", "", path.read_text())
+    match = re.search(r"__global__[^;{]*?\b" + re.escape(kernel) + r"\(", text, re.S)
+    assert match is not None, f"no __global__ {kernel}( in {path}"
+    depth, start = 1, match.end()
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            break
+    params = [p.strip() for p in text[start:i].split(",")]
+    return [re.findall(r"[A-Za-z_]\w*$", p)[0] for p in params]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_low_latency_dispatch_block_matches_the_kernel(staged):
+    engine, layout = _engine(staged)
+    plan = lp.DispatchPlan(engine, None, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+                           use_ue8m0=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,
+                           comm_stream=0)
+    assert plan.plans[0].names == _names(SRC / "low_latency" / "dispatch.cu", "dispatch")
+    if staged:
+        assert plan.stages[0].names == _names(SRC / "low_latency" / "dispatch.cu", "stage")
+
+
+def test_low_latency_combine_block_matches_the_kernel():
+    engine, layout = _engine(False)
+    plan = lp.CombinePlan(engine, None, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
+                          return_recv_hook=True, wait_stats_row=1, async_finish=False, comm_stream=0)
+    assert plan.plans[1].names == _names(SRC / "low_latency" / "combine.cu", "combine")
+    assert plan.plans[1].value("x") == 100 + REGIONS.index("send")  # zero-copy sends from the send area
+    assert plan.wait_offset == 8 * 2 * 1  # this rank's row of an [R, R] stats tensor
+
+
+def test_layout_block_matches_the_kernel(monkeypatch):
+    from deepep_cupy.ops import layout
+
+    monkeypatch.setattr(layout, "load", lambda spec: types.SimpleNamespace(get_function=lambda name: _Kernel))
+    plan = layout.LayoutPlan(None, num_tokens=8, num_topk=4, num_experts=16, num_ranks=2, num_nvl_ranks=1, rank=0,
+                             errors=types.SimpleNamespace(ptr=5), comm_stream=0, async_finish=False)
+    assert plan.plan.names == _names(SRC / "layout.cu", "count_tokens")
+    assert plan.plan.value("num_nvl_ranks") == 1 and plan.has_rdma
+
+
+def test_launch_module_is_importable_without_a_driver():
+    assert launch.LAUNCHER in (None, "bindings", "ctypes")
