@@ -22,6 +22,7 @@ constexpr int kValueOpLayout = 301;
 constexpr int kValueOpIntranodeDispatch = 302;
 constexpr int kValueOpLowLatencyDispatch = 303;
 constexpr int kValueOpLowLatencyCombine = 304;
+constexpr int kValueOpInternodeDispatch = 305;
 
 // An expert id is valid when -1 <= id < num_experts (-1: no expert). Shifted by one and compared
 // unsigned, both bounds cost one compare.

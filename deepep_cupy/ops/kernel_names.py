@@ -22,10 +22,14 @@ __all__ = [
     "RECORD_KIND_TIMEOUT",
     "RECORD_KIND_VALUE_ERROR",
     "VALUE_OP_ARGS",
+    "VALUE_OP_INTERNODE_DISPATCH",
     "VALUE_OP_INTRANODE_DISPATCH",
     "VALUE_OP_LAYOUT",
     "VALUE_OP_LL_COMBINE",
     "VALUE_OP_LL_DISPATCH",
+    "internode_combine",
+    "internode_dispatch",
+    "internode_notify",
     "intranode_combine",
     "intranode_dispatch",
     "intranode_notify",
@@ -44,6 +48,7 @@ VALUE_OP_LAYOUT = 301
 VALUE_OP_INTRANODE_DISPATCH = 302
 VALUE_OP_LL_DISPATCH = 303
 VALUE_OP_LL_COMBINE = 304
+VALUE_OP_INTERNODE_DISPATCH = 305
 
 #: Op code -> (operation, argument) for error messages.
 VALUE_OP_ARGS: dict[int, tuple[str, str]] = {
@@ -51,6 +56,7 @@ VALUE_OP_ARGS: dict[int, tuple[str, str]] = {
     VALUE_OP_INTRANODE_DISPATCH: ("intranode_dispatch", "topk_idx"),
     VALUE_OP_LL_DISPATCH: ("low_latency_dispatch", "topk_idx"),
     VALUE_OP_LL_COMBINE: ("low_latency_combine", "topk_idx"),
+    VALUE_OP_INTERNODE_DISPATCH: ("internode_dispatch", "topk_idx"),
 }
 
 
@@ -92,6 +98,22 @@ def intranode_dispatch(num_ranks: int, warps: int, unroll: int) -> str:
 def intranode_combine(num_ranks: int, warps: int, unroll: int) -> str:
     """``deepep_cupy::intranode::combine<R, W, U>`` (``cuda_src/intranode/combine.cu``)."""
     return f"deepep_cupy::intranode::combine<{_ints(num_ranks, warps, unroll)}>"
+
+
+# ---------------------------------------------------------------------------------------- internode
+def internode_notify(num_nvl_ranks: int, num_domains: int) -> str:
+    """``deepep_cupy::internode::notify<L, D>``: counts across domains (``cuda_src/internode/notify.cu``)."""
+    return f"deepep_cupy::internode::notify<{_ints(num_nvl_ranks, num_domains)}>"
+
+
+def internode_dispatch(num_nvl_ranks: int, num_domains: int) -> str:
+    """``deepep_cupy::internode::dispatch<L, D>`` (``cuda_src/internode/dispatch.cu``)."""
+    return f"deepep_cupy::internode::dispatch<{_ints(num_nvl_ranks, num_domains)}>"
+
+
+def internode_combine(num_nvl_ranks: int, num_domains: int) -> str:
+    """``deepep_cupy::internode::combine<L, D>`` (``cuda_src/internode/combine.cu``)."""
+    return f"deepep_cupy::internode::combine<{_ints(num_nvl_ranks, num_domains)}>"
 
 
 # ---------------------------------------------------------------------------------------- layout

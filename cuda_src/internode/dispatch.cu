@@ -1,0 +1,214 @@
+// Internode dispatch, step 2: move the rows (docs/internode_design.md, "Dispatch").
+//
+// Grid 2 * C blocks; channel c = tokens [c * ceil(N/C), ...). Block 2c: warp d < D is the RDMA sender
+// to forwarder (d, l_me). Block 2c + 1: warp j < L forwards what arrives over RDMA to local rank j,
+// warp L + l receives over NVLink what forwarder l passes on. Every ring is FIFO, so the rows of one
+// (source, channel) arrive in token order and land at entry 5 + their index: the intranode row order.
+//
+// Cached mode (handle given): entries 1, 2, 4, 6 come from the handle; entry 3, 5, 7, 8, 9 pointers are
+// null and not written. The protocol is the same.
+
+#include "common/nvshmem_includes.cuh"
+#include "common/value_errors.cuh"
+#include "internode/layout.cuh"
+
+namespace deepep_internode {
+
+struct DispatchArgs {
+    const int4* x;
+    const unsigned int* x_scales;
+    long long scale_token_stride, scale_block_stride;
+    int num_scales;
+    const long long* topk_idx;
+    const float* topk_weights;
+    int num_topk, num_local_experts;
+    const bool* is_token_in_rank;
+    int num_tokens, hidden_int4;
+    const int* rdma_cpm;        // entry 1 [D, C]
+    const int* gbl_cpm;         // entry 2 [R, C]
+    const int* recv_rdma_prefix;  // entry 4 [D]
+    const int* recv_gbl_prefix;   // entry 6 [R]
+    int4* recv_x;
+    unsigned int* recv_x_scales;
+    long long* recv_topk_idx;
+    float* recv_topk_weights;
+    int* recv_rdma_cpm;   // entry 3 out
+    int* recv_gbl_cpm;    // entry 5 out
+    int* recv_src_meta;   // entry 7 out [rows][2]
+    int* send_rdma_head;  // entry 8 out [N, D]
+    int* send_nvl_head;   // entry 9 out [F, L]
+    int num_out_rows;
+    uint8_t* rdma;
+    long long ring_offset;
+    Slot slot;
+    int rdma_cap, rdma_chunk;
+    uint8_t* sig;
+    const long long* nvl_bases;
+    long long nvl_meta_offset, nvl_ring_offset;
+    int nvl_cap, num_channels;
+    long long* state;
+    deepep::ErrorRecord* err;
+    int rank;
+};
+
+template <int L, int D>
+struct Geometry {
+    const DispatchArgs& a;
+    __device__ __forceinline__ int* rdma_meta(int half, int i) const {
+        return reinterpret_cast<int*>(a.rdma) + (static_cast<long long>(half) * a.num_channels * D + i) * (2 * L + 2);
+    }
+    __device__ __forceinline__ uint8_t* rdma_slot(int half, int i, int k) const {
+        const long long ring = static_cast<long long>(half) * a.num_channels * D + i;
+        return a.rdma + a.ring_offset + (ring * a.rdma_cap + k % a.rdma_cap) * a.slot.slot_bytes;
+    }
+    __device__ __forceinline__ int* nvl_meta(int j, int c, int l) const {
+        return reinterpret_cast<int*>(nvl_base(a.nvl_bases, j) + a.nvl_meta_offset) +
+               (static_cast<long long>(c) * L + l) * D * 2;
+    }
+    __device__ __forceinline__ uint8_t* nvl_slot(int j, int c, int l, int n) const {
+        return nvl_base(a.nvl_bases, j) + a.nvl_ring_offset +
+               ((static_cast<long long>(c) * L + l) * a.nvl_cap + n % a.nvl_cap) * a.slot.slot_bytes;
+    }
+};
+
+// Copy the payload of one slot (everything after the header that this op uses) with the warp.
+__device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, const DispatchArgs& a, int lane) {
+    const int bytes = a.slot.topk_weights_offset + 4 * a.num_topk;
+    warp_copy_cg(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), (bytes + 15) / 16, lane);
+}
+
+// RDMA sender of channel c to domain d (one warp).
+template <int L, int D>
+__device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d, int lane) {
+    const Geometry<L, D> g{a};
+    const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = d * L + l_me;
+    const int i = c * D + d, i_peer = c * D + d_me;
+    const Signals sig{a.sig, D};
+    const State st{a.state};
+    const uint64_t base = static_cast<uint64_t>(*st.rdma_sent(i));
+    bool ok = true;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, C, c, t_begin, t_end);
+
+    // The forwarder finished reading everything of the previous op (meta included).
+    wait_at_least(sig.head(i), base, w, kOpDispatchHead, pe, __LINE__, &ok);
+    if (ok) {
+        int* m = g.rdma_meta(0, i);
+        if (lane < L) {
+            const int r = d * L + lane;
+            m[lane] = c > 0 ? a.gbl_cpm[r * C + c - 1] : 0;
+            m[L + lane] = a.gbl_cpm[r * C + c];
+        } else if (lane == L) {
+            m[2 * L] = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0;
+        } else if (lane == L + 1) {
+            m[2 * L + 1] = a.rdma_cpm[d * C + c];
+        }
+        put_signal_warp(g.rdma_meta(1, i_peer), m, (2 * L + 2) * sizeof(int), sig.tail(i_peer), base + 1,
+                        NVSHMEM_SIGNAL_SET, pe, lane);
+    }
+    const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
+    deepep::BadValue bad;
+    int count = 0, first = 0;
+    for (int chunk = t_begin; chunk < t_end; chunk += 32) {
+        const int t = chunk + lane;
+        int bits = 0;
+        if (t < t_end) {
+            const bool* row = a.is_token_in_rank + static_cast<long long>(t) * L * D + d * L;
+#pragma unroll
+            for (int j = 0; j < L; ++j) bits |= row[j] ? (1 << j) : 0;
+        }
+        unsigned int mask = __ballot_sync(kFullMask, bits != 0);
+        if (a.send_rdma_head != nullptr && t < t_end)
+            a.send_rdma_head[static_cast<long long>(t) * D + d] = bits ? count + __popc(mask & ((1u << lane) - 1u)) : -1;
+        while (ok && mask != 0u) {
+            const int k = __ffs(mask) - 1;
+            mask &= mask - 1u;
+            const int idx = count++;
+            const int token = chunk + k;
+            const int tok_bits = __shfl_sync(kFullMask, bits, k);
+            if (idx >= a.rdma_cap)  // slot idx - Rt must be released (unit 1 + idx - Rt)
+                wait_at_least(sig.head(i), base + 2 + idx - a.rdma_cap, w, kOpDispatchHead, pe, __LINE__, &ok);
+            if (!ok) break;
+            uint8_t* s = g.rdma_slot(0, i, idx);
+            if (lane == 0) *reinterpret_cast<int4*>(s) = make_int4(d_me, tok_bits, token, 0);
+            warp_copy_nc(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
+                         a.hidden_int4, lane);
+            unsigned int* sc = reinterpret_cast<unsigned int*>(s + a.slot.scales_offset);
+            for (int q = lane; q < a.num_scales; q += 32)
+                sc[q] = a.x_scales[token * a.scale_token_stride + q * a.scale_block_stride];
+            int* ids = reinterpret_cast<int*>(s + a.slot.topk_idx_offset);
+            float* ws = reinterpret_cast<float*>(s + a.slot.topk_weights_offset);
+            for (int q = lane; q < a.num_topk; q += 32) {
+                const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + q];
+                bad.check_expert_id(e, num_experts);
+                const bool valid = e >= 0 && e < num_experts;
+                ids[q] = valid ? static_cast<int>(e) : -1;
+                ws[q] = (valid && a.topk_weights != nullptr) ? a.topk_weights[static_cast<long long>(token) * a.num_topk + q]
+                                                           : 0.0f;
+            }
+            // Publish a chunk (Rt is a multiple of the chunk, so a chunk never wraps around the ring).
+            if (count - first == a.rdma_chunk) {
+                put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                                static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer),
+                                base + 1 + count, NVSHMEM_SIGNAL_SET, pe, lane);
+                first = count;
+            }
+        }
+        if (!ok) break;
+    }
+    if (ok && count > first) {
+        put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                        static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer), base + 1 + count,
+                        NVSHMEM_SIGNAL_SET, pe, lane);
+    }
+    bad.report_from_warp(a.err, deepep::kValueOpInternodeDispatch, a.rank, __LINE__);
+    if (lane == 0) {
+        nvshmem_quiet();
+        if (ok) *st.rdma_sent(i) = static_cast<long long>(base + 1 + count);
+    }
+}
+
+}  // namespace deepep_internode
+
+#include "internode/dispatch_forward.cuh"
+
+namespace deepep_cupy::internode {
+
+using namespace ::deepep_internode;
+
+template <int kNumNvlRanks, int kNumDomains>
+__global__ void __launch_bounds__(32 * (kNumDomains > 2 * kNumNvlRanks ? kNumDomains : 2 * kNumNvlRanks), 1)
+dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
+         long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
+         const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
+         const bool* __restrict__ is_token_in_rank, int num_tokens, int hidden_int4,
+         const int* __restrict__ rdma_channel_prefix_matrix, const int* __restrict__ gbl_channel_prefix_matrix,
+         const int* __restrict__ recv_rdma_rank_prefix_sum, const int* __restrict__ recv_gbl_rank_prefix_sum,
+         int4* __restrict__ recv_x, unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
+         float* __restrict__ recv_topk_weights, int* __restrict__ recv_rdma_channel_prefix_matrix,
+         int* __restrict__ recv_gbl_channel_prefix_matrix, int* __restrict__ recv_src_meta,
+         int* __restrict__ send_rdma_head, int* __restrict__ send_nvl_head, int num_out_rows, int num_nvl_head_rows,
+         uint8_t* rdma, long long ring_offset, int slot_bytes, int slot_scales_offset, int slot_topk_idx_offset,
+         int slot_topk_weights_offset, int rdma_cap, int rdma_chunk, uint8_t* sig,
+         const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
+         int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+    constexpr int L = kNumNvlRanks, D = kNumDomains;
+    const int c = blockIdx.x / 2, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
+                         num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4,
+                         rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+                         recv_gbl_rank_prefix_sum, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                         recv_rdma_channel_prefix_matrix, recv_gbl_channel_prefix_matrix, recv_src_meta,
+                         send_rdma_head, send_nvl_head, num_out_rows, rdma, ring_offset,
+                         Slot{slot_bytes, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset},
+                         rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
+                         num_channels, state, err, rank};
+    const WaitCtx w{err, timeout_ns, rank};
+    if (blockIdx.x % 2 == 0) {
+        if (warp < D) send_rdma<L, D>(a, w, c, warp, lane);
+    } else {
+        forward_and_receive<L, D>(a, w, c, warp, lane, num_nvl_head_rows);
+    }
+}
+
+}  // namespace deepep_cupy::internode

@@ -1,0 +1,232 @@
+// Internode dispatch, receiver block of a channel: the forwarders (warp j < L: RDMA ring -> NVLink ring
+// of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs).
+// Included by dispatch.cu only (needs DispatchArgs and Geometry).
+#pragma once
+
+namespace deepep_internode {
+
+// Shared state of the forwarder warps of one block: RDMA units each warp has finished per source domain
+// (the slowest decides what goes back to the source), and what was already returned.
+template <int L, int D>
+struct ForwardShared {
+    int progress[D][L];
+    int released[D];
+    int count[D];          // slots arriving from each domain in this channel
+    long long base[D];     // rdma_recvd before this op
+};
+
+// Return to source domain d the RDMA units every forwarder warp is done with. Lane 0 only. Several warps
+// may return at once: atomicMax hands each increment to exactly one of them, and ADD makes the order in
+// which the increments land irrelevant.
+template <int L, int D>
+__device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Signals& sig, int c, int d, int d_me,
+                                             int l_me) {
+    int m = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < L; ++j) m = min(m, static_cast<volatile int*>(&sh.progress[d][0])[j]);
+    const int old = atomicMax(&sh.released[d], m);
+    if (m > old) {
+        nvshmem_fence();
+        nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD, d * L + l_me);
+    }
+}
+
+__device__ __forceinline__ void publish_nvl(uint64_t* word, uint64_t value, int lane) {
+    __syncwarp();
+    deepep::fence_acq_rel_sys();
+    if (lane == 0) deepep::st_release_sys(word, value);
+    __syncwarp();
+}
+
+template <int L, int D>
+__device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int lane) {
+    const Geometry<L, D> g{a};
+    const Signals sig{a.sig, D};
+    const State st{a.state};
+    const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L;
+    const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
+    const NvlCtrl dest{nvl_base(a.nvl_bases, j), L};
+    const uint64_t base_n = static_cast<uint64_t>(*st.nvl_sent(c * L + j, D));
+    bool ok = true;
+    // Meta of every source domain: lane d keeps (NVLink start, end for j, RDMA start, end).
+    int ns = 0, ne = 0, r0 = 0, r1 = 0;
+    for (int d = 0; d < D && ok; ++d) {
+        wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(sh.base[d]) + 1, w, kOpDispatchTail, d * L + l_me,
+                      __LINE__, &ok);
+        if (!ok) break;
+        const int* m = g.rdma_meta(1, c * D + d);
+        const int v0 = deepep::ld_cg_s32(m + j), v1 = deepep::ld_cg_s32(m + L + j);
+        const int v2 = deepep::ld_cg_s32(m + 2 * L), v3 = deepep::ld_cg_s32(m + 2 * L + 1);
+        if (lane == d) ns = v0, ne = v1, r0 = v2, r1 = v3;
+        if (j == 0 && lane == 0) {
+            sh.count[d] = v3 - v2;
+            if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = v3;
+        }
+        __syncwarp();
+        if (lane == 0) {
+            static_cast<volatile int*>(&sh.progress[d][0])[j] = 1;
+            release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+        }
+    }
+    // NVLink meta for j, once j has drained this ring in the previous op.
+    wait_at_least(mine.head(c * L + j), base_n, w, kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
+    if (ok) {
+        if (lane < D) {
+            int* m = g.nvl_meta(j, c, l_me);
+            m[2 * lane] = ns;
+            m[2 * lane + 1] = ne;
+        }
+        publish_nvl(dest.tail(c * L + l_me), base_n + 1, lane);
+    }
+    int sent = 0;  // slots written into j's ring
+    for (int d = 0; d < D && ok; ++d) {
+        const int n = __shfl_sync(kFullMask, r1 - r0, d);
+        const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + __shfl_sync(kFullMask, r0, d);
+        const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
+        int avail = 0, k_j = 0;
+        for (int k = 0; k < n; ++k) {
+            if (k >= avail) {
+                const uint64_t v = wait_at_least(sig.tail(c * D + d), base_r + 2 + k, w, kOpDispatchTail, d * L + l_me,
+                                                 __LINE__, &ok);
+                if (!ok) break;
+                avail = static_cast<int>(v - base_r - 1);
+            }
+            const uint8_t* s = g.rdma_slot(1, c * D + d, k);
+            const int bits = deepep::ld_cg_s32(s + 4);
+            int pos = -1;
+            if (bits & (1 << j)) {
+                if (sent >= a.nvl_cap)
+                    wait_at_least(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, w, kOpDispatchNvlHead,
+                                  d_me * L + j, __LINE__, &ok);
+                if (!ok) break;
+                copy_slot(g.nvl_slot(j, c, l_me, sent), s, a, lane);
+                ++sent;
+                publish_nvl(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
+                pos = k_j++;
+            }
+            if (lane == 0) {
+                if (a.send_nvl_head != nullptr) a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
+                static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
+                if ((k & 7) == 7 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+            }
+            __syncwarp();
+        }
+    }
+    if (lane == 0) {
+        nvshmem_quiet();
+        if (ok) *st.nvl_sent(c * L + j, D) = static_cast<long long>(base_n + 1 + sent);
+    }
+}
+
+template <int L, int D>
+__device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, int lane) {
+    const Geometry<L, D> g{a};
+    const State st{a.state};
+    const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L;
+    const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
+    const NvlCtrl writer{nvl_base(a.nvl_bases, l), L};
+    const int k_ring = c * L + l;
+    const uint64_t base = static_cast<uint64_t>(*st.nvl_recvd(k_ring, D, L));
+    bool ok = true;
+    wait_at_least(mine.tail(k_ring), base + 1, w, kOpDispatchNvlTail, d_me * L + l, __LINE__, &ok);
+    if (!ok) return;
+    // Lane d: where the rows of source (d, l) in this channel start, and how many there are.
+    int row_base = 0, cnt = 0;
+    if (lane < D) {
+        const int* m = g.nvl_meta(l_me, c, l);
+        const int ns = deepep::ld_cg_s32(m + 2 * lane), ne = deepep::ld_cg_s32(m + 2 * lane + 1);
+        const int s = lane * L + l;
+        row_base = (s > 0 ? a.recv_gbl_prefix[s - 1] : 0) + ns;
+        cnt = ne - ns;
+        if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[s * C + c] = row_base;
+    }
+    int total = cnt;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
+    __syncwarp();
+    if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 1);
+    const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
+    int avail = 0;
+    for (int n = 0; n < total; ++n) {
+        if (n >= avail) {
+            const uint64_t v = wait_at_least(mine.tail(k_ring), base + 2 + n, w, kOpDispatchNvlTail, d_me * L + l,
+                                             __LINE__, &ok);
+            if (!ok) break;
+            avail = static_cast<int>(v - base - 1);
+        }
+        const uint8_t* s = g.nvl_slot(l_me, c, l, n);
+        const int sd = deepep::ld_cg_s32(s) & 31, bits = deepep::ld_cg_s32(s + 4);
+        const int row = __shfl_sync(kFullMask, row_base, sd);
+        if (lane == sd) ++row_base;
+        if (row < a.num_out_rows) {
+            warp_copy_cg(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
+                         hidden_int4, lane);
+            const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
+            for (int q = lane; q < a.num_scales; q += 32)
+                a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = deepep::ld_cg_u32(sc + q);
+            if (a.recv_topk_idx != nullptr) {
+                const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
+                const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
+                for (int q = lane; q < a.num_topk; q += 32) {
+                    const int e = deepep::ld_cg_s32(ids + q);
+                    const int local = e - a.rank * El;
+                    const bool is_mine = e >= 0 && local >= 0 && local < El;
+                    a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
+                    if (a.recv_topk_weights != nullptr)
+                        a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + q] =
+                            is_mine ? deepep::ld_cg_f32(ws + q) : 0.0f;
+                }
+            }
+            if (lane == 0 && a.recv_src_meta != nullptr) {
+                a.recv_src_meta[2 * static_cast<long long>(row)] = sd;
+                a.recv_src_meta[2 * static_cast<long long>(row) + 1] = bits;
+            }
+        } else if (lane == 0) {
+            deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me * L + l, __LINE__, row);
+        }
+        // The slot's loads are done (their values were stored): hand it back to the forwarder.
+        __syncwarp();
+        if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 2 + n);
+    }
+    if (lane == 0 && ok) *st.nvl_recvd(k_ring, D, L) = static_cast<long long>(base + 1 + total);
+}
+
+// Receiver block of channel c: padding rows, then one role per warp.
+template <int L, int D>
+__device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int c, int warp, int lane,
+                                    int num_nvl_head_rows) {
+    __shared__ ForwardShared<L, D> sh;
+    const State st{a.state};
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        sh.base[d] = *st.rdma_recvd(c * D + d, D);
+        sh.released[d] = 0;
+        sh.count[d] = 0;
+        for (int j = 0; j < L; ++j) sh.progress[d][j] = 0;
+    }
+    // num_worst_tokens padding: rows past the received ones, and send_nvl_head rows past the forwarded ones.
+    const long long stride = static_cast<long long>(a.num_channels) * blockDim.x;
+    const long long first = static_cast<long long>(c) * blockDim.x + threadIdx.x;
+    const int num_recv = a.recv_gbl_prefix[L * D - 1];
+    for (long long row = num_recv + first; row < a.num_out_rows; row += stride) {
+        if (a.recv_src_meta != nullptr) a.recv_src_meta[2 * row] = -1, a.recv_src_meta[2 * row + 1] = 0;
+        for (int q = 0; a.recv_topk_idx != nullptr && q < a.num_topk; ++q) {
+            a.recv_topk_idx[row * a.num_topk + q] = -1;
+            if (a.recv_topk_weights != nullptr) a.recv_topk_weights[row * a.num_topk + q] = 0.0f;
+        }
+    }
+    if (a.send_nvl_head != nullptr) {
+        const long long forwarded = a.recv_rdma_prefix[D - 1];
+        for (long long k = forwarded * L + first; k < static_cast<long long>(num_nvl_head_rows) * L; k += stride)
+            a.send_nvl_head[k] = -1;
+    }
+    __syncthreads();
+    if (warp < L)
+        forward<L, D>(a, w, sh, c, warp, lane);
+    else if (warp < 2 * L)
+        receive<L, D>(a, w, c, warp - L, lane);
+    __syncthreads();
+    if (threadIdx.x < D && !deepep::timeout_reported(a.err))
+        *st.rdma_recvd(c * D + threadIdx.x, D) = sh.base[threadIdx.x] + 1 + sh.count[threadIdx.x];
+}
+
+}  // namespace deepep_internode

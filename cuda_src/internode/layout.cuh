@@ -1,0 +1,161 @@
+// Shared pieces of the internode normal kernels (groups of several NVLink domains): buffer layouts,
+// progress counters, bounded waits. Design: docs/internode_design.md; the host computes every offset in
+// deepep_cupy/ops/internode_layout.py and passes it as an argument.
+//
+// Topology: L = kNumNvlRanks ranks per domain, D = kNumDomains domains, rank r is local rank r % L of
+// domain r / L. A token of source (d_s, l) bound for domain d crosses RDMA once, to the forwarder (d, l),
+// which copies it over NVLink to each of its destinations in d.
+//
+// RDMA buffer (symmetric, same offsets on every PE), ring i = c * D + d:
+//   meta  int32 [2][C*D][2L+2] at 0 (half 0: local staging of what is put, half 1: what peers put)
+//   ring  slots [2][C*D][Rt] at ring_offset (same two halves)
+// Ring i of PE X is written only by PE (d, l_X) (dispatch: that source; combine: that forwarder), so one
+// writer and one reader per ring, in dispatch and combine alike.
+// Signal allocation (symmetric, small): uint64 tail[kMaxChannels*D], head[kMaxChannels*D],
+// notify[D], then the notify records int32 [2][D][record_stride].
+// NVLink buffer of each domain rank (peers reached through `nvl_bases`), ring k = c * L + l:
+//   uint64 nvl_tail[kMaxChannels*L], nvl_head[kMaxChannels*L], nvl_notify_flag[L] at 0,
+//   nvl meta int32 [C][L][D][2] at nvl_meta_offset, ring [C*L][Rn] slots at nvl_ring_offset,
+//   notify records int32 [L][nvl_record_stride] at nvl_notify_offset.
+//
+// Progress words never go back to zero, so nothing has to be cleaned between ops and CUDA graphs replay
+// correctly. Each ring counts "units" for ever: one for its meta record, then one per slot. Writer and
+// reader each keep, in local device memory (`state`), how many units passed through the ring before this
+// op; the two counts are equal when an op starts, since every op drains every ring it uses. The writer
+// SETs tail = base + units written (monotonic: one writer, fenced); the reader returns head = base + units
+// released (RDMA: ADDs of the increments, since several forwarder warps release; NVLink: stores by one
+// warp). A writer touches a slot (or the meta) only once head shows the previous user of that memory
+// released it, which also keeps a fast peer's next op off a slow peer's current one.
+#pragma once
+
+#include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+#include "intranode/layout.cuh"
+#include "common/nvshmem_includes.cuh"
+
+namespace deepep_internode {
+
+using deepep_intranode::channel_range;
+using deepep_intranode::kFullMask;
+using deepep_intranode::thread_wait;
+using deepep_intranode::WaitCtx;
+using deepep_intranode::warp_wait;
+
+// Op codes of the error record (names in deepep_cupy/ops/internode.py).
+enum OpCode : int {
+    kOpNotifyRdma = 401,      // forwarder waiting for a source domain's counts (RDMA signal)
+    kOpNotifyNvl = 402,       // rank waiting for a forwarder of its domain (NVLink flag)
+    kOpDispatchHead = 403,    // RDMA sender waiting for the forwarder to free slots
+    kOpDispatchTail = 404,    // forwarder waiting for RDMA slots
+    kOpDispatchNvlHead = 405, // forwarder waiting for NVLink ring space
+    kOpDispatchNvlTail = 406, // NVLink receiver waiting for rows
+    kOpDispatchOverflow = 407,
+    kOpCombineNvlHead = 408,  // rank waiting for NVLink ring space at a forwarder
+    kOpCombineNvlTail = 409,  // forwarder waiting for rows of a domain rank
+    kOpCombineHead = 410,     // forwarder waiting for the source to free RDMA slots
+    kOpCombineTail = 411,     // source waiting for a domain's partial sums
+};
+
+// Channels the progress words are sized for (Config.num_sms / 2 never reaches it on current GPUs).
+constexpr int kMaxChannels = 128;
+
+// Slot header (first 16 bytes of every ring slot, RDMA and NVLink).
+struct SlotHeader {
+    int src_domain;  // SourceMeta.src_domain
+    int bits;        // SourceMeta bits: destinations in the target domain
+    int token;       // source token index (debugging aid)
+    int unused;
+};
+
+struct Slot {
+    int slot_bytes, scales_offset, topk_idx_offset, topk_weights_offset;
+};
+
+// Persistent per-rank counters (int64, local memory), see the header comment.
+struct State {
+    long long* words;
+    __device__ __forceinline__ long long* notify_seq() const { return words; }
+    __device__ __forceinline__ long long* rdma_sent(int i) const { return words + 8 + i; }
+    __device__ __forceinline__ long long* rdma_recvd(int i, int num_domains) const {
+        return words + 8 + kMaxChannels * num_domains + i;
+    }
+    __device__ __forceinline__ long long* nvl_sent(int k, int num_domains) const {
+        return words + 8 + 2 * kMaxChannels * num_domains + k;
+    }
+    __device__ __forceinline__ long long* nvl_recvd(int k, int num_domains, int num_nvl) const {
+        return words + 8 + 2 * kMaxChannels * num_domains + kMaxChannels * num_nvl + k;
+    }
+};
+
+// Signal allocation words.
+struct Signals {
+    uint8_t* base;
+    int num_domains;
+    __device__ __forceinline__ uint64_t* tail(int i) const { return reinterpret_cast<uint64_t*>(base) + i; }
+    __device__ __forceinline__ uint64_t* head(int i) const {
+        return reinterpret_cast<uint64_t*>(base) + kMaxChannels * num_domains + i;
+    }
+    __device__ __forceinline__ uint64_t* notify(int d) const {
+        return reinterpret_cast<uint64_t*>(base) + 2 * kMaxChannels * num_domains + d;
+    }
+};
+
+// NVLink control words of one rank's NVLink buffer.
+struct NvlCtrl {
+    uint8_t* base;
+    int num_nvl;
+    __device__ __forceinline__ uint64_t* tail(int k) const { return reinterpret_cast<uint64_t*>(base) + k; }
+    __device__ __forceinline__ uint64_t* head(int k) const {
+        return reinterpret_cast<uint64_t*>(base) + kMaxChannels * num_nvl + k;
+    }
+    __device__ __forceinline__ uint64_t* notify_flag(int l) const {
+        return reinterpret_cast<uint64_t*>(base) + 2 * kMaxChannels * num_nvl + l;
+    }
+};
+
+__device__ __forceinline__ uint8_t* nvl_base(const long long* bases, int l) {
+    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(bases[l]));
+}
+
+// Warp-wide wait for a progress word to reach `want`; returns the value seen (0 on timeout/abort, with
+// *ok cleared). Every lane reads with acquire semantics, so later loads see what the word publishes.
+__device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t want, const WaitCtx& w, int op,
+                                                  int peer, int line, bool* ok) {
+    if (!*ok) return 0;
+    const uint64_t now = deepep::ld_acquire_sys(word);
+    if (__all_sync(kFullMask, now >= want)) return __shfl_sync(kFullMask, now, 0);
+    if (!warp_wait(word, [want](uint64_t v) { return v >= want; }, w, op, peer, line)) {
+        *ok = false;
+        return 0;
+    }
+    return __shfl_sync(kFullMask, deepep::ld_acquire_sys(word), 0);
+}
+
+// Warp-collective put of `bytes` from local symmetric `src` to `dst` on `pe`, then a signal op on `sig`.
+// NVSHMEM's shipped device library has no put-with-signal for NVRTC builds, so the signal is a separate
+// op behind nvshmem_fence, which orders it after this and every earlier put to that PE: a reader that
+// sees the signal may read all of it. Lanes' stores into `src` are made visible first.
+__device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* sig,
+                                                uint64_t value, int op, int pe, int lane) {
+    __threadfence_system();
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+    __syncwarp();
+    if (lane == 0) {
+        nvshmem_fence();
+        nvshmemx_signal_op(sig, value, op, pe);
+    }
+    __syncwarp();
+}
+
+// Copy `n` int4 with the whole warp; `src` may be rewritten by peers later, so loads go to L2.
+__device__ __forceinline__ void warp_copy_cg(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    for (int j = lane; j < n; j += 32) deepep::st_na_v4(dst + j, deepep::ld_cg_v4(src + j));
+}
+
+__device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    for (int j = lane; j < n; j += 32) deepep::st_na_v4(dst + j, deepep::ld_nc_v4(src + j));
+}
+
+}  // namespace deepep_internode
