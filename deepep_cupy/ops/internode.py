@@ -1,0 +1,261 @@
+"""Internode normal dispatch and combine (several NVLink domains): builds, argument blocks, engine.
+
+Kernels (``cuda_src/internode/``, design in ``docs/internode_design.md``): ``notify<L, D>`` (counts across
+domains, handle entries 1, 2, 4, 6), ``dispatch<L, D>`` (rows over RDMA to the forwarders, over NVLink
+to the destinations; entries 3, 5, 7, 8, 9). ``L`` ranks per domain and ``D`` domains are template
+parameters; the rest are arguments. Offsets come from :mod:`.internode_layout`.
+
+Not wired into ``Buffer``: the GPU backend keeps refusing groups of several domains until a GPU run
+has checked these kernels (``tests/gpu/test_internode.py`` drives the engine directly).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..jit import BuildSpec, load
+from ..runtime.kernel_errors import timeout_seconds
+from . import internode_layout as IL
+from . import kernel_names
+
+__all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
+           "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS"]
+
+MAX_NVL_RANKS = 8   # one byte of SourceMeta bits used, one forwarder warp per local rank
+MAX_DOMAINS = 32    # one lane per domain
+NOTIFY_THREADS = 1024
+
+OP_NOTIFY_RDMA, OP_NOTIFY_NVL = 401, 402
+OP_DISPATCH_HEAD, OP_DISPATCH_TAIL, OP_DISPATCH_NVL_HEAD, OP_DISPATCH_NVL_TAIL, OP_DISPATCH_OVERFLOW = (
+    403, 404, 405, 406, 407)
+OP_COMBINE_NVL_HEAD, OP_COMBINE_NVL_TAIL, OP_COMBINE_HEAD, OP_COMBINE_TAIL = 408, 409, 410, 411
+OP_NAMES = {
+    OP_NOTIFY_RDMA: "internode dispatch (notify: waiting for a source domain's counts over RDMA)",
+    OP_NOTIFY_NVL: "internode dispatch (notify: waiting for a forwarder of this domain)",
+    OP_DISPATCH_HEAD: "internode dispatch (RDMA sender: waiting for the forwarder to free ring slots)",
+    OP_DISPATCH_TAIL: "internode dispatch (forwarder: waiting for tokens over RDMA)",
+    OP_DISPATCH_NVL_HEAD: "internode dispatch (forwarder: waiting for NVLink ring space)",
+    OP_DISPATCH_NVL_TAIL: "internode dispatch (receiver: waiting for rows from the forwarder)",
+    OP_DISPATCH_OVERFLOW: "internode dispatch (more tokens received than num_worst_tokens)",
+    OP_COMBINE_NVL_HEAD: "internode combine (waiting for NVLink ring space at the forwarder)",
+    OP_COMBINE_NVL_TAIL: "internode combine (forwarder: waiting for rows of a domain rank)",
+    OP_COMBINE_HEAD: "internode combine (forwarder: waiting for the source to free ring slots)",
+    OP_COMBINE_TAIL: "internode combine (waiting for a domain's partial sums)",
+}
+
+
+def _check_shape(num_nvl_ranks: int, num_domains: int) -> None:
+    if not 1 <= num_nvl_ranks <= MAX_NVL_RANKS:
+        raise ValueError(f"internode kernels support 1..{MAX_NVL_RANKS} ranks per domain, got {num_nvl_ranks}")
+    if not 2 <= num_domains <= MAX_DOMAINS:
+        raise ValueError(f"internode kernels need 2..{MAX_DOMAINS} domains, got {num_domains}")
+
+
+@functools.cache
+def notify_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
+    _check_shape(num_nvl_ranks, num_domains)
+    return BuildSpec.make("internode/notify.cu",
+                          name_expressions=[kernel_names.internode_notify(num_nvl_ranks, num_domains)], nvshmem=True)
+
+
+@functools.cache
+def dispatch_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
+    _check_shape(num_nvl_ranks, num_domains)
+    return BuildSpec.make("internode/dispatch.cu",
+                          name_expressions=[kernel_names.internode_dispatch(num_nvl_ranks, num_domains)], nvshmem=True)
+
+
+def representative_builds() -> list[BuildSpec]:
+    """2 GPUs as 2 domains of 1 (the first GPU test), 2 x 2, 2 x 4, and 2 to 4 hosts of 8."""
+    out = []
+    for lsize, ndom in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 4)):
+        out += [notify_spec(lsize, ndom), dispatch_spec(lsize, ndom)]
+    return out
+
+
+def block_threads(num_nvl_ranks: int, num_domains: int) -> int:
+    """Threads of a dispatch block: one warp per domain (senders) or two per local rank (forwarders and
+    receivers), whichever is more; the kernel's ``__launch_bounds__`` says the same."""
+    return 32 * max(num_domains, 2 * num_nvl_ranks)
+
+
+_NULL = np.uint64(0)
+
+
+def _ptr(arr):
+    return _NULL if arr is None else arr
+
+
+def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
+                expert_alignment, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+                recv_gbl_rank_prefix_sum, meta, sig, signals: IL.SignalLayout, nvl_bases, nvl: IL.NvlLayout,
+                state, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+    """Arguments of ``notify<L, D>``, in order, with their parameter names (checked by the CPU tests)."""
+    return [
+        ("is_token_in_rank", is_token_in_rank),
+        ("num_tokens", np.int32(num_tokens)),
+        ("num_channels", np.int32(num_channels)),
+        ("num_tokens_per_expert", num_tokens_per_expert),
+        ("num_local_experts", np.int32(num_local_experts)),
+        ("expert_alignment", np.int32(expert_alignment)),
+        ("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix),
+        ("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix),
+        ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum),
+        ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum),
+        ("meta", meta),
+        ("sig", np.uint64(sig)),
+        ("record_offset", np.int64(signals.record_offset)),
+        ("record_stride", np.int32(signals.record_stride)),
+        ("nvl_bases", nvl_bases),
+        ("nvl_notify_offset", np.int64(nvl.notify_offset)),
+        ("nvl_record_stride", np.int32(nvl.record_stride)),
+        ("state_words", state),
+        ("err", np.uint64(err_ptr)),
+        ("timeout_ns", np.int64(timeout_ns)),
+        ("rank", np.int32(rank)),
+    ]
+
+
+def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
+                  num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rdma_channel_prefix_matrix,
+                  gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_rank_prefix_sum, recv_x,
+                  recv_x_scales, recv_topk_idx, recv_topk_weights, recv_rdma_channel_prefix_matrix,
+                  recv_gbl_channel_prefix_matrix, recv_src_meta, send_rdma_head, send_nvl_head, num_out_rows,
+                  num_nvl_head_rows, rdma, layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout,
+                  state, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+    """Arguments of ``dispatch<L, D>``, in order, with their parameter names."""
+    slot = layout.slot
+    return [
+        ("x", x), ("x_scales", _ptr(x_scales)),
+        ("scale_token_stride", np.int64(scale_token_stride)), ("scale_block_stride", np.int64(scale_block_stride)),
+        ("num_scales", np.int32(num_scales)), ("topk_idx", _ptr(topk_idx)), ("topk_weights", _ptr(topk_weights)),
+        ("num_topk", np.int32(num_topk)), ("num_local_experts", np.int32(num_local_experts)),
+        ("is_token_in_rank", is_token_in_rank), ("num_tokens", np.int32(num_tokens)),
+        ("hidden_int4", np.int32(hidden_int4)),
+        ("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix),
+        ("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix),
+        ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum),
+        ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum),
+        ("recv_x", recv_x), ("recv_x_scales", _ptr(recv_x_scales)), ("recv_topk_idx", _ptr(recv_topk_idx)),
+        ("recv_topk_weights", _ptr(recv_topk_weights)),
+        ("recv_rdma_channel_prefix_matrix", _ptr(recv_rdma_channel_prefix_matrix)),
+        ("recv_gbl_channel_prefix_matrix", _ptr(recv_gbl_channel_prefix_matrix)),
+        ("recv_src_meta", _ptr(recv_src_meta)), ("send_rdma_head", _ptr(send_rdma_head)),
+        ("send_nvl_head", _ptr(send_nvl_head)),
+        ("num_out_rows", np.int32(num_out_rows)), ("num_nvl_head_rows", np.int32(num_nvl_head_rows)),
+        ("rdma", np.uint64(rdma)), ("ring_offset", np.int64(layout.ring_offset)),
+        ("slot_bytes", np.int32(slot.slot_bytes)), ("slot_scales_offset", np.int32(slot.scales_offset)),
+        ("slot_topk_idx_offset", np.int32(slot.topk_idx_offset)),
+        ("slot_topk_weights_offset", np.int32(slot.topk_weights_offset)),
+        ("rdma_cap", np.int32(layout.cap)), ("rdma_chunk", np.int32(rdma_chunk)), ("sig", np.uint64(sig)),
+        ("nvl_bases", nvl_bases), ("nvl_meta_offset", np.int64(nvl.meta_offset)),
+        ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
+        ("num_channels", np.int32(layout.num_channels)), ("state", state),
+        ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
+    ]
+
+
+class _DomainView:
+    """The ranks of this rank's NVLink domain as a group for :class:`~deepep_cupy.runtime.vmm.PeerMappedBuffer`
+    (which only gathers): every rank of the parent group takes part, each keeps its domain's entries."""
+
+    def __init__(self, group, num_nvl_ranks: int) -> None:
+        self.parent, self.size = group, num_nvl_ranks
+        self.rank = group.rank % num_nvl_ranks
+        self._first = group.rank - self.rank
+
+    def allgather_object(self, obj, op=None):
+        return group_slice(self.parent.allgather_object(obj), self._first, self.size)
+
+
+def group_slice(values: list, first: int, size: int) -> list:
+    return list(values[first:first + size])
+
+
+class InternodeEngine:
+    """RDMA buffer, signal words, NVLink buffer and persistent counters of one rank (collective to create).
+
+    Arguments:
+        group: all ranks (``rank``, ``size``, ``allgather_object``, ``barrier``, ``bcast_object``).
+        num_nvl_ranks: ranks per NVLink domain (``L``); ``D = size // L`` must be at least 2.
+        num_nvl_bytes, num_rdma_bytes: buffer sizes per rank.
+    """
+
+    def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+        import cupy
+
+        from ..runtime import nvshmem as nvshmem_runtime
+        from ..runtime.kernel_errors import KernelErrorRecord
+        from ..runtime.vmm import PeerMappedBuffer
+
+        if group.size % num_nvl_ranks:
+            raise ValueError(f"group size {group.size} is not a multiple of num_nvl_ranks {num_nvl_ranks}")
+        self.group, self.rank, self.num_ranks = group, group.rank, group.size
+        self.num_nvl_ranks, self.num_domains = int(num_nvl_ranks), group.size // int(num_nvl_ranks)
+        _check_shape(self.num_nvl_ranks, self.num_domains)
+        self.device_id = int(device_id)
+        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        self.timeout_s = timeout_seconds()
+        self.signals = IL.signal_layout(self.num_nvl_ranks, self.num_domains)
+        with cupy.cuda.Device(self.device_id):
+            self._rdma = nvshmem_runtime.acquire(group, self.device_id, self.num_rdma_bytes)
+            self._sig = nvshmem_runtime.acquire(group, self.device_id, self.signals.end)
+            self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id, self.num_nvl_bytes)
+            self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
+            self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
+            self._rdma.array.fill(0)
+            self._sig.array.fill(0)
+            cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
+            self.errors = KernelErrorRecord()
+            cupy.cuda.Device(self.device_id).synchronize()
+        group.barrier()
+        self.geometry = None
+
+    @property
+    def rdma_ptr(self) -> int:
+        return self._rdma.ptr
+
+    @property
+    def sig_ptr(self) -> int:
+        return self._sig.ptr
+
+    @property
+    def timeout_ns(self) -> int:
+        return max(1, int(self.timeout_s * 1e9))
+
+    def kernel(self, spec: BuildSpec, name: str):
+        return load(spec).get_function(name)
+
+    def use_geometry(self, key: tuple) -> None:
+        """Ring offsets depend on (hidden, channels, ring sizes): before an op with other offsets, wait
+        until every rank finished its earlier ops (collective, synchronous), so no late reader sees
+        memory laid out anew. The counters stay valid: every op drains the rings it uses."""
+        import cupy
+
+        if self.geometry is not None and self.geometry != key:
+            cupy.cuda.Device(self.device_id).synchronize()
+            self.group.barrier()
+        self.geometry = key
+
+    def check_errors(self) -> None:
+        import cupy
+
+        cupy.cuda.Device(self.device_id).synchronize()
+        if self.errors.flag_word():
+            self.errors.check(OP_NAMES)
+
+    def destroy(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.Device(self.device_id).synchronize()
+            for name in ("_sig", "_rdma"):
+                alloc = getattr(self, name, None)
+                if alloc is not None:
+                    alloc.free()
+                    setattr(self, name, None)
+            if getattr(self, "nvl", None) is not None:
+                self.nvl.close()
+                self.nvl = None

@@ -1,0 +1,136 @@
+"""Layouts of the internode normal kernels: pure arithmetic, shared by the launchers and the CPU tests.
+
+Device side: ``cuda_src/internode/layout.cuh`` (same regions, same order). ``L`` ranks per domain, ``D``
+domains, ``C`` channels, ``Rt`` RDMA ring slots, ``Rn`` NVLink ring slots.
+
+RDMA buffer (symmetric, ``num_rdma_bytes``)::
+
+    [0, meta_bytes)             int32 meta[2][C*D][2L+2]   (half 0 staging, half 1 received)
+    [ring_offset, end)          slots ring[2][C*D][Rt]
+
+Signal allocation (symmetric, small, fixed for the engine's life)::
+
+    uint64 tail[MAX_CHANNELS*D], head[MAX_CHANNELS*D], notify[D]; int32 records[2][D][record_stride] at record_offset
+
+NVLink buffer (``num_nvl_bytes``, shared within the domain)::
+
+    uint64 tail[MAX_CHANNELS*L], head[MAX_CHANNELS*L], notify_flag[L]       at 0
+    int32 meta[C][L][D][2]                                                 at meta_offset
+    slots ring[C*L][Rn]                                                    at ring_offset
+    int32 records[L][record_stride]                                        at notify_offset
+
+Slots have one fixed shape per hidden size, whatever the op (dispatch BF16/FP8, combine), so that
+dispatch and combine lay out the rings identically: 16-byte header, ``2 * hidden`` data bytes, room for
+128 scales, 128 top-k ids and 128 weights. The sizes fit DeepEP's hints
+(``Config.get_rdma_buffer_size_hint`` / ``get_nvl_buffer_size_hint``), which reserve more per slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
+           "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words"]
+
+MAX_CHANNELS = 128  # kMaxChannels of layout.cuh
+MAX_TOPK = 128
+MAX_SCALES = 128
+MAX_LOCAL_EXPERTS = 1024  # notify records are sized for this many experts per rank
+HEADER_BYTES = 16
+
+
+def align(value: int, alignment: int) -> int:
+    return (int(value) + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Slot:
+    hidden: int
+    scales_offset: int
+    topk_idx_offset: int
+    topk_weights_offset: int
+    slot_bytes: int
+
+
+def slot_for(hidden: int) -> Slot:
+    """The slot shape for rows of ``hidden`` elements (BF16 rows fill the data part, FP8 rows half of it)."""
+    if hidden <= 0 or (2 * hidden) % 16:
+        raise ValueError(f"hidden must be a positive multiple of 8, got {hidden}")
+    scales = HEADER_BYTES + 2 * hidden
+    ids = scales + 4 * MAX_SCALES
+    weights = ids + 4 * MAX_TOPK
+    return Slot(hidden, scales, ids, weights, align(weights + 4 * MAX_TOPK, 16))
+
+
+@dataclass(frozen=True)
+class RdmaLayout:
+    num_nvl_ranks: int
+    num_domains: int
+    num_channels: int
+    cap: int
+    slot: Slot
+    ring_offset: int
+    end: int
+
+    @property
+    def meta_ints(self) -> int:
+        return 2 * self.num_nvl_ranks + 2
+
+    def meta(self, half: int, ring: int) -> int:
+        return (half * self.num_channels * self.num_domains + ring) * self.meta_ints * 4
+
+    def slot_start(self, half: int, ring: int, k: int) -> int:
+        r = half * self.num_channels * self.num_domains + ring
+        return self.ring_offset + (r * self.cap + k % self.cap) * self.slot.slot_bytes
+
+
+def rdma_layout(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot) -> RdmaLayout:
+    if not 1 <= num_channels <= MAX_CHANNELS:
+        raise ValueError(f"internode kernels support 1..{MAX_CHANNELS} channels, got {num_channels}")
+    meta = align(2 * num_channels * num_domains * (2 * num_nvl_ranks + 2) * 4, 128)
+    end = meta + 2 * num_channels * num_domains * cap * slot.slot_bytes
+    return RdmaLayout(num_nvl_ranks, num_domains, num_channels, cap, slot, meta, end)
+
+
+@dataclass(frozen=True)
+class SignalLayout:
+    tail_offset: int
+    head_offset: int
+    notify_offset: int
+    record_offset: int
+    record_stride: int
+    end: int
+
+
+def signal_layout(num_nvl_ranks: int, num_domains: int) -> SignalLayout:
+    D, L = num_domains, num_nvl_ranks
+    head = MAX_CHANNELS * D * 8
+    notify = 2 * MAX_CHANNELS * D * 8
+    record = align(notify + D * 8, 128)
+    stride = align(L + L * MAX_LOCAL_EXPERTS + 1, 4)
+    return SignalLayout(0, head, notify, record, stride, record + 2 * D * stride * 4)
+
+
+@dataclass(frozen=True)
+class NvlLayout:
+    meta_offset: int
+    ring_offset: int
+    notify_offset: int
+    record_stride: int
+    cap: int
+    end: int
+
+
+def nvl_layout(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot,
+               num_local_experts: int) -> NvlLayout:
+    L, D, C = num_nvl_ranks, num_domains, num_channels
+    meta = align((2 * MAX_CHANNELS * L + L) * 8, 128)
+    ring = meta + align(C * L * D * 2 * 4, 128)
+    notify = ring + C * L * cap * slot.slot_bytes
+    stride = align(D + num_local_experts, 4)
+    return NvlLayout(meta, ring, notify, stride, cap, notify + L * stride * 4)
+
+
+def state_words(num_nvl_ranks: int, num_domains: int) -> int:
+    """int64 words of the persistent per-rank counters (``State`` in layout.cuh)."""
+    return 8 + 2 * MAX_CHANNELS * num_domains + 2 * MAX_CHANNELS * num_nvl_ranks

@@ -1,0 +1,148 @@
+"""Host side of the internode kernels, on the CPU: layouts against the size hints and the device structs,
+argument blocks against the kernel signatures, op codes against the header, kernel names."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_intranode_host import _check_packing, _FakeArray, _kernel_params
+
+from deepep_cupy.config import Config
+from deepep_cupy.ops import internode
+from deepep_cupy.ops import internode_layout as IL
+from deepep_cupy.ops import kernel_names as K
+
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "internode"
+
+
+@pytest.mark.parametrize("hidden", [128, 2048, 4096, 7168])
+def test_slot_holds_worst_case_rows(hidden):
+    s = IL.slot_for(hidden)
+    assert s.slot_bytes % 16 == 0 and s.scales_offset % 16 == 0
+    assert s.scales_offset == 16 + 2 * hidden
+    assert s.topk_idx_offset >= s.scales_offset + 4 * IL.MAX_SCALES
+    assert s.topk_weights_offset >= s.topk_idx_offset + 4 * IL.MAX_TOPK
+    assert s.slot_bytes >= s.topk_weights_offset + 4 * IL.MAX_TOPK
+
+
+@pytest.mark.parametrize("lsize,ndom", [(1, 2), (2, 2), (4, 2), (8, 2), (8, 4), (1, 32)])
+@pytest.mark.parametrize("num_sms,rdma_recv,nvl_recv", [(20, 256, 256), (24, 128, 512), (2, 2, 2), (132, 64, 64)])
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_layouts_fit_hints(lsize, ndom, num_sms, rdma_recv, nvl_recv, hidden):
+    cfg = Config(num_sms=num_sms, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=nvl_recv,
+                 num_max_rdma_chunked_send_tokens=1, num_max_rdma_chunked_recv_tokens=rdma_recv)
+    ranks = lsize * ndom
+    slot = IL.slot_for(hidden)
+    rdma = IL.rdma_layout(lsize, ndom, cfg.num_channels, cfg.num_max_rdma_chunked_recv_tokens, slot)
+    assert rdma.end <= cfg.get_rdma_buffer_size_hint(hidden * 2, ranks, lsize)
+    nvl = IL.nvl_layout(lsize, ndom, cfg.num_channels, nvl_recv, slot, 256 // lsize)
+    # The NVLink control words are sized for MAX_CHANNELS channels (16 KiB with 8 ranks per domain): only
+    # the tiniest rings (2 slots, 1 channel) need more than the hint, and check_sizes says so.
+    fixed = (2 * IL.MAX_CHANNELS * lsize + lsize) * 8
+    if ranks <= 8 or ranks % 8 == 0:  # the NVLink hint assumes DeepEP's domain size
+        assert nvl.end - fixed <= max(cfg.get_nvl_buffer_size_hint(hidden * 2, ranks),
+                              _nvl_hint(cfg, hidden * 2, lsize, ndom))
+
+
+def _nvl_hint(cfg, hidden_bytes, lsize, ndom):
+    # Config's formula with the real domain size (it assumes 8 per domain).
+    slots = cfg.num_channels * lsize * cfg.num_max_nvl_chunked_recv_tokens
+    return cfg.num_channels * lsize * (2 * ndom + 3) * 4 + slots * (hidden_bytes + 8 + 128 * 12 + 128 * 4)
+
+
+@pytest.mark.parametrize("lsize,ndom,channels,cap", [(1, 2, 10, 8), (4, 2, 3, 6), (8, 4, 12, 256)])
+def test_rdma_regions_disjoint(lsize, ndom, channels, cap):
+    lay = IL.rdma_layout(lsize, ndom, channels, cap, IL.slot_for(256))
+    metas = [lay.meta(h, i) for h in (0, 1) for i in range(channels * ndom)]
+    assert metas == sorted(metas) and metas[-1] + lay.meta_ints * 4 <= lay.ring_offset
+    assert lay.ring_offset % 128 == 0
+    slots = [lay.slot_start(h, i, k) for h in (0, 1) for i in range(channels * ndom) for k in range(cap)]
+    assert all(b - a == lay.slot.slot_bytes for a, b in zip(slots, slots[1:]))
+    assert slots[-1] + lay.slot.slot_bytes == lay.end
+    assert lay.slot_start(1, 0, cap) == lay.slot_start(1, 0, 0)  # ring index wraps
+
+
+def test_signal_and_nvl_layouts_match_device_structs():
+    text = (CUDA_SRC / "layout.cuh").read_text()
+    assert f"kMaxChannels = {IL.MAX_CHANNELS};" in text
+    for lsize, ndom in ((1, 2), (8, 4)):
+        sig = IL.signal_layout(lsize, ndom)
+        # Signals: tail at 0, head after kMaxChannels * D words, notify after twice that.
+        assert sig.head_offset == IL.MAX_CHANNELS * ndom * 8 and sig.notify_offset == 2 * sig.head_offset
+        assert sig.record_offset >= sig.notify_offset + 8 * ndom and sig.record_stride >= lsize + lsize * 1024 + 1
+        nvl = IL.nvl_layout(lsize, ndom, 4, 16, IL.slot_for(256), 32)
+        # NvlCtrl: tail[kMaxChannels*L], head[kMaxChannels*L], notify_flag[L] before the meta.
+        assert nvl.meta_offset >= (2 * IL.MAX_CHANNELS * lsize + lsize) * 8
+        assert nvl.ring_offset >= nvl.meta_offset + 4 * lsize * ndom * 2 * 4
+        assert nvl.notify_offset == nvl.ring_offset + 4 * lsize * 16 * IL.slot_for(256).slot_bytes
+        assert nvl.record_stride >= ndom + 32
+    assert IL.state_words(8, 4) == 8 + 2 * 128 * 4 + 2 * 128 * 8
+
+
+def _layouts():
+    slot = IL.slot_for(7168)
+    return IL.rdma_layout(2, 2, 12, 256, slot), IL.nvl_layout(2, 2, 12, 256, slot, 16), IL.signal_layout(2, 2)
+
+
+def test_notify_args_match_kernel_signature():
+    a = _FakeArray()
+    _, nvl, sig = _layouts()
+    packed = internode.notify_args(
+        is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a, num_local_experts=4,
+        expert_alignment=1, rdma_channel_prefix_matrix=a, gbl_channel_prefix_matrix=a, recv_rdma_rank_prefix_sum=a,
+        recv_gbl_rank_prefix_sum=a, meta=a, sig=1 << 20, signals=sig, nvl_bases=a, nvl=nvl, state=a, err_ptr=9,
+        timeout_ns=10, rank=1)
+    _check_packing(_kernel_params(CUDA_SRC / "notify.cu", "notify"), packed)
+    assert dict(packed)["record_offset"] == sig.record_offset
+
+
+def test_dispatch_args_match_kernel_signature():
+    a = _FakeArray()
+    rdma, nvl, _ = _layouts()
+    packed = internode.dispatch_args(
+        x=a, x_scales=None, scale_token_stride=0, scale_block_stride=0, num_scales=0, topk_idx=a, topk_weights=None,
+        num_topk=8, num_local_experts=16, is_token_in_rank=a, num_tokens=100, hidden_int4=896,
+        rdma_channel_prefix_matrix=a, gbl_channel_prefix_matrix=a, recv_rdma_rank_prefix_sum=a,
+        recv_gbl_rank_prefix_sum=a, recv_x=a, recv_x_scales=None, recv_topk_idx=a, recv_topk_weights=None,
+        recv_rdma_channel_prefix_matrix=a, recv_gbl_channel_prefix_matrix=a, recv_src_meta=a, send_rdma_head=a,
+        send_nvl_head=a, num_out_rows=10, num_nvl_head_rows=4, rdma=1 << 30, layout=rdma, rdma_chunk=6,
+        sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
+    _check_packing(_kernel_params(CUDA_SRC / "dispatch.cu", "dispatch"), packed)
+    d = dict(packed)
+    assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
+    assert d["slot_bytes"] == rdma.slot.slot_bytes and d["x_scales"] == np.uint64(0)
+
+
+def test_op_codes_match_header():
+    text = (CUDA_SRC / "layout.cuh").read_text()
+    codes = {int(v) for v in re.findall(r"kOp\w+ = (\d+)", text)}
+    assert codes == set(internode.OP_NAMES)
+    assert f"kValueOpInternodeDispatch = {K.VALUE_OP_INTERNODE_DISPATCH};" in (
+        CUDA_SRC.parent / "common" / "value_errors.cuh").read_text()
+
+
+def test_kernel_names_and_specs():
+    assert K.internode_dispatch(2, 4) == "deepep_cupy::internode::dispatch<2, 4>"
+    assert K.internode_notify(1, 2) == "deepep_cupy::internode::notify<1, 2>"
+    assert K.internode_combine(8, 2) == "deepep_cupy::internode::combine<8, 2>"
+    spec = internode.dispatch_spec(1, 2)
+    assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2),)
+    assert internode.block_threads(1, 2) == 64 and internode.block_threads(8, 4) == 512
+    with pytest.raises(ValueError):
+        internode.dispatch_spec(1, 1)
+    with pytest.raises(ValueError):
+        internode.notify_spec(16, 2)
+    assert "32 * (kNumDomains > 2 * kNumNvlRanks ? kNumDomains : 2 * kNumNvlRanks)" in (
+        CUDA_SRC / "dispatch.cu").read_text()
+
+
+def test_domain_view_keeps_domain_entries():
+    class G:
+        rank, size = 5, 8
+
+        def allgather_object(self, obj, op=None):
+            return [f"r{i}" for i in range(8)]
+
+    v = internode._DomainView(G(), 4)
+    assert (v.rank, v.size) == (1, 4) and v.allgather_object("x") == ["r4", "r5", "r6", "r7"]
