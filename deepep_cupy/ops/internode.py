@@ -21,7 +21,8 @@ from . import internode_layout as IL
 from . import kernel_names
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
-           "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS"]
+           "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
+           "combine_block_threads", "check_combine_shape"]
 
 MAX_NVL_RANKS = 8   # one byte of SourceMeta bits used, one forwarder warp per local rank
 MAX_DOMAINS = 32    # one lane per domain
@@ -67,11 +68,27 @@ def dispatch_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
                           name_expressions=[kernel_names.internode_dispatch(num_nvl_ranks, num_domains)], nvshmem=True)
 
 
+def check_combine_shape(num_nvl_ranks: int, num_domains: int) -> None:
+    """The combine runs one NVLink sender warp per (forwarder, source domain) so that no source domain's
+    rows wait behind another's (see combine.cu): ``L * D`` warps, plus ``D + 1`` in the other block."""
+    _check_shape(num_nvl_ranks, num_domains)
+    if num_nvl_ranks * num_domains > 32 or num_domains + 1 > 32:
+        raise ValueError(f"the internode combine supports at most 32 ranks and 31 domains, got "
+                         f"{num_nvl_ranks} x {num_domains}")
+
+
+@functools.cache
+def combine_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
+    check_combine_shape(num_nvl_ranks, num_domains)
+    return BuildSpec.make("internode/combine.cu",
+                          name_expressions=[kernel_names.internode_combine(num_nvl_ranks, num_domains)], nvshmem=True)
+
+
 def representative_builds() -> list[BuildSpec]:
     """2 GPUs as 2 domains of 1 (the first GPU test), 2 x 2, 2 x 4, and 2 to 4 hosts of 8."""
     out = []
     for lsize, ndom in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 4)):
-        out += [notify_spec(lsize, ndom), dispatch_spec(lsize, ndom)]
+        out += [notify_spec(lsize, ndom), dispatch_spec(lsize, ndom), combine_spec(lsize, ndom)]
     return out
 
 
@@ -79,6 +96,11 @@ def block_threads(num_nvl_ranks: int, num_domains: int) -> int:
     """Threads of a dispatch block: one warp per domain (senders) or two per local rank (forwarders and
     receivers), whichever is more; the kernel's ``__launch_bounds__`` says the same."""
     return 32 * max(num_domains, 2 * num_nvl_ranks)
+
+
+def combine_block_threads(num_nvl_ranks: int, num_domains: int) -> int:
+    """Threads of a combine block: ``L * D`` NVLink senders, or ``D`` forwarders and the reducer."""
+    return 32 * max(num_nvl_ranks * num_domains, num_domains + 1)
 
 
 _NULL = np.uint64(0)
@@ -152,6 +174,32 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("rdma_cap", np.int32(layout.cap)), ("rdma_chunk", np.int32(rdma_chunk)), ("sig", np.uint64(sig)),
         ("nvl_bases", nvl_bases), ("nvl_meta_offset", np.int64(nvl.meta_offset)),
         ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
+        ("num_channels", np.int32(layout.num_channels)), ("state", state),
+        ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
+    ]
+
+
+def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
+                 recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, send_rdma_head,
+                 send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights, rdma,
+                 layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout, state, err_ptr, timeout_ns,
+                 rank) -> list[tuple[str, object]]:
+    """Arguments of ``combine<L, D>``, in order, with their parameter names."""
+    return [
+        ("x", x), ("topk_weights", _ptr(topk_weights)), ("num_topk", np.int32(num_topk)),
+        ("bias_0", _ptr(bias_0)), ("bias_1", _ptr(bias_1)),
+        ("recv_rdma_channel_prefix_matrix", recv_rdma_channel_prefix_matrix),
+        ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum),
+        ("recv_gbl_channel_prefix_matrix", recv_gbl_channel_prefix_matrix),
+        ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum),
+        ("send_rdma_head", send_rdma_head), ("send_nvl_head", send_nvl_head),
+        ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)),
+        ("combined_x", combined_x), ("combined_topk_weights", _ptr(combined_topk_weights)),
+        ("rdma", np.uint64(rdma)), ("ring_offset", np.int64(layout.ring_offset)),
+        ("slot_bytes", np.int32(layout.slot.slot_bytes)),
+        ("slot_topk_weights_offset", np.int32(layout.slot.topk_weights_offset)),
+        ("rdma_cap", np.int32(layout.cap)), ("rdma_chunk", np.int32(rdma_chunk)), ("sig", np.uint64(sig)),
+        ("nvl_bases", nvl_bases), ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
         ("num_channels", np.int32(layout.num_channels)), ("state", state),
         ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
     ]

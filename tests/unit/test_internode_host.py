@@ -146,3 +146,27 @@ def test_domain_view_keeps_domain_entries():
 
     v = internode._DomainView(G(), 4)
     assert (v.rank, v.size) == (1, 4) and v.allgather_object("x") == ["r4", "r5", "r6", "r7"]
+
+
+def test_combine_args_match_kernel_signature():
+    a = _FakeArray()
+    rdma, nvl, _ = _layouts()
+    packed = internode.combine_args(
+        x=a, topk_weights=None, num_topk=8, bias_0=a, bias_1=None, recv_rdma_channel_prefix_matrix=a,
+        recv_rdma_rank_prefix_sum=a, recv_gbl_channel_prefix_matrix=a, recv_gbl_rank_prefix_sum=a, send_rdma_head=a,
+        send_nvl_head=a, num_tokens=100, hidden_int4=896, combined_x=a, combined_topk_weights=None, rdma=1 << 30,
+        layout=rdma, rdma_chunk=6, sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
+    _check_packing(_kernel_params(CUDA_SRC / "combine.cu", "combine"), packed)
+    d = dict(packed)
+    assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
+    assert d["slot_topk_weights_offset"] == rdma.slot.topk_weights_offset and d["bias_1"] == np.uint64(0)
+
+
+def test_combine_spec_and_block_shape():
+    spec = internode.combine_spec(8, 4)
+    assert spec.nvshmem and spec.name_expressions == (K.internode_combine(8, 4),)
+    assert spec in internode.representative_builds()
+    assert internode.combine_block_threads(1, 2) == 96 and internode.combine_block_threads(8, 4) == 1024
+    with pytest.raises(ValueError):
+        internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
+    assert "kNumNvlRanks * kNumDomains > kNumDomains + 1" in (CUDA_SRC / "combine.cu").read_text()

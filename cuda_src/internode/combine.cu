@@ -1,0 +1,318 @@
+// Internode combine: the reverse path of the dispatch (docs/internode_design.md, "Combine").
+//
+// Grid 2 * C blocks, channel c as in the dispatch that produced the handle.
+// Block 2c, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
+//   s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
+// Block 2c + 1, warp ds < D: forwarder for source domain ds: for each row it received over RDMA from
+//   (ds, l_me) in channel c, sums the copies its domain ranks send back and puts the partial sum (bf16
+//   row, float32 top-k weights) into the RDMA ring of the source. Warp D: the source-side reducer of
+//   channel c: per token, sums the partials of every domain it reached, adds the biases, rounds once.
+//
+// Deadlock freedom: the source reduces token t only when every domain's partial for t is there, so each
+// (forwarder, source domain) pipeline must advance on its own. The NVLink ring (c, j -> l) is therefore
+// split into D sub-rings of cap / D slots, one per source domain, each with its own sender warp and its own
+// forwarder warp; a pipeline only ever waits on itself and on the source's reducer, which frees slots of
+// every domain in token order. Sub-ring (c, ds) uses the progress words of ring index x = c * D + ds (so
+// C * D <= kMaxChannels, checked on the host); the words keep the dispatch's writer/reader convention.
+//
+// The sub-rings share memory with the dispatch's ring (c, j -> l): a sender first waits until l has
+// released everything of that ring, and before returning until l has drained its sub-rings, so neither
+// op overwrites slots the other has not read yet. RDMA rings are those of the dispatch with the same
+// writer and reader pairs; units are slots only (no meta record).
+
+#include "common/nvshmem_includes.cuh"
+#include "internode/layout.cuh"
+
+namespace deepep_internode {
+
+struct CombineArgs {
+    const int4* x;
+    const float* topk_weights;
+    int num_topk;
+    const int4* bias_0;
+    const int4* bias_1;
+    const int* recv_rdma_cpm;     // entry 3 [D, C], inclusive
+    const int* recv_rdma_prefix;  // entry 4 [D]
+    const int* recv_gbl_cpm;      // entry 5 [R, C], row where (source, channel) starts
+    const int* recv_gbl_prefix;   // entry 6 [R]
+    const int* send_rdma_head;    // entry 8 [N, D]
+    const int* send_nvl_head;     // entry 9 [F, L]
+    int num_tokens, hidden_int4;
+    int4* combined_x;
+    float* combined_topk_weights;
+    uint8_t* rdma;
+    long long ring_offset;
+    int slot_bytes, slot_topk_weights_offset;
+    int rdma_cap, rdma_chunk;
+    uint8_t* sig;
+    const long long* nvl_bases;
+    long long nvl_ring_offset;
+    int nvl_cap, num_channels;
+    long long* state;
+    int rank;
+};
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
+                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        acc[2 * k] += __uint_as_float(w[k] << 16);
+        acc[2 * k + 1] += __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+
+// float -> bf16 bits, nearest even; a NaN stays a quiet NaN.
+__device__ __forceinline__ unsigned int to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+    unsigned int w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = to_bf16(acc[2 * k]) | (to_bf16(acc[2 * k + 1]) << 16);
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+template <int L, int D>
+struct CombineGeometry {
+    const CombineArgs& a;
+    __device__ __forceinline__ int sub_cap() const { return a.nvl_cap / D; }
+    // Slot n of sub-ring ds of ring (c, writer -> reader), in the reader's NVLink buffer.
+    __device__ __forceinline__ uint8_t* nvl_slot(int reader, int c, int writer, int ds, int n) const {
+        const int sub = sub_cap();
+        return nvl_base(a.nvl_bases, reader) + a.nvl_ring_offset +
+               ((static_cast<long long>(c) * L + writer) * a.nvl_cap + ds * sub + n % sub) * a.slot_bytes;
+    }
+    __device__ __forceinline__ uint8_t* rdma_slot(int half, int i, int k) const {
+        const long long ring = static_cast<long long>(half) * a.num_channels * D + i;
+        return a.rdma + a.ring_offset + (ring * a.rdma_cap + k % a.rdma_cap) * a.slot_bytes;
+    }
+};
+
+// Block 2c, one warp: rows received from source (ds, l) in channel c go back to forwarder l.
+template <int L, int D>
+__device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, int l, int lane) {
+    const CombineGeometry<L, D> g{a};
+    const State st{a.state};
+    const int C = a.num_channels, me = a.rank % L, d_me = a.rank / L, s = ds * L + l;
+    const int x_ring = c * D + ds;
+    const NvlCtrl mine{nvl_base(a.nvl_bases, me), L};
+    const NvlCtrl dest{nvl_base(a.nvl_bases, l), L};
+    const uint64_t base = static_cast<uint64_t>(*st.nvl_sent(x_ring * L + l, D));
+    const uint64_t mem_owner = static_cast<uint64_t>(*st.nvl_sent(c * L + l, D));
+    bool ok = true;
+    // The dispatch's ring (c, me -> l) shares this memory: l must have read all of it.
+    wait_at_least(mine.head(c * L + l), mem_owner, w, kOpCombineNvlHead, d_me * L + l, __LINE__, &ok);
+    wait_at_least(mine.head(x_ring * L + l), base, w, kOpCombineNvlHead, d_me * L + l, __LINE__, &ok);
+    const int row0 = a.recv_gbl_cpm[s * C + c];
+    const int row1 = c + 1 < C ? a.recv_gbl_cpm[s * C + c + 1] : a.recv_gbl_prefix[s];
+    const int n = row1 - row0, sub = g.sub_cap();
+    for (int k = 0; k < n && ok; ++k) {
+        if (k >= sub)  // slot k - sub must be released (unit k - sub + 1)
+            wait_at_least(mine.head(x_ring * L + l), base + 1 + k - sub, w, kOpCombineNvlHead, d_me * L + l, __LINE__,
+                          &ok);
+        if (!ok) break;
+        uint8_t* dst = g.nvl_slot(l, c, me, ds, k);
+        const long long row = row0 + k;
+        warp_copy_nc(reinterpret_cast<int4*>(dst + 16), a.x + row * a.hidden_int4, a.hidden_int4, lane);
+        if (a.topk_weights != nullptr) {
+            float* ws = reinterpret_cast<float*>(dst + a.slot_topk_weights_offset);
+            for (int q = lane; q < a.num_topk; q += 32) ws[q] = a.topk_weights[row * a.num_topk + q];
+        }
+        __syncwarp();
+        deepep::fence_acq_rel_sys();
+        if (lane == 0) deepep::st_release_sys(dest.tail(x_ring * L + me), base + 1 + k);
+        __syncwarp();
+    }
+    // Hold the kernel until l has read every slot: the next op may reuse this memory as a whole ring.
+    wait_at_least(mine.head(x_ring * L + l), base + n, w, kOpCombineNvlHead, d_me * L + l, __LINE__, &ok);
+    if (lane == 0 && ok) *st.nvl_sent(x_ring * L + l, D) = static_cast<long long>(base + n);
+}
+
+// Block 2c + 1, warp ds: partial sums within this domain of the rows that came from (ds, l_me).
+template <int L, int D>
+__device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, int ds, int lane) {
+    const CombineGeometry<L, D> g{a};
+    const Signals sig{a.sig, D};
+    const State st{a.state};
+    const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = ds * L + l_me;
+    const int x_ring = c * D + ds, i = c * D + ds, i_peer = c * D + d_me;
+    const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
+    // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read.
+    long long nbase = 0;
+    if (lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
+    int taken = 0;
+    const uint64_t base = static_cast<uint64_t>(*st.rdma_sent(i));
+    bool ok = true;
+    wait_at_least(sig.head(i), base, w, kOpCombineHead, pe, __LINE__, &ok);
+    const int start = c > 0 ? a.recv_rdma_cpm[ds * C + c - 1] : 0;
+    const int n = a.recv_rdma_cpm[ds * C + c] - start;
+    const long long row0 = (ds > 0 ? a.recv_rdma_prefix[ds - 1] : 0) + start;
+    int first = 0;  // first slot not yet published
+    for (int k = 0; k < n && ok; ++k) {
+        if (k >= a.rdma_cap) {
+            if (first < k) {  // the source cannot free slots it has not seen
+                put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                                static_cast<size_t>(k - first) * a.slot_bytes, sig.tail(i_peer), base + k,
+                                NVSHMEM_SIGNAL_SET, pe, lane);
+                first = k;
+            }
+            wait_at_least(sig.head(i), base + 1 + k - a.rdma_cap, w, kOpCombineHead, pe, __LINE__, &ok);
+            if (!ok) break;
+        }
+        // Lane j: position of this row in j's stream, then wait for it.
+        const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
+        for (int j = 0; j < L && ok; ++j) {
+            const int p = __shfl_sync(kFullMask, pos, j);
+            const long long nb = __shfl_sync(kFullMask, nbase, j);
+            if (p >= 0)
+                wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
+                              d_me * L + j, __LINE__, &ok);
+        }
+        if (!ok) break;
+        uint8_t* out = g.rdma_slot(0, i, k);
+        for (int e = lane; e < a.hidden_int4; e += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < L; ++j) {
+                const int p = __shfl_sync(kFullMask, pos, j);
+                if (p >= 0)
+                    add_bf16x8(acc, deepep::ld_cg_v4(reinterpret_cast<const int4*>(g.nvl_slot(l_me, c, j, ds, p) + 16) + e));
+            }
+            reinterpret_cast<int4*>(out + 16)[e] = pack_bf16x8(acc);
+        }
+        if (a.topk_weights != nullptr) {
+            float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
+            for (int q = lane; q < a.num_topk; q += 32) {
+                float sum = 0.f;
+                for (int j = 0; j < L; ++j) {
+                    const int p = __shfl_sync(kFullMask, pos, j);
+                    if (p >= 0)
+                        sum += deepep::ld_cg_f32(
+                            reinterpret_cast<const float*>(g.nvl_slot(l_me, c, j, ds, p) + a.slot_topk_weights_offset) + q);
+                }
+                ws[q] = sum;
+            }
+        }
+        // Hand the read NVLink slots back (their values are stored above).
+        __syncwarp();
+        if (lane < L && pos >= 0) {
+            taken = pos + 1;
+            deepep::st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
+                                   static_cast<uint64_t>(nbase) + taken);
+        }
+        if (k + 1 - first >= a.rdma_chunk || k + 1 == n) {
+            put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                            static_cast<size_t>(k + 1 - first) * a.slot_bytes, sig.tail(i_peer), base + k + 1,
+                            NVSHMEM_SIGNAL_SET, pe, lane);
+            first = k + 1;
+        }
+    }
+    if (lane == 0) nvshmem_quiet();
+    if (ok) {
+        if (lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
+        if (lane == 0) *st.rdma_sent(i) = static_cast<long long>(base + n);
+    }
+}
+
+// Block 2c + 1, warp D: the source's sum across domains, token by token.
+template <int L, int D>
+__device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, int lane) {
+    const CombineGeometry<L, D> g{a};
+    const Signals sig{a.sig, D};
+    const State st{a.state};
+    const int l_me = a.rank % L, d_me = a.rank / L;
+    // Lane d: units of ring (c, d) before this op, and slots consumed so far.
+    long long base = 0;
+    int used = 0;
+    if (lane < D) base = *st.rdma_recvd(c * D + lane, D);
+    bool ok = true;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    for (int t = t_begin; t < t_end && ok; ++t) {
+        const int pos = lane < D ? a.send_rdma_head[static_cast<long long>(t) * D + lane] : -1;
+        for (int d = 0; d < D && ok; ++d) {
+            const int p = __shfl_sync(kFullMask, pos, d);
+            const long long b = __shfl_sync(kFullMask, base, d);
+            if (p >= 0)
+                wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(b) + 1 + p, w, kOpCombineTail, d * L + l_me,
+                              __LINE__, &ok);
+        }
+        if (!ok) break;
+        for (int e = lane; e < a.hidden_int4; e += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (a.bias_0 != nullptr) add_bf16x8(acc, a.bias_0[static_cast<long long>(t) * a.hidden_int4 + e]);
+            if (a.bias_1 != nullptr) add_bf16x8(acc, a.bias_1[static_cast<long long>(t) * a.hidden_int4 + e]);
+#pragma unroll
+            for (int d = 0; d < D; ++d) {
+                const int p = __shfl_sync(kFullMask, pos, d);
+                if (p >= 0)
+                    add_bf16x8(acc, deepep::ld_cg_v4(reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, p) + 16) + e));
+            }
+            a.combined_x[static_cast<long long>(t) * a.hidden_int4 + e] = pack_bf16x8(acc);
+        }
+        if (a.combined_topk_weights != nullptr) {
+            for (int q = lane; q < a.num_topk; q += 32) {
+                float sum = 0.f;
+                for (int d = 0; d < D; ++d) {
+                    const int p = __shfl_sync(kFullMask, pos, d);
+                    if (p >= 0)
+                        sum += deepep::ld_cg_f32(
+                            reinterpret_cast<const float*>(g.rdma_slot(1, c * D + d, p) + a.slot_topk_weights_offset) + q);
+                }
+                a.combined_topk_weights[static_cast<long long>(t) * a.num_topk + q] = sum;
+            }
+        }
+        // Free the slots just read, at once: a forwarder may be waiting for exactly these.
+        __syncwarp();
+        if (lane < D && pos >= 0) {
+            ++used;
+            nvshmem_fence();
+            nvshmemx_signal_op(sig.head(c * D + d_me), 1, NVSHMEM_SIGNAL_ADD, lane * L + l_me);
+        }
+        __syncwarp();
+    }
+    if (lane == 0) nvshmem_quiet();
+    if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + used;
+}
+
+}  // namespace deepep_internode
+
+namespace deepep_cupy::internode {
+
+using namespace ::deepep_internode;
+
+template <int kNumNvlRanks, int kNumDomains>
+__global__ void __launch_bounds__(32 * (kNumNvlRanks * kNumDomains > kNumDomains + 1 ? kNumNvlRanks * kNumDomains
+                                                                                       : kNumDomains + 1), 1)
+combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
+        const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
+        const int* __restrict__ recv_rdma_channel_prefix_matrix, const int* __restrict__ recv_rdma_rank_prefix_sum,
+        const int* __restrict__ recv_gbl_channel_prefix_matrix, const int* __restrict__ recv_gbl_rank_prefix_sum,
+        const int* __restrict__ send_rdma_head, const int* __restrict__ send_nvl_head, int num_tokens,
+        int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights, uint8_t* rdma,
+        long long ring_offset, int slot_bytes, int slot_topk_weights_offset, int rdma_cap, int rdma_chunk,
+        uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
+        int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+    constexpr int L = kNumNvlRanks, D = kNumDomains;
+    const int c = blockIdx.x / 2, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const CombineArgs a{x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
+                        recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
+                        send_rdma_head, send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
+                        rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
+                        nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank};
+    const WaitCtx w{err, timeout_ns, rank};
+    if (blockIdx.x % 2 == 0) {
+        if (warp < L * D) send_nvl<L, D>(a, w, c, warp / L, warp % L, lane);
+    } else if (warp < D) {
+        forward_reduce<L, D>(a, w, c, warp, lane);
+    } else if (warp == D) {
+        reduce_domains<L, D>(a, w, c, lane);
+    }
+}
+
+}  // namespace deepep_cupy::internode
