@@ -1,4 +1,4 @@
-"""Launch plans of the internode dispatch (CuPy arrays, on one stream; no ``Buffer`` yet).
+"""Launch plans of the internode dispatch and combine (CuPy arrays, on one stream; no ``Buffer`` yet).
 
 A :class:`DispatchPlan` fixes, for one set of shapes and one config, the kernels, the layouts and the
 argument blocks; :meth:`DispatchPlan.run` allocates the outputs, patches pointers and launches. A
@@ -12,11 +12,12 @@ import numpy as np
 
 from ..runtime.launch import LaunchPlan
 from . import internode_layout as IL
-from .internode import NOTIFY_THREADS, block_threads, dispatch_args, dispatch_spec, notify_args, notify_spec
+from .internode import (NOTIFY_THREADS, block_threads, combine_args, combine_block_threads, combine_spec,
+                        dispatch_args, dispatch_spec, notify_args, notify_spec)
 from .intranode_plans import _launch_args, _scale_strides
-from .kernel_names import internode_dispatch, internode_notify
+from .kernel_names import internode_combine, internode_dispatch, internode_notify
 
-__all__ = ["DispatchPlan", "check_sizes"]
+__all__ = ["DispatchPlan", "CombinePlan", "check_sizes"]
 
 
 def check_sizes(engine, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
@@ -157,3 +158,67 @@ class DispatchPlan:
         new_handle = (is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
                       recv_gbl_prefix, src_meta.view(np.uint8).reshape(-1, 8), send_rdma_head, send_nvl_head)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, new_handle
+
+
+class CombinePlan:
+    """Internode combine of BF16 rows for one (shapes, config), with the handle of an internode dispatch.
+
+    The NVLink ring of each (channel, domain rank -> forwarder) is split into one sub-ring per source
+    domain (``combine.cu``), so the config's NVLink ring needs at least ``D`` slots, and its progress words
+    are those of ring ``c * D + d``: ``C * D`` must not exceed ``MAX_CHANNELS``.
+    """
+
+    def __init__(self, engine, x, handle, *, topk_weights, config) -> None:
+        L, D = engine.num_nvl_ranks, engine.num_domains
+        self.engine = engine
+        self.num_rows, self.hidden = (int(s) for s in x.shape)
+        if (2 * self.hidden) % 16:
+            raise ValueError(f"a BF16 row must be a multiple of 16 bytes, got {2 * self.hidden}")
+        self.num_channels = int(handle[1].shape[1])
+        self.num_tokens = int(handle[0].shape[0])
+        self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        if self.num_topk > IL.MAX_TOPK:
+            raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k weights")
+        if self.num_channels * D > IL.MAX_CHANNELS:
+            raise ValueError(f"the internode combine needs channels x domains <= {IL.MAX_CHANNELS}, got "
+                             f"{self.num_channels} x {D}")
+        slot = IL.slot_for(self.hidden)
+        rdma_cap, chunk = int(config.num_max_rdma_chunked_recv_tokens), int(config.num_max_rdma_chunked_send_tokens)
+        self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
+        self.nvl = IL.nvl_layout(L, D, self.num_channels, int(config.num_max_nvl_chunked_recv_tokens), slot, 0)
+        if self.nvl.cap < D:
+            raise ValueError(f"the internode combine needs at least {D} NVLink ring slots (one per domain), "
+                             f"got {self.nvl.cap}")
+        check_sizes(engine, self.rdma, self.nvl)
+        self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
+        kernel = engine.kernel(combine_spec(L, D), internode_combine(L, D))
+        named = combine_args(
+            x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, recv_rdma_channel_prefix_matrix=0,
+            recv_rdma_rank_prefix_sum=0, recv_gbl_channel_prefix_matrix=0, recv_gbl_rank_prefix_sum=0,
+            send_rdma_head=0, send_nvl_head=0, num_tokens=self.num_tokens, hidden_int4=2 * self.hidden // 16,
+            combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
+            sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
+            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank)
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, combine_block_threads(L, D), _launch_args(named))
+
+    def run(self, x, handle, topk_weights, bias_0, bias_1, stream):
+        """One combine on the CuPy ``stream``: ``(combined_x [N, hidden], combined_topk_weights [N, K] or
+        None)``; ``x`` holds the rows the dispatch returned (``handle[6][-1]`` of them are read)."""
+        import cupy
+
+        engine = self.engine
+        engine.use_geometry(self.geometry)
+        p = self.plan.slot
+        with cupy.cuda.Device(engine.device_id), stream:
+            combined = cupy.empty((self.num_tokens, self.hidden), x.dtype)
+            weights = (cupy.empty((self.num_tokens, self.num_topk), cupy.float32) if topk_weights is not None
+                       else None)
+            ptrs = {"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
+                    "recv_rdma_channel_prefix_matrix": handle[3], "recv_rdma_rank_prefix_sum": handle[4],
+                    "recv_gbl_channel_prefix_matrix": handle[5], "recv_gbl_rank_prefix_sum": handle[6],
+                    "send_rdma_head": handle[8], "send_nvl_head": handle[9], "combined_x": combined,
+                    "combined_topk_weights": weights}
+            for name, arr in ptrs.items():
+                p(name).value = 0 if arr is None else arr.data.ptr
+            self.plan.launch(stream.ptr)
+        return combined, weights

@@ -2,7 +2,8 @@
 
 Run: ``DEEPEP_CUPY_NVL_RANKS=1 mpirun -np 2 python -m pytest tests/gpu/test_internode.py`` (2 GPUs as 2
 domains of 1: every token crosses NVSHMEM). Drives ``InternodeEngine`` / ``DispatchPlan`` directly: the
-kernels are not wired into ``Buffer`` until this passes. Combine kernels do not exist yet.
+kernels are not wired into ``Buffer`` until this passes. The combine is checked on the dispatch's own
+handle, with integer-valued rows, weights and biases (exact in float32, whatever the summation order).
 """
 
 from __future__ import annotations
@@ -102,3 +103,27 @@ def test_dispatch_matches_reference(env, n):
     stream.synchronize()
     env["engine"].check_errors()
     np.testing.assert_array_equal(cupy.asnumpy(again), cupy.asnumpy(recv_x))
+
+    _check_combine(env, rng, recv_x, recv_w, handle, want, n, stream)
+
+
+def _check_combine(env, rng, recv_x, recv_w, handle, want, n, stream):
+    import cupy
+    import ml_dtypes
+
+    from deepep_cupy.ops.internode_plans import CombinePlan
+    from deepep_cupy.reference import internode as ref
+
+    hidden = env["hidden"]
+    biases = [rng.integers(-4, 4, size=(n, hidden)).astype(np.float32).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    rows = cupy.asnumpy(recv_x).view(ml_dtypes.bfloat16)
+    expect_x, expect_w = ref.combine(env["group"], rows, want[5], topk_weights=cupy.asnumpy(recv_w),
+                                     bias_0=biases[0], bias_1=biases[1])
+    dev_biases = [cupy.asarray(b.view(np.uint16)) for b in biases]
+    plan = CombinePlan(env["engine"], recv_x, handle, topk_weights=recv_w, config=env["cfg"])
+    for _ in range(2):  # twice: the progress counters carry over from one op to the next
+        got_x, got_w = plan.run(recv_x, handle, recv_w, dev_biases[0], dev_biases[1], stream)
+        stream.synchronize()
+        env["engine"].check_errors()
+        np.testing.assert_array_equal(cupy.asnumpy(got_x).view(ml_dtypes.bfloat16), expect_x)
+        np.testing.assert_array_equal(cupy.asnumpy(got_w), expect_w)
