@@ -66,10 +66,6 @@ class TorchFrame:
         bases = {I32: words, F32: words.view(self._f32), I64: words.view(self._i64)}
         return [bases[dtype].as_strided(shape, strides, offset) for shape, dtype, strides, offset in layout.parts]
 
-    @staticmethod
-    def numel(t) -> int:
-        return t.numel()
-
 
 class CupyFrame:
     """CuPy arrays on one CUDA device. BF16/FP8 outputs carry ``ml_dtypes`` dtypes when this CuPy can hold
@@ -115,10 +111,6 @@ class CupyFrame:
         axes = list(range(t.ndim))
         axes[-1], axes[-2] = axes[-2], axes[-1]
         return t.transpose(axes)
-
-    @staticmethod
-    def numel(t) -> int:
-        return t.size
 
 
 _STORAGE_TYPESTR = {BF16: "<i2", FP8: "|u1", I32: "<i4", I64: "<i8", F32: "<f4", U8: "|u1", U16: "<i2"}

@@ -12,8 +12,17 @@ import numpy as np
 
 from ..runtime.launch import LaunchPlan
 from . import internode_layout as IL
-from .internode import (NOTIFY_THREADS, block_threads, combine_args, combine_block_threads, combine_spec,
-                        dispatch_args, dispatch_spec, notify_args, notify_spec)
+from .internode import (
+    NOTIFY_THREADS,
+    block_threads,
+    combine_args,
+    combine_block_threads,
+    combine_spec,
+    dispatch_args,
+    dispatch_spec,
+    notify_args,
+    notify_spec,
+)
 from .intranode_plans import _launch_args, _scale_strides
 from .kernel_names import internode_combine, internode_dispatch, internode_notify
 

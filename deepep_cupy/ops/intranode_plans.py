@@ -12,8 +12,10 @@ import numpy as np
 
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
+from ..plan_cache import config_key, handle_meta, lookup, store
 from ..runtime.launch import LaunchPlan
 from ..runtime.streams import OpStreams
+from ..tensors import frame_for, meta
 from . import intranode_layout as L
 from .intranode import (
     NOTIFY_THREADS,
@@ -309,10 +311,6 @@ def _tuning(engine) -> tuple:
     return tuple(getattr(engine, name) for name in engine.TUNING)
 
 
-def _config_tuple(config) -> tuple:
-    return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
-
-
 def direct_dispatch(engine, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                     topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, stream):
     """One dispatch on CuPy arrays on the CuPy ``stream``, without a ``Buffer`` (benchmarks sweep the
@@ -320,20 +318,17 @@ def direct_dispatch(engine, x, x_scales, *, handle, num_tokens_per_rank, is_toke
 
     Returns ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, counts_list, handle)``.
     """
-    from ..tensors import frame_for, meta
-
-    handle_key = None if handle is None else tuple(meta(h) for h in handle)
-    key = ("dispatch", meta(x), meta(x_scales), handle_key, meta(is_token_in_rank), meta(num_tokens_per_expert),
-           meta(topk_idx), meta(topk_weights), expert_alignment, num_worst_tokens, _config_tuple(config),
-           _tuning(engine), stream.ptr)
+    key = ("dispatch", meta(x), meta(x_scales), handle_meta(handle), meta(is_token_in_rank),
+           meta(num_tokens_per_expert), meta(topk_idx), meta(topk_weights), expert_alignment, num_worst_tokens,
+           config_key(config), _tuning(engine), stream.ptr)
     plans = engine.__dict__.setdefault("direct_plans", {})
-    plan = plans.get(key)
+    plan = lookup(plans, key)
     if plan is None:
-        plan = plans[key] = DispatchPlan(
+        plan = store(plans, key, DispatchPlan(
             engine, frame_for("cupy", engine.device_id), x, x_scales, handle=handle,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, config=config,
-            comm_stream=stream.ptr, async_finish=False)
+            comm_stream=stream.ptr, async_finish=False))
     with stream:
         recv, recv_topk_idx, recv_topk_weights, counts, new_handle, _ = plan.run(
             x, x_scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -347,16 +342,14 @@ def direct_combine(engine, x, handle, *, topk_weights, bias_0, bias_1, config, s
 
     Returns ``(combined_x, combined_topk_weights or None)``.
     """
-    from ..tensors import frame_for, meta
-
-    key = ("combine", meta(x), tuple(meta(h) for h in handle), meta(topk_weights), meta(bias_0), meta(bias_1),
-           _config_tuple(config), _tuning(engine), stream.ptr)
+    key = ("combine", meta(x), handle_meta(handle), meta(topk_weights), meta(bias_0), meta(bias_1),
+           config_key(config), _tuning(engine), stream.ptr)
     plans = engine.__dict__.setdefault("direct_plans", {})
-    plan = plans.get(key)
+    plan = lookup(plans, key)
     if plan is None:
-        plan = plans[key] = CombinePlan(engine, frame_for("cupy", engine.device_id), x, handle,
-                                        topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
-                                        comm_stream=stream.ptr, async_finish=False)
+        plan = store(plans, key, CombinePlan(engine, frame_for("cupy", engine.device_id), x, handle,
+                                             topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
+                                             comm_stream=stream.ptr, async_finish=False))
     with stream:
         combined, combined_w, _ = plan.run(x, handle, topk_weights, bias_0, bias_1)
     return combined, combined_w

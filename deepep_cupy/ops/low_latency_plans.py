@@ -55,8 +55,7 @@ class _Plan:
         another layout was used since), and choose the stream: the caller's, or the communication stream
         after it with ``async_finish``."""
         engine = self.engine
-        if engine.errors.flag_word():
-            engine.check_errors()
+        engine.check_errors()  # a load of the host-mapped flag word unless something was recorded
         if engine.layout is not self.layout:
             engine.use_layout(self.layout)
         compute = self.frame.stream()

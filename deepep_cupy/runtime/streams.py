@@ -62,13 +62,6 @@ class DeviceEvent:
     def synchronize(self) -> None:
         _rt().eventSynchronize(self.handle)
 
-    def query(self) -> bool:
-        try:
-            _rt().eventQuery(self.handle)
-            return True
-        except Exception:
-            return False
-
     def __del__(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None
         if handle:

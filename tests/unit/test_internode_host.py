@@ -58,7 +58,7 @@ def test_rdma_regions_disjoint(lsize, ndom, channels, cap):
     assert metas == sorted(metas) and metas[-1] + lay.meta_ints * 4 <= lay.ring_offset
     assert lay.ring_offset % 128 == 0
     slots = [lay.slot_start(h, i, k) for h in (0, 1) for i in range(channels * ndom) for k in range(cap)]
-    assert all(b - a == lay.slot.slot_bytes for a, b in zip(slots, slots[1:]))
+    assert all(b - a == lay.slot.slot_bytes for a, b in zip(slots, slots[1:], strict=False))
     assert slots[-1] + lay.slot.slot_bytes == lay.end
     assert lay.slot_start(1, 0, cap) == lay.slot_start(1, 0, 0)  # ring index wraps
 
