@@ -10,6 +10,7 @@ same order with the same shapes (data differs per rank).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
@@ -116,15 +117,11 @@ def hint(t, h, e):
 
 
 # ------------------------------------------------------------------------------------------- fixture
-def ll_env(*, with_buffer: bool = True):
-    """Body of a test module's ``env`` fixture (``yield from ll_env()``): binds this rank's GPU, sets the
-    kernels' wait budget, and with ``with_buffer`` creates the low-latency Buffer sized for every shape
-    used here plus the reference backend; destroys the Buffer and restores the budget at the end."""
+@contextlib.contextmanager
+def bound_rank():
+    """This rank's GPU bound (CuPy and, when it has CUDA, torch) and the kernels' wait budget set to the
+    suite's; yields ``(rank, size, device)``, then restores the budget. Shared by the fixtures below."""
     import cupy
-
-    import deepep_cupy
-    from deepep_cupy.reference.backend import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
 
     saved_timeout = os.environ.get("DEEPEP_CUPY_TIMEOUT_S")
     os.environ["DEEPEP_CUPY_TIMEOUT_S"] = TEST_TIMEOUT_S
@@ -135,25 +132,39 @@ def ll_env(*, with_buffer: bool = True):
         import torch
 
         torch.cuda.set_device(dev)
-    state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy, "buf": None, "ref": None}
-    if with_buffer:
-        # The largest buffer first: NVSHMEM sizes its symmetric heap from the first request.
-        num_bytes = max(hint(T_BIG, H_BIG, E_BIG), hint(T_BIG, 4096, 32), hint(T_SMALL, H_SMALL, E_SMALL))
-        state["buf"] = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=num_bytes, low_latency_mode=True,
-                                          num_qps_per_rank=E_BIG // size, explicitly_destroy=True)
-        state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True,
-                                        enable_shrink=False)
     try:
-        yield state
+        yield rank, size, dev
     finally:
-        sync()
-        COMM.Barrier()
-        if state["buf"] is not None:
-            state["buf"].destroy()
         if saved_timeout is None:
             os.environ.pop("DEEPEP_CUPY_TIMEOUT_S", None)
         else:
             os.environ["DEEPEP_CUPY_TIMEOUT_S"] = saved_timeout
+
+
+def ll_env(*, with_buffer: bool = True):
+    """Body of a test module's ``env`` fixture (``yield from ll_env()``): binds this rank's GPU, sets the
+    kernels' wait budget, and with ``with_buffer`` creates the low-latency Buffer sized for every shape
+    used here plus the reference backend; destroys the Buffer and restores the budget at the end."""
+    import deepep_cupy
+    from deepep_cupy.reference.backend import ReferenceBackend
+    from deepep_cupy.runtime.group import MPIGroup
+
+    with bound_rank() as (rank, size, dev):
+        state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy, "buf": None, "ref": None}
+        if with_buffer:
+            # The largest buffer first: NVSHMEM sizes its symmetric heap from the first request.
+            num_bytes = max(hint(T_BIG, H_BIG, E_BIG), hint(T_BIG, 4096, 32), hint(T_SMALL, H_SMALL, E_SMALL))
+            state["buf"] = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=num_bytes, low_latency_mode=True,
+                                              num_qps_per_rank=E_BIG // size, explicitly_destroy=True)
+            state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True,
+                                            enable_shrink=False)
+        try:
+            yield state
+        finally:
+            sync()
+            COMM.Barrier()
+            if state["buf"] is not None:
+                state["buf"].destroy()
 
 
 # ------------------------------------------------------------------------------------------- one round
@@ -326,31 +337,17 @@ def kernel_error(env) -> list[str]:
 def public_env():
     """Body of a module fixture: binds this rank's GPU (CuPy and, when it has CUDA, torch), sets the
     kernels' wait budget, and makes the reference Buffer; destroys it and restores the budget at the end."""
-    import cupy
-
     import deepep_cupy
 
-    saved_timeout = os.environ.get("DEEPEP_CUPY_TIMEOUT_S")
-    os.environ["DEEPEP_CUPY_TIMEOUT_S"] = TEST_TIMEOUT_S
-    rank, size = COMM.Get_rank(), COMM.Get_size()
-    dev = rank % gpu_count()
-    cupy.cuda.Device(dev).use()
-    if "torch" in FRAMEWORKS:
-        import torch
-
-        torch.cuda.set_device(dev)
-    ref = deepep_cupy.Buffer(comm=COMM, low_latency_mode=True, explicitly_destroy=True, backend="reference")
-    state = {"rank": rank, "size": size, "dev": dev, "ref": ref}
-    try:
-        yield state
-    finally:
-        sync()
-        COMM.Barrier()
-        ref.destroy()
-        if saved_timeout is None:
-            os.environ.pop("DEEPEP_CUPY_TIMEOUT_S", None)
-        else:
-            os.environ["DEEPEP_CUPY_TIMEOUT_S"] = saved_timeout
+    with bound_rank() as (rank, size, dev):
+        ref = deepep_cupy.Buffer(comm=COMM, low_latency_mode=True, explicitly_destroy=True, backend="reference")
+        state = {"rank": rank, "size": size, "dev": dev, "ref": ref}
+        try:
+            yield state
+        finally:
+            sync()
+            COMM.Barrier()
+            ref.destroy()
 
 
 def ll_buffer(shapes):
