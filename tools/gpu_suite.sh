@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
 #   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode
-#       tests-low-latency tests-graphs tests-pressure startup host bench
+#       tests-low-latency tests-graphs tests-pressure tests-internode startup host bench
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
 set -uo pipefail
@@ -61,6 +61,12 @@ stage_tests-low-latency() {
     run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
 }
 stage_tests-graphs() { run_tests tests-graphs "tests/gpu/test_torch_graphs.py tests/gpu/test_torch_graphs_intranode.py" 300; }
+stage_tests-internode() {  # every GPU its own domain: all traffic crosses NVSHMEM
+    export DEEPEP_CUPY_NVL_RANKS=${NVL_RANKS:-1}
+    local saved=("${MPIRUN[@]}"); MPIRUN+=(-x DEEPEP_CUPY_NVL_RANKS)
+    run_tests tests-internode tests/gpu/test_internode.py ${IN_TIMEOUT:-240}
+    MPIRUN=("${saved[@]}"); unset DEEPEP_CUPY_NVL_RANKS
+}
 stage_tests-pressure() { run_tests tests-pressure tests/gpu/test_pressure.py 300; }
 
 stage_startup() {

@@ -175,11 +175,15 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         if (!ok) break;
         uint8_t* out = g.rdma_slot(0, i, k);
+        // Every lane learns every position here: the loops below leave lanes idle, so no shuffle inside.
+        int ps[L];
+#pragma unroll
+        for (int j = 0; j < L; ++j) ps[j] = __shfl_sync(kFullMask, pos, j);
         for (int e = lane; e < a.hidden_int4; e += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < L; ++j) {
-                const int p = __shfl_sync(kFullMask, pos, j);
+                const int p = ps[j];
                 if (p >= 0)
                     add_bf16x8(acc, deepep::ld_cg_v4(reinterpret_cast<const int4*>(g.nvl_slot(l_me, c, j, ds, p) + 16) + e));
             }
@@ -189,8 +193,9 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
             float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
+#pragma unroll
                 for (int j = 0; j < L; ++j) {
-                    const int p = __shfl_sync(kFullMask, pos, j);
+                    const int p = ps[j];
                     if (p >= 0)
                         sum += deepep::ld_cg_f32(
                             reinterpret_cast<const float*>(g.nvl_slot(l_me, c, j, ds, p) + a.slot_topk_weights_offset) + q);
@@ -243,13 +248,16 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
                               __LINE__, &ok);
         }
         if (!ok) break;
+        int ps[D];  // as in the forwarder: no shuffle inside the lane-strided loops
+#pragma unroll
+        for (int d = 0; d < D; ++d) ps[d] = __shfl_sync(kFullMask, pos, d);
         for (int e = lane; e < a.hidden_int4; e += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (a.bias_0 != nullptr) add_bf16x8(acc, a.bias_0[static_cast<long long>(t) * a.hidden_int4 + e]);
             if (a.bias_1 != nullptr) add_bf16x8(acc, a.bias_1[static_cast<long long>(t) * a.hidden_int4 + e]);
 #pragma unroll
             for (int d = 0; d < D; ++d) {
-                const int p = __shfl_sync(kFullMask, pos, d);
+                const int p = ps[d];
                 if (p >= 0)
                     add_bf16x8(acc, deepep::ld_cg_v4(reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, p) + 16) + e));
             }
@@ -258,8 +266,9 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
         if (a.combined_topk_weights != nullptr) {
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
+#pragma unroll
                 for (int d = 0; d < D; ++d) {
-                    const int p = __shfl_sync(kFullMask, pos, d);
+                    const int p = ps[d];
                     if (p >= 0)
                         sum += deepep::ld_cg_f32(
                             reinterpret_cast<const float*>(g.rdma_slot(1, c * D + d, p) + a.slot_topk_weights_offset) + q);
