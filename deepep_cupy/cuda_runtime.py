@@ -33,12 +33,14 @@ class CudaRuntime:
         cupy.cuda.Device(self.device_id).use()
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self.intranode = None
+        self.internode = None
         self.low_latency = None
         self._layout_errors = None
         self._agreed: set = set()
         self.pending_agreements: list = []
+        self.spans_domains = num_nvl_ranks < self.num_ranks
         try:
-            if num_nvl_bytes > 0:
+            if num_nvl_bytes > 0 and not self.spans_domains:
                 from .ops.intranode import IntranodeEngine
 
                 self.intranode = IntranodeEngine(group, self.device_id, num_nvl_bytes, use_fabric=use_fabric)
@@ -49,6 +51,12 @@ class CudaRuntime:
                 self.low_latency = LowLatencyEngine(group, self.device_id, num_rdma_bytes,
                                                     allow_nvlink=allow_nvlink, num_qps_per_rank=num_qps_per_rank,
                                                     allow_mnnvl=allow_mnnvl, enable_shrink=enable_shrink)
+            if self.spans_domains and num_nvl_bytes > 0 and num_rdma_bytes > 0:
+                from .ops.internode import InternodeEngine
+
+                # One NVSHMEM buffer for both modes, as DeepEP's (the low-latency engine made it).
+                self.internode = InternodeEngine(group, self.device_id, num_nvl_ranks, num_nvl_bytes, num_rdma_bytes,
+                                                 rdma=self.low_latency.symmetric_buffer)
         except BaseException:
             self.release_local()
             raise
@@ -61,13 +69,17 @@ class CudaRuntime:
         if self.plans_invalidated is not None:
             self.plans_invalidated()
     def require_internode(self, op: str) -> None:
-        raise NotImplementedError(
-            f"{op}: the GPU backend runs one NVLink domain per group; this group spans "
-            f"{self.num_ranks // self.num_nvl_ranks} domains. Use backend='reference' or a group within one domain.")
+        if self.spans_domains and self.internode is None:
+            raise RuntimeError(f"{op}: this Buffer spans {self.num_ranks // self.num_nvl_ranks} NVLink domains and "
+                               "has no internode buffers: create it with num_nvl_bytes > 0 and num_rdma_bytes > 0 "
+                               "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
 
     def _engine(self, name: str):
         engine = getattr(self, name)
         if engine is None:
+            if name == "intranode" and self.spans_domains:
+                self.require_internode("dispatch")
+                return self.internode
             need = "num_nvl_bytes > 0" if name == "intranode" else "low_latency_mode=True and num_rdma_bytes > 0"
             raise RuntimeError(f"this Buffer has no {name} buffer: create it with {need}")
         return engine
@@ -170,9 +182,11 @@ class CudaRuntime:
 
     def plan_dispatch(self, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
                       expert_alignment, num_worst_tokens, config, async_finish, allocate_on_comm_stream):
-        from .ops.intranode_plans import DispatchPlan
-
         engine = self._engine("intranode")
+        if self.spans_domains:
+            from .ops.internode_plans import DispatchPlan
+        else:
+            from .ops.intranode_plans import DispatchPlan
         plan = DispatchPlan(engine, self.frame(x), x, x_scales, handle=handle,
                             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                             topk_weights=topk_weights, expert_alignment=expert_alignment,
@@ -184,9 +198,11 @@ class CudaRuntime:
 
     def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, async_finish,
                      allocate_on_comm_stream):
-        from .ops.intranode_plans import CombinePlan
-
         engine = self._engine("intranode")
+        if self.spans_domains:
+            from .ops.internode_plans import CombinePlan
+        else:
+            from .ops.intranode_plans import CombinePlan
         plan = CombinePlan(engine, self.frame(x), x, handle, topk_weights=topk_weights, bias_0=bias_0,
                            bias_1=bias_1, config=config, comm_stream=self.comm_stream.ptr, async_finish=async_finish)
         self.agree("combine", hidden=int(x.shape[1]), num_topk=plan.num_topk, num_channels=plan.num_channels,
@@ -254,7 +270,10 @@ class CudaRuntime:
         """A barrier (no peer may still write into this rank's buffers), then the release. The barrier waits at
         most ``DEEPEP_CUPY_TIMEOUT_S``; when a rank does not come (dead, or masked and gone) the buffers that
         need no peer are released, the NVSHMEM memory stays allocated (its free is collective and would never
-        return), and the barrier's ``DeepEPTimeoutError`` names the missing ranks."""
+        return), and the barrier's ``DeepEPTimeoutError`` names the missing ranks; NVSHMEM then remembers them
+        as lost (``runtime/nvshmem.py``), so that neither a later free nor the interpreter's exit waits for them."""
+        from .errors import DeepEPTimeoutError
+
         everyone = False
         try:
             if isinstance(self.group, CommGroup):
@@ -262,10 +281,20 @@ class CudaRuntime:
             else:
                 self.group.barrier()
             everyone = True
+        except DeepEPTimeoutError as exc:
+            # Ranks that did not come may never make another NVSHMEM call: from now on this process makes no
+            # collective NVSHMEM call (free, finalize at exit), which would wait for them forever.
+            from .runtime import nvshmem
+
+            nvshmem.mark_peers_lost(self.group, getattr(exc, "missing", None))
+            raise
         finally:
             try:
                 if not everyone:
+                    # Freeing NVSHMEM memory is collective: with a rank missing it would never return.
                     self.low_latency = None
+                    if self.internode is not None:
+                        self.internode.forget_symmetric_memory()
                 self.release_local()
             finally:
                 close = getattr(self.group, "close", None)
@@ -273,7 +302,7 @@ class CudaRuntime:
                     close()
 
     def release_local(self):
-        for name in ("intranode", "low_latency"):
+        for name in ("intranode", "internode", "low_latency"):  # internode before the memory it shares
             engine = getattr(self, name, None)
             if engine is not None:
                 setattr(self, name, None)

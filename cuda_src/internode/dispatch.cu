@@ -37,7 +37,7 @@ struct DispatchArgs {
     int* recv_src_meta;   // entry 7 out [rows][2]
     int* send_rdma_head;  // entry 8 out [N, D]
     int* send_nvl_head;   // entry 9 out [F, L]
-    int num_out_rows;
+    int num_out_rows, num_nvl_head_rows;  // rows of recv_x (and the row outputs), of send_nvl_head
     uint8_t* rdma;
     long long ring_offset;
     Slot slot;
@@ -199,7 +199,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
                          recv_gbl_rank_prefix_sum, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
                          recv_rdma_channel_prefix_matrix, recv_gbl_channel_prefix_matrix, recv_src_meta,
-                         send_rdma_head, send_nvl_head, num_out_rows, rdma, ring_offset,
+                         send_rdma_head, send_nvl_head, num_out_rows, num_nvl_head_rows, rdma, ring_offset,
                          Slot{slot_bytes, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset},
                          rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
                          num_channels, state, err, rank};
@@ -207,7 +207,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     if (blockIdx.x % 2 == 0) {
         if (warp < D) send_rdma<L, D>(a, w, c, warp, lane);
     } else {
-        forward_and_receive<L, D>(a, w, c, warp, lane, num_nvl_head_rows);
+        forward_and_receive<L, D>(a, w, c, warp, lane);
     }
 }
 

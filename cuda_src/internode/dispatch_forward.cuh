@@ -105,7 +105,13 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                 pos = k_j++;
             }
             if (lane == 0) {
-                if (a.send_nvl_head != nullptr) a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
+                if (a.send_nvl_head != nullptr) {
+                    // With num_worst_tokens the rows are fixed: a forwarder may pass on more tokens than that.
+                    if (row0 + k < a.num_nvl_head_rows)
+                        a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
+                    else
+                        deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
+                }
                 static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
                 if ((k & 7) == 7 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
             }
@@ -193,8 +199,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
 
 // Receiver block of channel c: padding rows, then one role per warp.
 template <int L, int D>
-__device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int c, int warp, int lane,
-                                    int num_nvl_head_rows) {
+__device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int c, int warp, int lane) {
     __shared__ ForwardShared<L, D> sh;
     const State st{a.state};
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -216,7 +221,7 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
     }
     if (a.send_nvl_head != nullptr) {
         const long long forwarded = a.recv_rdma_prefix[D - 1];
-        for (long long k = forwarded * L + first; k < static_cast<long long>(num_nvl_head_rows) * L; k += stride)
+        for (long long k = forwarded * L + first; k < static_cast<long long>(a.num_nvl_head_rows) * L; k += stride)
             a.send_nvl_head[k] = -1;
     }
     __syncthreads();

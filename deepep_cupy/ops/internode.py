@@ -2,11 +2,10 @@
 
 Kernels (``cuda_src/internode/``, design in ``docs/internode_design.md``): ``notify<L, D>`` (counts across
 domains, handle entries 1, 2, 4, 6), ``dispatch<L, D>`` (rows over RDMA to the forwarders, over NVLink
-to the destinations; entries 3, 5, 7, 8, 9). ``L`` ranks per domain and ``D`` domains are template
-parameters; the rest are arguments. Offsets come from :mod:`.internode_layout`.
-
-Not wired into ``Buffer``: the GPU backend keeps refusing groups of several domains until a GPU run
-has checked these kernels (``tests/gpu/test_internode.py`` drives the engine directly).
+to the destinations; entries 3, 5, 7, 8, 9) and ``combine<L, D>`` (sums inside the domain over NVLink,
+partial sums over RDMA, sum across domains at the source). ``L`` ranks per domain and ``D`` domains are
+template parameters, instantiated on first use; the rest are arguments. Offsets come from
+:mod:`.internode_layout`; launch plans from :mod:`.internode_plans`.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from ..jit import BuildSpec, load
 from ..runtime.kernel_errors import timeout_seconds
 from . import internode_layout as IL
 from . import kernel_names
+from .engine_health import EngineHealth
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
@@ -222,16 +222,22 @@ def group_slice(values: list, first: int, size: int) -> list:
     return list(values[first:first + size])
 
 
-class InternodeEngine:
+class InternodeEngine(EngineHealth):
     """RDMA buffer, signal words, NVLink buffer and persistent counters of one rank (collective to create).
 
     Arguments:
-        group: all ranks (``rank``, ``size``, ``allgather_object``, ``barrier``, ``bcast_object``).
+        group: all ranks (``rank``, ``size``, ``allgather_object``, ``barrier``).
         num_nvl_ranks: ranks per NVLink domain (``L``); ``D = size // L`` must be at least 2.
         num_nvl_bytes, num_rdma_bytes: buffer sizes per rank.
+        rdma: an existing symmetric allocation of at least ``num_rdma_bytes`` to use as the RDMA buffer (the
+            low-latency engine's: the two modes share it, as in DeepEP, so a low-latency op after internode
+            ops needs ``clean_low_latency_buffer`` first); None allocates one.
     """
 
-    def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+    kind, op_names, overflow_op = "internode", OP_NAMES, OP_DISPATCH_OVERFLOW
+
+    def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
+                 rdma=None) -> None:
         import cupy
 
         from ..runtime import nvshmem as nvshmem_runtime
@@ -245,20 +251,33 @@ class InternodeEngine:
         _check_shape(self.num_nvl_ranks, self.num_domains)
         self.device_id = int(device_id)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+        if self.num_nvl_bytes <= 0 or self.num_rdma_bytes <= 0:
+            raise ValueError("internode ops need num_nvl_bytes > 0 and num_rdma_bytes > 0 "
+                             "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
         self.timeout_s = timeout_seconds()
         self.signals = IL.signal_layout(self.num_nvl_ranks, self.num_domains)
-        with cupy.cuda.Device(self.device_id):
-            self._rdma = nvshmem_runtime.acquire(group, self.device_id, self.num_rdma_bytes)
-            self._sig = nvshmem_runtime.acquire(group, self.device_id, self.signals.end)
-            self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id, self.num_nvl_bytes)
-            self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
-            self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
-            self._rdma.array.fill(0)
-            self._sig.array.fill(0)
-            cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
-            self.errors = KernelErrorRecord()
-            cupy.cuda.Device(self.device_id).synchronize()
-        group.barrier()
+        self._own_rdma = rdma is None
+        self._rdma = self._sig = self.nvl = None
+        try:
+            with cupy.cuda.Device(self.device_id):
+                if rdma is None:
+                    rdma = nvshmem_runtime.acquire(group, self.device_id, self.num_rdma_bytes)
+                elif rdma.nbytes < self.num_rdma_bytes:
+                    raise ValueError(f"the shared RDMA buffer has {rdma.nbytes} bytes, {self.num_rdma_bytes} needed")
+                self._rdma = rdma
+                self._sig = nvshmem_runtime.acquire(group, self.device_id, self.signals.end)
+                self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id, self.num_nvl_bytes)
+                self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
+                self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
+                self._sig.array.fill(0)
+                cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
+                self.errors = KernelErrorRecord()
+                cupy.cuda.Device(self.device_id).synchronize()
+            # Nobody may signal a peer before the peer has cleared its words.
+            group.barrier()
+        except BaseException:
+            self.destroy()
+            raise
         self.geometry = None
 
     @property
@@ -287,23 +306,32 @@ class InternodeEngine:
             self.group.barrier()
         self.geometry = key
 
-    def check_errors(self) -> None:
-        import cupy
+    def local_buffer_view(self) -> tuple[int, int]:
+        """``(pointer, bytes)`` of this rank's NVLink buffer."""
+        self._require_alive()
+        return self.nvl.local_ptr, self.num_nvl_bytes
 
-        cupy.cuda.Device(self.device_id).synchronize()
-        if self.errors.flag_word():
-            self.errors.check(OP_NAMES)
+    def forget_symmetric_memory(self) -> None:
+        """Drop the NVSHMEM allocations without freeing them (the free is collective; used when a rank is gone)."""
+        self._sig = self._rdma = None
 
     def destroy(self) -> None:
+        """Wait for this device's work, then release the signal words, the NVLink buffer and (when this
+        engine made it) the RDMA buffer. Idempotent."""
         import cupy
 
+        if self._destroyed:
+            return
+        self._destroyed = True
         with cupy.cuda.Device(self.device_id):
-            cupy.cuda.Device(self.device_id).synchronize()
-            for name in ("_sig", "_rdma"):
-                alloc = getattr(self, name, None)
-                if alloc is not None:
-                    alloc.free()
+            try:
+                cupy.cuda.Device(self.device_id).synchronize()
+            finally:
+                for name, owned in (("_sig", True), ("_rdma", self._own_rdma)):
+                    alloc = getattr(self, name, None)
                     setattr(self, name, None)
-            if getattr(self, "nvl", None) is not None:
-                self.nvl.close()
-                self.nvl = None
+                    if alloc is not None and owned:
+                        alloc.free()
+                if getattr(self, "nvl", None) is not None:
+                    self.nvl.close()
+                    self.nvl = None

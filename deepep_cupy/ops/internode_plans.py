@@ -1,16 +1,21 @@
-"""Launch plans of the internode dispatch and combine (CuPy arrays, on one stream; no ``Buffer`` yet).
+"""Launch plans of the internode dispatch and combine (several NVLink domains).
 
-A :class:`DispatchPlan` fixes, for one set of shapes and one config, the kernels, the layouts and the
-argument blocks; :meth:`DispatchPlan.run` allocates the outputs, patches pointers and launches. A
-dispatch without handle and without ``num_worst_tokens`` waits for the notify counts (as DeepEP).
-Returns DeepEP V1's 10-entry handle (``reference/internode.py``).
+As the intranode plans: a plan fixes, for one (framework, shapes, dtypes, config, flags), the kernels,
+the layouts and the argument blocks; a call allocates its outputs in the caller's framework, patches
+pointers and launches on the communication stream. A dispatch without handle and without
+``num_worst_tokens`` waits for the notify counts (as DeepEP's). Returns DeepEP V1's 10-entry handle
+(``reference/internode.py``). Padding rows of ``recv_x`` (``num_worst_tokens``) are left as allocated, as
+DeepEP's; the index outputs are padded with -1 / 0.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..event import EventOverlap
+from ..interop import BF16, F32, FP8, I32, I64
 from ..runtime.launch import LaunchPlan
+from ..tensors import U8
 from . import internode_layout as IL
 from .internode import (
     NOTIFY_THREADS,
@@ -23,39 +28,59 @@ from .internode import (
     notify_args,
     notify_spec,
 )
-from .intranode_plans import _launch_args, _scale_strides
+from .intranode_plans import _launch_args, _Plan, _scale_strides
 from .kernel_names import internode_combine, internode_dispatch, internode_notify
 
 __all__ = ["DispatchPlan", "CombinePlan", "check_sizes"]
+
+_MEMCPY_D2H = 2
 
 
 def check_sizes(engine, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
     """The layouts must fit the buffers the engine was created with."""
     if rdma.end > engine.num_rdma_bytes:
         raise ValueError(f"internode ops need {rdma.end} bytes of RDMA buffer for this config and hidden size, "
-                         f"the engine has {engine.num_rdma_bytes} (Config.get_rdma_buffer_size_hint)")
+                         f"the Buffer has num_rdma_bytes={engine.num_rdma_bytes} (Config.get_rdma_buffer_size_hint)")
     if nvl.end > engine.num_nvl_bytes:
         raise ValueError(f"internode ops need {nvl.end} bytes of NVLink buffer for this config and hidden size, "
-                         f"the engine has {engine.num_nvl_bytes} (Config.get_nvl_buffer_size_hint)")
+                         f"the Buffer has num_nvl_bytes={engine.num_nvl_bytes} (Config.get_nvl_buffer_size_hint)")
 
 
-class DispatchPlan:
-    """Internode dispatch for one (shapes, config, cached or not)."""
+def _check_grid(engine, num_channels: int) -> None:
+    """Senders, forwarders and receivers wait for each other: all ``2 * C`` blocks must be resident."""
+    import cupy
 
-    def __init__(self, engine, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
-                 expert_alignment, num_worst_tokens, config) -> None:
+    sms = int(cupy.cuda.Device(engine.device_id).attributes["MultiProcessorCount"])
+    if 2 * num_channels > sms:
+        raise ValueError(f"{num_channels} channels need {2 * num_channels} SMs, but the GPU has {sms}; "
+                         "lower config.num_sms")
+    if num_channels > IL.MAX_CHANNELS:
+        raise ValueError(f"internode ops support at most {IL.MAX_CHANNELS} channels, got {num_channels}")
+
+
+class DispatchPlan(_Plan):
+    """Internode ``dispatch`` (with or without a cached handle) for one set of shapes and flags."""
+
+    def __init__(self, engine, frame, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
+                 expert_alignment, num_worst_tokens, config, comm_stream: int, async_finish: bool) -> None:
+        super().__init__(engine, frame, comm_stream, async_finish)
+        engine._check_usable()
         L, D, me = engine.num_nvl_ranks, engine.num_domains, engine.rank
         R = L * D
-        self.engine = engine
         self.num_tokens, self.hidden = (int(s) for s in x.shape)
-        hidden_bytes = self.hidden * (1 if x_scales is not None else 2)
-        if hidden_bytes % 16:
-            raise ValueError(f"a token row must be a multiple of 16 bytes, got {hidden_bytes}")
+        self.hidden_bytes = hidden_bytes = self.hidden * (1 if x_scales is not None else 2)
+        if hidden_bytes == 0 or hidden_bytes % 16:
+            raise ValueError(f"a token row must be a multiple of 16 bytes (8 bf16 / 16 fp8 elements), got "
+                             f"{hidden_bytes}")
+        self.x_key = FP8 if x_scales is not None else BF16
         self.num_scales, s_tok, s_blk = 0, 0, 0
+        self.scales_shape = None
         if x_scales is not None:
             self.num_scales, s_tok, s_blk = _scale_strides(x_scales, self.num_tokens)
+            self.scales_shape = tuple(x_scales.shape[1:])
         self.cached = handle is not None
-        self.num_channels = int(handle[1].shape[1]) if self.cached else max(int(config.num_sms) // 2, 1)
+        self.num_channels = (int(handle[1].shape[1]) if self.cached else max(int(config.num_sms) // 2, 1))
+        _check_grid(engine, self.num_channels)
         self.num_topk = int(topk_idx.shape[1]) if (topk_idx is not None and not self.cached) else 0
         if self.num_topk > IL.MAX_TOPK or self.num_scales > IL.MAX_SCALES:
             raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k entries and {IL.MAX_SCALES} scales")
@@ -65,13 +90,17 @@ class DispatchPlan:
         self.num_worst_tokens = int(num_worst_tokens or 0)
         slot = IL.slot_for(self.hidden)
         rdma_cap, chunk = int(config.num_max_rdma_chunked_recv_tokens), int(config.num_max_rdma_chunked_send_tokens)
+        if rdma_cap <= 0 or chunk <= 0:
+            raise ValueError("config.num_max_rdma_chunked_recv_tokens and num_max_rdma_chunked_send_tokens must be "
+                             f"positive, got {rdma_cap} and {chunk}")
         self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
         self.nvl = IL.nvl_layout(L, D, self.num_channels, int(config.num_max_nvl_chunked_recv_tokens), slot,
                                  self.num_local_experts)
         check_sizes(engine, self.rdma, self.nvl)
+        self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
-        self.x_dtype = x.dtype
         self.has_weights = topk_weights is not None and not self.cached
+        # A cached dispatch returns as many rows as the handle's entry 7 (num_worst_tokens padding included).
         self.num_rows = int(handle[7].shape[0]) if self.cached else self.num_worst_tokens
         kernel = engine.kernel(dispatch_spec(L, D), internode_dispatch(L, D))
         named = dispatch_args(
@@ -85,11 +114,16 @@ class DispatchPlan:
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, block_threads(L, D), _launch_args(named))
+        self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         self.notify = None
         if not self.cached:
             import cupy
 
-            self.meta = cupy.zeros(2 + self.num_local_experts, dtype=cupy.int32)
+            with cupy.cuda.Device(engine.device_id):
+                stream = cupy.cuda.ExternalStream(comm_stream, engine.device_id)
+                self.meta = engine._meta_buffer(2 + self.num_local_experts, stream)
+                self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * (2 + self.num_local_experts)),
+                                               dtype=np.int32, count=2 + self.num_local_experts)
             notify = engine.kernel(notify_spec(L, D), internode_notify(L, D))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=self.num_tokens, num_channels=self.num_channels,
@@ -99,93 +133,114 @@ class DispatchPlan:
                 sig=engine.sig_ptr, signals=engine.signals, nvl_bases=engine.nvl_bases, nvl=self.nvl,
                 state=engine.state, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
             self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, _launch_args(named))
+            self.notify_slots = tuple(self.notify.slot(n) for n in (
+                "is_token_in_rank", "num_tokens_per_expert", "rdma_channel_prefix_matrix",
+                "gbl_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_rank_prefix_sum"))
 
-    def run(self, x, x_scales, handle, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, stream):
-        """One dispatch on the CuPy ``stream``. Returns ``(recv_x, recv_x_scales, recv_topk_idx,
-        recv_topk_weights, num_recv_tokens_per_expert_list, handle)``."""
-        import cupy
-
-        engine = self.engine
+    def run(self, x, x_scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+            topk_weights, previous_event=None):
+        streams = self._begin(previous_event)
+        engine, frame = self.engine, self.frame
+        engine.use_geometry(self.geometry)
+        ptr, empty = frame.ptr, frame.empty
         L, D = engine.num_nvl_ranks, engine.num_domains
         R, C = L * D, self.num_channels
-        engine.use_geometry(self.geometry)
-        p = self.plan.slot
+        p = self.slots
         counts = None
-        with cupy.cuda.Device(engine.device_id), stream:
-            if self.cached:
-                is_token_in_rank, rdma_cpm, gbl_cpm = handle[0], handle[1], handle[2]
-                recv_rdma_prefix, recv_gbl_prefix = handle[4], handle[6]
-                num_rows, nvl_rows = self.num_rows, 0
-            else:
-                rdma_cpm = cupy.empty((D, C), cupy.int32)
-                gbl_cpm = cupy.empty((R, C), cupy.int32)
-                recv_rdma_prefix = cupy.empty((D,), cupy.int32)
-                recv_gbl_prefix = cupy.empty((R,), cupy.int32)
-                n = self.notify.slot
-                for name, arr in (("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert),
-                                  ("rdma_channel_prefix_matrix", rdma_cpm), ("gbl_channel_prefix_matrix", gbl_cpm),
-                                  ("recv_rdma_rank_prefix_sum", recv_rdma_prefix),
-                                  ("recv_gbl_rank_prefix_sum", recv_gbl_prefix)):
-                    n(name).value = arr.data.ptr
-                self.notify.launch(stream.ptr)
-                if self.num_worst_tokens > 0:
-                    num_rows = nvl_rows = self.num_worst_tokens
-                    counts = []
-                else:
-                    host = cupy.asnumpy(self.meta, stream=stream)  # the one host wait, as DeepEP's
-                    stream.synchronize()
-                    engine.check_errors()
-                    num_rows, nvl_rows = int(host[0]), int(host[1])
-                    counts = [int(v) for v in host[2:]]
-            recv_x = cupy.empty((num_rows, self.hidden), self.x_dtype)
-            recv_scales = cupy.empty((num_rows, self.num_scales), cupy.float32) if x_scales is not None else None
-            outs = {"x": x, "x_scales": x_scales, "is_token_in_rank": is_token_in_rank,
-                    "rdma_channel_prefix_matrix": rdma_cpm, "gbl_channel_prefix_matrix": gbl_cpm,
-                    "recv_rdma_rank_prefix_sum": recv_rdma_prefix, "recv_gbl_rank_prefix_sum": recv_gbl_prefix,
-                    "recv_x": recv_x, "recv_x_scales": recv_scales}
-            recv_topk_idx = recv_topk_weights = None
-            if not self.cached:
-                outs["recv_rdma_channel_prefix_matrix"] = recv_rdma_cpm = cupy.empty((D, C), cupy.int32)
-                outs["recv_gbl_channel_prefix_matrix"] = recv_gbl_cpm = cupy.empty((R, C), cupy.int32)
-                outs["recv_src_meta"] = src_meta = cupy.empty((num_rows, 2), cupy.int32)
-                outs["send_rdma_head"] = send_rdma_head = cupy.empty((self.num_tokens, D), cupy.int32)
-                outs["send_nvl_head"] = send_nvl_head = cupy.empty((nvl_rows, L), cupy.int32)
-                if self.num_topk:
-                    outs["topk_idx"] = topk_idx
-                    outs["recv_topk_idx"] = recv_topk_idx = cupy.empty((num_rows, self.num_topk), cupy.int64)
-                    if self.has_weights:
-                        outs["topk_weights"] = topk_weights
-                        outs["recv_topk_weights"] = recv_topk_weights = cupy.empty((num_rows, self.num_topk),
-                                                                                   cupy.float32)
-            for name, arr in outs.items():
-                p(name).value = 0 if arr is None else arr.data.ptr
-            p("num_out_rows").value = num_rows
-            p("num_nvl_head_rows").value = nvl_rows
-            self.plan.launch(stream.ptr)
         if self.cached:
-            return recv_x, recv_scales, None, None, None, handle
+            is_token_in_rank, rdma_cpm, gbl_cpm = handle[0], handle[1], handle[2]
+            recv_rdma_prefix, recv_gbl_prefix = handle[4], handle[6]
+            num_rows, nvl_rows = self.num_rows, 0
+        else:
+            rdma_cpm = empty((D, C), I32)
+            gbl_cpm = empty((R, C), I32)
+            recv_rdma_prefix = empty((D,), I32)
+            recv_gbl_prefix = empty((R,), I32)
+            for slot, arr in zip(self.notify_slots, (is_token_in_rank, num_tokens_per_expert, rdma_cpm, gbl_cpm,
+                                                     recv_rdma_prefix, recv_gbl_prefix), strict=True):
+                slot.value = ptr(arr)
+            self.notify.launch(self.comm_stream)
+            if self.num_worst_tokens > 0:
+                num_rows = nvl_rows = self.num_worst_tokens
+                counts = []
+            else:
+                num_rows, nvl_rows, counts = self._received_counts()
+        recv_x = empty((num_rows, self.hidden), self.x_key)
+        recv_scales = empty((num_rows, *self.scales_shape), F32) if x_scales is not None else None
+        outs = {"x": x, "x_scales": x_scales, "is_token_in_rank": is_token_in_rank,
+                "rdma_channel_prefix_matrix": rdma_cpm, "gbl_channel_prefix_matrix": gbl_cpm,
+                "recv_rdma_rank_prefix_sum": recv_rdma_prefix, "recv_gbl_rank_prefix_sum": recv_gbl_prefix,
+                "recv_x": recv_x, "recv_x_scales": recv_scales}
+        recv_topk_idx = recv_topk_weights = None
+        if not self.cached:
+            outs["recv_rdma_channel_prefix_matrix"] = recv_rdma_cpm = empty((D, C), I32)
+            outs["recv_gbl_channel_prefix_matrix"] = recv_gbl_cpm = empty((R, C), I32)
+            outs["recv_src_meta"] = src_meta = empty((num_rows, 8), U8)
+            outs["send_rdma_head"] = send_rdma_head = empty((self.num_tokens, D), I32)
+            outs["send_nvl_head"] = send_nvl_head = empty((nvl_rows, L), I32)
+            if self.num_topk:
+                outs["topk_idx"] = topk_idx
+                outs["recv_topk_idx"] = recv_topk_idx = empty((num_rows, self.num_topk), I64)
+                if self.has_weights:
+                    outs["topk_weights"] = topk_weights
+                    outs["recv_topk_weights"] = recv_topk_weights = empty((num_rows, self.num_topk), F32)
+        for name, arr in outs.items():
+            p[name].value = 0 if arr is None else ptr(arr)
+        p["num_out_rows"].value = num_rows
+        p["num_nvl_head_rows"].value = nvl_rows
+        self.plan.launch(self.comm_stream)
+        event = streams.finish()
+        # With async_finish the communication stream still uses these after the call returns.
+        event = EventOverlap(event, (x, x_scales, topk_idx, topk_weights, recv_x, recv_scales, handle)
+                             if event is not None else None)
+        recv = recv_x if x_scales is None else (recv_x, recv_scales)
+        if self.cached:
+            return recv, None, None, None, None, event
         new_handle = (is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
-                      recv_gbl_prefix, src_meta.view(np.uint8).reshape(-1, 8), send_rdma_head, send_nvl_head)
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, new_handle
+                      recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head)
+        return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
+
+    def _received_counts(self) -> tuple[int, int, list[int]]:
+        """The one host wait of a dispatch: rows received, rows forwarded, received tokens per expert."""
+        import cupy
+
+        host = self.host_meta
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
+        rt.streamSynchronize(self.comm_stream)
+        self.engine._raise_recorded()
+        return int(host[0]), int(host[1]), [int(v) for v in host[2:]]
 
 
-class CombinePlan:
-    """Internode combine of BF16 rows for one (shapes, config), with the handle of an internode dispatch.
+# Launch arguments fixed when the plan is made (everything else is patched per call).
+_DISPATCH_CONSTANTS = frozenset((
+    "scale_token_stride", "scale_block_stride", "num_scales", "num_topk", "num_local_experts", "num_tokens",
+    "hidden_int4", "rdma", "ring_offset", "slot_bytes", "slot_scales_offset", "slot_topk_idx_offset",
+    "slot_topk_weights_offset", "rdma_cap", "rdma_chunk", "sig", "nvl_bases", "nvl_meta_offset", "nvl_ring_offset",
+    "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank"))
+
+
+class CombinePlan(_Plan):
+    """Internode ``combine`` of BF16 rows for one set of shapes and flags, with an internode dispatch's handle.
 
     The NVLink ring of each (channel, domain rank -> forwarder) is split into one sub-ring per source
     domain (``combine.cu``), so the config's NVLink ring needs at least ``D`` slots, and its progress words
     are those of ring ``c * D + d``: ``C * D`` must not exceed ``MAX_CHANNELS``.
     """
 
-    def __init__(self, engine, x, handle, *, topk_weights, config) -> None:
+    def __init__(self, engine, frame, x, handle, *, topk_weights, bias_0, bias_1, config, comm_stream: int,
+                 async_finish: bool) -> None:
+        super().__init__(engine, frame, comm_stream, async_finish)
+        engine._check_usable()
         L, D = engine.num_nvl_ranks, engine.num_domains
-        self.engine = engine
         self.num_rows, self.hidden = (int(s) for s in x.shape)
-        if (2 * self.hidden) % 16:
-            raise ValueError(f"a BF16 row must be a multiple of 16 bytes, got {2 * self.hidden}")
+        if self.hidden == 0 or (2 * self.hidden) % 16:
+            raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {self.hidden}")
         self.num_channels = int(handle[1].shape[1])
+        _check_grid(engine, self.num_channels)
         self.num_tokens = int(handle[0].shape[0])
         self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        self.has_weights = topk_weights is not None
         if self.num_topk > IL.MAX_TOPK:
             raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k weights")
         if self.num_channels * D > IL.MAX_CHANNELS:
@@ -193,12 +248,15 @@ class CombinePlan:
                              f"{self.num_channels} x {D}")
         slot = IL.slot_for(self.hidden)
         rdma_cap, chunk = int(config.num_max_rdma_chunked_recv_tokens), int(config.num_max_rdma_chunked_send_tokens)
+        if rdma_cap <= 0:
+            raise ValueError(f"config.num_max_rdma_chunked_recv_tokens must be positive, got {rdma_cap}")
         self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
         self.nvl = IL.nvl_layout(L, D, self.num_channels, int(config.num_max_nvl_chunked_recv_tokens), slot, 0)
         if self.nvl.cap < D:
             raise ValueError(f"the internode combine needs at least {D} NVLink ring slots (one per domain), "
                              f"got {self.nvl.cap}")
         check_sizes(engine, self.rdma, self.nvl)
+        self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
         kernel = engine.kernel(combine_spec(L, D), internode_combine(L, D))
         named = combine_args(
@@ -209,25 +267,25 @@ class CombinePlan:
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, combine_block_threads(L, D), _launch_args(named))
+        self.slots = tuple(self.plan.slot(n) for n in _COMBINE_PATCHED)
 
-    def run(self, x, handle, topk_weights, bias_0, bias_1, stream):
-        """One combine on the CuPy ``stream``: ``(combined_x [N, hidden], combined_topk_weights [N, K] or
-        None)``; ``x`` holds the rows the dispatch returned (``handle[6][-1]`` of them are read)."""
-        import cupy
+    def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):
+        streams = self._begin(previous_event)
+        self.engine.use_geometry(self.geometry)
+        frame = self.frame
+        ptr = frame.ptr
+        combined = frame.empty((self.num_tokens, self.hidden), BF16)
+        combined_w = frame.empty((self.num_tokens, self.num_topk), F32) if self.has_weights else None
+        values = (x, topk_weights if self.has_weights else None, bias_0, bias_1, handle[3], handle[4], handle[5],
+                  handle[6], handle[8], handle[9], combined, combined_w)
+        for slot, arr in zip(self.slots, values, strict=True):
+            slot.value = 0 if arr is None else ptr(arr)
+        self.plan.launch(self.comm_stream)
+        event = streams.finish()
+        keep = (x, handle, topk_weights, bias_0, bias_1, combined, combined_w) if event is not None else None
+        return combined, combined_w, EventOverlap(event, keep)
 
-        engine = self.engine
-        engine.use_geometry(self.geometry)
-        p = self.plan.slot
-        with cupy.cuda.Device(engine.device_id), stream:
-            combined = cupy.empty((self.num_tokens, self.hidden), x.dtype)
-            weights = (cupy.empty((self.num_tokens, self.num_topk), cupy.float32) if topk_weights is not None
-                       else None)
-            ptrs = {"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
-                    "recv_rdma_channel_prefix_matrix": handle[3], "recv_rdma_rank_prefix_sum": handle[4],
-                    "recv_gbl_channel_prefix_matrix": handle[5], "recv_gbl_rank_prefix_sum": handle[6],
-                    "send_rdma_head": handle[8], "send_nvl_head": handle[9], "combined_x": combined,
-                    "combined_topk_weights": weights}
-            for name, arr in ptrs.items():
-                p(name).value = 0 if arr is None else arr.data.ptr
-            self.plan.launch(stream.ptr)
-        return combined, weights
+
+_COMBINE_PATCHED = ("x", "topk_weights", "bias_0", "bias_1", "recv_rdma_channel_prefix_matrix",
+                    "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum",
+                    "send_rdma_head", "send_nvl_head", "combined_x", "combined_topk_weights")

@@ -27,11 +27,11 @@ import warnings
 
 import numpy as np
 
-from ..errors import DeepEPError
 from ..jit import BuildSpec, load
 from ..runtime.kernel_errors import timeout_seconds
 from . import intranode_layout as L
 from . import kernel_names
+from .engine_health import EngineHealth
 
 __all__ = [
     "IntranodeEngine",
@@ -260,7 +260,7 @@ def required_bytes(layout: L.BufferLayout, notify_end: int = 0) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- engine
-class IntranodeEngine:
+class IntranodeEngine(EngineHealth):
     """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
 
     Arguments:
@@ -355,38 +355,7 @@ class IntranodeEngine:
         if self._destroyed or self.buffer is None:
             raise RuntimeError("this intranode buffer was destroyed")
 
-    def _raise_recorded(self) -> None:
-        info = self.errors.peek()
-        if info is None:
-            return
-        if info["op"] == OP_DISPATCH_OVERFLOW:
-            self.errors.reset()
-            self._broken = "a dispatch received more tokens than num_worst_tokens"
-            raise DeepEPError(f"dispatch: rank {info['rank']} received {info['waited_ns']} tokens, more than the "
-                              "num_worst_tokens rows of the outputs; the extra rows were dropped")
-        try:
-            self.errors.check(OP_NAMES)
-        except DeepEPError as exc:
-            self._broken = str(exc)
-            raise
-
-    def _check_usable(self) -> None:
-        self._require_alive()
-        self._raise_recorded()
-        if self._broken is not None:
-            raise DeepEPError(f"the intranode buffer is unusable after an earlier failure ({self._broken}); "
-                              "destroy the Buffer and create a new one on every rank")
-
-    def check_errors(self, stream=None) -> None:
-        """Synchronise ``stream`` (or the device) and raise any error a kernel recorded."""
-        import cupy
-
-        self._require_alive()
-        if stream is not None:
-            stream.synchronize()
-        else:
-            cupy.cuda.Device(self.device_id).synchronize()
-        self._raise_recorded()
+    kind, op_names, overflow_op = "intranode", OP_NAMES, OP_DISPATCH_OVERFLOW
 
     def _config_channels(self, config) -> int:
         num_sms = int(config.num_sms)
@@ -440,21 +409,6 @@ class IntranodeEngine:
             raise ValueError(f"{what} needs {need} bytes of NVL buffer for this config and hidden size, but the "
                              f"Buffer has num_nvl_bytes={self.num_nvl_bytes}{extra}; create the Buffer with at "
                              f"least {need} bytes or use fewer SMs / a smaller num_max_nvl_chunked_recv_tokens")
-
-    def _meta_buffer(self, size: int, stream):
-        """A persistent int32 array of at least ``size`` elements for the notify results.
-
-        Persistent (never returned to the memory pool) so that a dispatch captured in a CUDA graph keeps
-        writing to memory nobody else uses; one per size, reused by every dispatch on the engine's stream.
-        """
-        import cupy
-
-        buf = self._metas.get(size)
-        if buf is None:
-            with cupy.cuda.Device(self.device_id), stream:  # cleared in the order of the launches that use it
-                buf = cupy.zeros(size, dtype=cupy.int32)
-            self._metas[size] = buf
-        return buf
 
     def _kernel(self, spec: BuildSpec, name: str):
         return load(spec).get_function(name)

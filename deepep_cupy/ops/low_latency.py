@@ -204,6 +204,11 @@ class LowLatencyEngine:
         self.group.barrier()
 
     # ------------------------------------------------------------------ buffer state
+    @property
+    def symmetric_buffer(self):
+        """The NVSHMEM allocation (the internode engine shares it)."""
+        return self._sym
+
     def local_buffer_view(self) -> tuple[int, int]:
         """``(device pointer, bytes)`` of this rank's symmetric buffer."""
         return self._sym.ptr, self._sym.nbytes

@@ -1,129 +1,334 @@
-"""Internode dispatch kernels on GPUs against the reference backend (``reference/internode.py``).
+"""Internode dispatch and combine on GPUs (several NVLink domains), through the public ``deepep_cupy.Buffer``
+API, against the NumPy reference backend on fresh random data.
 
-Run: ``DEEPEP_CUPY_NVL_RANKS=1 mpirun -np 2 python -m pytest tests/gpu/test_internode.py`` (2 GPUs as 2
-domains of 1: every token crosses NVSHMEM). Drives ``InternodeEngine`` / ``DispatchPlan`` directly: the
-kernels are not wired into ``Buffer`` until this passes. The combine is checked on the dispatch's own
-handle, with integer-valued rows, weights and biases (exact in float32, whatever the summation order).
+Run: ``DEEPEP_CUPY_NVL_RANKS=1 mpirun -np 2 python -m pytest tests/gpu/test_internode.py`` (two GPUs as two
+domains of one: every token crosses NVSHMEM), or with 4 GPUs as 2 x 2 (``DEEPEP_CUPY_NVL_RANKS=2``), which
+also forwards over NVLink. Every test is collective: all ranks run the same tests in the same order with the
+same parameters (data differs per rank). Kernel waits use a 30 s budget, so a protocol bug shows up as
+``DeepEPTimeoutError`` instead of a hang.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 
 import numpy as np
 import pytest
-from gpu_common import COMM, MULTI_RANK_GPU
+from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
+from normal_common import check_combine, frameworks, inputs, poison, routing, skip_unless_framework_holds
 
 from deepep_cupy.runtime.device import gpu_count
 
 pytestmark = MULTI_RANK_GPU
-NUM_SMS = 8
+
+NUM_SMS = 24
+TEST_TIMEOUT_S = 30.0
+
+
+def _domain_size() -> int:
+    return int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
 
 
 @pytest.fixture(scope="module")
 def env():
     import cupy
 
-    from deepep_cupy.config import Config
-    from deepep_cupy.ops.internode import InternodeEngine
+    import deepep_cupy
+    from deepep_cupy.reference.backend import ReferenceBackend
     from deepep_cupy.runtime.group import MPIGroup
 
     rank, size = COMM.Get_rank(), COMM.Get_size()
-    lsize = int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
+    lsize = _domain_size()
     if size % lsize or size // lsize < 2:
-        pytest.skip(f"needs at least 2 domains of {lsize} ranks")
-    cupy.cuda.Device(rank % gpu_count()).use()
-    group = MPIGroup(COMM)
-    cfg = Config(num_sms=NUM_SMS, num_max_nvl_chunked_send_tokens=4, num_max_nvl_chunked_recv_tokens=16,
-                 num_max_rdma_chunked_send_tokens=4, num_max_rdma_chunked_recv_tokens=16)
-    hidden = 256
-    rdma_bytes = cfg.get_rdma_buffer_size_hint(hidden * 2, size, lsize)
-    nvl_bytes = 64 << 20
-    engine = InternodeEngine(group, rank % gpu_count(), lsize, nvl_bytes, rdma_bytes)
-    engine.timeout_s = 20.0
-    yield {"rank": rank, "size": size, "L": lsize, "group": group, "engine": engine, "cfg": cfg, "hidden": hidden}
+        pytest.fail(f"the internode tests need at least 2 domains: {size} ranks, DEEPEP_CUPY_NVL_RANKS={lsize}")
+    dev = rank % gpu_count()
+    cupy.cuda.Device(dev).use()
+    if "torch" in frameworks():
+        import torch
+
+        torch.cuda.set_device(dev)
+    state = {"rank": rank, "size": size, "L": lsize, "dev": dev, "deepep_cupy": deepep_cupy}
+    state["buf"] = _new_buffer(deepep_cupy, size, lsize)
+    state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
+                                    num_channels=NUM_SMS // 2)
+    yield state
     COMM.Barrier()
-    engine.destroy()
+    state["buf"].destroy()
 
 
-def _inputs(rng, n, hidden, num_experts, k, size):
-    x = rng.integers(-8, 8, size=(n, hidden)).astype(np.float32)
-    topk = np.argsort(rng.random((n, num_experts)), axis=1)[:, :k].astype(np.int64)  # k distinct experts per row
-    if n:
-        topk[rng.random((n, k)) < 0.1] = -1
-    weights = rng.integers(1, 4, size=(n, k)).astype(np.float32)
-    per_rank = num_experts // size
-    in_rank = np.zeros((n, size), dtype=bool)
-    for r in range(size):
-        in_rank[:, r] = ((topk >= r * per_rank) & (topk < (r + 1) * per_rank)).any(axis=1)
-    per_expert = np.bincount(topk[topk >= 0], minlength=num_experts).astype(np.int32)
-    return x, topk, weights, in_rank, per_expert
+def _new_buffer(deepep_cupy, size, lsize):
+    cfg = _cfg(deepep_cupy, 512, 64)
+    nvl = cfg.get_nvl_buffer_size_hint(7168 * 2, size)
+    rdma = cfg.get_rdma_buffer_size_hint(7168 * 2, size, lsize)
+    buf = deepep_cupy.Buffer(comm=COMM, num_nvl_bytes=max(nvl, 1 << 26), num_rdma_bytes=rdma, num_nvl_ranks=lsize,
+                             explicitly_destroy=True)
+    assert buf.runtime.internode is not None
+    buf.runtime.internode.timeout_s = TEST_TIMEOUT_S
+    return buf
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 200])
-def test_dispatch_matches_reference(env, n):
+def _cfg(deepep_cupy, nvl_recv=256, rdma_recv=32):
+    return deepep_cupy.Config(NUM_SMS, min(8, nvl_recv - 1), nvl_recv, min(8, rdma_recv // 2), rdma_recv)
+
+
+# ------------------------------------------------------------------------------------------- one round
+def _layout(env, topk_dev, topk_np, num_experts):
+    buf, ref = env["buf"], env["ref"]
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, num_experts)
+    r_rank, r_rdma, r_expert, r_in = ref.get_dispatch_layout(topk_np, num_experts)
+    np.testing.assert_array_equal(to_np(per_rank), r_rank)
+    np.testing.assert_array_equal(to_np(per_rdma), r_rdma)
+    np.testing.assert_array_equal(to_np(per_expert), r_expert)
+    np.testing.assert_array_equal(to_np(in_rank), r_in)
+    return (per_rank, per_rdma, per_expert, in_rank), (r_rank, r_expert, r_in)
+
+
+def _check_dispatch(ours, refs, *, fp8, worst, with_topk=True):
+    recv, r_idx, r_w, counts, handle = ours
+    rx, rs, ridx, rw, rlist, rhandle = refs
+    num_recv = int(np.asarray(rhandle[6])[-1])
+    recv_x = to_np(recv[0] if fp8 else recv)
+    assert recv_x.shape[0] == (worst if worst else num_recv), (recv_x.shape, worst, num_recv)
+    # Padding rows of recv_x are unspecified (as DeepEP's); everything else is compared whole.
+    np.testing.assert_array_equal(bits(recv_x[:num_recv]), bits(rx[:num_recv]))
+    if fp8:
+        np.testing.assert_array_equal(to_np(recv[1])[:num_recv], rs[:num_recv])
+    if with_topk:
+        np.testing.assert_array_equal(to_np(r_idx), ridx)
+        np.testing.assert_array_equal(to_np(r_w), rw)
+        assert counts == rlist
+    for k in range(10):
+        np.testing.assert_array_equal(to_np(handle[k]), np.asarray(rhandle[k]), err_msg=f"handle[{k}]")
+    return num_recv
+
+
+def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=False, worst=0, align=1,
+           bias=0, cached=True, nvl_recv=256, rdma_recv=32, with_topk=True):
+    """Layout, dispatch, cached dispatch, combine: everything compared with the reference."""
+    buf, ref = env["buf"], env["ref"]
+    me, size = env["rank"], env["size"]
+    topk, weights = routing(rng, n, num_experts, k, me, size)
+    topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
+    (per_rank, per_rdma, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
+    x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
+    cfg = _cfg(env["deepep_cupy"], nvl_recv, rdma_recv)
+    worst_rows = worst * n * size if worst else 0
+    rows_guess = max(worst_rows, n * size)
+    poison(env, fw, [rows_guess * hidden * (1 if fp8 else 2), rows_guess * k * 8, rows_guess * k * 4, rows_guess * 8])
+    recv, r_idx, r_w, counts, handle, _ = buf.dispatch(
+        x_dev, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_dev if with_topk else None,
+        topk_weights=w_dev if with_topk else None, expert_alignment=align, num_worst_tokens=worst_rows, config=cfg)
+    refs = ref.dispatch(x_np, s_np, handle=None, num_tokens_per_rank=r_rank, is_token_in_rank=r_in,
+                        num_tokens_per_expert=r_expert, topk_idx=topk if with_topk else None,
+                        topk_weights=weights if with_topk else None, expert_alignment=align,
+                        num_worst_tokens=worst_rows)
+    num_recv = _check_dispatch((recv, r_idx, r_w, counts, handle), refs, fp8=fp8, worst=worst_rows,
+                               with_topk=with_topk)
+    if worst_rows:
+        assert counts == []
+
+    if cached:
+        x2_np, s2_np, x2_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
+        c_recv, c_idx, c_w, c_counts, c_handle, _ = buf.dispatch(x2_dev, handle=handle, config=cfg)
+        assert c_idx is None and c_w is None and c_counts is None and c_handle is None
+        c_refs = ref.dispatch(x2_np, s2_np, handle=refs[5], num_tokens_per_rank=None, is_token_in_rank=None,
+                              num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=align,
+                              num_worst_tokens=0)
+        got = to_np(c_recv[0] if fp8 else c_recv)
+        np.testing.assert_array_equal(bits(got[:num_recv]), bits(c_refs[0][:num_recv]))
+        if fp8:
+            np.testing.assert_array_equal(to_np(c_recv[1])[:num_recv], c_refs[1][:num_recv])
+
+    rows = worst_rows if worst_rows else num_recv
+    y_np = bf16(rng, (rows, hidden), scale=1.0 + me)
+    yw_np = rng.random((rows, k), dtype=np.float32)
+    b0 = bf16(rng, (n, hidden)) if bias >= 1 else None
+    b1 = bf16(rng, (n, hidden)) if bias >= 2 else None
+    bias_dev = None
+    if bias == 1:
+        bias_dev = to_dev(b0, fw, env)
+    elif bias == 2:
+        bias_dev = (to_dev(b0, fw, env), to_dev(b1, fw, env))
+    poison(env, fw, [n * hidden * 2, n * k * 4])
+    combined = buf.combine(to_dev(y_np, fw, env), handle, topk_weights=to_dev(yw_np, fw, env), bias=bias_dev,
+                           config=cfg)
+    r_comb = ref.combine(y_np, refs[5], topk_weights=yw_np, bias_0=b0, bias_1=b1)
+    check_combine(combined[:2], r_comb, n)
+    return num_recv
+
+
+# ------------------------------------------------------------------------------------------- tests
+SMALL = [
+    # n, hidden, experts, k, extra
+    (1, 2048, 16, 1, {}),
+    (37, 4096, 32, 9, {"bias": 1}),
+    (300, 7168, 64, 4, {"align": 128, "bias": 2}),
+    (200, 4096, 32, 2, {"nvl_recv": 12, "rdma_recv": 8}),  # small rings: slots are reused many times
+    (0, 2048, 16, 2, {}),
+    (3, 2056, 16, 3, {"with_topk": False}),
+    (129, 7168, 256, 8, {"fp8": True, "column_major": True}),
+    (64, 2048, 32, 5, {"fp8": True}),
+    (100, 4096, 32, 6, {"worst": 1}),
+    (80, 7168, 64, 8, {"worst": 1, "fp8": True, "column_major": True}),
+]
+
+
+@pytest.mark.parametrize("fw", frameworks())
+@pytest.mark.parametrize("n,hidden,experts,k,extra", SMALL)
+def test_small_shapes(env, fw, n, hidden, experts, k, extra):
+    skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
+    rng = np.random.default_rng([n, hidden, k, env["rank"]])
+    for _ in range(2):
+        _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+
+
+def test_zero_tokens_on_one_rank(env):
+    rng = np.random.default_rng([5, env["rank"]])
+    n = 0 if env["rank"] == 1 else 50
+    _round(env, frameworks()[0], rng, n=n, hidden=2048, num_experts=16, k=3)
+
+
+@pytest.mark.skipif(os.environ.get("DEEPEP_CUPY_SKIP_BIG") == "1", reason="DEEPEP_CUPY_SKIP_BIG=1")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_deepep_workload(env, fp8):
+    """4096 tokens x 7168, top-8 of 256: fresh data each repeat."""
+    rng = np.random.default_rng([4096, int(fp8), env["rank"]])
+    for _ in range(2):
+        _round(env, frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=fp8, column_major=fp8,
+               bias=1, nvl_recv=512, rdma_recv=64)
+
+
+def test_repeatable_hashes(env):
+    """Twenty identical calls must produce identical bytes (a moving result is a race)."""
     import cupy
-    import ml_dtypes
 
-    from deepep_cupy.ops.internode_plans import DispatchPlan
-    from deepep_cupy.reference import internode as ref
-
-    rank, size, hidden, cfg = env["rank"], env["size"], env["hidden"], env["cfg"]
-    rng = np.random.default_rng(1000 + 7 * rank + n)
-    num_experts, k = 8 * size, 4
-    x, topk, w, in_rank, per_expert = _inputs(rng, n, hidden, num_experts, k, size)
-    per_expert = np.asarray(COMM.allreduce(per_expert))
-    x_bf16 = x.astype(ml_dtypes.bfloat16)
-    want = ref.dispatch(env["group"], x_bf16, None, handle=None, is_token_in_rank=in_rank,
-                        num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, expert_alignment=1,
-                        num_worst_tokens=0, num_channels=cfg.num_channels, num_nvl_ranks=env["L"])
-    stream = cupy.cuda.Stream(non_blocking=True)
-    dx = cupy.asarray(x_bf16.view(np.uint16)).view(cupy.uint16)
-    args = dict(is_token_in_rank=cupy.asarray(in_rank), num_tokens_per_expert=cupy.asarray(per_expert),
-                topk_idx=cupy.asarray(topk), topk_weights=cupy.asarray(w))
-    plan = DispatchPlan(env["engine"], dx, None, handle=None, num_tokens_per_expert=args["num_tokens_per_expert"],
-                        topk_idx=args["topk_idx"], topk_weights=args["topk_weights"], expert_alignment=1,
-                        num_worst_tokens=0, config=cfg)
-    recv_x, _, recv_idx, recv_w, counts, handle = plan.run(dx, None, None, args["is_token_in_rank"],
-                                                           args["num_tokens_per_expert"], args["topk_idx"],
-                                                           args["topk_weights"], stream)
-    stream.synchronize()
-    env["engine"].check_errors()
-    np.testing.assert_array_equal(cupy.asnumpy(recv_x).view(ml_dtypes.bfloat16), want[0])
-    np.testing.assert_array_equal(cupy.asnumpy(recv_idx), want[2])
-    np.testing.assert_array_equal(cupy.asnumpy(recv_w), want[3])
-    assert counts == list(want[4])
-    for i, (ours, theirs) in enumerate(zip(handle, want[5], strict=True)):
-        np.testing.assert_array_equal(cupy.asnumpy(ours), np.asarray(theirs), err_msg=f"handle[{i}]")
-
-    # Cached dispatch with the kernels' own handle.
-    cached = DispatchPlan(env["engine"], dx, None, handle=handle, num_tokens_per_expert=None, topk_idx=None,
-                          topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=cfg)
-    again = cached.run(dx, None, handle, None, None, None, None, stream)[0]
-    stream.synchronize()
-    env["engine"].check_errors()
-    np.testing.assert_array_equal(cupy.asnumpy(again), cupy.asnumpy(recv_x))
-
-    _check_combine(env, rng, recv_x, recv_w, handle, want, n, stream)
+    buf, fw = env["buf"], "cupy"
+    rng = np.random.default_rng([99, env["rank"]])
+    n, hidden, experts, k = 1024, 7168, 256, 8
+    topk, weights = routing(rng, n, experts, k, env["rank"], env["size"])
+    x = to_dev(bf16(rng, (n, hidden)), fw, env)
+    topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    cfg = _cfg(env["deepep_cupy"], 256, 32)
+    digests = set()
+    for _ in range(20):
+        recv, idx, w, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_dev, topk_weights=w_dev, config=cfg)
+        comb, comb_w, _ = buf.combine(recv, handle, topk_weights=w, config=cfg)
+        h = hashlib.sha256()
+        for a in (recv, idx, w, comb, comb_w, *handle):
+            h.update(cupy.ascontiguousarray(cupy.asarray(a)).view(cupy.uint8).get().tobytes())
+        h.update(repr(counts).encode())
+        digests.add(h.hexdigest())
+    assert len(digests) == 1, f"{len(digests)} different results over 20 identical calls"
 
 
-def _check_combine(env, rng, recv_x, recv_w, handle, want, n, stream):
-    import cupy
-    import ml_dtypes
+def test_torch_cuda_graph_worst_tokens(env, monkeypatch):
+    """Dispatch with num_worst_tokens + combine captured in ``torch.cuda.graph``, replayed on fresh data."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("DEEPEP_CUPY_VALIDATE", "0")  # value checks sync the host: not allowed in a capture
+    buf, ref = env["buf"], env["ref"]
+    me, size, fw = env["rank"], env["size"], "torch"
+    rng = np.random.default_rng([1234, me])
+    n, hidden, experts, k = 300, 4096, 64, 8
+    worst = n * size
+    topk, weights = routing(rng, n, experts, k, me, size)
+    x = to_dev(bf16(rng, (n, hidden)), fw, env)
+    y = to_dev(bf16(rng, (worst, hidden)), fw, env)
+    topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    cfg = _cfg(env["deepep_cupy"])
 
-    from deepep_cupy.ops.internode_plans import CombinePlan
-    from deepep_cupy.reference import internode as ref
+    def step():
+        recv, idx, w, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_dev, topk_weights=w_dev, num_worst_tokens=worst,
+            config=cfg)
+        comb, comb_w, _ = buf.combine(y, handle, topk_weights=w, config=cfg)
+        return recv, idx, w, handle, comb, comb_w
 
-    hidden = env["hidden"]
-    biases = [rng.integers(-4, 4, size=(n, hidden)).astype(np.float32).astype(ml_dtypes.bfloat16) for _ in range(2)]
-    rows = cupy.asnumpy(recv_x).view(ml_dtypes.bfloat16)
-    expect_x, expect_w = ref.combine(env["group"], rows, want[5], topk_weights=cupy.asnumpy(recv_w),
-                                     bias_0=biases[0], bias_1=biases[1])
-    dev_biases = [cupy.asarray(b.view(np.uint16)) for b in biases]
-    plan = CombinePlan(env["engine"], recv_x, handle, topk_weights=recv_w, config=env["cfg"])
-    for _ in range(2):  # twice: the progress counters carry over from one op to the next
-        got_x, got_w = plan.run(recv_x, handle, recv_w, dev_biases[0], dev_biases[1], stream)
-        stream.synchronize()
-        env["engine"].check_errors()
-        np.testing.assert_array_equal(cupy.asnumpy(got_x).view(ml_dtypes.bfloat16), expect_x)
-        np.testing.assert_array_equal(cupy.asnumpy(got_w), expect_w)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture: compiles, makes the plans
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x_np, y_np = bf16(rng, (n, hidden)), bf16(rng, (worst, hidden))
+        x.copy_(to_dev(x_np, fw, env))
+        y.copy_(to_dev(y_np, fw, env))
+        graph.replay()
+        torch.cuda.synchronize()
+        recv, idx, w, handle, comb, comb_w = out
+        refs = ref.dispatch(x_np, None, handle=None, num_tokens_per_rank=None, is_token_in_rank=to_np(in_rank),
+                            num_tokens_per_expert=to_np(per_expert), topk_idx=topk, topk_weights=weights,
+                            expert_alignment=1, num_worst_tokens=worst)
+        _check_dispatch((recv, idx, w, [], handle), refs, fp8=False, worst=worst)
+        r_comb = ref.combine(y_np, refs[5], topk_weights=to_np(w), bias_0=None, bias_1=None)
+        check_combine((comb, comb_w), r_comb, n)
+    buf.runtime.internode.check_errors()
+
+
+def test_worst_tokens_overflow_is_a_named_error(env, monkeypatch):
+    """Fewer num_worst_tokens rows than a rank receives: a DeepEPError on that rank at the next check."""
+    from deepep_cupy.errors import DeepEPError
+
+    fw = frameworks()[0]
+    buf, me, size = env["buf"], env["rank"], env["size"]
+    rng = np.random.default_rng([77, me])
+    n, hidden, experts, k = 64, 2048, 16, 4
+    topk, weights = routing(rng, n, experts, k, me, size)
+    x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    received = COMM.allreduce(to_np(in_rank).sum(axis=0))[me]
+    worst = max(1, int(COMM.allreduce(received, op=_min_op())) // 2)
+    buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                 num_tokens_per_expert=per_expert, topk_idx=topk_dev, topk_weights=w_dev, num_worst_tokens=worst,
+                 config=_cfg(env["deepep_cupy"]))
+    with pytest.raises(DeepEPError, match="num_worst_tokens"):
+        buf.runtime.internode.check_errors()
+    COMM.Barrier()
+    _fresh_buffer(env)
+
+
+def _min_op():
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
+def _fresh_buffer(env):
+    COMM.Barrier()
+    env["buf"].destroy()
+    env["buf"] = _new_buffer(env["deepep_cupy"], env["size"], env["L"])
+
+
+def test_timeout_reports_and_recovers(env):
+    """Rank 1 skips a dispatch: the others raise DeepEPTimeoutError within the budget; a new Buffer works."""
+    from deepep_cupy.errors import DeepEPTimeoutError
+
+    fw = frameworks()[0]
+    buf, me = env["buf"], env["rank"]
+    rng = np.random.default_rng([31, me])
+    n, hidden, experts, k = 64, 2048, 16, 2
+    topk, weights = routing(rng, n, experts, k, me, env["size"])
+    x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    buf.runtime.internode.timeout_s = 2.0
+    COMM.Barrier()
+    if me != 1:
+        t0 = time.time()
+        with pytest.raises(DeepEPTimeoutError) as info:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                         num_tokens_per_expert=per_expert, topk_idx=topk_dev, topk_weights=w_dev,
+                         config=_cfg(env["deepep_cupy"]))
+        assert time.time() - t0 < 60
+        text = str(info.value)
+        assert "internode dispatch" in text and f"rank {me}" in text and "peer 1" in text, text
+    _fresh_buffer(env)
+    _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k)

@@ -17,6 +17,14 @@ import os
 import numpy as np
 import pytest
 from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
+from normal_common import (
+    check_combine,
+    frameworks,
+    inputs,
+    poison,
+    routing,
+    skip_unless_framework_holds,
+)
 
 from deepep_cupy.runtime.device import gpu_count
 
@@ -28,18 +36,6 @@ TEST_TIMEOUT_S = 30.0
 
 
 # ------------------------------------------------------------------------------------------- fixtures
-def _frameworks():
-    fws = ["cupy"]
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            fws.insert(0, "torch")
-    except ImportError:
-        pass
-    return fws
-
-
 @pytest.fixture(scope="module")
 def env():
     import cupy
@@ -51,7 +47,7 @@ def env():
     rank, size = COMM.Get_rank(), COMM.Get_size()
     dev = rank % gpu_count()
     cupy.cuda.Device(dev).use()
-    if "torch" in _frameworks():
+    if "torch" in frameworks():
         import torch
 
         torch.cuda.set_device(dev)
@@ -74,66 +70,7 @@ def _cfg(env, recv=256):
     return env["deepep_cupy"].Config(NUM_SMS, min(8, recv - 1), recv)
 
 
-def _cupy_holds(dtype) -> bool:
-    from deepep_cupy.interop import _cupy_holds as holds
-
-    return holds(np.dtype(dtype))
-
-
-def _skip_unless_framework_holds(fw, *dtypes):
-    if fw == "cupy":
-        for dt in dtypes:
-            if not _cupy_holds(dt):
-                pytest.skip(f"this CuPy cannot hold {np.dtype(dt)} arrays")
-
-
 # ------------------------------------------------------------------------------------------- data
-def _routing(rng, n, num_experts, k, rank, size, only_rank0=False):
-    scores = np.abs(rng.standard_normal((n, num_experts))).astype(np.float32) + 1
-    if only_rank0:
-        scores[:, num_experts // size:] = 0  # every token goes to rank 0's experts only
-    topk = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
-    if n > 0:
-        for _ in range(min(10, n)):  # a few masked slots, as DeepEP's test does
-            topk[rng.integers(n), rng.integers(k)] = -1
-    weights = rng.random((n, k), dtype=np.float32)
-    return topk, weights
-
-
-def _fp8(rng, n, hidden, column_major):
-    raw = rng.integers(0, 0x7F, size=(n, hidden), dtype=np.uint8) | (rng.integers(0, 2, (n, hidden), dtype=np.uint8) << 7)
-    x = raw.view(FP8)
-    scales = rng.random((n, hidden // 128), dtype=np.float32) + 0.5
-    if column_major:
-        scales = np.asfortranarray(scales)
-    return x, scales
-
-
-def _inputs(env, fw, rng, n, hidden, fp8, column_major):
-    """Fresh tokens: ``(x, scales or None)`` in NumPy and the dispatch's ``x`` argument on the device."""
-    if fp8:
-        x_np, s_np = _fp8(rng, n, hidden, column_major)
-        return x_np, s_np, (to_dev(x_np, fw, env), to_dev(s_np, fw, env))
-    x_np = bf16(rng, (n, hidden))
-    return x_np, None, to_dev(x_np, fw, env)
-
-
-def _poison(env, fw, nbytes_list):
-    """Fill pool blocks of the outputs' sizes with 0xAB so rows a kernel forgets to write show up."""
-    import cupy
-
-    from deepep_cupy.runtime.streams import current_stream
-
-    with current_stream(fw, env["dev"]):
-        blocks = []
-        for nb in nbytes_list:
-            if nb > 0:
-                b = cupy.empty(int(nb), dtype=cupy.uint8)
-                b.fill(0xAB)
-                blocks.append(b)
-        del blocks
-
-
 # ------------------------------------------------------------------------------------------- one round
 def _layout(env, topk_dev, topk_np, num_experts):
     buf, ref = env["buf"], env["ref"]
@@ -168,32 +105,19 @@ def _check_dispatch(env, ours, refs, *, fp8, worst, with_topk=True):
     return num_recv
 
 
-def _check_combine(ours, refs, num_tokens):
-    cx, cw = to_np(ours[0]), to_np(ours[1]) if ours[1] is not None else None
-    rx, rw = refs
-    assert cx.shape == rx.shape
-    a, b = cx.astype(np.float32), rx.astype(np.float32)
-    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
-    exact = float(np.mean(bits(cx) == bits(rx))) if cx.size else 1.0
-    assert exact > 0.999, f"only {exact:.4%} of combined values are bit-identical to the reference"
-    if rw is not None:
-        np.testing.assert_allclose(cw, rw, rtol=1e-6, atol=1e-6)
-    assert cx.shape[0] == num_tokens
-
-
 def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=False, worst=0, align=1,
            only_rank0=False, bias=0, cached=True, recv=256):
     """Layout, dispatch, cached dispatch, combine: everything compared with the reference."""
     buf, ref = env["buf"], env["ref"]
     me, size = env["rank"], env["size"]
-    topk, weights = _routing(rng, n, num_experts, k, me, size, only_rank0)
+    topk, weights = routing(rng, n, num_experts, k, me, size, only_rank0)
     topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
-    x_np, s_np, x_dev = _inputs(env, fw, rng, n, hidden, fp8, column_major)
+    x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
     cfg = _cfg(env, recv)
     worst_rows = worst * n * size if worst else 0
     rows_guess = max(worst_rows, n * size)
-    _poison(env, fw, [rows_guess * hidden * (1 if fp8 else 2), rows_guess * k * 8, rows_guess * k * 4, rows_guess * 4])
+    poison(env, fw, [rows_guess * hidden * (1 if fp8 else 2), rows_guess * k * 8, rows_guess * k * 4, rows_guess * 4])
     recv, r_idx, r_w, counts, handle, event = buf.dispatch(
         x_dev, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk_dev, topk_weights=w_dev, expert_alignment=align, num_worst_tokens=worst_rows, config=cfg)
@@ -205,7 +129,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         assert counts == []
 
     if cached:
-        x2_np, s2_np, x2_dev = _inputs(env, fw, rng, n, hidden, fp8, column_major)
+        x2_np, s2_np, x2_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
         c_recv, c_idx, c_w, c_counts, c_handle, _ = buf.dispatch(x2_dev, handle=handle, config=cfg)
         assert c_idx is None and c_w is None and c_counts is None
         c_refs = ref.dispatch(x2_np, s2_np, handle=refs[5], num_tokens_per_rank=None, is_token_in_rank=None,
@@ -227,11 +151,11 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         bias_dev = to_dev(b0, fw, env)
     elif bias == 2:
         bias_dev = (to_dev(b0, fw, env), to_dev(b1, fw, env))
-    _poison(env, fw, [n * hidden * 2, n * k * 4])
+    poison(env, fw, [n * hidden * 2, n * k * 4])
     combined = buf.combine(to_dev(y_np, fw, env), handle, topk_weights=to_dev(yw_np, fw, env), bias=bias_dev,
                            config=cfg)
     r_comb = ref.combine(y_np, refs[5], topk_weights=yw_np, bias_0=b0, bias_1=b1)
-    _check_combine(combined[:2], r_comb, n)
+    check_combine(combined[:2], r_comb, n)
     return num_recv
 
 
@@ -251,10 +175,10 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("fw", _frameworks())
+@pytest.mark.parametrize("fw", frameworks())
 @pytest.mark.parametrize("n,hidden,experts,k,extra", SMALL)
 def test_small_shapes(env, fw, n, hidden, experts, k, extra):
-    _skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
+    skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
     rng = np.random.default_rng([n, hidden, k, env["rank"]])
     for _ in range(2):
         _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
@@ -263,7 +187,7 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra):
 def test_zero_tokens_on_one_rank(env):
     rng = np.random.default_rng([5, env["rank"]])
     n = 0 if env["rank"] == 1 else 50
-    _round(env, _frameworks()[0], rng, n=n, hidden=2048, num_experts=16, k=3)
+    _round(env, frameworks()[0], rng, n=n, hidden=2048, num_experts=16, k=3)
 
 
 @pytest.mark.skipif(os.environ.get("DEEPEP_CUPY_SKIP_BIG") == "1", reason="DEEPEP_CUPY_SKIP_BIG=1")
@@ -272,7 +196,7 @@ def test_deepep_workload(env, fp8):
     """4096 tokens x 7168, top-8 of 256, 24 SMs: fresh data each repeat (skip with DEEPEP_CUPY_SKIP_BIG=1)."""
     rng = np.random.default_rng([4096, int(fp8), env["rank"]])
     for _ in range(2 if fp8 else 3):
-        _round(env, _frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=fp8, column_major=fp8,
+        _round(env, frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=fp8, column_major=fp8,
                bias=1, recv=512)
 
 
@@ -280,12 +204,12 @@ def test_repeatable_hashes(env):
     """Twenty identical calls must produce identical bytes (a moving result is a race)."""
     import cupy
 
-    _skip_unless_framework_holds("cupy", BF16)
+    skip_unless_framework_holds("cupy", BF16)
     buf = env["buf"]
     fw = "cupy"
     rng = np.random.default_rng([99, env["rank"]])
     n, hidden, experts, k = 1024, 7168, 256, 8
-    topk, weights = _routing(rng, n, experts, k, env["rank"], env["size"])
+    topk, weights = routing(rng, n, experts, k, env["rank"], env["size"])
     x = to_dev(bf16(rng, (n, hidden)), fw, env)
     topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
@@ -305,11 +229,11 @@ def test_repeatable_hashes(env):
 
 
 def test_async_finish_and_previous_event(env):
-    fw = _frameworks()[0]
+    fw = frameworks()[0]
     buf = env["buf"]
     rng = np.random.default_rng([7, env["rank"]])
     n, hidden, experts, k = 256, 4096, 64, 4
-    topk, weights = _routing(rng, n, experts, k, env["rank"], env["size"])
+    topk, weights = routing(rng, n, experts, k, env["rank"], env["size"])
     x_np = bf16(rng, (n, hidden))
     x, topk_dev, w_dev = to_dev(x_np, fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, experts)
@@ -326,14 +250,14 @@ def test_async_finish_and_previous_event(env):
                                       async_finish=True)
     event.current_stream_wait()
     r_comb = env["ref"].combine(refs[0], refs[5], topk_weights=refs[3], bias_0=None, bias_1=None)
-    _check_combine((comb, comb_w), r_comb, n)
+    check_combine((comb, comb_w), r_comb, n)
 
 
 def test_cuda_graph_worst_tokens(env, monkeypatch):
     """Dispatch (num_worst_tokens) + combine captured in a CUDA graph, replayed on fresh data in place."""
     import cupy
 
-    _skip_unless_framework_holds("cupy", BF16)
+    skip_unless_framework_holds("cupy", BF16)
     monkeypatch.setenv("DEEPEP_CUPY_VALIDATE", "0")  # value checks sync the host: not allowed in a capture
     buf, ref = env["buf"], env["ref"]
     me, size = env["rank"], env["size"]
@@ -341,7 +265,7 @@ def test_cuda_graph_worst_tokens(env, monkeypatch):
     n, hidden, experts, k = 300, 4096, 64, 8
     worst = n * size
     fw = "cupy"
-    topk, weights = _routing(rng, n, experts, k, me, size)
+    topk, weights = routing(rng, n, experts, k, me, size)
     x_np = bf16(rng, (n, hidden))
     y_np = bf16(rng, (worst, hidden))
     x, topk_dev, w_dev, y = (to_dev(a, fw, env) for a in (x_np, topk, weights, y_np))
@@ -376,7 +300,7 @@ def test_cuda_graph_worst_tokens(env, monkeypatch):
                             expert_alignment=1, num_worst_tokens=worst)
         _check_dispatch(env, (recv, idx, w, [], handle), refs, fp8=False, worst=worst)
         r_comb = ref.combine(y_np, refs[5], topk_weights=to_np(w), bias_0=None, bias_1=None)
-        _check_combine((comb, comb_w), r_comb, n)
+        check_combine((comb, comb_w), r_comb, n)
     buf.runtime.intranode.check_errors()
 
 
@@ -386,12 +310,12 @@ def test_timeout_reports_and_recovers(env):
 
     from deepep_cupy.errors import DeepEPTimeoutError
 
-    fw = _frameworks()[0]
+    fw = frameworks()[0]
     buf = env["buf"]
     me = env["rank"]
     rng = np.random.default_rng([31, me])
     n, hidden, experts, k = 64, 2048, 16, 2
-    topk, weights = _routing(rng, n, experts, k, me, env["size"])
+    topk, weights = routing(rng, n, experts, k, me, env["size"])
     x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
     buf.runtime.intranode.timeout_s = 2.0

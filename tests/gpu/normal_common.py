@@ -1,0 +1,93 @@
+"""What the normal-mode GPU tests (intranode, internode) share: frameworks, routing and token data, output
+poisoning and the combine check. Imported by the test files next to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_common import FP8, bf16, bits, to_dev, to_np
+
+
+def frameworks():
+    fws = ["cupy"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            fws.insert(0, "torch")
+    except ImportError:
+        pass
+    return fws
+
+
+def _cupy_holds(dtype) -> bool:
+    from deepep_cupy.interop import _cupy_holds as holds
+
+    return holds(np.dtype(dtype))
+
+
+def skip_unless_framework_holds(fw, *dtypes):
+    if fw == "cupy":
+        for dt in dtypes:
+            if not _cupy_holds(dt):
+                pytest.skip(f"this CuPy cannot hold {np.dtype(dt)} arrays")
+
+
+def routing(rng, n, num_experts, k, rank, size, only_rank0=False):
+    scores = np.abs(rng.standard_normal((n, num_experts))).astype(np.float32) + 1
+    if only_rank0:
+        scores[:, num_experts // size:] = 0  # every token goes to rank 0's experts only
+    topk = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
+    if n > 0:
+        for _ in range(min(10, n)):  # a few masked slots, as DeepEP's test does
+            topk[rng.integers(n), rng.integers(k)] = -1
+    weights = rng.random((n, k), dtype=np.float32)
+    return topk, weights
+
+
+def fp8_tokens(rng, n, hidden, column_major):
+    raw = rng.integers(0, 0x7F, size=(n, hidden), dtype=np.uint8) | (rng.integers(0, 2, (n, hidden), dtype=np.uint8) << 7)
+    x = raw.view(FP8)
+    scales = rng.random((n, hidden // 128), dtype=np.float32) + 0.5
+    if column_major:
+        scales = np.asfortranarray(scales)
+    return x, scales
+
+
+def inputs(env, fw, rng, n, hidden, fp8, column_major):
+    """Fresh tokens: ``(x, scales or None)`` in NumPy and the dispatch's ``x`` argument on the device."""
+    if fp8:
+        x_np, s_np = fp8_tokens(rng, n, hidden, column_major)
+        return x_np, s_np, (to_dev(x_np, fw, env), to_dev(s_np, fw, env))
+    x_np = bf16(rng, (n, hidden))
+    return x_np, None, to_dev(x_np, fw, env)
+
+
+def poison(env, fw, nbytes_list):
+    """Fill pool blocks of the outputs' sizes with 0xAB so rows a kernel forgets to write show up."""
+    import cupy
+
+    from deepep_cupy.runtime.streams import current_stream
+
+    with current_stream(fw, env["dev"]):
+        blocks = []
+        for nb in nbytes_list:
+            if nb > 0:
+                b = cupy.empty(int(nb), dtype=cupy.uint8)
+                b.fill(0xAB)
+                blocks.append(b)
+        del blocks
+
+
+def check_combine(ours, refs, num_tokens):
+    cx, cw = to_np(ours[0]), to_np(ours[1]) if ours[1] is not None else None
+    rx, rw = refs
+    assert cx.shape == rx.shape
+    a, b = cx.astype(np.float32), rx.astype(np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
+    exact = float(np.mean(bits(cx) == bits(rx))) if cx.size else 1.0
+    assert exact > 0.999, f"only {exact:.4%} of combined values are bit-identical to the reference"
+    if rw is not None:
+        np.testing.assert_allclose(cw, rw, rtol=1e-6, atol=1e-6)
+    assert cx.shape[0] == num_tokens
