@@ -16,7 +16,7 @@ import sys
 
 from .timing import format_table
 
-SUITES = ("baselines", "intranode", "low_latency", "host")
+SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
 
 
 def main() -> None:

@@ -3,9 +3,9 @@
     python -m deepep_cupy.bench.plot bench.json bench.png [--title "2 x H200"]
 
 ``bench.json`` is what ``python -m deepep_cupy.bench --json`` wrote. Top row, one group of bars per
-high-throughput op, in µs (lower is better) and GB/s (higher is better): deepep_cupy's best point, the naive
-PyTorch + NCCL path of the same run for the same op (BF16 dispatch and combine only: the naive path has no
-FP8), and the copy engine's NVLink peer copy, one way, as the bound of one GPU's receive bandwidth (its
+high-throughput op (intranode and internode), in µs (lower is better) and GB/s (higher is better):
+deepep_cupy's best point, the naive PyTorch + NCCL path of the same run for the same op (BF16 dispatch and
+combine only: the naive path has no FP8; internode ops against the naive path their suite measured), and the copy engine's NVLink peer copy, one way, as the bound of one GPU's receive bandwidth (its
 time is what moving the op's bytes at that rate takes). Bottom row: the ops with nothing to compare to
 (layout, low-latency kernels), in µs.
 """
@@ -21,6 +21,7 @@ SERIES = ("deepep_cupy", "naive NCCL path", "copy engine, one way")
 _COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f")
 _NAIVE = (("dispatch BF16", "naive NCCL dispatch"), ("combine BF16", "naive NCCL combine"))
 _COPY_ENGINE = "copy engine 0->1"
+_INTERNODE_NAIVE = "internode suite: "
 
 
 def _suite(r: dict) -> str:
@@ -32,6 +33,8 @@ def _suite(r: dict) -> str:
         return "low_latency"
     if op.startswith(("naive NCCL", "copy engine")):
         return "baselines"
+    if op.startswith("internode"):
+        return "internode"
     return "intranode" if op.startswith("intranode") else "other"
 
 
@@ -47,12 +50,15 @@ def compared_ops(rows) -> list[dict]:
     engine_gbs = engine.get("GB/s") if engine else None
     out = []
     for r in rows:
-        if _suite(r) != "intranode" or "GB/s" not in r:
+        suite = _suite(r)
+        if suite not in ("intranode", "internode") or "GB/s" not in r or r["op"].startswith(_INTERNODE_NAIVE):
             continue
+        # Internode ops keep their prefix and compare with the naive path measured inside their own suite.
         name = r["op"].removeprefix("intranode ")
+        prefix = _INTERNODE_NAIVE if suite == "internode" else ""
         group = {"op": name, SERIES[0]: (r["us"], r["GB/s"]), SERIES[1]: None, SERIES[2]: None}
         for key, naive_name in _NAIVE:
-            naive = by_name.get(naive_name)
+            naive = by_name.get(prefix + naive_name)
             if key in name and naive is not None:
                 group[SERIES[1]] = (naive["us"], naive.get("GB/s"))
         if engine_gbs:
@@ -66,7 +72,7 @@ def other_ops(rows) -> list[tuple[str, float]]:
     out = []
     for r in _measured(rows):
         suite = _suite(r)
-        if suite == "low_latency" or (suite == "intranode" and "GB/s" not in r):
+        if suite == "low_latency" or (suite in ("intranode", "internode") and "GB/s" not in r):
             out.append((r["op"].removeprefix("intranode "), r["us"]))
     return out
 

@@ -38,6 +38,23 @@ def test_each_op_next_to_the_naive_path_and_the_copy_engine():
     assert plot.other_ops(ROWS) == [("layout", 20.0), ("LL dispatch FP8", 45.0)]
 
 
+def test_internode_ops_compare_with_their_own_suites_naive_path():
+    rows = ROWS + [
+        {"op": "internode layout", "us": 25.0, "suite": "internode"},
+        {"op": "internode dispatch BF16 (cached)", "us": 350.0, "GB/s": 320.0, "RDMA GB/s": 160.0, "suite": "internode"},
+        {"op": "internode combine BF16", "us": 450.0, "GB/s": 250.0, "suite": "internode"},
+        {"op": "internode suite: naive NCCL dispatch", "us": 900.0, "GB/s": 120.0, "suite": "internode"},
+        {"op": "internode suite: naive NCCL combine", "us": 1100.0, "GB/s": 100.0, "suite": "internode"},
+    ]
+    groups = {g["op"]: g for g in plot.compared_ops(rows)}
+    ours, naive, _ = plot.SERIES
+    assert groups["internode dispatch BF16 (cached)"][ours] == (350.0, 320.0)
+    assert groups["internode dispatch BF16 (cached)"][naive] == (900.0, 120.0)  # not the baselines suite's 700
+    assert groups["internode combine BF16"][naive] == (1100.0, 100.0)
+    assert not any(name.startswith("internode suite") for name in groups)
+    assert ("internode layout", 25.0) in plot.other_ops(rows)
+
+
 def test_rows_without_suite_or_baselines():
     rows = [{k: v for k, v in r.items() if k != "suite"} for r in ROWS if not r["op"].startswith(("naive", "copy"))]
     groups = plot.compared_ops(rows)
