@@ -162,6 +162,15 @@ class CommGroup(ABC):
     def close(self) -> None:  # noqa: B027 - most groups make nothing of their own
         """Release what the group made for itself (no collective)."""
 
+    def twin(self) -> CommGroup:
+        """A group over the same ranks whose messages never meet this one's (collective: every rank makes
+        it at the same point). Used for the exit barrier, which must outlive the Buffer's group."""
+        return self
+
+    def usable(self) -> bool:
+        """Whether collectives can still run (False once the underlying MPI or torch world is shut down)."""
+        return True
+
 
 class _Done:
     __slots__ = ("rows",)
@@ -246,6 +255,12 @@ class MPIGroup(CommGroup):
         recv = np.empty((self.size, send.size), dtype=np.int64)
         return _MPIGather(self._own.Iallgather(send, recv), recv)
 
+    def twin(self) -> MPIGroup:
+        return MPIGroup(self.comm)
+
+    def usable(self) -> bool:
+        return self._own is not None and not self._mpi.Is_finalized()
+
     def close(self) -> None:
         """Free the library's communicator, unless an exchange on it timed out (a late peer's messages must
         not meet a later communicator that reuses its context)."""
@@ -278,12 +293,21 @@ class TorchGroup(CommGroup):
         self._tag_base = (_TORCH_GROUPS.setdefault(group, [0])[0] % 1024) << 20
         _TORCH_GROUPS[group][0] += 1
 
+    def twin(self) -> TorchGroup:
+        return TorchGroup(self.group)  # its own tag range: made on every rank in the same order
+
+    def usable(self) -> bool:
+        return bool(self._dist.is_initialized())
+
     def _wait(self, works: dict, clock: _Clock, op: str) -> None:
         """Wait for ``{peer: work}`` until the deadline; raise naming the peers whose work did not finish."""
         from datetime import timedelta
 
         missing = []
         for peer, work in works.items():
+            if work is None:  # could not even be posted (see post in _exchange)
+                missing.append(peer)
+                continue
             budget = clock.remaining() if not missing else 0.0
             try:
                 work.wait(timeout=timedelta(seconds=max(budget, 0.001)))
@@ -302,7 +326,10 @@ class TorchGroup(CommGroup):
 
         def post(fn, tensor, peer, tag):
             keep.append(tensor)
-            return fn(tensor, self._global[peer], group=self.group, tag=tag)
+            try:
+                return fn(tensor, self._global[peer], group=self.group, tag=tag)
+            except RuntimeError:  # gloo refuses at once when the peer's process is gone: a missing rank
+                return None
 
         # First the sizes (their arrival tells who is there), then the bytes.
         sizes = {p: torch.tensor([len(data)], dtype=torch.int64) for p, data in sends.items()}

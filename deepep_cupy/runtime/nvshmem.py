@@ -13,12 +13,21 @@ NVSHMEM stays initialised after the last allocation is freed, so the next Buffer
 starts without another bootstrap; :func:`finalize` shuts it down explicitly (collective), and a new
 allocation that needs a larger symmetric heap than the one NVSHMEM was started with re-initialises it
 when nothing is allocated.
+
+Lost ranks. A collective NVSHMEM call (free, finalize) waits for every PE, forever. So the process
+remembers when a rank of NVSHMEM's world was lost (:func:`mark_peers_lost`: a ``Buffer.destroy()`` whose
+barrier timed out) and then makes no collective NVSHMEM call any more: frees are skipped, the memory stays
+allocated until the process ends, and a new allocation is refused. At interpreter exit NVSHMEM is
+finalized only after a bounded barrier (``DEEPEP_CUPY_TIMEOUT_S``) on a communicator of the library's own,
+made at initialisation, shows that every rank is there to finalize too; otherwise the finalize is skipped
+with a one-line warning on stderr naming the missing ranks.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 
 __all__ = [
@@ -27,7 +36,9 @@ __all__ = [
     "finalize",
     "heap_bytes_for",
     "is_initialized",
+    "mark_peers_lost",
     "nvshmem_environment",
+    "peers_lost",
 ]
 
 _MISSING = ("deepep_cupy: the low-latency kernels need nvshmem4py: pip install nvshmem4py-cu13 (or -cu12 for "
@@ -39,7 +50,12 @@ _HEAP_SLACK = 256 * _MIB
 _GRANULARITY = 512 * _MIB
 
 _lock = threading.RLock()
-_state = {"initialized": False, "rank": None, "size": None, "device": None, "heap": 0, "live": 0, "own_heap": False}
+_state = {"initialized": False, "rank": None, "size": None, "device": None, "heap": 0, "live": 0, "own_heap": False,
+          # Ranks known to be gone (None: none; [] : some, which ones unknown). Set once, never cleared: a
+          # collective with a rank that is gone never returns, for as long as this process lives.
+          "lost": None,
+          # The communicator of the exit barrier, made at the first initialisation (when every rank is there).
+          "exit_group": None}
 
 
 def _modules():
@@ -112,6 +128,10 @@ def _init(group, device_id: int) -> None:
         uid = core.get_unique_id(empty=True)
         payload = None
     payload = group.bcast_object(payload, root=0)
+    if _state["exit_group"] is None:
+        # Made now, while every rank is making the same call: at exit it must not depend on a group the
+        # user may have closed by then (``Buffer.destroy`` closes the Buffer's).
+        _state["exit_group"] = _own_group(group)
     if group.rank != 0:
         uid._data.view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
     core.init(device=device, uid=uid, rank=group.rank, nranks=group.size, initializer_method="uid")
@@ -128,12 +148,97 @@ def _init(group, device_id: int) -> None:
         _state["exit_hook"] = True
 
 
+def _own_group(group):
+    """A group over the same ranks that this module owns (collective); the group itself when it makes
+    nothing of its own (``twin`` absent)."""
+    twin = getattr(group, "twin", None)
+    return twin() if twin is not None else group
+
+
+def _who(ranks) -> str:
+    if not ranks:
+        return "some ranks (which ones is unknown)"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def mark_peers_lost(group, missing) -> None:
+    """Remember that the ranks ``missing`` of ``group`` (None: unknown ones) stopped answering, when
+    ``group`` is NVSHMEM's world (same rank and size). From then on this process makes no collective
+    NVSHMEM call: frees are skipped, new allocations are refused, and NVSHMEM is not finalized at exit."""
+    if not _state["initialized"] or (_state["rank"], _state["size"]) != (group.rank, group.size):
+        return  # another group's ranks: the exit barrier finds out by itself whether NVSHMEM's are all there
+    lost = set(_state["lost"] or ()) | {int(r) for r in (missing or ())}
+    _state["lost"] = sorted(lost)
+
+
+def peers_lost():
+    """The ranks this process knows to be gone (a list, empty when which ones is unknown), or None."""
+    lost = _state["lost"]
+    return None if lost is None else list(lost)
+
+
+def _agree_to_finalize(op: str):
+    """Every rank calls this before the collective finalize. Returns None when all of them arrived within
+    ``DEEPEP_CUPY_TIMEOUT_S`` (finalizing is safe), else the ranks that did not (remembered as lost).
+
+    With no usable group (torch.distributed already shut down by the user, MPI finalized) nothing can be
+    checked: None, and the finalize goes ahead as it would without this check.
+    """
+    if _state["lost"] is not None:
+        return list(_state["lost"])
+    group = _state["exit_group"]
+    usable = getattr(group, "usable", None)
+    if group is None or (usable is not None and not usable()):
+        return None
+    from ..errors import DeepEPTimeoutError
+    from .group import CommGroup
+
+    try:
+        if isinstance(group, CommGroup):
+            group.barrier(op=op)
+        else:
+            group.barrier()
+        return None
+    except DeepEPTimeoutError as exc:
+        lost = list(exc.missing or [])
+    except Exception:  # noqa: BLE001 - a peer that is gone may show up as a broken connection
+        lost = []
+    _state["lost"] = lost
+    return list(lost)
+
+
+def _warn(message: str) -> None:
+    try:
+        print(f"deepep_cupy: {message}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - stderr may already be closed at exit
+        pass
+
+
 def _finalize_at_exit() -> None:
-    with _lock:
+    from .kernel_errors import timeout_seconds
+
+    try:
+        budget = timeout_seconds()
+    except ValueError:  # a malformed DEEPEP_CUPY_TIMEOUT_S: the barrier below reports it as a failure
+        budget = 100.0
+    # A thread that still holds the lock (stuck in an allocation) must not keep the process from ending.
+    if not _lock.acquire(timeout=budget):
+        _warn("NVSHMEM not finalized at exit: another thread is still inside an NVSHMEM call")
+        return
+    try:
+        if not _state["initialized"]:
+            return
+        lost = _agree_to_finalize("NVSHMEM finalize at exit")
+        if lost is not None:
+            _warn(f"NVSHMEM not finalized at exit: {_who(lost)} of {_state['size']} did not arrive (gone or "
+                  f"masked); its finalize waits for every rank. The operating system frees the memory.")
+            return
         try:
             _finalize_locked()
         except Exception:  # noqa: BLE001 - nothing useful can be raised at exit
             pass
+    finally:
+        _lock.release()
 
 
 def _finalize_locked() -> None:
@@ -146,11 +251,19 @@ def _finalize_locked() -> None:
 
 def finalize() -> None:
     """Shut NVSHMEM down (collective over the processes that initialised it). Frees nothing that is
-    still allocated: call it after every Buffer using NVSHMEM was destroyed."""
+    still allocated: call it after every Buffer using NVSHMEM was destroyed. Bounded: raises
+    ``RuntimeError`` naming the ranks that are gone (or did not arrive within ``DEEPEP_CUPY_TIMEOUT_S``)
+    instead of waiting for them."""
     with _lock:
         if _state["live"]:
             raise RuntimeError(f"deepep_cupy: {_state['live']} NVSHMEM allocation(s) still alive; destroy the "
                                "Buffers first")
+        if not _state["initialized"]:
+            return
+        lost = _agree_to_finalize("nvshmem.finalize")
+        if lost is not None:
+            raise RuntimeError(f"deepep_cupy: NVSHMEM cannot be finalized: {_who(lost)} of {_state['size']} "
+                               "did not arrive, and its finalize waits for every rank")
         _finalize_locked()
 
 
@@ -183,8 +296,11 @@ class SymmetricAllocation:
         with _lock:
             if self._freed:
                 return
-            _, bindings = _modules()
-            bindings.free(self.ptr)
+            if _state["lost"] is None and _state["initialized"]:
+                _, bindings = _modules()
+                bindings.free(self.ptr)
+            # else: a rank is gone (the collective free would never return) or NVSHMEM was already shut
+            # down at exit (its heap went with it): the memory stays with the process.
             self._freed = True
             self.array = None
             _state["live"] -= 1
@@ -198,6 +314,11 @@ def acquire(group, device_id: int, num_bytes: int, *, allow_nvlink: bool = True,
         raise ValueError(f"symmetric allocation needs a positive size, got {num_bytes}")
     _modules()
     with _lock:
+        if _state["lost"] is not None:
+            raise RuntimeError(
+                f"deepep_cupy: NVSHMEM lost {_who(_state['lost'])} of {_state['size']} in this process (a "
+                "destroy() timed out); it cannot allocate or re-initialise without them. Low-latency and "
+                "internode Buffers need new processes; intranode Buffers over the survivors still work")
         if _state["initialized"]:
             if (_state["rank"], _state["size"]) != (group.rank, group.size):
                 raise RuntimeError(
