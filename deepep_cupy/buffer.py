@@ -361,6 +361,8 @@ class Buffer(LowLatencyOps):
                                            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                            expert_alignment, num_worst_tokens, config, async_finish,
                                            allocate_on_comm_stream)
+        if handle is not None and self.backend == "cuda":
+            checks.device_handle_values(self, handle)
         if self._host_values and topk_idx is not None:
             check.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0],
                               bound="the length of num_tokens_per_expert, which needs one entry per expert")
@@ -425,6 +427,8 @@ class Buffer(LowLatencyOps):
             plan = _store(self._combine_plans, key, self.runtime.plan_combine(
                 x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
                 async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))
+        if self.backend == "cuda":
+            checks.device_handle_values(self, handle)
         if self._pending:
             self.runtime.poll_agreements()
         return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)

@@ -2,7 +2,9 @@
 metadata of an earlier call skips them). Each raises ``TypeError``/``ValueError`` naming the argument.
 
 Values only the device sees (expert ids) are checked inside the kernels on the GPU backend and raised
-at the next call; the reference backend checks them on the host.
+at the next call; the reference backend checks them on the host. The index values of a handle the GPU
+kernels are given (intranode 6-tuple, low-latency handle) are checked on the host once per handle, when
+validation is on (``DEEPEP_CUPY_VALIDATE``, default on): see :func:`device_handle_values`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import numpy as np
 
 from . import validate as check
 from .config import Config, low_latency_rdma_size_hint
-from .interop import BF16, BOOL, F32, FP8, I32, I64, is_tensor, shape_of
+from .interop import BF16, BOOL, F32, FP8, I32, I64, is_tensor, shape_of, to_numpy
 
 __all__ = ["num_experts_ok", "split_x", "internode_handle", "dispatch_args", "combine_args", "ll_dispatch_args", "ll_combine_args",
-           "config_key", "report_failures"]
+           "config_key", "report_failures", "device_handle_values", "intranode_handle_values", "ll_handle_values"]
 
 
 def num_experts_ok(num_experts, num_ranks: int) -> int:
@@ -236,6 +238,113 @@ def ll_combine_args(num_ranks: int, x, topk_idx, topk_weights, handle, use_logfm
         raise ValueError(f"use_logfmt needs hidden to be a multiple of 128, got {hidden}")
     check.optional_tensor("out", out, dtype=BF16, shape=(n, hidden))
     _wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, num_ranks)
+
+
+# ------------------------------------------------------------------------------------ handle index values
+# Handles recently checked, by id, with a reference that keeps the id from being reused; a handle is
+# normally used by one combine and a few cached dispatches right after the dispatch that made it.
+_CHECKED: dict = {}
+_CHECKED_MAX = 4
+
+
+def _bad(name: str, what: str) -> ValueError:
+    return ValueError(f"{name} {what}: the handle is not one dispatch returned (or was modified)")
+
+
+def intranode_handle_values(h, rank: int, num_ranks: int) -> None:
+    """Index checks of the intranode 6-tuple, as NumPy arrays ``h``, for this ``rank``; each entry must be
+    what the dispatch derived (the GPU kernels index memory with them)."""
+    from .reference.normal import channel_prefix_matrix, send_head_matrix
+
+    rp, cp, rcp, src, in_rank, head = (np.asarray(a) for a in h)
+    in_rank = in_rank.astype(bool)
+    rows = src.shape[0]
+    if (rp < 0).any() or (np.diff(rp.astype(np.int64), axis=0) < 0).any():
+        raise _bad("handle[0] (rank_prefix_matrix)", "must be non-negative and non-decreasing down each column")
+    ends = rp[:, rank].astype(np.int64)
+    if ends[-1] > rows:
+        raise _bad("handle[0] (rank_prefix_matrix)", f"says rank {rank} received {int(ends[-1])} rows, more than "
+                   f"the {rows} rows of handle[3] (recv_src_idx)")
+    c = cp.shape[1]
+    if not np.array_equal(cp, channel_prefix_matrix(in_rank, c)):
+        raise _bad("handle[1] (channel_prefix_matrix)", "does not count the tokens of handle[4] (is_token_in_rank) "
+                   "per channel")
+    if not np.array_equal(head, send_head_matrix(in_rank)):
+        bad = int(np.count_nonzero(head != send_head_matrix(in_rank)))
+        raise _bad("handle[5] (send_head)", f"has {bad} entries that are not -1 where handle[4] is False and the "
+                   "token's position among those sent to the rank where it is True")
+    got = np.diff(np.concatenate([[0], ends]))  # rows received from each source
+    rcp = rcp.astype(np.int64)
+    if (rcp[:, 0] != 0).any() or (np.diff(rcp, axis=1) < 0).any() or (rcp[:, -1] > got).any():
+        raise _bad("handle[2] (recv_channel_prefix_matrix)", "must start at 0 and rise along each row to at most the "
+                   "rows received from that rank (handle[0])")
+    received = src[:ends[-1]].astype(np.int64)
+    if received.size and received.min() < 0:
+        raise _bad("handle[3] (recv_src_idx)", "holds negative token indices among the received rows")
+    # Rows of one source come in its token order: indices rise strictly within each source's block.
+    rising = np.diff(received) > 0
+    starts = ends[:-1][(ends[:-1] > 0) & (ends[:-1] < ends[-1])] - 1  # the steps from one block to the next
+    rising[starts] = True
+    if not rising.all():
+        raise _bad("handle[3] (recv_src_idx)", "must rise strictly within the rows of each source rank")
+
+
+def ll_handle_values(h, num_ranks: int) -> None:
+    """Index checks of a low-latency handle ``(src_info, layout_range, T, hidden, num_experts)`` with its
+    tensors as NumPy arrays: row ranges inside the ``R * T`` rows of each local expert, not overlapping, and
+    every row's source token in ``[0, T)``."""
+    src_info, layout_range = np.asarray(h[0]), np.asarray(h[1]).astype(np.int64)
+    t = int(h[2])
+    slab = num_ranks * t
+    begin, count = layout_range >> 32, layout_range & 0xFFFFFFFF
+    if (begin < 0).any() or (count > t).any() or (begin + count > slab).any():
+        raise _bad("handle[1] (layout_range)", f"has row ranges outside [0, {slab}) or longer than T={t}")
+    order = np.argsort(begin, axis=1, kind="stable")
+    b, n = np.take_along_axis(begin, order, 1), np.take_along_axis(count, order, 1)
+    if (b[:, 1:] < b[:, :-1] + n[:, :-1]).any():
+        raise _bad("handle[1] (layout_range)", "has overlapping row ranges within a local expert")
+    # Rows inside some range: +1 where a range starts, -1 where it ends, running sum > 0.
+    edges = np.zeros((begin.shape[0], slab + 1), np.int64)
+    experts = np.repeat(np.arange(begin.shape[0]), begin.shape[1])
+    np.add.at(edges, (experts, begin.ravel()), 1)
+    np.add.at(edges, (experts, (begin + count).ravel()), -1)
+    tokens = src_info[np.cumsum(edges, axis=1)[:, :slab] > 0]
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= t):
+        raise _bad("handle[0] (src_info)", f"names source tokens outside [0, {t}) (T) in received rows")
+
+
+def _capturing(obj) -> bool:
+    if isinstance(obj, np.ndarray):
+        return False
+    if type(obj).__module__.startswith("torch"):
+        import torch
+
+        return bool(obj.is_cuda and torch.cuda.is_current_stream_capturing())
+    import cupy
+
+    return bool(cupy.cuda.get_current_stream().is_capturing())
+
+
+def device_handle_values(buffer, handle) -> None:
+    """The index checks of a GPU ``handle`` given to ``buffer``'s op, once per handle, when validation is on
+    and no CUDA graph is being captured (the host copy waits for the device). Internode handles are left
+    to their own checks. Raises ``ValueError`` naming the entry."""
+    if not check.values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
+        return
+    key = (id(handle), buffer.rank, buffer.group_size)
+    if key in _CHECKED or _capturing(handle[0]):
+        return
+    # The dispatch that made the handle may still run on the communication stream (async_finish).
+    stream = getattr(buffer.runtime, "comm_stream", None)
+    if stream is not None:
+        stream.synchronize()
+    if len(handle) == 6:
+        intranode_handle_values([to_numpy(a) for a in handle], buffer.rank, buffer.group_size)
+    else:
+        ll_handle_values((to_numpy(handle[0]), to_numpy(handle[1]), handle[2]), buffer.group_size)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[key] = handle
 
 
 # The collective methods of ``Buffer`` and the op of the runtime each one runs.

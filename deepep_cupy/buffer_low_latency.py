@@ -127,6 +127,8 @@ class LowLatencyOps:
                 return_recv_hook=bool(return_recv_hook)))
         if self._host_values:
             check.topk_values("topk_idx", topk_idx, int(handle[4]), bound="handle[4] (num_experts)")
+        if self.backend == "cuda":
+            checks.device_handle_values(self, handle)
         if self._pending:
             self.runtime.poll_agreements()
         return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
