@@ -50,6 +50,7 @@ struct CombineArgs {
     int nvl_cap, num_channels;
     long long* state;
     int rank;
+    int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores
 };
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
@@ -75,6 +76,50 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = to_bf16(acc[2 * k]) | (to_bf16(acc[2 * k + 1]) << 16);
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// dst = one rounding of (bias_0 + bias_1 + the N rows of src that are not null), in that order, over `n`
+// int4 of bf16. Each lane keeps U loads per source in flight (one at a time leaves a warp latency-bound).
+template <int N>
+__device__ __forceinline__ void warp_sum_rows(int4* dst, const int4* const (&src)[N], const int4* bias_0,
+                                              const int4* bias_1, int n, int lane) {
+    constexpr int U = N >= 4 ? 2 : 4;
+    int e = lane;
+    for (; e + (U - 1) * 32 < n; e += U * 32) {
+        float acc[U][8];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+        if (bias_0 != nullptr) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + e + u * 32));
+        }
+        if (bias_1 != nullptr) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], deepep::ld_nc_v4(bias_1 + e + u * 32));
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            if (src[j] == nullptr) continue;
+            int4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) v[u] = deepep::ld_cg_v4(src[j] + e + u * 32);
+#pragma unroll
+            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) dst[e + u * 32] = pack_bf16x8(acc[u]);
+    }
+    for (; e < n; e += 32) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (bias_0 != nullptr) add_bf16x8(acc, deepep::ld_nc_v4(bias_0 + e));
+        if (bias_1 != nullptr) add_bf16x8(acc, deepep::ld_nc_v4(bias_1 + e));
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+            if (src[j] != nullptr) add_bf16x8(acc, deepep::ld_cg_v4(src[j] + e));
+        dst[e] = pack_bf16x8(acc);
+    }
 }
 
 template <int L, int D>
@@ -152,15 +197,23 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const int start = c > 0 ? a.recv_rdma_cpm[ds * C + c - 1] : 0;
     const int n = a.recv_rdma_cpm[ds * C + c] - start;
     const long long row0 = (ds > 0 ? a.recv_rdma_prefix[ds - 1] : 0) + start;
+    // As the dispatch's sender: straight into the ring of a source reachable by stores, else staged and put.
+    uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
+    uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
+    const bool direct = peer_tail != nullptr;
     int first = 0;  // first slot not yet published
+    auto publish = [&](int end) {
+        if (direct)
+            publish_direct(peer_tail, base + end, lane);
+        else
+            put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                            static_cast<size_t>(end - first) * a.slot_bytes, sig.tail(i_peer), base + end,
+                            NVSHMEM_SIGNAL_SET, pe, lane);
+        first = end;
+    };
     for (int k = 0; k < n && ok; ++k) {
         if (k >= a.rdma_cap) {
-            if (first < k) {  // the source cannot free slots it has not seen
-                put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
-                                static_cast<size_t>(k - first) * a.slot_bytes, sig.tail(i_peer), base + k,
-                                NVSHMEM_SIGNAL_SET, pe, lane);
-                first = k;
-            }
+            if (first < k) publish(k);  // the source cannot free slots it has not seen
             wait_at_least(sig.head(i), base + 1 + k - a.rdma_cap, w, kOpCombineHead, pe, __LINE__, &ok);
             if (!ok) break;
         }
@@ -174,21 +227,16 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                               d_me * L + j, __LINE__, &ok);
         }
         if (!ok) break;
-        uint8_t* out = g.rdma_slot(0, i, k);
+        uint8_t* out = direct ? peer_ring + static_cast<long long>(k % a.rdma_cap) * a.slot_bytes : g.rdma_slot(0, i, k);
         // Every lane learns every position here: the loops below leave lanes idle, so no shuffle inside.
         int ps[L];
+        const int4* rows[L];
 #pragma unroll
-        for (int j = 0; j < L; ++j) ps[j] = __shfl_sync(kFullMask, pos, j);
-        for (int e = lane; e < a.hidden_int4; e += 32) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < L; ++j) {
-                const int p = ps[j];
-                if (p >= 0)
-                    add_bf16x8(acc, deepep::ld_cg_v4(reinterpret_cast<const int4*>(g.nvl_slot(l_me, c, j, ds, p) + 16) + e));
-            }
-            reinterpret_cast<int4*>(out + 16)[e] = pack_bf16x8(acc);
+        for (int j = 0; j < L; ++j) {
+            ps[j] = __shfl_sync(kFullMask, pos, j);
+            rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(g.nvl_slot(l_me, c, j, ds, ps[j]) + 16) : nullptr;
         }
+        warp_sum_rows<L>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4, lane);
         if (a.topk_weights != nullptr) {
             float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) {
@@ -210,12 +258,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
             deepep::st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
                                    static_cast<uint64_t>(nbase) + taken);
         }
-        if (k + 1 - first >= a.rdma_chunk || k + 1 == n) {
-            put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
-                            static_cast<size_t>(k + 1 - first) * a.slot_bytes, sig.tail(i_peer), base + k + 1,
-                            NVSHMEM_SIGNAL_SET, pe, lane);
-            first = k + 1;
-        }
+        if (k + 1 - first >= a.rdma_chunk || k + 1 == n) publish(k + 1);
     }
     if (lane == 0) nvshmem_quiet();
     if (ok) {
@@ -238,8 +281,22 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     bool ok = true;
     int t_begin, t_end;
     channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    // Lane d: slots of domain d read but not yet handed back. They go back in batches, and at once whenever
+    // this warp is about to wait: the forwarder may be waiting for exactly those slots.
+    int pending = 0;
+    auto hand_back = [&]() {
+        if (lane < D && pending > 0) {
+            nvshmem_fence();
+            nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(pending), NVSHMEM_SIGNAL_ADD,
+                               lane * L + l_me);
+            pending = 0;
+        }
+        __syncwarp();
+    };
     for (int t = t_begin; t < t_end && ok; ++t) {
         const int pos = lane < D ? a.send_rdma_head[static_cast<long long>(t) * D + lane] : -1;
+        const bool ready = pos < 0 || deepep::ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
+        if (!__all_sync(kFullMask, ready)) hand_back();
         for (int d = 0; d < D && ok; ++d) {
             const int p = __shfl_sync(kFullMask, pos, d);
             const long long b = __shfl_sync(kFullMask, base, d);
@@ -249,20 +306,15 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         if (!ok) break;
         int ps[D];  // as in the forwarder: no shuffle inside the lane-strided loops
+        const int4* rows[D];
 #pragma unroll
-        for (int d = 0; d < D; ++d) ps[d] = __shfl_sync(kFullMask, pos, d);
-        for (int e = lane; e < a.hidden_int4; e += 32) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (a.bias_0 != nullptr) add_bf16x8(acc, a.bias_0[static_cast<long long>(t) * a.hidden_int4 + e]);
-            if (a.bias_1 != nullptr) add_bf16x8(acc, a.bias_1[static_cast<long long>(t) * a.hidden_int4 + e]);
-#pragma unroll
-            for (int d = 0; d < D; ++d) {
-                const int p = ps[d];
-                if (p >= 0)
-                    add_bf16x8(acc, deepep::ld_cg_v4(reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, p) + 16) + e));
-            }
-            a.combined_x[static_cast<long long>(t) * a.hidden_int4 + e] = pack_bf16x8(acc);
+        for (int d = 0; d < D; ++d) {
+            ps[d] = __shfl_sync(kFullMask, pos, d);
+            rows[d] = ps[d] >= 0 ? reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, ps[d]) + 16) : nullptr;
         }
+        const long long off = static_cast<long long>(t) * a.hidden_int4;
+        warp_sum_rows<D>(a.combined_x + off, rows, a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
+                         a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
         if (a.combined_topk_weights != nullptr) {
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
@@ -276,15 +328,11 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
                 a.combined_topk_weights[static_cast<long long>(t) * a.num_topk + q] = sum;
             }
         }
-        // Free the slots just read, at once: a forwarder may be waiting for exactly these.
         __syncwarp();
-        if (lane < D && pos >= 0) {
-            ++used;
-            nvshmem_fence();
-            nvshmemx_signal_op(sig.head(c * D + d_me), 1, NVSHMEM_SIGNAL_ADD, lane * L + l_me);
-        }
-        __syncwarp();
+        if (lane < D && pos >= 0) ++used, ++pending;
+        if (__any_sync(kFullMask, pending >= 8)) hand_back();
     }
+    hand_back();
     if (lane == 0) nvshmem_quiet();
     if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + used;
 }
@@ -306,14 +354,14 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights, uint8_t* rdma,
         long long ring_offset, int slot_bytes, int slot_topk_weights_offset, int rdma_cap, int rdma_chunk,
         uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
-        int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+        int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     const int c = blockIdx.x / 2, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const CombineArgs a{x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
                         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
                         send_rdma_head, send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
                         rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
-                        nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank};
+                        nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
     if (blockIdx.x % 2 == 0) {
         if (warp < L * D) send_nvl<L, D>(a, w, c, warp / L, warp % L, lane);

@@ -49,6 +49,7 @@ struct DispatchArgs {
     long long* state;
     deepep::ErrorRecord* err;
     int rank;
+    int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores (tests the network path)
 };
 
 template <int L, int D>
@@ -72,9 +73,17 @@ struct Geometry {
 };
 
 // Copy the payload of one slot (everything after the header that this op uses) with the warp.
+// Only the parts this op fills: header and row, then the scales, top-k ids and weights.
 __device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, const DispatchArgs& a, int lane) {
-    const int bytes = a.slot.topk_weights_offset + 4 * a.num_topk;
-    warp_copy_cg(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), (bytes + 15) / 16, lane);
+    warp_copy_cg(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), 1 + a.hidden_int4, lane);
+    const unsigned int* from = reinterpret_cast<const unsigned int*>(src);
+    unsigned int* to = reinterpret_cast<unsigned int*>(dst);
+    const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
+    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = deepep::ld_cg_u32(from + sc + q);
+    for (int q = lane; q < a.num_topk; q += 32) {
+        to[ids + q] = deepep::ld_cg_u32(from + ids + q);
+        to[ws + q] = deepep::ld_cg_u32(from + ws + q);
+    }
 }
 
 // RDMA sender of channel c to domain d (one warp).
@@ -106,6 +115,12 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
         put_signal_warp(g.rdma_meta(1, i_peer), m, (2 * L + 2) * sizeof(int), sig.tail(i_peer), base + 1,
                         NVSHMEM_SIGNAL_SET, pe, lane);
     }
+    // A peer reachable by loads and stores (NVLink, P2P) gets the rows written straight into its ring and the
+    // tail by a release store after a system fence; any other peer gets staged slots, a put and a signal
+    // ordered behind nvshmem_fence (put_signal_warp). Either way the data is visible before the tail.
+    uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
+    uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
+    const bool direct = peer_tail != nullptr;
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     deepep::BadValue bad;
     int count = 0, first = 0;
@@ -129,7 +144,8 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             if (idx >= a.rdma_cap)  // slot idx - Rt must be released (unit 1 + idx - Rt)
                 wait_at_least(sig.head(i), base + 2 + idx - a.rdma_cap, w, kOpDispatchHead, pe, __LINE__, &ok);
             if (!ok) break;
-            uint8_t* s = g.rdma_slot(0, i, idx);
+            uint8_t* s = direct ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot.slot_bytes
+                                : g.rdma_slot(0, i, idx);
             if (lane == 0) *reinterpret_cast<int4*>(s) = make_int4(d_me, tok_bits, token, 0);
             warp_copy_nc(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
                          a.hidden_int4, lane);
@@ -148,18 +164,24 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             }
             // Publish a chunk (Rt is a multiple of the chunk, so a chunk never wraps around the ring).
             if (count - first == a.rdma_chunk) {
-                put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
-                                static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer),
-                                base + 1 + count, NVSHMEM_SIGNAL_SET, pe, lane);
+                if (direct)
+                    publish_direct(peer_tail, base + 1 + count, lane);
+                else
+                    put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                                    static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer),
+                                    base + 1 + count, NVSHMEM_SIGNAL_SET, pe, lane);
                 first = count;
             }
         }
         if (!ok) break;
     }
     if (ok && count > first) {
-        put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
-                        static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer), base + 1 + count,
-                        NVSHMEM_SIGNAL_SET, pe, lane);
+        if (direct)
+            publish_direct(peer_tail, base + 1 + count, lane);
+        else
+            put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
+                            static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer), base + 1 + count,
+                            NVSHMEM_SIGNAL_SET, pe, lane);
     }
     bad.report_from_warp(a.err, deepep::kValueOpInternodeDispatch, a.rank, __LINE__);
     if (lane == 0) {
@@ -191,7 +213,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          uint8_t* rdma, long long ring_offset, int slot_bytes, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int rdma_cap, int rdma_chunk, uint8_t* sig,
          const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
-         int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+         int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     const int c = blockIdx.x / 2, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
@@ -202,7 +224,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          send_rdma_head, send_nvl_head, num_out_rows, num_nvl_head_rows, rdma, ring_offset,
                          Slot{slot_bytes, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset},
                          rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
-                         num_channels, state, err, rank};
+                         num_channels, state, err, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
     if (blockIdx.x % 2 == 0) {
         if (warp < D) send_rdma<L, D>(a, w, c, warp, lane);

@@ -149,13 +149,40 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
     __syncwarp();
 }
 
-// Copy `n` int4 with the whole warp; `src` may be rewritten by peers later, so loads go to L2.
-__device__ __forceinline__ void warp_copy_cg(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
-    for (int j = lane; j < n; j += 32) deepep::st_na_v4(dst + j, deepep::ld_cg_v4(src + j));
+// Publish, to a peer reachable by stores, everything this warp wrote so far: system-scope fence, then a
+// release store of the tail value into the peer's word (the reader acquires it).
+__device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t value, int lane) {
+    __syncwarp();
+    deepep::fence_acq_rel_sys();
+    if (lane == 0) deepep::st_release_sys(peer_word, value);
+    __syncwarp();
 }
 
+// Warp copies of `n` int4. Each lane keeps kCopyUnroll loads in flight before it stores: one load at a time
+// leaves a warp latency-bound at about 1 GB/s, far below what one warp can move.
+constexpr int kCopyUnroll = 8;
+
+template <bool kL2Only>
+__device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    int j = lane;
+    for (; j + (kCopyUnroll - 1) * 32 < n; j += kCopyUnroll * 32) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) v[u] = kL2Only ? deepep::ld_cg_v4(src + j + u * 32) : deepep::ld_nc_v4(src + j + u * 32);
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) deepep::st_na_v4(dst + j + u * 32, v[u]);
+    }
+    for (; j < n; j += 32) deepep::st_na_v4(dst + j, kL2Only ? deepep::ld_cg_v4(src + j) : deepep::ld_nc_v4(src + j));
+}
+
+// `src` may be rewritten by peers later (a ring slot), so loads go to L2 only.
+__device__ __forceinline__ void warp_copy_cg(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    warp_copy<true>(dst, src, n, lane);
+}
+
+// `src` is read-only for the whole kernel (the caller's tokens).
 __device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
-    for (int j = lane; j < n; j += 32) deepep::st_na_v4(dst + j, deepep::ld_nc_v4(src + j));
+    warp_copy<false>(dst, src, n, lane);
 }
 
 }  // namespace deepep_internode

@@ -11,6 +11,7 @@ template parameters, instantiated on first use; the rest are arguments. Offsets 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -146,7 +147,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   recv_x_scales, recv_topk_idx, recv_topk_weights, recv_rdma_channel_prefix_matrix,
                   recv_gbl_channel_prefix_matrix, recv_src_meta, send_rdma_head, send_nvl_head, num_out_rows,
                   num_nvl_head_rows, rdma, layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout,
-                  state, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+                  state, err_ptr, timeout_ns, rank, force_rma=False) -> list[tuple[str, object]]:
     """Arguments of ``dispatch<L, D>``, in order, with their parameter names."""
     slot = layout.slot
     return [
@@ -176,6 +177,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
         ("num_channels", np.int32(layout.num_channels)), ("state", state),
         ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
+        ("force_rma", np.int32(bool(force_rma))),
     ]
 
 
@@ -183,7 +185,7 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel
                  recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, send_rdma_head,
                  send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights, rdma,
                  layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout, state, err_ptr, timeout_ns,
-                 rank) -> list[tuple[str, object]]:
+                 rank, force_rma=False) -> list[tuple[str, object]]:
     """Arguments of ``combine<L, D>``, in order, with their parameter names."""
     return [
         ("x", x), ("topk_weights", _ptr(topk_weights)), ("num_topk", np.int32(num_topk)),
@@ -202,6 +204,7 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel
         ("nvl_bases", nvl_bases), ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
         ("num_channels", np.int32(layout.num_channels)), ("state", state),
         ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
+        ("force_rma", np.int32(bool(force_rma))),
     ]
 
 
@@ -255,6 +258,8 @@ class InternodeEngine(EngineHealth):
             raise ValueError("internode ops need num_nvl_bytes > 0 and num_rdma_bytes > 0 "
                              "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
         self.timeout_s = timeout_seconds()
+        # NVSHMEM puts and signals even to peers reachable by stores: runs the network path on one host.
+        self.force_rma = os.environ.get("DEEPEP_CUPY_INTERNODE_FORCE_RMA", "0") == "1"
         self.signals = IL.signal_layout(self.num_nvl_ranks, self.num_domains)
         self._own_rdma = rdma is None
         self._rdma = self._sig = self.nvl = None

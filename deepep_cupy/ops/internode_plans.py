@@ -112,7 +112,7 @@ class DispatchPlan(_Plan):
             recv_rdma_channel_prefix_matrix=0, recv_gbl_channel_prefix_matrix=0, recv_src_meta=0, send_rdma_head=0,
             send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, layout=self.rdma,
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
-            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
+            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, block_threads(L, D), _launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         self.notify = None
@@ -217,7 +217,7 @@ _DISPATCH_CONSTANTS = frozenset((
     "scale_token_stride", "scale_block_stride", "num_scales", "num_topk", "num_local_experts", "num_tokens",
     "hidden_int4", "rdma", "ring_offset", "slot_bytes", "slot_scales_offset", "slot_topk_idx_offset",
     "slot_topk_weights_offset", "rdma_cap", "rdma_chunk", "sig", "nvl_bases", "nvl_meta_offset", "nvl_ring_offset",
-    "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank"))
+    "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank", "force_rma"))
 
 
 class CombinePlan(_Plan):
@@ -265,7 +265,7 @@ class CombinePlan(_Plan):
             send_rdma_head=0, send_nvl_head=0, num_tokens=self.num_tokens, hidden_int4=2 * self.hidden // 16,
             combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
-            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank)
+            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank, force_rma=engine.force_rma)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, combine_block_threads(L, D), _launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in _COMBINE_PATCHED)
 

@@ -332,3 +332,18 @@ def test_timeout_reports_and_recovers(env):
         assert "internode dispatch" in text and f"rank {me}" in text and "peer 1" in text, text
     _fresh_buffer(env)
     _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k)
+
+
+@pytest.mark.parametrize("n,hidden,experts,k,extra", [SMALL[2], SMALL[3], SMALL[9]])
+def test_network_path(env, monkeypatch, n, hidden, experts, k, extra):
+    """Every row and signal through NVSHMEM puts (as to a peer on another host), not stores over NVLink."""
+    monkeypatch.setenv("DEEPEP_CUPY_INTERNODE_FORCE_RMA", "1")
+    _fresh_buffer(env)
+    try:
+        assert env["buf"].runtime.internode.force_rma
+        rng = np.random.default_rng([n, hidden, k, env["rank"], 7])
+        for _ in range(2):
+            _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+    finally:
+        monkeypatch.delenv("DEEPEP_CUPY_INTERNODE_FORCE_RMA")
+        _fresh_buffer(env)
