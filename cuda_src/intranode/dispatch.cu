@@ -74,6 +74,88 @@ struct DispatchArgs {
     int num_recv;
 };
 
+// ---- a token's scales and top-k entries ------------------------------------------------------------
+//
+// Everything a token carries besides its row is loaded into registers *before* the row is copied, so that
+// these loads are in flight together with the row's instead of following it one dependent round trip at a
+// time. That matters most for column-major FP8 scales (token stride 1): the scales of one token then lie
+// in num_scales different 128-byte lines. Lane l holds scale blocks l + 32 j (j < kScaleRegs, i.e. hidden
+// up to 8192 for FP8) and top-k entry l; anything beyond that (larger hidden, top-k above 32) is still
+// loaded where it is stored.
+constexpr int kScaleRegs = 2;
+
+struct TokenAux {
+    uint32_t scale[kScaleRegs];
+    long long expert;  // lane l < num_topk: expert id l of the token (-1 otherwise)
+    float weight;      // its weight (0 without weights)
+};
+
+__device__ __forceinline__ const unsigned int* token_scales(const DispatchArgs& a, int token) {
+    return a.x_scales + token * a.scale_token_stride;
+}
+
+// Sender side: from the user's inputs (read-only for the whole kernel). `with_topk`: load the top-k pair.
+__device__ __forceinline__ TokenAux load_aux(const DispatchArgs& a, int token, bool with_topk, int lane) {
+    TokenAux t;
+    const unsigned int* sc = token_scales(a, token);
+#pragma unroll
+    for (int j = 0; j < kScaleRegs; ++j) {
+        const int s = lane + 32 * j;
+        t.scale[j] = s < a.num_scales ? __ldg(sc + s * a.scale_block_stride) : 0u;
+    }
+    t.expert = -1;
+    t.weight = 0.0f;
+    if (with_topk && lane < a.num_topk) {
+        const long long k = static_cast<long long>(token) * a.num_topk + lane;
+        t.expert = __ldg(a.topk_idx + k);
+        if (a.topk_weights != nullptr) t.weight = __ldg(a.topk_weights + k);
+    }
+    return t;
+}
+
+__device__ __forceinline__ void store_scales(unsigned int* dst, const DispatchArgs& a, int token, const TokenAux& t,
+                                             int lane) {
+#pragma unroll
+    for (int j = 0; j < kScaleRegs; ++j)
+        if (lane + 32 * j < a.num_scales) dst[lane + 32 * j] = t.scale[j];
+    const unsigned int* sc = token_scales(a, token);
+    for (int s = lane + 32 * kScaleRegs; s < a.num_scales; s += 32) dst[s] = __ldg(sc + s * a.scale_block_stride);
+}
+
+// Calls put(j, expert id, weight) for every top-k entry of the token, lane j % 32 doing entry j.
+template <typename Put>
+__device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, const TokenAux& t, int lane, Put put) {
+    if (lane < a.num_topk) put(lane, t.expert, t.weight);
+    for (int j = lane + 32; j < a.num_topk; j += 32) {
+        const long long k = static_cast<long long>(token) * a.num_topk + j;
+        put(j, __ldg(a.topk_idx + k), a.topk_weights != nullptr ? __ldg(a.topk_weights + k) : 0.0f);
+    }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Asks L2 for the scales of tokens [t0, t1) (at most 32), a chunk ahead of their loads, so that the
+// first warp to load them does not wait for DRAM. Column-major: one run of 4 * (t1 - t0) bytes per scale
+// block (its first and last element cover it); row-major: one contiguous run. Other layouts: nothing.
+__device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, int t1, int lane) {
+    if (a.num_scales == 0 || t0 >= t1) return;
+    const unsigned int* first = token_scales(a, t0);
+    if (a.scale_token_stride == 1) {
+        for (int s = lane; s < a.num_scales; s += 32) {
+            prefetch_l2(first + s * a.scale_block_stride);
+            prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
+        }
+    } else if (a.scale_block_stride == 1) {
+        // From the 128-byte line of the first element to that of the last one.
+        const uintptr_t begin = reinterpret_cast<uintptr_t>(first);
+        const uintptr_t end = reinterpret_cast<uintptr_t>(first + (t1 - t0 - 1) * a.scale_token_stride + a.num_scales);
+        for (uintptr_t p = (begin & ~uintptr_t{127}) + 128u * lane; p < end; p += 32u * 128u)
+            prefetch_l2(reinterpret_cast<const void*>(p));
+    }
+}
+
 // One warp of the group sending channel c's tokens to dst (dst == rank: the self group, straight into the
 // outputs). gi / gs: index of the warp in its group and the group size.
 template <int kNumRanks, int kUnroll>
@@ -120,6 +202,8 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
             const int tn = t + 32;
             in_next = tn < t_end && a.is_token_in_rank[static_cast<long long>(tn) * R + dst];
         }
+        // One warp of the group (in turn) asks L2 for the next chunk's scales.
+        if (((chunk - t_begin) / 32) % gs == gi) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
         unsigned int mask = __ballot_sync(kFullMask, in);
         if (gi == 0 && a.send_head != nullptr && t < t_end) {
             const int before = __popc(mask & ((1u << lane) - 1u));
@@ -139,22 +223,19 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
                     if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, rank, rank, __LINE__, a.num_recv);
                     continue;
                 }
+                const TokenAux aux = load_aux(a, token, a.recv_topk_idx != nullptr, lane);
                 warp_copy_nc<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4, src_row, a.hidden_int4,
                                       lane);
-                for (int s = lane; s < a.num_scales; s += 32)
-                    a.recv_x_scales[static_cast<long long>(row) * a.num_scales + s] =
-                        a.x_scales[token * a.scale_token_stride + s * a.scale_block_stride];
+                store_scales(a.recv_x_scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
                 if (a.recv_topk_idx != nullptr) {
-                    for (int j = lane; j < a.num_topk; j += 32) {
-                        const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + j];
+                    for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
                         bad.check_expert_id(e, num_experts);
                         const long long local = e - static_cast<long long>(rank) * a.num_local_experts;
                         const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
                         a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
                         if (a.recv_topk_weights != nullptr)
-                            a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] =
-                                mine ? a.topk_weights[static_cast<long long>(token) * a.num_topk + j] : 0.0f;
-                    }
+                            a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] = mine ? w : 0.0f;
+                    });
                 }
                 if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = token;
                 continue;
@@ -167,24 +248,20 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
                                __LINE__);
                 if (!ok) break;
             }
+            const TokenAux aux = load_aux(a, token, a.topk_idx != nullptr, lane);
             uint8_t* slot_ptr = ring + static_cast<long long>(slot) * a.slot_bytes;
             warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), src_row, a.hidden_int4, lane);
-            unsigned int* slot_scales = reinterpret_cast<unsigned int*>(slot_ptr + a.slot_scales_offset);
-            for (int s = lane; s < a.num_scales; s += 32)
-                slot_scales[s] = a.x_scales[token * a.scale_token_stride + s * a.scale_block_stride];
+            store_scales(reinterpret_cast<unsigned int*>(slot_ptr + a.slot_scales_offset), a, token, aux, lane);
             if (a.topk_idx != nullptr) {
                 int* slot_idx = reinterpret_cast<int*>(slot_ptr + a.slot_topk_idx_offset);
                 float* slot_w = reinterpret_cast<float*>(slot_ptr + a.slot_topk_weights_offset);
-                for (int j = lane; j < a.num_topk; j += 32) {
-                    const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + j];
+                for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
                     bad.check_expert_id(e, num_experts);
                     const long long local = e - static_cast<long long>(dst) * a.num_local_experts;
                     const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
                     slot_idx[j] = mine ? static_cast<int>(local) : -1;
-                    slot_w[j] = (mine && a.topk_weights != nullptr)
-                                    ? a.topk_weights[static_cast<long long>(token) * a.num_topk + j]
-                                    : 0.0f;
-                }
+                    slot_w[j] = mine ? w : 0.0f;
+                });
             }
             if (lane == 0) reinterpret_cast<int*>(slot_ptr)[2] = token;
             if (run_len == 0) run_first = idx;
@@ -235,22 +312,46 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const WaitC
             const uint8_t* slot_ptr = ring + static_cast<long long>(idx % a.cap) * a.slot_bytes;
             const int row = out_base + idx;
             if (row < a.num_out_rows) {
+                // The slot's scales, top-k pair and source index are loaded before its row, as on the
+                // sending side, so that their L2 round trips overlap the row's.
+                const unsigned int* slot_scales = reinterpret_cast<const unsigned int*>(slot_ptr + a.slot_scales_offset);
+                const int* slot_idx = reinterpret_cast<const int*>(slot_ptr + a.slot_topk_idx_offset);
+                const float* slot_w = reinterpret_cast<const float*>(slot_ptr + a.slot_topk_weights_offset);
+                uint32_t sc[kScaleRegs];
+#pragma unroll
+                for (int j = 0; j < kScaleRegs; ++j)
+                    if (lane + 32 * j < a.num_scales) sc[j] = ld_cg_u32(slot_scales + lane + 32 * j);
+                int e = -1;
+                float w = 0.0f;
+                if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
+                    e = ld_cg_s32(slot_idx + lane);
+                    if (a.recv_topk_weights != nullptr) w = ld_cg_f32(slot_w + lane);
+                }
+                const int src_token =
+                    lane == 0 && a.recv_src_idx != nullptr ? ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2) : 0;
+
                 warp_copy_ring<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4,
                                         reinterpret_cast<const int4*>(slot_ptr + 16), a.hidden_int4, lane);
-                const unsigned int* slot_scales = reinterpret_cast<const unsigned int*>(slot_ptr + a.slot_scales_offset);
-                for (int s = lane; s < a.num_scales; s += 32)
-                    a.recv_x_scales[static_cast<long long>(row) * a.num_scales + s] = ld_cg_u32(slot_scales + s);
+                unsigned int* out_scales = a.recv_x_scales + static_cast<long long>(row) * a.num_scales;
+#pragma unroll
+                for (int j = 0; j < kScaleRegs; ++j)
+                    if (lane + 32 * j < a.num_scales) out_scales[lane + 32 * j] = sc[j];
+                for (int s = lane + 32 * kScaleRegs; s < a.num_scales; s += 32)
+                    out_scales[s] = ld_cg_u32(slot_scales + s);
                 if (a.recv_topk_idx != nullptr) {
-                    const int* slot_idx = reinterpret_cast<const int*>(slot_ptr + a.slot_topk_idx_offset);
-                    const float* slot_w = reinterpret_cast<const float*>(slot_ptr + a.slot_topk_weights_offset);
-                    for (int j = lane; j < a.num_topk; j += 32) {
-                        a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = ld_cg_s32(slot_idx + j);
-                        if (a.recv_topk_weights != nullptr)
-                            a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] = ld_cg_f32(slot_w + j);
+                    long long* out_idx = a.recv_topk_idx + static_cast<long long>(row) * a.num_topk;
+                    float* out_w = a.recv_topk_weights;
+                    if (out_w != nullptr) out_w += static_cast<long long>(row) * a.num_topk;
+                    if (lane < a.num_topk) {
+                        out_idx[lane] = e;
+                        if (out_w != nullptr) out_w[lane] = w;
+                    }
+                    for (int j = lane + 32; j < a.num_topk; j += 32) {
+                        out_idx[j] = ld_cg_s32(slot_idx + j);
+                        if (out_w != nullptr) out_w[j] = ld_cg_f32(slot_w + j);
                     }
                 }
-                if (lane == 0 && a.recv_src_idx != nullptr)
-                    a.recv_src_idx[row] = ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2);
+                if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = src_token;
             } else if (lane == 0) {
                 deepep::report_timeout(a.err, kOpDispatchOverflow, rank, src, __LINE__, a.num_recv);
             }

@@ -47,7 +47,7 @@ def _reference(topk_idx, num_experts, num_ranks, num_nvl_ranks):
 
 
 CASES = [(4096, 8, 256, 2, 2), (4096, 8, 256, 8, 8), (1, 1, 8, 2, 2), (0, 4, 16, 2, 2), (777, 9, 288, 4, 2),
-         (300, 32, 512, 8, 4), (513, 3, 6, 3, 1), (2000, 6, 64, 16, 8)]
+         (300, 32, 512, 8, 4), (513, 3, 6, 3, 1), (2000, 6, 64, 16, 8), (1001, 8, 96, 3, 3), (97, 4, 40, 40, 8)]
 
 
 @pytest.mark.parametrize("n,k,num_experts,num_ranks,num_nvl", CASES)
@@ -69,6 +69,30 @@ def test_layout_matches_reference(n, k, num_experts, num_ranks, num_nvl):
                 assert g is None, name
                 continue
             np.testing.assert_array_equal(cupy.asnumpy(g), w, err_msg=f"{name}, repeat {repeat}")
+
+
+@pytest.mark.parametrize("k", [4, 8, 9])
+def test_layout_rows_not_16_byte_aligned(k):
+    """topk_idx 8 bytes past a 16-byte boundary: the kernel reads the ids one at a time instead of in pairs."""
+    import cupy
+
+    from deepep_cupy.ops.layout import get_dispatch_layout
+
+    n, num_experts, num_ranks = 1003, 64, 4
+    rng = np.random.default_rng(k)
+    idx = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(n)]).astype(np.int64)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    flat = cupy.zeros(n * k + 2, cupy.int64)
+    dev = flat[1:1 + n * k].reshape(n, k)
+    assert dev.data.ptr % 16 == 8
+    dev[...] = cupy.asarray(idx)
+    want = _reference(idx, num_experts, num_ranks, num_ranks)
+    got = get_dispatch_layout(dev, num_experts, num_ranks, num_ranks)
+    for name, w, g in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), want, got, strict=True):
+        if w is None:
+            assert g is None, name
+            continue
+        np.testing.assert_array_equal(cupy.asnumpy(g), w, err_msg=name)
 
 
 def test_layout_through_buffer_with_torch():
