@@ -2,26 +2,188 @@
 // their source ranks, which reduce them with the top-k weights:
 //   out[t] = bf16( fma chain over k = 0..K-1 of (row(t, k), weight[t, k]) ), float32, one rounding per fma.
 //
-// Send phase: one unit per (local expert, destination rank), described by the dispatch handle
-// (layout_range gives the rows, src_info the token each row answers); a row lands in the slot
-// [global expert][token] of the destination's receive area, as BF16 or LogFMT-10. Receive phase: one
-// warp per block waits (one lane per expert, backing off) until every expert's owner has finished
-// sending to this rank, then every warp reduces (token, 256-channel chunk) items: it loads the K rows
-// and accumulates in k order. Only that one warp per block ever polls a flag.
-// On the RMA path, units of the receive phase first turn put-with-signal counters into local ready
-// flags (one unit per global expert). See layout.cuh for the buffer layout and the protocol.
+// Send phase. A unit is (local expert, destination rank), described by the dispatch handle (layout_range
+// gives the rows, src_info the token each row answers); a row lands in the slot [global expert][token]
+// of the destination's receive area, as BF16 or LogFMT-10.
+//   * Every live destination reached by stores (NVLink): units hold very different row counts, so a
+//     unit per warp group left most of the grid idle behind the largest units (and LogFMT's encode is
+//     compute-heavy). Instead every block takes the prefix sum of the unit row counts and the grid
+//     shares the (row, 256-channel segment) items out evenly, each warp a contiguous range of them.
+//     Completion is counted per launch: every block fences its stores and bumps a counter, and the
+//     last block publishes the tags of all units. Receivers wait for every unit anyway (below), so
+//     publishing them together costs nothing at the end.
+//   * Otherwise (puts): one unit per warp group, a row per warp: stage, put, signal (as the transport
+//     wants), then the unit's tag.
+// Receive phase: the block's warps wait for the experts' tags together (one lane per expert, each
+// polled by a single thread, backing off) and publish an "arrived" bitmap in shared memory; then every
+// warp reduces (token, 256-channel chunk) items: it loads the K rows (all in flight) and accumulates
+// in k order. On the RMA path, units of the receive phase first turn put-with-signal counters into
+// local ready flags (one unit per global expert). See layout.cuh for the buffer layout and the protocol.
 //
-// Top-k ids outside [-1, E) contribute nothing, like -1. While one warp per block waits for the experts,
-// the block's other warps check every id once and report a bad one as a value error (op
-// kValueOpLowLatencyCombine; the first report wins).
+// Top-k ids outside [-1, E) contribute nothing, like -1. Before waiting, the warps check every id once
+// over the grid and report a bad one as a value error (op kValueOpLowLatencyCombine; the first report
+// wins).
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
+#include "low_latency/logfmt.cuh"
 
 using namespace deepep;
 using namespace deepep::ll;
 
 namespace deepep_cupy::low_latency {
+
+// Rows of unit u = le * R + dst that this launch returns: the handle's count, clipped to the slab (a
+// corrupt handle must not make us read or write out of bounds), 0 for a masked side.
+__device__ __forceinline__ int unit_rows(const int64_t* layout_range, int u, int num_ranks, int max_tokens,
+                                         bool self_masked, const int* s_mask) {
+    if (self_masked || s_mask[u % num_ranks] != 0) return 0;
+    const int slab = num_ranks * max_tokens;
+    const int64_t range = __ldg(layout_range + u);
+    const int begin = static_cast<int>(range >> 32);
+    const int count = static_cast<int>(range & 0xffffffffll);
+    return (begin < 0 || begin > slab) ? 0 : max(0, min(count, min(max_tokens, slab - begin)));
+}
+
+// s_prefix[u] = rows of the units before u, s_prefix[E] = all rows (E = num_units <= kMaxExperts). Each
+// thread sums a contiguous run of units, then one block-wide exclusive scan of the runs. Ends synced.
+template <int kThreads>
+__device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int num_units, int num_ranks, int max_tokens,
+                                            bool self_masked, const int* s_mask, int* s_prefix, int* s_warp_sum) {
+    constexpr int kBlockWarps = kThreads / 32;
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    const int per = (num_units + kThreads - 1) / kThreads;
+    const int u0 = static_cast<int>(threadIdx.x) * per, u1 = min(num_units, u0 + per);
+    int sum = 0;
+    for (int u = u0; u < u1; ++u) {
+        const int c = unit_rows(layout_range, u, num_ranks, max_tokens, self_masked, s_mask);
+        s_prefix[u] = c;  // the count for now, this thread's own entry
+        sum += c;
+    }
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(kFullMask, incl, o);
+        if (lane >= o) incl += n;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int run = incl - sum;
+    for (int w = 0; w < warp && w < kBlockWarps; ++w) run += s_warp_sum[w];
+    for (int u = u0; u < u1; ++u) {
+        const int c = s_prefix[u];
+        s_prefix[u] = run;
+        run += c;
+    }
+    if (threadIdx.x == kThreads - 1) s_prefix[num_units] = run;
+    __syncthreads();
+}
+
+// Send over stores to every live destination, the items (row, 256-channel segment) of all units shared
+// evenly by the grid's warps; the last block to finish publishes every unit's tag (see the top).
+template <int kHidden, bool kLogfmt, int kThreads>
+__device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_info, const int64_t* layout_range,
+                                            int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked,
+                                            const int* s_mask, int* s_prefix, int* s_warp_sum, int* s_last,
+                                            uint32_t* sym_tags, uint8_t* sym_recv, uint32_t* done_counter,
+                                            uint32_t tag) {
+    constexpr int kBlockWarps = kThreads / 32;
+    constexpr int kSlotBytes = 2 * kHidden;
+    constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 per lane, or two LogFMT blocks
+    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    constexpr int kBlocks = kHidden / kChannelsPerBlock;
+    // Items one warp has in flight: for copies as many 16-byte loads per lane as fit in the 80 registers
+    // of a 768-thread block without spilling (7); the encode is compute-bound and needs registers of
+    // its own, so fewer.
+    constexpr int kBatch = kLogfmt ? 4 : 7;
+    const int lane = lane_id();
+    const int num_local = num_experts / num_ranks;
+    const int slab = num_ranks * max_tokens;
+
+    unit_prefix<kThreads>(layout_range, num_experts, num_ranks, max_tokens, self_masked, s_mask, s_prefix, s_warp_sum);
+    // 64-bit item numbers: rows x segments may pass 2^31 at the largest shapes the layout allows.
+    const long long total_items = static_cast<long long>(s_prefix[num_experts]) * kSegs;
+    const long long total_warps = static_cast<long long>(gridDim.x) * kBlockWarps;
+    const long long per_warp = (total_items + total_warps - 1) / total_warps;
+    const long long first = (static_cast<long long>(blockIdx.x) * kBlockWarps + threadIdx.x / 32) * per_warp;
+    const long long last = min(total_items, first + per_warp);
+
+    if (first < last) {
+        // The unit holding the warp's first row: the last u with s_prefix[u] <= row (empty units share
+        // their prefix with the next one, so this skips them). Warp-uniform from here on.
+        int u = 0;
+        {
+            const int g = static_cast<int>(first / kSegs);
+            int lo = 0, hi = num_experts;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (s_prefix[mid] <= g) lo = mid;
+                else hi = mid - 1;
+            }
+            u = lo;
+        }
+        for (long long it = first; it < last; it += kBatch) {
+            int4 raw[kBatch];
+            uint8_t* slot[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const long long item = it + j;
+                slot[j] = nullptr;
+                if (item >= last) continue;  // uniform over the warp
+                const int g = static_cast<int>(item / kSegs);
+                const int col = static_cast<int>(item % kSegs) * kSeg + lane * 8;
+                while (s_prefix[u + 1] <= g) ++u;
+                const int le = u / num_ranks, dst = u % num_ranks;
+                const int row = static_cast<int>(__ldg(layout_range + u) >> 32) + (g - s_prefix[u]);
+                const size_t src_row = static_cast<size_t>(le) * slab + row;
+                const int t = __ldg(src_info + src_row);
+                if (col < kHidden) raw[j] = ldg_v4(x + src_row * kHidden + col);
+                else raw[j] = make_int4(0, 0, 0, 0);
+                if (t < 0 || t >= max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
+                const int e = rank * num_local + le;
+                slot[j] = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst)) +
+                          (static_cast<size_t>(e) * max_tokens + t) * kSlotBytes;
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                if (slot[j] == nullptr) continue;  // uniform over the warp
+                const int seg = static_cast<int>((it + j) % kSegs);
+                if constexpr (kLogfmt) {
+                    const int b = seg * 2 + lane / 16;
+                    logfmt_encode_block(raw[j], b < kBlocks, slot[j] + b * kLogfmtBlockBytes, lane % 16);
+                } else {
+                    const int col = seg * kSeg + lane * 8;
+                    if (col < kHidden) st_na_v4(reinterpret_cast<int4*>(slot[j] + col * 2), raw[j]);
+                }
+            }
+        }
+    }
+
+    // Completion: every thread's stores are system-visible before its block counts itself done; the last
+    // block (the counter reads gridDim.x - 1) resets the counter for the next launch and publishes.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const uint32_t before = atomicAdd(done_counter, 1u);
+        *s_last = before == gridDim.x - 1 ? 1 : 0;
+        if (*s_last) {
+            atomicExch(done_counter, 0u);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (*s_last) {
+        __threadfence_system();  // every other block's stores, seen through the counter, before our tags
+        for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {
+            const int dst = u % num_ranks;
+            if (self_masked || s_mask[dst] != 0) continue;
+            const int e = rank * num_local + u / num_ranks;
+            const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_prefix[u + 1] - s_prefix[u]));
+            st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+        }
+    }
+}
 
 template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
@@ -35,7 +197,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             uint64_t* sym_arrivals,                   // [E]
             uint8_t* sym_recv,                        // [E][T] slots of 2H bytes
             uint8_t* sym_send,                        // [E_local][R*T] rows of 2H bytes
-            uint32_t* seq_state,                      // [4]
+            uint32_t* seq_state,                      // [8]: [0..3] sequences, [4] send blocks done
             uint64_t* arrival_base,                   // [E] local
             uint32_t* ready,                          // [E] local
             int* mask,                                // [R]
@@ -45,11 +207,13 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             ErrorRecord* err) {
     constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
     constexpr int kBlockWarps = kWarps * kGroups;
+    constexpr int kThreads = kBlockWarps * 32;
     constexpr int kSlotBytes = 2 * kHidden;
     constexpr int kRowBytes = kLogfmt ? (kHidden / kChannelsPerBlock) * kLogfmtBlockBytes : 2 * kHidden;
     constexpr int kChunk = 32 * 8;  // channels per warp item in the reduction
     constexpr int kNumChunks = (kHidden + kChunk - 1) / kChunk;
-    constexpr int kBatch = kTopk < 8 ? kTopk : 8;
+    constexpr int kBatchMax = kLogfmt ? 4 : 8;  // top-k rows in flight; 8 LogFMT pieces would spill
+    constexpr int kBatch = kTopk < kBatchMax ? kTopk : kBatchMax;
     static_assert(!kLogfmt || kHidden % kChannelsPerBlock == 0, "LogFMT combine needs hidden % 128 == 0");
     static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
     static_assert(kTopk >= 1 && kTopk <= 32, "the combine waits for one expert per lane: top-k <= 32");
@@ -59,6 +223,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_sent[kGroups];
     __shared__ uint32_t s_arrived[kMaxExperts / 32];
+    __shared__ int s_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kBlockWarps];
+    __shared__ int s_last;
     __shared__ uint32_t s_seq[2];
 
     const GroupCoords<kWarps, kGroups> at;
@@ -75,65 +242,75 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     // ------------------------------------------------------------------ send
     if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
-        for (int u = gid; u < num_experts; u += total_groups) {
-            const int le = u / num_ranks;
-            const int dst = u % num_ranks;
-            if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group
-            const int e = rank * num_local_experts + le;
-            const int64_t range = layout_range[le * num_ranks + dst];
-            const int begin = static_cast<int>(range >> 32);
-            int count = static_cast<int>(range & 0xffffffffll);
-            count = (begin < 0 || begin > slab) ? 0 : max(0, min(count, min(max_tokens, slab - begin)));
+        // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
+        // on the block's mask snapshot, since all blocks have to take the same path for the completion
+        // count.
+        bool direct = !force_rma;
+        for (int r = static_cast<int>(threadIdx.x); direct && r < num_ranks; r += kThreads)
+            if (nvshmem_ptr(sym_recv, r) == nullptr) direct = false;
+        direct = __syncthreads_and(direct) != 0;
+        if (direct) {
+            send_direct<kHidden, kLogfmt, kThreads>(x, src_info, layout_range, max_tokens, num_experts, num_ranks, rank,
+                                                    self_masked, s_mask, s_prefix, s_warp_sum, &s_last, sym_tags,
+                                                    sym_recv, seq_state + 4, tag);
+        } else {
+            for (int u = gid; u < num_experts; u += total_groups) {
+                const int le = u / num_ranks;
+                const int dst = u % num_ranks;
+                if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group
+                const int e = rank * num_local_experts + le;
+                const int begin = static_cast<int>(layout_range[u] >> 32);
+                const int count = unit_rows(layout_range, u, num_ranks, max_tokens, self_masked, s_mask);
+                uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
+                const bool p2p = peer_recv != nullptr;
+                if (gthread == 0) s_sent[group] = 0;
+                group_sync(barrier_id, kGroupThreads);
 
-            uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
-            const bool p2p = peer_recv != nullptr;
-            if (gthread == 0) s_sent[group] = 0;
-            group_sync(barrier_id, kGroupThreads);
-
-            int sent = 0;  // rows this warp returned (lane 0's count is the one that matters)
-            for (int i = warp; i < count; i += kWarps) {
-                const int row = begin + i;
-                const int t = __ldg(src_info + static_cast<size_t>(le) * slab + row);
-                if (t < 0 || t >= max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
-                const uint16_t* src_row = x + (static_cast<size_t>(le) * slab + row) * kHidden;
-                const size_t slot = static_cast<size_t>(e) * max_tokens + t;
-                if (p2p) {
-                    uint8_t* dst_row = peer_recv + slot * kSlotBytes;
-                    if constexpr (kLogfmt) logfmt_encode_row<kHidden, Load::kNonCoherent>(src_row, dst_row, lane);
-                    else warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(dst_row, src_row, lane);
-                } else {
-                    uint8_t* stage_row = sym_send + (static_cast<size_t>(le) * slab + row) * kSlotBytes;
-                    if constexpr (kLogfmt) {
-                        // In place when zero-copy (src_row is stage_row): coherent loads.
-                        logfmt_encode_row<kHidden, Load::kPlain>(src_row, stage_row, lane);
-                    } else if (!zero_copy) {
-                        warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(stage_row, src_row, lane);
+                int sent = 0;  // rows this warp returned (lane 0's count is the one that matters)
+                for (int i = warp; i < count; i += kWarps) {
+                    const int row = begin + i;
+                    const int t = __ldg(src_info + static_cast<size_t>(le) * slab + row);
+                    if (t < 0 || t >= max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
+                    const uint16_t* src_row = x + (static_cast<size_t>(le) * slab + row) * kHidden;
+                    const size_t slot = static_cast<size_t>(e) * max_tokens + t;
+                    if (p2p) {
+                        uint8_t* dst_row = peer_recv + slot * kSlotBytes;
+                        if constexpr (kLogfmt) logfmt_encode_row<kHidden, Load::kNonCoherent>(src_row, dst_row, lane);
+                        else warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(dst_row, src_row, lane);
+                    } else {
+                        uint8_t* stage_row = sym_send + (static_cast<size_t>(le) * slab + row) * kSlotBytes;
+                        if constexpr (kLogfmt) {
+                            // In place when zero-copy (src_row is stage_row): coherent loads.
+                            logfmt_encode_row<kHidden, Load::kPlain>(src_row, stage_row, lane);
+                        } else if (!zero_copy) {
+                            warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(stage_row, src_row, lane);
+                        }
+                        __threadfence_system();  // the transport may read the staged row with a copy engine or NIC
+                        __syncwarp();
+                        nvshmemx_putmem_nbi_warp(sym_recv + slot * kSlotBytes, stage_row, kRowBytes, dst);
+                        __threadfence_system();  // whatever lanes stored for the put is ordered before the signal
+                        __syncwarp();
+                        if (lane == 0) {
+                            nvshmem_fence();
+                            nvshmemx_signal_op(sym_arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dst);
+                        }
+                        __syncwarp();
                     }
-                    __threadfence_system();  // the transport may read the staged row with a copy engine or NIC
-                    __syncwarp();
-                    nvshmemx_putmem_nbi_warp(sym_recv + slot * kSlotBytes, stage_row, kRowBytes, dst);
-                    __threadfence_system();  // whatever lanes stored for the put is ordered before the signal
-                    __syncwarp();
-                    if (lane == 0) {
-                        nvshmem_fence();
-                        nvshmemx_signal_op(sym_arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dst);
+                    ++sent;
+                }
+                if (lane == 0 && sent > 0) atomicAdd(&s_sent[group], sent);
+                if (p2p) __threadfence_system();
+                group_sync(barrier_id, kGroupThreads);
+                if (gthread == 0) {
+                    const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_sent[group]));
+                    if (p2p) {
+                        st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+                    } else {
+                        nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + e), static_cast<int>(word), dst);
                     }
-                    __syncwarp();
                 }
-                ++sent;
+                group_sync(barrier_id, kGroupThreads);  // s_sent is reused by the next unit
             }
-            if (lane == 0 && sent > 0) atomicAdd(&s_sent[group], sent);
-            if (p2p) __threadfence_system();
-            group_sync(barrier_id, kGroupThreads);
-            if (gthread == 0) {
-                const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_sent[group]));
-                if (p2p) {
-                    st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
-                } else {
-                    nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + e), static_cast<int>(word), dst);
-                }
-            }
-            group_sync(barrier_id, kGroupThreads);  // s_sent is reused by the next unit
         }
     }
 
@@ -170,47 +347,47 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             }
         }
 
-        // Stage B: one warp per block learns which experts have arrived (one lane per expert word, each
-        // polled by a single thread with backoff), so the reducing warps never poll. A block waits for
-        // every expert, not only its tokens' ones: all senders publish every expert, so this costs nothing
-        // in the end-to-end time, and it keeps the number of spinning threads at one warp per block.
-        __syncthreads();  // stage A's ready flags are set by this block's threads too
-        if (warp_in_block == 0) {
-            for (int e0 = 0; e0 < num_experts; e0 += 32) {
-                const int e = e0 + lane;
-                bool ok = false;
-                if (e < num_experts && !self_masked) {
-                    const int owner = e / num_local_experts;
-                    if (s_mask[owner] == 0 && ld_volatile(mask + owner) == 0) {
-                        const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
-                        ok = p2p ? wait_tag(sym_tags + e, tag, deadline, err, bail) >= 0
-                                 : wait_ready(ready + e, tag, deadline, err, bail);
-                        if (!ok) {
-                            peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
-                        } else if (!p2p && ld_volatile(mask + owner) != 0) {
-                            ok = false;  // stage A gave up on the owner
-                        }
-                    }
-                }
-                const uint32_t bits = __ballot_sync(kFullMask, ok);
-                if (lane == 0) s_arrived[e0 / 32] = bits;
-            }
-        }
-        // Meanwhile the other warps of the block have nothing to do: they check the top-k ids stage C will
-        // read (each id once over the grid) and report a bad one. Stage C itself only drops bad ids, so its
-        // loop carries nothing more. A block of one warp checks after its wait.
-        if (kBlockWarps == 1 || warp_in_block != 0) {
-            constexpr int kCheckers = kBlockWarps > 1 ? kBlockWarps - 1 : 1;
-            const int checker = static_cast<int>(blockIdx.x) * kCheckers + (kBlockWarps > 1 ? warp_in_block - 1 : 0);
-            const long long stride = static_cast<long long>(gridDim.x) * kCheckers * 32;
+        // The top-k ids stage C will read, each checked once over the grid; a bad one is reported (stage C
+        // itself only drops bad ids, so its loop carries nothing more).
+        {
+            const long long stride = static_cast<long long>(gridDim.x) * kThreads;
             BadValue bad;
-            for (long long i = checker * 32ll + lane; i < static_cast<long long>(num_tokens) * kTopk; i += stride)
+            for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+                 i < static_cast<long long>(num_tokens) * kTopk; i += stride)
                 bad.check_expert_id(__ldg(topk_idx + i), num_experts);
             bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
         }
+
+        // Stage B: the block learns which experts have arrived, one lane per expert spread over all its
+        // warps (each word polled by a single thread with backoff, and one acquire fence per word), so the
+        // reducing warps never poll. Waiting for 32 experts per warp in parallel rather than one warp
+        // walking all of them in turn keeps the check short once the data is there (the receive hook's
+        // case). A block waits for every expert, not only its tokens' ones: all senders publish every
+        // expert at once, so this costs nothing in the end-to-end time.
+        __syncthreads();  // stage A's ready flags are set by this block's threads too
+        for (int e0 = warp_in_block * 32; e0 < num_experts; e0 += kThreads) {
+            const int e = e0 + lane;
+            bool ok = false;
+            if (e < num_experts && !self_masked) {
+                const int owner = e / num_local_experts;
+                if (s_mask[owner] == 0 && ld_volatile(mask + owner) == 0) {
+                    const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
+                    ok = p2p ? wait_tag(sym_tags + e, tag, deadline, err, bail) >= 0
+                             : wait_ready(ready + e, tag, deadline, err, bail);
+                    if (!ok) {
+                        peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
+                    } else if (!p2p && ld_volatile(mask + owner) != 0) {
+                        ok = false;  // stage A gave up on the owner
+                    }
+                }
+            }
+            const uint32_t bits = __ballot_sync(kFullMask, ok);
+            if (lane == 0) s_arrived[e0 / 32] = bits;
+        }
         __syncthreads();
 
-        // Stage C: reduction, one (token, chunk) item per warp.
+        // Stage C: reduction, one (token, chunk) item per warp; the rows of a batch of top-k entries are all
+        // loaded before the first is used.
         const int total_warps = total_groups * kWarps;
         const int gwarp = gid * kWarps + warp;
         for (int item = gwarp; item < num_tokens * kNumChunks; item += total_warps) {
@@ -236,6 +413,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 #pragma unroll
             for (int k0 = 0; k0 < kTopk; k0 += kBatch) {
                 int4 raw[kBatch];
+                LogfmtPiece piece[kLogfmt ? kBatch : 1];
                 float w[kBatch];
                 int ex[kBatch];
 #pragma unroll
@@ -244,11 +422,10 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     w[j] = 0.0f;
                     if (ex[j] >= 0) {
                         w[j] = __ldg(topk_weights + static_cast<size_t>(t) * kTopk + k0 + j);
-                        if constexpr (!kLogfmt) {
-                            if (active) {
-                                raw[j] = ld_cg_v4(sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes +
-                                                  static_cast<size_t>(col) * 2);
-                            }
+                        if (active) {
+                            const uint8_t* row = sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes;
+                            if constexpr (kLogfmt) piece[j] = logfmt_load8(row, col);
+                            else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
                         }
                     }
                 }
@@ -256,11 +433,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 for (int j = 0; j < kBatch; ++j) {
                     if (ex[j] < 0 || !active) continue;
                     float v[8];
-                    if constexpr (kLogfmt) {
-                        logfmt_decode8(sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes, col, v);
-                    } else {
-                        unpack_bf16x8(raw[j], v);
-                    }
+                    if constexpr (kLogfmt) logfmt_decode8(piece[j], v);
+                    else unpack_bf16x8(raw[j], v);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) acc[i] = __fmaf_rn(v[i], w[j], acc[i]);
                 }

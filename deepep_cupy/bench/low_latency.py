@@ -148,6 +148,9 @@ def run(comm, args) -> list[dict]:
         send, recv = measure(lambda: combine(hook=True)[2], with_parts=True)
         rows.append(row("LL combine send (hook)", send, None, sms))
         rows.append(row("LL combine recv (hook)", recv, None, sms))
+        send, recv = measure(lambda: combine(logfmt=True, hook=True)[2], with_parts=True)
+        rows.append(row("LL combine LogFMT send (hook)", send, None, sms))
+        rows.append(row("LL combine LogFMT recv (hook)", recv, None, sms))
     finally:
         cupy.cuda.Device().synchronize()
         comm.Barrier()

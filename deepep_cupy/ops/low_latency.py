@@ -181,14 +181,15 @@ class LowLatencyEngine:
                                or os.environ.get("DEEPEP_CUPY_LL_STAGE", "0") == "1")
                 self.errors = KernelErrorRecord()
                 self.mask = cupy.zeros(self.num_ranks, dtype=cupy.int32)
-                # Per buffer half: send sequence, its readers, receive sequence, its readers. The
-                # per-expert arrival bases and ready words are sized for the most experts any layout
-                # may have, so their addresses never change and plans may keep them.
-                self._seq = cupy.zeros((2, 4), dtype=cupy.uint32)
+                # Per buffer half: send sequence, its readers, receive sequence, its readers, then the
+                # count of blocks done sending in the current launch (reset by the last of them) and
+                # three spare words. The per-expert arrival bases and ready words are sized for the most
+                # experts any layout may have, so their addresses never change and plans may keep them.
+                self._seq = cupy.zeros((2, 8), dtype=cupy.uint32)
                 self._arrival_base = cupy.zeros((2, MAX_EXPERTS), dtype=cupy.uint64)
                 self._ready = cupy.zeros((2, MAX_EXPERTS), dtype=cupy.uint32)
                 self.state_ptrs = tuple(
-                    {"seq": self._seq.data.ptr + 16 * b, "base": self._arrival_base.data.ptr + 8 * MAX_EXPERTS * b,
+                    {"seq": self._seq.data.ptr + 32 * b, "base": self._arrival_base.data.ptr + 8 * MAX_EXPERTS * b,
                      "ready": self._ready.data.ptr + 4 * MAX_EXPERTS * b, "mask": self.mask.data.ptr}
                     for b in (0, 1))
                 self._layout: LowLatencyLayout | None = None
