@@ -17,6 +17,7 @@ import numpy as np
 from . import validate as check
 from .config import Config, low_latency_rdma_size_hint
 from .interop import BF16, BOOL, F32, FP8, I32, I64, is_tensor, shape_of, to_numpy
+from .plan_cache import OpHandle
 
 __all__ = ["num_experts_ok", "split_x", "internode_handle", "dispatch_args", "combine_args", "ll_dispatch_args", "ll_combine_args",
            "config_key", "report_failures", "device_handle_values", "intranode_handle_values", "ll_handle_values"]
@@ -326,11 +327,12 @@ def _capturing(obj) -> bool:
 
 
 def device_handle_values(buffer, handle) -> None:
-    """The index checks of a GPU ``handle`` given to ``buffer``'s op, once per handle, when validation is on
-    and no CUDA graph is being captured (the host copy waits for the device). Internode handles are left
+    """The index checks of a GPU ``handle`` given to ``buffer``'s op, once per handle, when validation is on,
+    no CUDA graph is being captured (the host copy waits for the device) and the handle is not one an op
+    returned as it was (:class:`~deepep_cupy.plan_cache.OpHandle`: eager steps pay no wait for their own). Internode handles are left
     to their own checks. Raises ``ValueError`` naming the entry."""
-    if not check.values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
-        return
+    if type(handle) is OpHandle or not check.values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
+        return  # an op's own handle, unchanged: the kernels wrote it
     key = (id(handle), buffer.rank, buffer.group_size)
     if key in _CHECKED or _capturing(handle[0]):
         return

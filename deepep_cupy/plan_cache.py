@@ -54,3 +54,13 @@ def config_key(config) -> tuple | list:
         return _NOT_A_KEY
     return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
             config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+
+
+class OpHandle(tuple):
+    """A handle exactly as one of this library's GPU ops returned it (a plain tuple to its users).
+
+    Its entries were written by the kernels, so the index checks of handles given back to an op (which
+    wait for the device) are for handles a caller built or rebuilt, which are plain tuples.
+    """
+
+    __slots__ = ()

@@ -78,7 +78,15 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         }
         publish_nvl(dest.tail(c * L + l_me), base_n + 1, lane);
     }
-    int sent = 0;  // slots written into j's ring
+    int sent = 0, published = 0;  // slots written into j's ring, and made visible to j
+    // One system-scope fence per kPublishBatch slots instead of one per slot, and never a wait with slots
+    // written but not published (j may be waiting for them).
+    auto flush = [&]() {
+        if (sent > published) {
+            publish_nvl(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
+            published = sent;
+        }
+    };
     for (int d = 0; d < D && ok; ++d) {
         const int n = __shfl_sync(kFullMask, r1 - r0, d);
         const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + __shfl_sync(kFullMask, r0, d);
@@ -86,6 +94,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         int avail = 0, k_j = 0;
         for (int k = 0; k < n; ++k) {
             if (k >= avail) {
+                if (deepep::ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) flush();
                 const uint64_t v = wait_at_least(sig.tail(c * D + d), base_r + 2 + k, w, kOpDispatchTail, d * L + l_me,
                                                  __LINE__, &ok);
                 if (!ok) break;
@@ -95,13 +104,15 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             const int bits = deepep::ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
-                if (sent >= a.nvl_cap)
+                if (sent >= a.nvl_cap) {
+                    flush();
                     wait_at_least(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, w, kOpDispatchNvlHead,
                                   d_me * L + j, __LINE__, &ok);
+                }
                 if (!ok) break;
                 copy_slot(g.nvl_slot(j, c, l_me, sent), s, a, lane);
                 ++sent;
-                publish_nvl(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
+                if (sent - published >= kPublishBatch) flush();
                 pos = k_j++;
             }
             if (lane == 0) {
@@ -118,6 +129,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             __syncwarp();
         }
     }
+    if (ok) flush();
     if (lane == 0) {
         nvshmem_quiet();
         if (ok) *st.nvl_sent(c * L + j, D) = static_cast<long long>(base_n + 1 + sent);
@@ -152,9 +164,19 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     __syncwarp();
     if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 1);
     const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
-    int avail = 0;
+    int avail = 0, released = 0;
+    // Slots go back in batches (a release store is a system-scope fence), and all of them before a wait.
+    auto give_back = [&](int upto) {
+        __syncwarp();
+        if (upto > released) {
+            if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 1 + upto);
+            released = upto;
+        }
+        __syncwarp();
+    };
     for (int n = 0; n < total; ++n) {
         if (n >= avail) {
+            if (deepep::ld_acquire_sys(mine.tail(k_ring)) < base + 2 + n) give_back(n);
             const uint64_t v = wait_at_least(mine.tail(k_ring), base + 2 + n, w, kOpDispatchNvlTail, d_me * L + l,
                                              __LINE__, &ok);
             if (!ok) break;
@@ -190,10 +212,10 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
         } else if (lane == 0) {
             deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me * L + l, __LINE__, row);
         }
-        // The slot's loads are done (their values were stored): hand it back to the forwarder.
-        __syncwarp();
-        if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 2 + n);
+        // The slot's loads are done (their values were stored): it may go back to the forwarder.
+        if (n + 1 - released >= kPublishBatch) give_back(n + 1);
     }
+    if (ok) give_back(total);
     if (lane == 0 && ok) *st.nvl_recvd(k_ring, D, L) = static_cast<long long>(base + 1 + total);
 }
 

@@ -149,6 +149,9 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
     __syncwarp();
 }
 
+// Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.
+constexpr int kPublishBatch = 8;
+
 // Publish, to a peer reachable by stores, everything this warp wrote so far: system-scope fence, then a
 // release store of the tail value into the peer's word (the reader acquires it).
 __device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t value, int lane) {

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
+from ..plan_cache import OpHandle
 from ..runtime.launch import LaunchPlan
 from ..tensors import U8
 from . import internode_layout as IL
@@ -196,8 +197,8 @@ class DispatchPlan(_Plan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
-        new_handle = (is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
-                      recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head)
+        new_handle = OpHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
+                      recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head))
         return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
     def _received_counts(self) -> tuple[int, int, list[int]]:

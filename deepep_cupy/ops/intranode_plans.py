@@ -12,7 +12,7 @@ import numpy as np
 
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
-from ..plan_cache import config_key, handle_meta, lookup, store
+from ..plan_cache import OpHandle, config_key, handle_meta, lookup, store
 from ..runtime.launch import LaunchPlan
 from ..runtime.streams import OpStreams
 from ..tensors import frame_for, meta
@@ -232,7 +232,8 @@ class DispatchPlan(_Plan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
-        new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head)
+        new_handle = OpHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
+                               send_head))
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _received_counts(self) -> tuple[int, list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
+from ..plan_cache import OpHandle
 from ..runtime.launch import LaunchPlan
 from ..runtime.streams import OpStreams
 from ..tensors import SmallOutputs
@@ -171,7 +172,7 @@ class DispatchPlan(_Plan):
             stage.slot("x").value = x_ptr
             stage.launch(stream)
         hook = self._launch(self.plans[b], s_phases, stream)
-        handle = (src_info, layout_range, self.t_max, hidden, self.num_experts)
+        handle = OpHandle((src_info, layout_range, self.t_max, hidden, self.num_experts))
         keep = (x, topk_idx, recv, count, handle) if streams is not None else None
         return recv, count, handle, self._end(streams, keep), hook
 
