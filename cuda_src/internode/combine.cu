@@ -156,10 +156,22 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
     const int row0 = a.recv_gbl_cpm[s * C + c];
     const int row1 = c + 1 < C ? a.recv_gbl_cpm[s * C + c + 1] : a.recv_gbl_prefix[s];
     const int n = row1 - row0, sub = g.sub_cap();
+    int published = 0;  // rows made visible to l: one system-scope fence per batch, and all before a wait
+    auto flush = [&](int upto) {
+        if (upto > published) {
+            __syncwarp();
+            deepep::fence_acq_rel_sys();
+            if (lane == 0) deepep::st_release_sys(dest.tail(x_ring * L + me), base + upto);
+            __syncwarp();
+            published = upto;
+        }
+    };
     for (int k = 0; k < n && ok; ++k) {
-        if (k >= sub)  // slot k - sub must be released (unit k - sub + 1)
+        if (k >= sub) {  // slot k - sub must be released (unit k - sub + 1)
+            if (deepep::ld_acquire_sys(mine.head(x_ring * L + l)) < base + 1 + k - sub) flush(k);
             wait_at_least(mine.head(x_ring * L + l), base + 1 + k - sub, w, kOpCombineNvlHead, d_me * L + l, __LINE__,
                           &ok);
+        }
         if (!ok) break;
         uint8_t* dst = g.nvl_slot(l, c, me, ds, k);
         const long long row = row0 + k;
@@ -168,11 +180,9 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
             float* ws = reinterpret_cast<float*>(dst + a.slot_topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) ws[q] = a.topk_weights[row * a.num_topk + q];
         }
-        __syncwarp();
-        deepep::fence_acq_rel_sys();
-        if (lane == 0) deepep::st_release_sys(dest.tail(x_ring * L + me), base + 1 + k);
-        __syncwarp();
+        if (k + 1 - published >= kPublishBatch) flush(k + 1);
     }
+    if (ok) flush(n);
     // Hold the kernel until l has read every slot: the next op may reuse this memory as a whole ring.
     wait_at_least(mine.head(x_ring * L + l), base + n, w, kOpCombineNvlHead, d_me * L + l, __LINE__, &ok);
     if (lane == 0 && ok) *st.nvl_sent(x_ring * L + l, D) = static_cast<long long>(base + n);
@@ -190,7 +200,17 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read.
     long long nbase = 0;
     if (lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
-    int taken = 0;
+    int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back
+    // NVLink slots go back in batches (a release store is a system-scope fence), and all before a wait.
+    auto hand_back = [&]() {
+        __syncwarp();
+        if (lane < L && taken > returned) {
+            deepep::st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
+                                   static_cast<uint64_t>(nbase) + taken);
+            returned = taken;
+        }
+        __syncwarp();
+    };
     const uint64_t base = static_cast<uint64_t>(*st.rdma_sent(i));
     bool ok = true;
     wait_at_least(sig.head(i), base, w, kOpCombineHead, pe, __LINE__, &ok);
@@ -214,11 +234,14 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     for (int k = 0; k < n && ok; ++k) {
         if (k >= a.rdma_cap) {
             if (first < k) publish(k);  // the source cannot free slots it has not seen
+            hand_back();
             wait_at_least(sig.head(i), base + 1 + k - a.rdma_cap, w, kOpCombineHead, pe, __LINE__, &ok);
             if (!ok) break;
         }
         // Lane j: position of this row in j's stream, then wait for it.
         const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
+        const bool ready = pos < 0 || deepep::ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
+        if (!__all_sync(kFullMask, ready)) hand_back();
         for (int j = 0; j < L && ok; ++j) {
             const int p = __shfl_sync(kFullMask, pos, j);
             const long long nb = __shfl_sync(kFullMask, nbase, j);
@@ -251,15 +274,12 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 ws[q] = sum;
             }
         }
-        // Hand the read NVLink slots back (their values are stored above).
-        __syncwarp();
-        if (lane < L && pos >= 0) {
-            taken = pos + 1;
-            deepep::st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
-                                   static_cast<uint64_t>(nbase) + taken);
-        }
+        // The read NVLink slots may go back (their values are stored above).
+        if (lane < L && pos >= 0) taken = pos + 1;
+        if (__any_sync(kFullMask, taken - returned >= kPublishBatch)) hand_back();
         if (k + 1 - first >= a.rdma_chunk || k + 1 == n) publish(k + 1);
     }
+    if (ok) hand_back();
     if (lane == 0) nvshmem_quiet();
     if (ok) {
         if (lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
