@@ -1,6 +1,7 @@
 // Internode combine: the reverse path of the dispatch (docs/internode_design.md, "Combine").
 //
-// Grid 2 * C blocks, channel c as in the dispatch that produced the handle.
+// Grid 2 * ceil(C / S) blocks of S channels each (sub_channels), channels as in the dispatch that produced
+// the handle.
 // Block 2c, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
 //   s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
 // Block 2c + 1, warp ds < D: forwarder for source domain ds: for each row it received over RDMA from
@@ -364,8 +365,8 @@ namespace deepep_cupy::internode {
 using namespace ::deepep_internode;
 
 template <int kNumNvlRanks, int kNumDomains>
-__global__ void __launch_bounds__(32 * (kNumNvlRanks * kNumDomains > kNumDomains + 1 ? kNumNvlRanks * kNumDomains
-                                                                                       : kNumDomains + 1), 1)
+__global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *
+                                  sub_channels(kNumNvlRanks, kNumDomains), 1)
 combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
         const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
         const int* __restrict__ recv_rdma_channel_prefix_matrix, const int* __restrict__ recv_rdma_rank_prefix_sum,
@@ -376,7 +377,10 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
         int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
-    const int c = blockIdx.x / 2, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr int W = combine_channel_warps(L, D), S = sub_channels(L, D);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
+    const int c = (blockIdx.x / 2) * S + warp / W;
+    if (c >= num_channels) return;  // the last block's spare channels (no block-wide barrier below)
     const CombineArgs a{x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
                         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
                         send_rdma_head, send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
@@ -384,10 +388,10 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                         nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
     if (blockIdx.x % 2 == 0) {
-        if (warp < L * D) send_nvl<L, D>(a, w, c, warp / L, warp % L, lane);
-    } else if (warp < D) {
-        forward_reduce<L, D>(a, w, c, warp, lane);
-    } else if (warp == D) {
+        if (role < L * D) send_nvl<L, D>(a, w, c, role / L, role % L, lane);
+    } else if (role < D) {
+        forward_reduce<L, D>(a, w, c, role, lane);
+    } else if (role == D) {
         reduce_domains<L, D>(a, w, c, lane);
     }
 }

@@ -1,8 +1,9 @@
 // Internode dispatch, step 2: move the rows (docs/internode_design.md, "Dispatch").
 //
-// Grid 2 * C blocks; channel c = tokens [c * ceil(N/C), ...). Block 2c: warp d < D is the RDMA sender
-// to forwarder (d, l_me). Block 2c + 1: warp j < L forwards what arrives over RDMA to local rank j,
-// warp L + l receives over NVLink what forwarder l passes on. Every ring is FIFO, so the rows of one
+// Grid 2 * ceil(C / S) blocks, S = sub_channels(L, D) channels per block; channel c = tokens
+// [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group is the RDMA
+// sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA to
+// local rank j, warp L + l receives over NVLink what forwarder l passes on. Every ring is FIFO, so the rows of one
 // (source, channel) arrive in token order and land at entry 5 + their index: the intranode row order.
 //
 // Cached mode (handle given): entries 1, 2, 4, 6 come from the handle; entry 3, 5, 7, 8, 9 pointers are
@@ -199,7 +200,8 @@ namespace deepep_cupy::internode {
 using namespace ::deepep_internode;
 
 template <int kNumNvlRanks, int kNumDomains>
-__global__ void __launch_bounds__(32 * (kNumDomains > 2 * kNumNvlRanks ? kNumDomains : 2 * kNumNvlRanks), 1)
+__global__ void __launch_bounds__(32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) *
+                                  sub_channels(kNumNvlRanks, kNumDomains), 1)
 dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
          long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
          const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
@@ -215,7 +217,9 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
          int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
-    const int c = blockIdx.x / 2, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr int W = dispatch_channel_warps(L, D), S = sub_channels(L, D);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;
+    const int cb = blockIdx.x / 2, c = cb * S + sub;
     const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
                          num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4,
                          rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
@@ -227,9 +231,9 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          num_channels, state, err, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
     if (blockIdx.x % 2 == 0) {
-        if (warp < D) send_rdma<L, D>(a, w, c, warp, lane);
+        if (role < D && c < num_channels) send_rdma<L, D>(a, w, c, role, lane);
     } else {
-        forward_and_receive<L, D>(a, w, c, warp, lane);
+        forward_and_receive<L, D>(a, w, cb, sub, role, lane);
     }
 }
 

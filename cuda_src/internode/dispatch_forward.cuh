@@ -78,6 +78,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         }
         publish_nvl(dest.tail(c * L + l_me), base_n + 1, lane);
     }
+    const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
     int sent = 0, published = 0;  // slots written into j's ring, and made visible to j
     // One system-scope fence per kPublishBatch slots instead of one per slot, and never a wait with slots
     // written but not published (j may be waiting for them).
@@ -94,7 +95,13 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         int avail = 0, k_j = 0;
         for (int k = 0; k < n; ++k) {
             if (k >= avail) {
-                if (deepep::ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) flush();
+                if (deepep::ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) {
+                    // About to wait for the source: first hand over and give back everything done so far
+                    // (the source may be waiting for ring space).
+                    flush();
+                    if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                    __syncwarp();
+                }
                 const uint64_t v = wait_at_least(sig.tail(c * D + d), base_r + 2 + k, w, kOpDispatchTail, d * L + l_me,
                                                  __LINE__, &ok);
                 if (!ok) break;
@@ -124,7 +131,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                         deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
                 }
                 static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
-                if ((k & 7) == 7 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
             }
             __syncwarp();
         }
@@ -219,20 +226,24 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     if (lane == 0 && ok) *st.nvl_recvd(k_ring, D, L) = static_cast<long long>(base + 1 + total);
 }
 
-// Receiver block of channel c: padding rows, then one role per warp.
+// Receiver block of channels cb * S .. cb * S + S - 1: padding rows, then one role per warp.
 template <int L, int D>
-__device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int c, int warp, int lane) {
-    __shared__ ForwardShared<L, D> sh;
+__device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int cb, int sub, int role, int lane) {
+    constexpr int S = sub_channels(L, D);
+    __shared__ ForwardShared<L, D> shared[S];
     const State st{a.state};
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        sh.base[d] = *st.rdma_recvd(c * D + d, D);
+    const int c = cb * S + sub;
+    for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
+        const int cc = cb * S + t / D, d = t % D;
+        ForwardShared<L, D>& sh = shared[t / D];
+        sh.base[d] = cc < a.num_channels ? *st.rdma_recvd(cc * D + d, D) : 0;
         sh.released[d] = 0;
         sh.count[d] = 0;
         for (int j = 0; j < L; ++j) sh.progress[d][j] = 0;
     }
     // num_worst_tokens padding: rows past the received ones, and send_nvl_head rows past the forwarded ones.
-    const long long stride = static_cast<long long>(a.num_channels) * blockDim.x;
-    const long long first = static_cast<long long>(c) * blockDim.x + threadIdx.x;
+    const long long stride = static_cast<long long>(gridDim.x / 2) * blockDim.x;
+    const long long first = static_cast<long long>(cb) * blockDim.x + threadIdx.x;
     const int num_recv = a.recv_gbl_prefix[L * D - 1];
     for (long long row = num_recv + first; row < a.num_out_rows; row += stride) {
         if (a.recv_src_meta != nullptr) a.recv_src_meta[2 * row] = -1, a.recv_src_meta[2 * row + 1] = 0;
@@ -247,13 +258,18 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
             a.send_nvl_head[k] = -1;
     }
     __syncthreads();
-    if (warp < L)
-        forward<L, D>(a, w, sh, c, warp, lane);
-    else if (warp < 2 * L)
-        receive<L, D>(a, w, c, warp - L, lane);
+    if (c < a.num_channels) {
+        if (role < L)
+            forward<L, D>(a, w, shared[sub], c, role, lane);
+        else if (role < 2 * L)
+            receive<L, D>(a, w, c, role - L, lane);
+    }
     __syncthreads();
-    if (threadIdx.x < D && !deepep::timeout_reported(a.err))
-        *st.rdma_recvd(c * D + threadIdx.x, D) = sh.base[threadIdx.x] + 1 + sh.count[threadIdx.x];
+    for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
+        const int cc = cb * S + t / D, d = t % D;
+        if (cc < a.num_channels && !deepep::timeout_reported(a.err))
+            *st.rdma_recvd(cc * D + d, D) = shared[t / D].base[d] + 1 + shared[t / D].count[d];
+    }
 }
 
 }  // namespace deepep_internode

@@ -58,7 +58,7 @@ enum OpCode : int {
 };
 
 // Channels the progress words are sized for (Config.num_sms / 2 never reaches it on current GPUs).
-constexpr int kMaxChannels = 128;
+constexpr int kMaxChannels = 256;
 
 // Slot header (first 16 bytes of every ring slot, RDMA and NVLink).
 struct SlotHeader {
@@ -149,6 +149,19 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
     __syncwarp();
 }
 
+// Warps of one channel in a dispatch block (a sender per domain, or a forwarder and a receiver per local
+// rank) and in a combine block (an NVLink sender per (domain, local rank), or a forwarder per domain and
+// the reducer). A block runs kSubChannels consecutive channels side by side: every role of a channel is
+// one warp moving one row at a time, so more channels per SM is what keeps more bytes in flight. Blocks
+// stay within 512 threads (128 registers a thread). Mirrored by internode_layout.sub_channels.
+constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
+constexpr int combine_channel_warps(int L, int D) { return L * D > D + 1 ? L * D : D + 1; }
+constexpr int sub_channels(int L, int D) {
+    const int w = dispatch_channel_warps(L, D) > combine_channel_warps(L, D) ? dispatch_channel_warps(L, D)
+                                                                              : combine_channel_warps(L, D);
+    return 16 / w > 1 ? 16 / w : 1;
+}
+
 // Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.
 constexpr int kPublishBatch = 8;
 
@@ -163,7 +176,7 @@ __device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t val
 
 // Warp copies of `n` int4. Each lane keeps kCopyUnroll loads in flight before it stores: one load at a time
 // leaves a warp latency-bound at about 1 GB/s, far below what one warp can move.
-constexpr int kCopyUnroll = 8;
+constexpr int kCopyUnroll = 16;
 
 template <bool kL2Only>
 __device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {

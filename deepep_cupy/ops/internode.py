@@ -23,7 +23,7 @@ from .engine_health import EngineHealth
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
-           "combine_block_threads", "check_combine_shape"]
+           "combine_block_threads", "check_combine_shape", "num_blocks"]
 
 MAX_NVL_RANKS = 8   # one byte of SourceMeta bits used, one forwarder warp per local rank
 MAX_DOMAINS = 32    # one lane per domain
@@ -94,14 +94,21 @@ def representative_builds() -> list[BuildSpec]:
 
 
 def block_threads(num_nvl_ranks: int, num_domains: int) -> int:
-    """Threads of a dispatch block: one warp per domain (senders) or two per local rank (forwarders and
-    receivers), whichever is more; the kernel's ``__launch_bounds__`` says the same."""
-    return 32 * max(num_domains, 2 * num_nvl_ranks)
+    """Threads of a dispatch block: ``sub_channels`` channels of one warp per domain (senders) or two per
+    local rank (forwarders and receivers), whichever is more; the kernel's ``__launch_bounds__`` says the same."""
+    return 32 * IL.dispatch_channel_warps(num_nvl_ranks, num_domains) * IL.sub_channels(num_nvl_ranks, num_domains)
 
 
 def combine_block_threads(num_nvl_ranks: int, num_domains: int) -> int:
-    """Threads of a combine block: ``L * D`` NVLink senders, or ``D`` forwarders and the reducer."""
-    return 32 * max(num_nvl_ranks * num_domains, num_domains + 1)
+    """Threads of a combine block: ``sub_channels`` channels of ``L * D`` NVLink senders, or of ``D``
+    forwarders and the reducer."""
+    return 32 * IL.combine_channel_warps(num_nvl_ranks, num_domains) * IL.sub_channels(num_nvl_ranks, num_domains)
+
+
+def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int) -> int:
+    """Blocks of one kind (senders or receivers) for ``num_channels`` channels."""
+    sub = IL.sub_channels(num_nvl_ranks, num_domains)
+    return (int(num_channels) + sub - 1) // sub
 
 
 _NULL = np.uint64(0)

@@ -29,14 +29,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
+__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
            "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words"]
 
-MAX_CHANNELS = 128  # kMaxChannels of layout.cuh
+MAX_CHANNELS = 256  # kMaxChannels of layout.cuh
 MAX_TOPK = 128
 MAX_SCALES = 128
 MAX_LOCAL_EXPERTS = 1024  # notify records are sized for this many experts per rank
 HEADER_BYTES = 16
+
+
+def dispatch_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
+    """Warps of one channel in a dispatch block (layout.cuh)."""
+    return max(num_domains, 2 * num_nvl_ranks)
+
+
+def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
+    """Warps of one channel in a combine block (layout.cuh)."""
+    return max(num_nvl_ranks * num_domains, num_domains + 1)
+
+
+def sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
+    """Channels a block runs side by side (``sub_channels`` of layout.cuh): blocks of at most 512 threads."""
+    w = max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
+    return max(1, 16 // w)
+
+
+def ring_sizes(config, sub: int) -> tuple[int, int, int]:
+    """``(rdma_cap, rdma_chunk, nvl_cap)`` per channel when a block runs ``sub`` channels: the config's rings
+    are per SM pair, shared by its channels, so the buffers stay the size the config's hints give. The RDMA
+    ring holds whole send chunks."""
+    cap = max(2, int(config.num_max_rdma_chunked_recv_tokens) // sub)
+    chunk = max(1, min(int(config.num_max_rdma_chunked_send_tokens), cap // 2))
+    return cap // chunk * chunk, chunk, max(1, int(config.num_max_nvl_chunked_recv_tokens) // sub)
 
 
 def align(value: int, alignment: int) -> int:

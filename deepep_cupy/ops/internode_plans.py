@@ -28,11 +28,12 @@ from .internode import (
     dispatch_spec,
     notify_args,
     notify_spec,
+    num_blocks,
 )
 from .intranode_plans import _launch_args, _Plan, _scale_strides
 from .kernel_names import internode_combine, internode_dispatch, internode_notify
 
-__all__ = ["DispatchPlan", "CombinePlan", "check_sizes"]
+__all__ = ["DispatchPlan", "CombinePlan", "check_sizes", "default_channels"]
 
 _MEMCPY_D2H = 2
 
@@ -47,16 +48,25 @@ def check_sizes(engine, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
                          f"the Buffer has num_nvl_bytes={engine.num_nvl_bytes} (Config.get_nvl_buffer_size_hint)")
 
 
-def _check_grid(engine, num_channels: int) -> None:
-    """Senders, forwarders and receivers wait for each other: all ``2 * C`` blocks must be resident."""
+def _grid(engine, num_channels: int) -> int:
+    """Blocks of a launch for ``num_channels`` channels. Senders, forwarders and receivers wait for each
+    other, so every block must be resident at once: one per SM."""
     import cupy
 
+    if not 1 <= num_channels <= IL.MAX_CHANNELS:
+        raise ValueError(f"internode ops support 1..{IL.MAX_CHANNELS} channels, got {num_channels}")
+    blocks = 2 * num_blocks(num_channels, engine.num_nvl_ranks, engine.num_domains)
     sms = int(cupy.cuda.Device(engine.device_id).attributes["MultiProcessorCount"])
-    if 2 * num_channels > sms:
-        raise ValueError(f"{num_channels} channels need {2 * num_channels} SMs, but the GPU has {sms}; "
-                         "lower config.num_sms")
-    if num_channels > IL.MAX_CHANNELS:
-        raise ValueError(f"internode ops support at most {IL.MAX_CHANNELS} channels, got {num_channels}")
+    if blocks > sms:
+        raise ValueError(f"{num_channels} channels need {blocks} SMs, but the GPU has {sms}; lower config.num_sms")
+    return blocks
+
+
+def default_channels(config, num_nvl_ranks: int, num_domains: int) -> int:
+    """Channels of a dispatch without handle: ``sub_channels`` per SM pair of ``config.num_sms``, as many as
+    the combine's progress words allow (``C * D <= MAX_CHANNELS``)."""
+    pairs = max(int(config.num_sms) // 2, 1)
+    return max(1, min(pairs * IL.sub_channels(num_nvl_ranks, num_domains), IL.MAX_CHANNELS // num_domains))
 
 
 class DispatchPlan(_Plan):
@@ -80,8 +90,8 @@ class DispatchPlan(_Plan):
             self.num_scales, s_tok, s_blk = _scale_strides(x_scales, self.num_tokens)
             self.scales_shape = tuple(x_scales.shape[1:])
         self.cached = handle is not None
-        self.num_channels = (int(handle[1].shape[1]) if self.cached else max(int(config.num_sms) // 2, 1))
-        _check_grid(engine, self.num_channels)
+        self.num_channels = int(handle[1].shape[1]) if self.cached else default_channels(config, L, D)
+        grid = _grid(engine, self.num_channels)
         self.num_topk = int(topk_idx.shape[1]) if (topk_idx is not None and not self.cached) else 0
         if self.num_topk > IL.MAX_TOPK or self.num_scales > IL.MAX_SCALES:
             raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k entries and {IL.MAX_SCALES} scales")
@@ -90,13 +100,9 @@ class DispatchPlan(_Plan):
             raise ValueError(f"internode notify supports up to {IL.MAX_LOCAL_EXPERTS} experts per rank")
         self.num_worst_tokens = int(num_worst_tokens or 0)
         slot = IL.slot_for(self.hidden)
-        rdma_cap, chunk = int(config.num_max_rdma_chunked_recv_tokens), int(config.num_max_rdma_chunked_send_tokens)
-        if rdma_cap <= 0 or chunk <= 0:
-            raise ValueError("config.num_max_rdma_chunked_recv_tokens and num_max_rdma_chunked_send_tokens must be "
-                             f"positive, got {rdma_cap} and {chunk}")
+        rdma_cap, chunk, nvl_cap = IL.ring_sizes(config, IL.sub_channels(L, D))
         self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
-        self.nvl = IL.nvl_layout(L, D, self.num_channels, int(config.num_max_nvl_chunked_recv_tokens), slot,
-                                 self.num_local_experts)
+        self.nvl = IL.nvl_layout(L, D, self.num_channels, nvl_cap, slot, self.num_local_experts)
         check_sizes(engine, self.rdma, self.nvl)
         self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
@@ -114,7 +120,7 @@ class DispatchPlan(_Plan):
             send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, layout=self.rdma,
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, block_threads(L, D), _launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, block_threads(L, D), _launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         self.notify = None
         if not self.cached:
@@ -238,7 +244,7 @@ class CombinePlan(_Plan):
         if self.hidden == 0 or (2 * self.hidden) % 16:
             raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {self.hidden}")
         self.num_channels = int(handle[1].shape[1])
-        _check_grid(engine, self.num_channels)
+        grid = _grid(engine, self.num_channels)
         self.num_tokens = int(handle[0].shape[0])
         self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
         self.has_weights = topk_weights is not None
@@ -248,14 +254,14 @@ class CombinePlan(_Plan):
             raise ValueError(f"the internode combine needs channels x domains <= {IL.MAX_CHANNELS}, got "
                              f"{self.num_channels} x {D}")
         slot = IL.slot_for(self.hidden)
-        rdma_cap, chunk = int(config.num_max_rdma_chunked_recv_tokens), int(config.num_max_rdma_chunked_send_tokens)
-        if rdma_cap <= 0:
-            raise ValueError(f"config.num_max_rdma_chunked_recv_tokens must be positive, got {rdma_cap}")
+        sub = IL.sub_channels(L, D)
+        rdma_cap, chunk, nvl_cap = IL.ring_sizes(config, sub)
         self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
-        self.nvl = IL.nvl_layout(L, D, self.num_channels, int(config.num_max_nvl_chunked_recv_tokens), slot, 0)
+        self.nvl = IL.nvl_layout(L, D, self.num_channels, nvl_cap, slot, 0)
         if self.nvl.cap < D:
-            raise ValueError(f"the internode combine needs at least {D} NVLink ring slots (one per domain), "
-                             f"got {self.nvl.cap}")
+            raise ValueError(f"the internode combine needs at least {D} NVLink ring slots per channel (one per "
+                             f"domain), got {self.nvl.cap}: config.num_max_nvl_chunked_recv_tokens must be at least "
+                             f"{D * sub} ({sub} channels share an SM pair's ring)")
         check_sizes(engine, self.rdma, self.nvl)
         self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
@@ -267,7 +273,7 @@ class CombinePlan(_Plan):
             combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, combine_block_threads(L, D), _launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D), _launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in _COMBINE_PATCHED)
 
     def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):

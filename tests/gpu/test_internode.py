@@ -36,6 +36,7 @@ def env():
     import cupy
 
     import deepep_cupy
+    from deepep_cupy.ops.internode_plans import default_channels
     from deepep_cupy.reference.backend import ReferenceBackend
     from deepep_cupy.runtime.group import MPIGroup
 
@@ -51,8 +52,10 @@ def env():
         torch.cuda.set_device(dev)
     state = {"rank": rank, "size": size, "L": lsize, "dev": dev, "deepep_cupy": deepep_cupy}
     state["buf"] = _new_buffer(deepep_cupy, size, lsize)
+    # The GPU kernels run several channels per SM pair: the reference splits the tokens the same way.
+    channels = default_channels(_cfg(deepep_cupy), lsize, size // lsize)
     state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
-                                    num_channels=NUM_SMS // 2)
+                                    num_channels=channels)
     yield state
     COMM.Barrier()
     state["buf"].destroy()

@@ -77,7 +77,32 @@ def test_signal_and_nvl_layouts_match_device_structs():
         assert nvl.ring_offset >= nvl.meta_offset + 4 * lsize * ndom * 2 * 4
         assert nvl.notify_offset == nvl.ring_offset + 4 * lsize * 16 * IL.slot_for(256).slot_bytes
         assert nvl.record_stride >= ndom + 32
-    assert IL.state_words(8, 4) == 8 + 2 * 128 * 4 + 2 * 128 * 8
+    assert IL.state_words(8, 4) == 8 + 2 * IL.MAX_CHANNELS * 4 + 2 * IL.MAX_CHANNELS * 8
+
+
+def test_sub_channels_fill_blocks_of_at_most_512_threads():
+    text = (CUDA_SRC / "layout.cuh").read_text()
+    assert "return 16 / w > 1 ? 16 / w : 1;" in text  # the device formula the host mirrors
+    for lsize in (1, 2, 4, 8):
+        for ndom in (2, 3, 4, 8, 16):
+            if lsize * ndom > 32:  # check_combine_shape refuses these
+                continue
+            sub = IL.sub_channels(lsize, ndom)
+            assert sub >= 1
+            threads = [internode.block_threads(lsize, ndom), internode.combine_block_threads(lsize, ndom)]
+            assert max(threads) <= (512 if sub > 1 else 1024), (lsize, ndom, sub, threads)
+    assert IL.sub_channels(1, 2) == 5 and IL.sub_channels(8, 2) == 1
+
+
+def test_ring_sizes_split_the_configs_rings_between_sub_channels():
+    from deepep_cupy.config import Config
+
+    for cfg in (Config(24, 8, 512, 16, 128), Config(24, 4, 12, 1, 8), Config(20, 6, 256, 6, 128)):
+        for sub in (1, 2, 5, 8):
+            cap, chunk, nvl = IL.ring_sizes(cfg, sub)
+            assert cap % chunk == 0 and 2 * chunk <= cap and chunk <= cfg.num_max_rdma_chunked_send_tokens
+            assert cap * sub <= max(cfg.num_max_rdma_chunked_recv_tokens, 2 * sub)
+            assert nvl * sub <= cfg.num_max_nvl_chunked_recv_tokens and nvl >= 1
 
 
 def _layouts():
