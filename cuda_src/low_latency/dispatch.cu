@@ -1,12 +1,15 @@
 // Low-latency dispatch: every rank sends each token to the ranks of its top-k experts, packed per local
 // expert on the receiver, grouped by source rank, each group in source token order (deterministic).
 //
-// Work split: kGroups warp groups of kWarps warps per block, one unit per group (looping when there
-// are more units than groups). The send phase has one unit per global expert e: the group scans the
-// routing for the tokens that pick e, in token order, so the i-th of them is row i of this rank's
-// block in the receiver's slab; warps take rows round-robin and write them straight into the
-// receiver's slot (NVLink), casting to FP8 on the way, or put staged messages (any transport). The
-// receive phase has one unit per (local expert, source rank): it waits for the counts of all sources
+// Send over stores (every rank reachable through NVLink, routing bitmap small enough): the grid shares
+// (token, segment) items evenly, each segment read and cast once and stored to all of the token's
+// experts; see dispatch_direct.cuh.
+// Otherwise, and for the receive phase: kGroups warp groups of kWarps warps per block, one unit per
+// group (looping when there are more units than groups). The send phase has one unit per global expert
+// e: the group scans the routing for the tokens that pick e, in token order, so the i-th of them is
+// row i of this rank's block in the receiver's slab; warps take rows round-robin and write them
+// straight into the receiver's slot (NVLink), casting to FP8 on the way, or put staged messages (any
+// transport). The receive phase has one unit per (local expert, source rank): it waits for the counts of all sources
 // up to its own (its rows start after theirs), then copies its rows into the packed outputs.
 // See layout.cuh for the buffer layout and the completion protocol.
 //
@@ -17,6 +20,7 @@
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
+#include "low_latency/dispatch_direct.cuh"
 
 using namespace deepep;
 using namespace deepep::ll;
@@ -34,7 +38,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
              int* sym_src_idx,                     // [E][T]
              uint8_t* sym_recv,                    // [E][T] slots of 2H bytes
              const uint8_t* sym_stage,             // [T] staged messages (RMA path)
-             uint32_t* seq_state,                  // [4] send seq, readers, recv seq, readers
+             uint32_t* seq_state,                  // [8] send seq, readers, recv seq, readers, -, send blocks done
              uint64_t* arrival_base,               // [E] local
              int* mask,                            // [R]
              uint8_t* out_x,                       // [E_local, R*T, H or 2H bytes]
@@ -61,6 +65,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_unit[kGroups][3];
     __shared__ uint32_t s_seq[2];
+    __shared__ uint32_t s_hits[kTopk <= 32 ? kMaxHitWords : 1];
+    __shared__ int s_last;
 
     const GroupCoords<kWarps, kGroups> at;
     const int lane = at.lane, group = at.group, warp = at.warp;
@@ -74,7 +80,21 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool self_masked = s_mask[rank] != 0;
 
     // ------------------------------------------------------------------ send
-    if (phases & kPhaseSend) {
+    bool direct = false;
+    if constexpr (kTopk <= 32) {
+        // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot) and a
+        // routing bitmap that fits shared memory: the grid-wide split of dispatch_direct.cuh.
+        direct = !force_rma && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
+        for (int r = static_cast<int>(threadIdx.x); direct && r < num_ranks; r += kWarps * kGroups * 32)
+            if (nvshmem_ptr(sym_recv, r) == nullptr) direct = false;
+        direct = __syncthreads_and(direct) != 0;
+        if (direct && (phases & kPhaseSend)) {
+            dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
+                x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
+                &s_last, sym_tags, sym_src_idx, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, err);
+        }
+    }
+    if ((phases & kPhaseSend) && !direct) {
         const uint32_t tag = seq_tag(s_seq[0]);
         const int num_chunks = (num_tokens + 31) / 32;
         for (int e = gid; e < num_experts; e += total_groups) {

@@ -182,9 +182,10 @@ class LowLatencyEngine:
                 self.errors = KernelErrorRecord()
                 self.mask = cupy.zeros(self.num_ranks, dtype=cupy.int32)
                 # Per buffer half: send sequence, its readers, receive sequence, its readers, then the
-                # count of blocks done sending in the current launch (reset by the last of them) and
-                # three spare words. The per-expert arrival bases and ready words are sized for the most
-                # experts any layout may have, so their addresses never change and plans may keep them.
+                # count of combine blocks done sending in the current launch (reset by the last of them),
+                # the same count for the dispatch, and two spare words. The per-expert arrival bases and
+                # ready words are sized for the most experts any layout may have, so their addresses
+                # never change and plans may keep them.
                 self._seq = cupy.zeros((2, 8), dtype=cupy.uint32)
                 self._arrival_base = cupy.zeros((2, MAX_EXPERTS), dtype=cupy.uint64)
                 self._ready = cupy.zeros((2, MAX_EXPERTS), dtype=cupy.uint32)

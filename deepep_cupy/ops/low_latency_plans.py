@@ -111,6 +111,9 @@ class DispatchPlan(_Plan):
         # Byte offset of this rank's row in a [R, R] wait-stats tensor (0 for a [R] one).
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         warps, groups, blocks, kernel, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8)
+        # Over stores the send phase splits (token, segment) items over the whole grid, and the receive
+        # phase's units loop over the groups: one block per SM (all resident, as the waits need).
+        blocks = max(blocks, engine.num_sms)
         self.plans, self.stages = [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)

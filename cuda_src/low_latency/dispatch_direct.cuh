@@ -1,0 +1,189 @@
+// Low-latency dispatch, send phase over stores (every rank reachable through NVLink): the whole grid
+// shares the (token, 512-channel segment) items evenly. A warp loads its segment once, casts it to FP8
+// once (or keeps the BF16), and stores it into the slot of every destination expert of the token, so a
+// token costs one read and one cast however many experts it picks, and no warp walks a whole row.
+//
+// Slot positions: row i of (expert e, this rank) at the receiver is the i-th token (in token order)
+// that picks e. Every block builds the same bitmap hits[e][chunk of 32 tokens] in shared memory (one
+// shared atomicOr per top-k id; a token listing an expert twice sets one bit, so it sends one row, as
+// the reference does), and the position of (t, e) is the number of bits of e before t.
+//
+// Completion is counted per launch, like the combine's send: every block fences its stores and bumps a
+// counter, and the last block publishes the tags (counts) of all experts. A receiver needs the count of
+// every source before it knows where its rows go, so publishing them together costs nothing.
+#pragma once
+
+#include "low_latency/layout.cuh"
+
+namespace deepep_cupy::low_latency {
+
+using namespace deepep;
+using namespace deepep::ll;
+
+// Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
+constexpr int kMaxHitWords = 6144;
+
+// FP8 cast of 16 channels per lane (8 lanes per 128-channel block), the arithmetic of cast_row_fp8
+// exactly: amax over the block (at least 1e-4), scale = amax / 448 (IEEE), optionally rounded up to a
+// power of two, q = e4m3_satfinite(v / scale). Lanes whose block is past the row pass zeros.
+__device__ __forceinline__ int4 cast16_fp8(const int4& r0, const int4& r1, bool active, bool round_scale,
+                                           float& scale_out) {
+    float v[16];
+    if (active) {
+        float fa[8], fb[8];
+        unpack_bf16x8(r0, fa);
+        unpack_bf16x8(r1, fb);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            v[i] = fa[i];
+            v[8 + i] = fb[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
+    amax = fmaxf(amax, 1e-4f);
+    float scale = __fdiv_rn(amax, 448.0f);
+    if (round_scale) scale = round_up_pow2(scale);
+    scale_out = scale;
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        w[q] = fp8_e4m3(__fdiv_rn(v[4 * q], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * q + 1], scale)) << 8) |
+               (fp8_e4m3(__fdiv_rn(v[4 * q + 2], scale)) << 16) | (fp8_e4m3(__fdiv_rn(v[4 * q + 3], scale)) << 24);
+    }
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// Called by every thread of every block (the completion count needs all blocks). s_hits holds
+// num_experts * ceil(num_tokens / 32) <= kMaxHitWords words.
+template <int kHidden, int kTopk, bool kFP8, int kThreads>
+__device__ __forceinline__ void dispatch_send_direct(
+    const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
+    int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
+    uint32_t* sym_tags, int* sym_src_idx, uint8_t* sym_recv, uint32_t* done_counter, uint32_t tag, bool round_scale,
+    ErrorRecord* err) {
+    static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
+    constexpr int kBlockWarps = kThreads / 32;
+    constexpr int kSeg = 512;  // channels per item: 16 per lane
+    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    constexpr int kSlotBytes = 2 * kHidden;
+    const int lane = lane_id();
+    const int num_local = num_experts / num_ranks;
+    const int chunks = (num_tokens + 31) / 32;
+    const int words = num_experts * chunks;
+
+    // Bitmap of who picks whom. Ids outside [0, E) select nothing; block 0 reports one of them.
+    for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_hits[i] = 0u;
+    __syncthreads();
+    {
+        BadValue bad;
+        for (int i = static_cast<int>(threadIdx.x); i < num_tokens * kTopk; i += kThreads) {
+            const int64_t id = __ldg(topk_idx + i);
+            bad.check_expert_id(id, num_experts);
+            if (id >= 0 && id < num_experts) {
+                const int t = i / kTopk;
+                atomicOr(s_hits + static_cast<int>(id) * chunks + t / 32, 1u << (t % 32));
+            }
+        }
+        if (blockIdx.x == 0 && !self_masked) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
+    }
+    __syncthreads();
+
+    if (!self_masked) {
+        const int total_items = num_tokens * kSegs;
+        const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
+        // Consecutive warps of a block take consecutive segments of one token: its ids and routing are
+        // loaded by neighbours at the same time.
+        for (int item = static_cast<int>(blockIdx.x) * kBlockWarps + static_cast<int>(threadIdx.x) / 32;
+             item < total_items; item += total_warps) {
+            const int t = item / kSegs;
+            const int seg = item % kSegs;
+            const int col = seg * kSeg + lane * 16;
+            // The row segment first: its loads are independent of the routing below.
+            const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
+            const bool lo = col < kHidden, hi = col + 8 < kHidden;  // hidden % 8 == 0: halves are whole
+            int4 r0 = make_int4(0, 0, 0, 0), r1 = make_int4(0, 0, 0, 0);
+            if (lo) r0 = ldg_v4(src);
+            if (hi) r1 = ldg_v4(src + 8);
+
+            // Lane k: the slot of the token's k-th expert, if it gets a row (valid, first of its value in
+            // the token, live destination).
+            uint8_t* slot = nullptr;
+            int* src_slot = nullptr;
+            {
+                const int64_t id = lane < kTopk ? __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane) : -1;
+                const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(id));
+                const bool first = (same & ((1u << lane) - 1u)) == 0u;
+                if (lane < kTopk && first && id >= 0 && id < num_experts) {
+                    const int e = static_cast<int>(id);
+                    const int dst = e / num_local, le = e % num_local;
+                    if (s_mask[dst] == 0) {
+                        const uint32_t* h = s_hits + e * chunks;
+                        int pos = __popc(h[t / 32] & ((1u << (t % 32)) - 1u));
+                        for (int c = 0; c < t / 32; ++c) pos += __popc(h[c]);
+                        const size_t s = static_cast<size_t>(le * num_ranks + rank) * max_tokens + pos;
+                        slot = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst)) + s * kSlotBytes;
+                        src_slot = static_cast<int*>(nvshmem_ptr(sym_src_idx, dst)) + s;
+                    }
+                }
+            }
+
+            int4 q0 = r0, q1 = r1;
+            float scale = 0.0f;
+            if constexpr (kFP8) q0 = cast16_fp8(r0, r1, lo, round_scale, scale);
+
+            uint32_t pending = __ballot_sync(kFullMask, slot != nullptr);
+            while (pending != 0u) {  // uniform over the warp
+                const int k = __ffs(pending) - 1;
+                pending &= pending - 1u;
+                uint8_t* msg = reinterpret_cast<uint8_t*>(
+                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(slot), k));
+                if constexpr (kFP8) {
+                    if (lo) {
+                        st_na_v4(reinterpret_cast<int4*>(msg + col), q0);
+                        if ((lane & 7) == 0) reinterpret_cast<float*>(msg + kHidden)[col / kChannelsPerBlock] = scale;
+                    }
+                } else {
+                    if (lo) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col), q0);
+                    if (hi) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col + 16), q1);
+                }
+                if (seg == 0 && lane == k) *src_slot = t;
+            }
+        }
+    }
+
+    // Completion: this block's stores are system-visible before it counts itself done; the last block
+    // (the counter reads gridDim.x - 1) resets the counter for the next launch and publishes the tags.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const uint32_t before = atomicAdd(done_counter, 1u);
+        *s_last = before == gridDim.x - 1 ? 1 : 0;
+        if (*s_last) {
+            atomicExch(done_counter, 0u);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (*s_last && !self_masked) {
+        __threadfence_system();  // every other block's stores, seen through the counter, before our tags
+        for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kThreads) {
+            const int dst = e / num_local, le = e % num_local;
+            if (s_mask[dst] != 0) continue;
+            int count = 0;
+            for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
+            const uint32_t word = tag_word(tag, static_cast<uint32_t>(count));
+            st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + le * num_ranks + rank, dst)), word);
+        }
+    }
+}
+
+}  // namespace deepep_cupy::low_latency
