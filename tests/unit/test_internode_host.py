@@ -153,13 +153,14 @@ def test_kernel_names_and_specs():
     assert K.internode_combine(8, 2) == "deepep_cupy::internode::combine<8, 2>"
     spec = internode.dispatch_spec(1, 2)
     assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2),)
-    assert internode.block_threads(1, 2) == 64 and internode.block_threads(8, 4) == 512
+    assert internode.block_threads(1, 2) == 64 * 5 and internode.block_threads(8, 4) == 512  # 5 channels a block at 1 x 2
     with pytest.raises(ValueError):
         internode.dispatch_spec(1, 1)
     with pytest.raises(ValueError):
         internode.notify_spec(16, 2)
-    assert "32 * (kNumDomains > 2 * kNumNvlRanks ? kNumDomains : 2 * kNumNvlRanks)" in (
-        CUDA_SRC / "dispatch.cu").read_text()
+    assert "32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) *" in (CUDA_SRC / "dispatch.cu").read_text()
+    assert "constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }" in (
+        CUDA_SRC / "layout.cuh").read_text()
 
 
 def test_domain_view_keeps_domain_entries():
@@ -191,7 +192,9 @@ def test_combine_spec_and_block_shape():
     spec = internode.combine_spec(8, 4)
     assert spec.nvshmem and spec.name_expressions == (K.internode_combine(8, 4),)
     assert spec in internode.representative_builds()
-    assert internode.combine_block_threads(1, 2) == 96 and internode.combine_block_threads(8, 4) == 1024
+    assert internode.combine_block_threads(1, 2) == 96 * 5 and internode.combine_block_threads(8, 4) == 1024
     with pytest.raises(ValueError):
         internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
-    assert "kNumNvlRanks * kNumDomains > kNumDomains + 1" in (CUDA_SRC / "combine.cu").read_text()
+    assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *" in (CUDA_SRC / "combine.cu").read_text()
+    assert "constexpr int combine_channel_warps(int L, int D) { return L * D > D + 1 ? L * D : D + 1; }" in (
+        CUDA_SRC / "layout.cuh").read_text()
