@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ uint32_t s_seq[2];
     __shared__ uint32_t s_hits[kTopk <= 32 ? kMaxHitWords : 1];
     __shared__ int s_last;
+    __shared__ int s_warp_sum[kWarps * kGroups];
 
     const GroupCoords<kWarps, kGroups> at;
     const int lane = at.lane, group = at.group, warp = at.warp;
@@ -80,14 +81,16 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool self_masked = s_mask[rank] != 0;
 
     // ------------------------------------------------------------------ send
-    bool direct = false;
+    // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot): the
+    // grid-wide splits of dispatch_direct.cuh, where the routing bitmap (send) or the unit prefix sums
+    // (receive) fit shared memory.
+    bool all_p2p = kTopk <= 32 && !force_rma;
+    for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
+        if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
+    all_p2p = __syncthreads_and(all_p2p) != 0;
+    const bool direct = all_p2p && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
+    const bool recv_direct = all_p2p && num_experts + 1 <= kMaxHitWords;
     if constexpr (kTopk <= 32) {
-        // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot) and a
-        // routing bitmap that fits shared memory: the grid-wide split of dispatch_direct.cuh.
-        direct = !force_rma && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
-        for (int r = static_cast<int>(threadIdx.x); direct && r < num_ranks; r += kWarps * kGroups * 32)
-            if (nvshmem_ptr(sym_recv, r) == nullptr) direct = false;
-        direct = __syncthreads_and(direct) != 0;
         if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
@@ -184,7 +187,17 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     }
 
     // ------------------------------------------------------------------ receive
-    if (phases & kPhaseRecv) {
+    if constexpr (kTopk <= 32) {
+        if (recv_direct && (phases & kPhaseRecv)) {
+            __syncthreads();  // the send phase's last readers of s_hits, which becomes the prefix array
+            dispatch_recv_direct<kHidden, kFP8, kWarps * kGroups * 32>(
+                max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
+                s_warp_sum, sym_tags, sym_src_idx, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
+                out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
+                shrink != 0, seq_tag(s_seq[1]), deadline, err);
+        }
+    }
+    if ((phases & kPhaseRecv) && !recv_direct) {
         const uint32_t tag = seq_tag(s_seq[1]);
         const uint64_t t_start = globaltimer();
         for (int u = gid; u < num_experts; u += total_groups) {

@@ -187,3 +187,151 @@ __device__ __forceinline__ void dispatch_send_direct(
 }
 
 }  // namespace deepep_cupy::low_latency
+
+namespace deepep_cupy::low_latency {
+
+// Receive phase when every source is reached by stores: the block's warps wait for the counts of all
+// units u = local_expert * R + source together (one lane per unit, each word polled by one thread),
+// every block takes their prefix sum in shared memory (s_pre, num_experts + 1 words), and the grid
+// shares the (row, 4 KiB part) items evenly, each warp with all its part's loads in flight. A unit per
+// warp group instead left most warps idle (about 3.6 rows per unit here), walked a row's loads in four
+// dependent rounds and waited for its sources one warp at a time. Called by every thread.
+template <int kHidden, bool kFP8, int kThreads>
+__device__ __forceinline__ void dispatch_recv_direct(
+    int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked, int* s_mask, int* s_pre,
+    int* s_warp_sum, const uint32_t* sym_tags, const int* sym_src_idx, const uint8_t* sym_recv, int* mask,
+    uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
+    int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
+    bool shrink, uint32_t tag, const Deadline& deadline, ErrorRecord* err) {
+    constexpr int kBlockWarps = kThreads / 32;
+    constexpr int kNumScales = kHidden / kChannelsPerBlock;
+    constexpr int kSlotBytes = 2 * kHidden;
+    constexpr int kDataBytes = kFP8 ? kHidden : 2 * kHidden;
+    constexpr int kInt4 = kDataBytes / 16;
+    constexpr int kPerLane = 8;  // 16-byte loads in flight per lane
+    constexpr int kPartInt4 = 32 * kPerLane;
+    constexpr int kParts = (kInt4 + kPartInt4 - 1) / kPartInt4;
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    const int slab = num_ranks * max_tokens;
+    const int num_local = num_experts / num_ranks;
+    const uint64_t t_start = globaltimer();
+
+    // Counts of every unit.
+    for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {
+        const int src = u % num_ranks;
+        int cnt = 0;
+        if (!self_masked && s_mask[src] == 0) {
+            cnt = wait_tag(sym_tags + u, tag, deadline, err, !shrink);
+            if (cnt < 0) {
+                peer_timed_out(mask, src, shrink, err, kOpDispatchRecv, rank, __LINE__, deadline);
+                cnt = 0;
+            } else if (blockIdx.x == 0 && wait_recv_cost_stats != nullptr) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + src),
+                          static_cast<unsigned long long>(globaltimer() - t_start));
+            }
+            cnt = min(cnt, max_tokens);
+        }
+        s_pre[u] = cnt;
+    }
+    __syncthreads();
+
+    // Exclusive prefix sum over the units: each thread a contiguous run, then one scan of the runs.
+    {
+        const int per = (num_experts + kThreads - 1) / kThreads;
+        const int u0 = static_cast<int>(threadIdx.x) * per, u1 = min(num_experts, u0 + per);
+        int sum = 0;
+        for (int u = u0; u < u1; ++u) sum += s_pre[u];
+        int incl = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(kFullMask, incl, o);
+            if (lane >= o) incl += n;
+        }
+        if (lane == 31) s_warp_sum[warp] = incl;
+        __syncthreads();
+        int run = incl - sum;
+        for (int w = 0; w < warp; ++w) run += s_warp_sum[w];
+        for (int u = u0; u < u1; ++u) {
+            const int c = s_pre[u];
+            s_pre[u] = run;
+            run += c;
+        }
+        if (threadIdx.x == kThreads - 1) s_pre[num_experts] = run;
+        __syncthreads();
+    }
+
+    // Per-unit and per-expert outputs, and -1 for the source info of the slab's unused rows.
+    if (blockIdx.x == 0) {
+        for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {
+            const int le = u / num_ranks;
+            const int begin = s_pre[u] - s_pre[le * num_ranks];
+            const int count = s_pre[u + 1] - s_pre[u];
+            out_layout_range[u] = (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(count);
+            if (u % num_ranks == num_ranks - 1) {
+                const int total = begin + count;
+                out_count[le] = total;
+                if (cumulative_recv_stats != nullptr) atomicAdd(cumulative_recv_stats + le, total);
+            }
+        }
+    }
+    {
+        const long long all = static_cast<long long>(num_local) * slab;
+        for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < all;
+             i += static_cast<long long>(gridDim.x) * kThreads) {
+            const int le = static_cast<int>(i / slab), r = static_cast<int>(i % slab);
+            if (r >= s_pre[(le + 1) * num_ranks] - s_pre[le * num_ranks]) out_src_info[i] = -1;
+        }
+    }
+
+    // Rows.
+    const int total_items = s_pre[num_experts] * kParts;
+    const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
+    for (int item = static_cast<int>(blockIdx.x) * kBlockWarps + warp; item < total_items; item += total_warps) {
+        const int g = item / kParts, part = item % kParts;
+        int lo = 0, hi = num_experts;  // the last u with s_pre[u] <= g (skips empty units)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (s_pre[mid] <= g) lo = mid;
+            else hi = mid - 1;
+        }
+        const int u = lo, i = g - s_pre[u], le = u / num_ranks;
+        const int row = s_pre[u] - s_pre[le * num_ranks] + i;
+        const uint8_t* msg = sym_recv + (static_cast<size_t>(u) * max_tokens + i) * kSlotBytes;
+        const size_t out_row = static_cast<size_t>(le) * slab + row;
+        const int4* s = reinterpret_cast<const int4*>(msg) + part * kPartInt4;
+        int4* d = reinterpret_cast<int4*>(out_x + out_row * kDataBytes) + part * kPartInt4;
+        const int n = min(kPartInt4, kInt4 - part * kPartInt4);
+        int4 r[kPerLane];
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j)
+            if (j * 32 + lane < n) r[j] = ld_cg_v4(s + j * 32 + lane);
+        if (part == 0) {
+            if constexpr (kFP8) {
+                const uint8_t* scales = msg + kHidden;
+                if (use_ue8m0) {
+                    constexpr int kWords = (kNumScales + 3) / 4;
+                    for (int w = lane; w < kWords; w += 32) {
+                        uint32_t word = 0;
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const int b = 4 * w + j;
+                            if (b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
+                        }
+                        out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] = static_cast<int>(word);
+                    }
+                } else {
+                    for (int b = lane; b < kNumScales; b += 32)
+                        out_scales[(static_cast<size_t>(le) * kNumScales + b) * slab + row] =
+                            __uint_as_float(ld_cg_u32(scales + 4 * b));
+                }
+            }
+            if (lane == 0)
+                out_src_info[out_row] = static_cast<int>(ld_cg_u32(sym_src_idx + static_cast<size_t>(u) * max_tokens + i));
+        }
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j)
+            if (j * 32 + lane < n) st_na_v4(d + j * 32 + lane, r[j]);
+    }
+}
+
+}  // namespace deepep_cupy::low_latency
