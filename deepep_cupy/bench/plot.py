@@ -110,7 +110,7 @@ def plot(rows, path: str, title: str | None = None) -> None:
 
     heights = [max(len(groups), 1) * 0.9 + 1.2] if groups else []
     heights += [len(others) * 0.28 + 1.0] if others else []
-    head = (0.4 if title else 0) + (0.4 if groups else 0)  # room for the title and the legend
+    head = (0.6 if title else 0) + (0.4 if groups else 0)  # room for the title and the legend
     fig = plt.figure(figsize=(12, sum(heights) + head))
     grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
     row = 0
@@ -125,7 +125,7 @@ def plot(rows, path: str, title: str | None = None) -> None:
             labels = [f"{label} ({both['GB/s']:,.0f} GB/s both ways)" if label == SERIES[2] else label
                       for label in labels]
         fig.legend(handles, labels, loc="upper center", ncol=len(SERIES), fontsize=9,
-                   bbox_to_anchor=(0.5, 1 - 0.35 / fig.get_figheight()) if title else (0.5, 1.0))
+                   bbox_to_anchor=(0.5, 1 - 0.55 / fig.get_figheight()) if title else (0.5, 1.0))
         row += 1
     if others:
         ax = fig.add_subplot(grid[row, :])
