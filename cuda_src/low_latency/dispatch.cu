@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
         if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
     all_p2p = __syncthreads_and(all_p2p) != 0;
-    const bool direct = all_p2p && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
-    const bool recv_direct = all_p2p && num_experts + 1 <= kMaxHitWords;
+    // BF16 rows stay on the per-expert path: measured faster there (43 against 74 us at 128 x 7168).
+    const bool direct = kFP8 && all_p2p && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
+    const bool recv_direct = kFP8 && all_p2p && num_experts + 1 <= kMaxHitWords;
     if constexpr (kTopk <= 32) {
         if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(

@@ -113,7 +113,8 @@ class DispatchPlan(_Plan):
         warps, groups, blocks, kernel, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8)
         # Over stores the send phase splits (token, segment) items over the whole grid, and the receive
         # phase's units loop over the groups: one block per SM (all resident, as the waits need).
-        blocks = max(blocks, engine.num_sms)
+        if self.use_fp8:  # the BF16 rows keep the per-expert path and its grid (dispatch.cu)
+            blocks = max(blocks, engine.num_sms)
         self.plans, self.stages = [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
