@@ -159,20 +159,8 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
         }
     }
 
-    // Completion: every thread's stores are system-visible before its block counts itself done; the last
-    // block (the counter reads gridDim.x - 1) resets the counter for the next launch and publishes.
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        const uint32_t before = atomicAdd(done_counter, 1u);
-        *s_last = before == gridDim.x - 1 ? 1 : 0;
-        if (*s_last) {
-            atomicExch(done_counter, 0u);
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
+    // Completion: the last block to finish publishes.
+    grid_completion(done_counter, s_last);
     if (*s_last) {
         __threadfence_system();  // every other block's stores, seen through the counter, before our tags
         for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {

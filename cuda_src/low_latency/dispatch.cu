@@ -257,25 +257,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 uint8_t* dst_row = out_x + (static_cast<size_t>(le) * slab + row) * kDataBytes;
                 warp_copy<kDataBytes / 16, Load::kL2>(dst_row, msg, lane);
                 if constexpr (kFP8) {
-                    const uint8_t* scales = msg + kHidden;
-                    if (use_ue8m0) {
-                        constexpr int kWords = (kNumScales + 3) / 4;
-                        for (int w = lane; w < kWords; w += 32) {
-                            uint32_t word = 0;
-#pragma unroll
-                            for (int j = 0; j < 4; ++j) {
-                                const int b = 4 * w + j;
-                                if (b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
-                            }
-                            out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] =
-                                static_cast<int>(word);
-                        }
-                    } else {
-                        for (int b = lane; b < kNumScales; b += 32) {
-                            out_scales[(static_cast<size_t>(le) * kNumScales + b) * slab + row] =
-                                __uint_as_float(ld_cg_u32(scales + 4 * b));
-                        }
-                    }
+                    store_recv_scales<kNumScales>(msg + kHidden, use_ue8m0, out_scales, out_scales_ue8m0, le, slab,
+                                                  row, lane);
                 }
                 if (lane == 0) {
                     out_src_info[static_cast<size_t>(le) * slab + row] =

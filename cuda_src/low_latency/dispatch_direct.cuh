@@ -23,44 +23,6 @@ using namespace deepep::ll;
 // Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
 constexpr int kMaxHitWords = 6144;
 
-// FP8 cast of 16 channels per lane (8 lanes per 128-channel block), the arithmetic of cast_row_fp8
-// exactly: amax over the block (at least 1e-4), scale = amax / 448 (IEEE), optionally rounded up to a
-// power of two, q = e4m3_satfinite(v / scale). Lanes whose block is past the row pass zeros.
-__device__ __forceinline__ int4 cast16_fp8(const int4& r0, const int4& r1, bool active, bool round_scale,
-                                           float& scale_out) {
-    float v[16];
-    if (active) {
-        float fa[8], fb[8];
-        unpack_bf16x8(r0, fa);
-        unpack_bf16x8(r1, fb);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            v[i] = fa[i];
-            v[8 + i] = fb[i];
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = 0.0f;
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
-    amax = fmaxf(amax, 1e-4f);
-    float scale = __fdiv_rn(amax, 448.0f);
-    if (round_scale) scale = round_up_pow2(scale);
-    scale_out = scale;
-    uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        w[q] = fp8_e4m3(__fdiv_rn(v[4 * q], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * q + 1], scale)) << 8) |
-               (fp8_e4m3(__fdiv_rn(v[4 * q + 2], scale)) << 16) | (fp8_e4m3(__fdiv_rn(v[4 * q + 3], scale)) << 24);
-    }
-    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
-}
-
 // Called by every thread of every block (the completion count needs all blocks). s_hits holds
 // num_experts * ceil(num_tokens / 32) <= kMaxHitWords words.
 template <int kHidden, int kTopk, bool kFP8, int kThreads>
@@ -159,20 +121,8 @@ __device__ __forceinline__ void dispatch_send_direct(
         }
     }
 
-    // Completion: this block's stores are system-visible before it counts itself done; the last block
-    // (the counter reads gridDim.x - 1) resets the counter for the next launch and publishes the tags.
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        const uint32_t before = atomicAdd(done_counter, 1u);
-        *s_last = before == gridDim.x - 1 ? 1 : 0;
-        if (*s_last) {
-            atomicExch(done_counter, 0u);
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
+    // Completion: the last block to finish publishes the tags.
+    grid_completion(done_counter, s_last);
     if (*s_last && !self_masked) {
         __threadfence_system();  // every other block's stores, seen through the counter, before our tags
         for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kThreads) {
@@ -307,23 +257,8 @@ __device__ __forceinline__ void dispatch_recv_direct(
             if (j * 32 + lane < n) r[j] = ld_cg_v4(s + j * 32 + lane);
         if (part == 0) {
             if constexpr (kFP8) {
-                const uint8_t* scales = msg + kHidden;
-                if (use_ue8m0) {
-                    constexpr int kWords = (kNumScales + 3) / 4;
-                    for (int w = lane; w < kWords; w += 32) {
-                        uint32_t word = 0;
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const int b = 4 * w + j;
-                            if (b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
-                        }
-                        out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] = static_cast<int>(word);
-                    }
-                } else {
-                    for (int b = lane; b < kNumScales; b += 32)
-                        out_scales[(static_cast<size_t>(le) * kNumScales + b) * slab + row] =
-                            __uint_as_float(ld_cg_u32(scales + 4 * b));
-                }
+                store_recv_scales<kNumScales>(msg + kHidden, use_ue8m0, out_scales, out_scales_ue8m0, le, slab, row,
+                                              lane);
             }
             if (lane == 0)
                 out_src_info[out_row] = static_cast<int>(ld_cg_u32(sym_src_idx + static_cast<size_t>(u) * max_tokens + i));

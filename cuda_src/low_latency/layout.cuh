@@ -288,6 +288,63 @@ __device__ __forceinline__ uint32_t fp8_e4m3(float v) {
 //   q = e4m3_satfinite(x / scale). Data go to dst[0 .. kHidden), scales to dst_scales[kHidden / 128].
 // Each lane handles 16 consecutive channels per step, so 8 lanes cover one block; the loads of two
 // steps are in flight together.
+// FP8 cast of 16 channels per lane (8 lanes per 128-channel block), the arithmetic of the reference's
+// FP8 cast exactly: amax over the block (at least 1e-4), scale = amax / 448 (IEEE), optionally rounded up to a
+// power of two, q = e4m3_satfinite(v / scale). Lanes whose block is past the row pass zeros.
+__device__ __forceinline__ int4 cast16_fp8(const int4& r0, const int4& r1, bool active, bool round_scale,
+                                           float& scale_out) {
+    float v[16];
+    if (active) {
+        float fa[8], fb[8];
+        unpack_bf16x8(r0, fa);
+        unpack_bf16x8(r1, fb);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            v[i] = fa[i];
+            v[8 + i] = fb[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
+    amax = fmaxf(amax, 1e-4f);
+    float scale = __fdiv_rn(amax, 448.0f);
+    if (round_scale) scale = round_up_pow2(scale);
+    scale_out = scale;
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        w[q] = fp8_e4m3(__fdiv_rn(v[4 * q], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * q + 1], scale)) << 8) |
+               (fp8_e4m3(__fdiv_rn(v[4 * q + 2], scale)) << 16) | (fp8_e4m3(__fdiv_rn(v[4 * q + 3], scale)) << 24);
+    }
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// End of a grid-wide phase: each block's stores are made system-visible before the block counts itself
+// done; the block that finds the counter at gridDim.x - 1 is the last, resets the counter for the next
+// launch and gets *s_last = 1 (shared), so it may publish for the whole grid. Every thread of every block
+// calls it.
+__device__ __forceinline__ void grid_completion(uint32_t* done_counter, int* s_last) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const uint32_t before = atomicAdd(done_counter, 1u);
+        *s_last = before == gridDim.x - 1 ? 1 : 0;
+        if (*s_last) {
+            atomicExch(done_counter, 0u);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+}
+
 template <int kHidden>
 __device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, uint8_t* dst, float* dst_scales,
                                              bool round_scale, int lane) {
@@ -311,43 +368,35 @@ __device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, u
             if (s0 + j >= kSteps) break;  // uniform over the warp
             const int col = (s0 + j) * kPerStep + lane * 16;
             const bool active = col < kHidden;
-            float v[16];
+            float scale;
+            const int4 q = cast16_fp8(raw[j][0], raw[j][1], active, round_scale, scale);
             if (active) {
-                float fa[8], fb[8];
-                unpack_bf16x8(raw[j][0], fa);
-                unpack_bf16x8(raw[j][1], fb);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    v[i] = fa[i];
-                    v[8 + i] = fb[i];
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) v[i] = 0.0f;
-            }
-            float amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 4));
-            amax = fmaxf(amax, 1e-4f);
-            float scale = __fdiv_rn(amax, 448.0f);
-            if (round_scale) scale = round_up_pow2(scale);
-            if (active) {
-                uint32_t w[4];
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    w[q] = fp8_e4m3(__fdiv_rn(v[4 * q], scale)) | (fp8_e4m3(__fdiv_rn(v[4 * q + 1], scale)) << 8) |
-                           (fp8_e4m3(__fdiv_rn(v[4 * q + 2], scale)) << 16) |
-                           (fp8_e4m3(__fdiv_rn(v[4 * q + 3], scale)) << 24);
-                }
-                st_na_v4(reinterpret_cast<int4*>(dst + col),
-                         make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
-                                   static_cast<int>(w[3])));
+                st_na_v4(reinterpret_cast<int4*>(dst + col), q);
                 if ((lane & 7) == 0) dst_scales[col / kChannelsPerBlock] = scale;
             }
         }
+    }
+}
+
+// A received row's FP8 scales into the scale outputs ([local expert][block][slab rows], float32; or, with
+// use_ue8m0, four UE8M0 exponents packed per int32). Whole warp.
+template <int kNumScales>
+__device__ __forceinline__ void store_recv_scales(const uint8_t* scales, bool use_ue8m0, float* out_scales,
+                                                  int* out_scales_ue8m0, int le, int slab, int row, int lane) {
+    if (use_ue8m0) {
+        constexpr int kWords = (kNumScales + 3) / 4;
+        for (int w = lane; w < kWords; w += 32) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int b = 4 * w + j;
+                if (b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
+            }
+            out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] = static_cast<int>(word);
+        }
+    } else {
+        for (int b = lane; b < kNumScales; b += 32)
+            out_scales[(static_cast<size_t>(le) * kNumScales + b) * slab + row] = __uint_as_float(ld_cg_u32(scales + 4 * b));
     }
 }
 
