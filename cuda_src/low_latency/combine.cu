@@ -60,16 +60,7 @@ __device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int num
         s_prefix[u] = c;  // the count for now, this thread's own entry
         sum += c;
     }
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(kFullMask, incl, o);
-        if (lane >= o) incl += n;
-    }
-    if (lane == 31) s_warp_sum[warp] = incl;
-    __syncthreads();
-    int run = incl - sum;
-    for (int w = 0; w < warp && w < kBlockWarps; ++w) run += s_warp_sum[w];
+    int run = block_exclusive_prefix(sum, s_warp_sum);
     for (int u = u0; u < u1; ++u) {
         const int c = s_prefix[u];
         s_prefix[u] = run;

@@ -191,16 +191,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
         const int u0 = static_cast<int>(threadIdx.x) * per, u1 = min(num_experts, u0 + per);
         int sum = 0;
         for (int u = u0; u < u1; ++u) sum += s_pre[u];
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(kFullMask, incl, o);
-            if (lane >= o) incl += n;
-        }
-        if (lane == 31) s_warp_sum[warp] = incl;
-        __syncthreads();
-        int run = incl - sum;
-        for (int w = 0; w < warp; ++w) run += s_warp_sum[w];
+        int run = block_exclusive_prefix(sum, s_warp_sum);
         for (int u = u0; u < u1; ++u) {
             const int c = s_pre[u];
             s_pre[u] = run;

@@ -326,6 +326,23 @@ __device__ __forceinline__ int4 cast16_fp8(const int4& r0, const int4& r1, bool 
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
+// Exclusive prefix, in thread order, of every thread's `value` over the block (s_warp_sum: one word per
+// warp). Every thread of the block calls it (it holds a block barrier).
+__device__ __forceinline__ int block_exclusive_prefix(int value, int* s_warp_sum) {
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    int incl = value;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(kFullMask, incl, o);
+        if (lane >= o) incl += n;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int run = incl - value;
+    for (int w = 0; w < warp; ++w) run += s_warp_sum[w];
+    return run;
+}
+
 // End of a grid-wide phase: each block's stores are made system-visible before the block counts itself
 // done; the block that finds the counter at gridDim.x - 1 is the last, resets the counter for the next
 // launch and gets *s_last = 1 (shared), so it may publish for the whole grid. Every thread of every block

@@ -91,3 +91,38 @@ def check_combine(ours, refs, num_tokens):
     if rw is not None:
         np.testing.assert_allclose(cw, rw, rtol=1e-6, atol=1e-6)
     assert cx.shape[0] == num_tokens
+
+
+def cached_dispatch_round(env, fw, rng, *, handle, ref_handle, n, hidden, fp8, column_major, align, num_recv, cfg):
+    """A cached dispatch of fresh tokens with ``handle``, compared with the reference's on ``ref_handle``."""
+    buf, ref = env["buf"], env["ref"]
+    x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
+    recv, idx, w, counts, new_handle, _ = buf.dispatch(x_dev, handle=handle, config=cfg)
+    assert idx is None and w is None and counts is None
+    want = ref.dispatch(x_np, s_np, handle=ref_handle, num_tokens_per_rank=None, is_token_in_rank=None,
+                        num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=align,
+                        num_worst_tokens=0)
+    got = to_np(recv[0] if fp8 else recv)
+    np.testing.assert_array_equal(bits(got[:num_recv]), bits(want[0][:num_recv]))
+    if fp8:
+        np.testing.assert_array_equal(to_np(recv[1])[:num_recv], want[1][:num_recv])
+    return new_handle
+
+
+def combine_round(env, fw, rng, *, handle, ref_handle, n, hidden, k, rows, bias, cfg):
+    """Combine fresh "expert outputs" for every received row (padding rows included), weights and ``bias``
+    (0, 1 or 2 bias tensors), compared with the reference."""
+    buf, ref = env["buf"], env["ref"]
+    y_np = bf16(rng, (rows, hidden), scale=1.0 + env["rank"])
+    yw_np = rng.random((rows, k), dtype=np.float32)
+    b0 = bf16(rng, (n, hidden)) if bias >= 1 else None
+    b1 = bf16(rng, (n, hidden)) if bias >= 2 else None
+    bias_dev = None
+    if bias == 1:
+        bias_dev = to_dev(b0, fw, env)
+    elif bias == 2:
+        bias_dev = (to_dev(b0, fw, env), to_dev(b1, fw, env))
+    poison(env, fw, [n * hidden * 2, n * k * 4])
+    combined = buf.combine(to_dev(y_np, fw, env), handle, topk_weights=to_dev(yw_np, fw, env), bias=bias_dev,
+                           config=cfg)
+    check_combine(combined[:2], ref.combine(y_np, ref_handle, topk_weights=yw_np, bias_0=b0, bias_1=b1), n)

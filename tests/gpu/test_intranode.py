@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
 from normal_common import (
+    cached_dispatch_round,
     check_combine,
+    combine_round,
     frameworks,
     inputs,
     poison,
@@ -129,33 +131,10 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         assert counts == []
 
     if cached:
-        x2_np, s2_np, x2_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
-        c_recv, c_idx, c_w, c_counts, c_handle, _ = buf.dispatch(x2_dev, handle=handle, config=cfg)
-        assert c_idx is None and c_w is None and c_counts is None
-        c_refs = ref.dispatch(x2_np, s2_np, handle=refs[5], num_tokens_per_rank=None, is_token_in_rank=None,
-                              num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=align,
-                              num_worst_tokens=0)
-        got = to_np(c_recv[0] if fp8 else c_recv)
-        np.testing.assert_array_equal(bits(got[:num_recv]), bits(c_refs[0][:num_recv]))
-        if fp8:
-            np.testing.assert_array_equal(to_np(c_recv[1])[:num_recv], c_refs[1][:num_recv])
-
-    # Combine: fresh "expert outputs" for every received row (padding rows included), weights, biases.
-    rows = worst_rows if worst_rows else num_recv
-    y_np = bf16(rng, (rows, hidden), scale=1.0 + me)
-    yw_np = rng.random((rows, k), dtype=np.float32)
-    b0 = bf16(rng, (n, hidden)) if bias >= 1 else None
-    b1 = bf16(rng, (n, hidden)) if bias >= 2 else None
-    bias_dev = None
-    if bias == 1:
-        bias_dev = to_dev(b0, fw, env)
-    elif bias == 2:
-        bias_dev = (to_dev(b0, fw, env), to_dev(b1, fw, env))
-    poison(env, fw, [n * hidden * 2, n * k * 4])
-    combined = buf.combine(to_dev(y_np, fw, env), handle, topk_weights=to_dev(yw_np, fw, env), bias=bias_dev,
-                           config=cfg)
-    r_comb = ref.combine(y_np, refs[5], topk_weights=yw_np, bias_0=b0, bias_1=b1)
-    check_combine(combined[:2], r_comb, n)
+        cached_dispatch_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, fp8=fp8,
+                              column_major=column_major, align=align, num_recv=num_recv, cfg=cfg)
+    combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
+                  rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=cfg)
     return num_recv
 
 
