@@ -18,7 +18,7 @@ NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "$NGPU" --bind-to none
         -x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
         -x PYTHONUNBUFFERED -x DEEPEP_CUPY_CACHE_DIR -x DEEPEP_CUPY_TIMEOUT_S)
-STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-pressure startup bench}
+STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-pressure tests-internode startup bench}
 SUMMARY=()
 
 stage_info() {
