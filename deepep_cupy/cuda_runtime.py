@@ -68,6 +68,7 @@ class CudaRuntime:
     def _drop_intranode_plans(self) -> None:
         if self.plans_invalidated is not None:
             self.plans_invalidated()
+
     def require_internode(self, op: str) -> None:
         if self.spans_domains and self.internode is None:
             raise RuntimeError(f"{op}: this Buffer spans {self.num_ranks // self.num_nvl_ranks} NVLink domains and "
@@ -77,12 +78,21 @@ class CudaRuntime:
     def _engine(self, name: str):
         engine = getattr(self, name)
         if engine is None:
-            if name == "intranode" and self.spans_domains:
-                self.require_internode("dispatch")
-                return self.internode
             need = "num_nvl_bytes > 0" if name == "intranode" else "low_latency_mode=True and num_rdma_bytes > 0"
             raise RuntimeError(f"this Buffer has no {name} buffer: create it with {need}")
         return engine
+
+    def _normal_ops(self, op: str):
+        """``(engine, plans module)`` of the high-throughput ops: the internode kernels when the group spans
+        several NVLink domains, the intranode ones otherwise."""
+        if self.spans_domains:
+            from .ops import internode_plans
+
+            self.require_internode(op)
+            return self.internode, internode_plans
+        from .ops import intranode_plans
+
+        return self._engine("intranode"), intranode_plans
 
     def frame(self, obj):
         """The framework adapter for a caller's tensor (torch or CuPy on this device)."""
@@ -148,7 +158,7 @@ class CudaRuntime:
     def local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer):
         import numpy as np
 
-        engine = self._engine("low_latency" if use_rdma_buffer else "intranode")
+        engine = self._engine("low_latency") if use_rdma_buffer else self._normal_ops("get_local_buffer_tensor")[0]
         ptr, nbytes = engine.local_buffer_view()
         is_torch = type(dtype).__module__.startswith("torch")
         if is_torch:
@@ -182,29 +192,22 @@ class CudaRuntime:
 
     def plan_dispatch(self, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
                       expert_alignment, num_worst_tokens, config, async_finish, allocate_on_comm_stream):
-        engine = self._engine("intranode")
-        if self.spans_domains:
-            from .ops.internode_plans import DispatchPlan
-        else:
-            from .ops.intranode_plans import DispatchPlan
-        plan = DispatchPlan(engine, self.frame(x), x, x_scales, handle=handle,
-                            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
-                            topk_weights=topk_weights, expert_alignment=expert_alignment,
-                            num_worst_tokens=num_worst_tokens, config=config, comm_stream=self.comm_stream.ptr,
-                            async_finish=async_finish)
+        engine, plans = self._normal_ops("dispatch")
+        plan = plans.DispatchPlan(engine, self.frame(x), x, x_scales, handle=handle,
+                                  num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                                  topk_weights=topk_weights, expert_alignment=expert_alignment,
+                                  num_worst_tokens=num_worst_tokens, config=config,
+                                  comm_stream=self.comm_stream.ptr, async_finish=async_finish)
         self.agree("dispatch", hidden_bytes=plan.hidden_bytes, num_scales=plan.num_scales, num_topk=plan.num_topk,
                    num_channels=plan.num_channels, ring_capacity=plan.cap, cached=handle is not None)
         return plan
 
     def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, async_finish,
                      allocate_on_comm_stream):
-        engine = self._engine("intranode")
-        if self.spans_domains:
-            from .ops.internode_plans import CombinePlan
-        else:
-            from .ops.intranode_plans import CombinePlan
-        plan = CombinePlan(engine, self.frame(x), x, handle, topk_weights=topk_weights, bias_0=bias_0,
-                           bias_1=bias_1, config=config, comm_stream=self.comm_stream.ptr, async_finish=async_finish)
+        engine, plans = self._normal_ops("combine")
+        plan = plans.CombinePlan(engine, self.frame(x), x, handle, topk_weights=topk_weights, bias_0=bias_0,
+                                 bias_1=bias_1, config=config, comm_stream=self.comm_stream.ptr,
+                                 async_finish=async_finish)
         self.agree("combine", hidden=int(x.shape[1]), num_topk=plan.num_topk, num_channels=plan.num_channels,
                    ring_capacity=plan.cap)
         return plan

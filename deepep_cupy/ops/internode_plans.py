@@ -10,8 +10,6 @@ DeepEP's; the index outputs are padded with -1 / 0.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
 from ..plan_cache import OpHandle
@@ -34,8 +32,6 @@ from .intranode_plans import _launch_args, _Plan, _scale_strides
 from .kernel_names import internode_combine, internode_dispatch, internode_notify
 
 __all__ = ["DispatchPlan", "CombinePlan", "check_sizes", "default_channels"]
-
-_MEMCPY_D2H = 2
 
 
 def check_sizes(engine, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
@@ -124,13 +120,7 @@ class DispatchPlan(_Plan):
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         self.notify = None
         if not self.cached:
-            import cupy
-
-            with cupy.cuda.Device(engine.device_id):
-                stream = cupy.cuda.ExternalStream(comm_stream, engine.device_id)
-                self.meta = engine._meta_buffer(2 + self.num_local_experts, stream)
-                self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * (2 + self.num_local_experts)),
-                                               dtype=np.int32, count=2 + self.num_local_experts)
+            self._make_notify_meta(2 + self.num_local_experts)
             notify = engine.kernel(notify_spec(L, D), internode_notify(L, D))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=self.num_tokens, num_channels=self.num_channels,
@@ -204,18 +194,12 @@ class DispatchPlan(_Plan):
         if self.cached:
             return recv, None, None, None, None, event
         new_handle = OpHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
-                      recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head))
+                               recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head))
         return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
     def _received_counts(self) -> tuple[int, int, list[int]]:
-        """The one host wait of a dispatch: rows received, rows forwarded, received tokens per expert."""
-        import cupy
-
-        host = self.host_meta
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
-        rt.streamSynchronize(self.comm_stream)
-        self.engine._raise_recorded()
+        """Rows received, rows forwarded and received tokens per local expert (waits for the notify kernel)."""
+        host = self._read_notify_meta()
         return int(host[0]), int(host[1]), [int(v) for v in host[2:]]
 
 

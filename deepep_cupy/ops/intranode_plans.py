@@ -83,6 +83,28 @@ class _Plan:
         return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
                          self.async_finish)
 
+    def _make_notify_meta(self, size: int) -> None:
+        """Where a dispatch's notify kernel leaves its totals: the engine's persistent device words and a
+        pinned host copy of them."""
+        import cupy
+
+        engine = self.engine
+        with cupy.cuda.Device(engine.device_id):
+            stream = cupy.cuda.ExternalStream(self.comm_stream, engine.device_id)
+            self.meta = engine._meta_buffer(size, stream)
+            self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+
+    def _read_notify_meta(self) -> np.ndarray:
+        """The one host wait of a dispatch: the notify kernel's totals, read into pinned memory."""
+        import cupy
+
+        host = self.host_meta
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
+        rt.streamSynchronize(self.comm_stream)
+        self.engine._raise_recorded()
+        return host
+
 
 class DispatchPlan(_Plan):
     """Intranode ``dispatch`` (with or without a cached handle) for one set of shapes and flags."""
@@ -150,13 +172,7 @@ class DispatchPlan(_Plan):
             "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows"))
         self.notify = None
         if not self.cached:
-            import cupy
-
-            with cupy.cuda.Device(engine.device_id):
-                stream = cupy.cuda.ExternalStream(comm_stream, engine.device_id)
-                self.meta = engine._meta_buffer(1 + num_local_experts, stream)
-                self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * (1 + num_local_experts)),
-                                               dtype=np.int32, count=1 + num_local_experts)
+            self._make_notify_meta(1 + num_local_experts)
             notify = engine._kernel(notify_spec(R), intranode_notify(R))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=num_tokens, num_channels=self.num_channels, num_tokens_per_expert=0,
@@ -237,16 +253,9 @@ class DispatchPlan(_Plan):
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _received_counts(self) -> tuple[int, list[int]]:
-        """The one host wait of a dispatch: the notify kernel's totals, read into pinned memory."""
-        import cupy
-
-        host = self.host_meta
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
-        rt.streamSynchronize(self.comm_stream)
-        self.engine._raise_recorded()
+        """Rows received and received tokens per local expert (waits for the notify kernel)."""
+        host = self._read_notify_meta()
         return int(host[0]), [int(v) for v in host[1:]]
-
 
 
 class CombinePlan(_Plan):
