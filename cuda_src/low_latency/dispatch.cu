@@ -76,26 +76,38 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const int slab = num_ranks * max_tokens;
     const bool bail = !shrink;
 
+    // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot): the
+    // grid-wide splits of dispatch_direct.cuh, where the routing bitmap (send) or the unit prefix sums
+    // (receive) fit shared memory. BF16 rows stay on the per-expert path: measured faster there (43
+    // against 74 us at 128 x 7168).
+    const bool fits = kFP8 && kTopk <= 32 && !force_rma && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
+    constexpr int kIdsAhead = 2;
+    SendAhead<kIdsAhead> ahead;
+    if constexpr (kTopk <= 32) {
+        if (fits && (phases & kPhaseSend))
+            dispatch_send_ahead<kHidden, kTopk, kWarps * kGroups * 32>(x, topk_idx, num_tokens, num_experts, s_hits, ahead);
+    }
+    // The receive phase's first count, read ahead too (a relaxed load; checked against the tag below).
+    const uint32_t tag_ahead = (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_experts
+                                   ? ld_relaxed_sys_u32(sym_tags + threadIdx.x) : 0u;
+    bool all_p2p = kTopk <= 32 && !force_rma;
+    for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
+        if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
+    all_p2p = __syncthreads_and(all_p2p) != 0;
+    const bool direct = fits && all_p2p;
+    const bool recv_direct = kFP8 && all_p2p && num_experts + 1 <= kMaxHitWords;
+
     begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
     const Deadline deadline(timeout_ns);
     const bool self_masked = s_mask[rank] != 0;
 
     // ------------------------------------------------------------------ send
-    // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot): the
-    // grid-wide splits of dispatch_direct.cuh, where the routing bitmap (send) or the unit prefix sums
-    // (receive) fit shared memory.
-    bool all_p2p = kTopk <= 32 && !force_rma;
-    for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
-        if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
-    all_p2p = __syncthreads_and(all_p2p) != 0;
-    // BF16 rows stay on the per-expert path: measured faster there (43 against 74 us at 128 x 7168).
-    const bool direct = kFP8 && all_p2p && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
-    const bool recv_direct = kFP8 && all_p2p && num_experts + 1 <= kMaxHitWords;
     if constexpr (kTopk <= 32) {
         if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
-                &s_last, sym_tags, sym_src_idx, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, err);
+                &s_last, sym_tags, sym_src_idx, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
+                err);
         }
     }
     if ((phases & kPhaseSend) && !direct) {
@@ -195,7 +207,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
                 s_warp_sum, sym_tags, sym_src_idx, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
                 out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
-                shrink != 0, seq_tag(s_seq[1]), deadline, err);
+                shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
         }
     }
     if ((phases & kPhaseRecv) && !recv_direct) {

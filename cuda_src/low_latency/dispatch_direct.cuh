@@ -23,37 +23,79 @@ using namespace deepep::ll;
 // Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
 constexpr int kMaxHitWords = 6144;
 
-// Called by every thread of every block (the completion count needs all blocks). s_hits holds
-// num_experts * ceil(num_tokens / 32) <= kMaxHitWords words.
-template <int kHidden, int kTopk, bool kFP8, int kThreads>
+// What the send loads before the launch's prologue (begin_launch and the transport check: two dependent
+// global round trips), so that the latency of these loads overlaps it: the routing ids of the bitmap
+// (kIdsAhead per thread) and the row segment and top-k ids of the warp's first item.
+template <int kIdsAhead>
+struct SendAhead {
+    int64_t ids[kIdsAhead];
+    int4 r0, r1;
+    int64_t id;  // lane k < K: expert id k of the first item's token
+};
+
+template <int kHidden, int kTopk, int kThreads, int kIdsAhead>
+__device__ __forceinline__ void dispatch_send_ahead(const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx,
+                                                    int num_tokens, int num_experts, uint32_t* s_hits,
+                                                    SendAhead<kIdsAhead>& ahead) {
+    constexpr int kSegs = (kHidden + 511) / 512;
+    const int lane = lane_id();
+    const int words = num_experts * ((num_tokens + 31) / 32);
+    for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_hits[i] = 0u;
+#pragma unroll
+    for (int j = 0; j < kIdsAhead; ++j) {
+        const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+        ahead.ids[j] = i < num_tokens * kTopk ? __ldg(topk_idx + i) : int64_t{-1};
+    }
+    const int item = static_cast<int>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+    ahead.r0 = ahead.r1 = make_int4(0, 0, 0, 0);
+    ahead.id = -1;
+    if (item < num_tokens * kSegs) {
+        const int t = item / kSegs, col = (item % kSegs) * 512 + lane * 16;
+        const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
+        if (col < kHidden) ahead.r0 = ldg_v4(src);
+        if (col + 8 < kHidden) ahead.r1 = ldg_v4(src + 8);
+        if (lane < kTopk) ahead.id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
+    }
+}
+
+// Called by every thread of every block (the completion count needs all blocks), after
+// dispatch_send_ahead and a block barrier. s_hits holds num_experts * ceil(num_tokens / 32) <=
+// kMaxHitWords words, zeroed by dispatch_send_ahead.
+template <int kHidden, int kTopk, bool kFP8, int kThreads, int kIdsAhead>
 __device__ __forceinline__ void dispatch_send_direct(
     const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
     int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
     uint32_t* sym_tags, int* sym_src_idx, uint8_t* sym_recv, uint32_t* done_counter, uint32_t tag, bool round_scale,
-    ErrorRecord* err) {
+    const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     constexpr int kBlockWarps = kThreads / 32;
     constexpr int kSeg = 512;  // channels per item: 16 per lane
     constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
     constexpr int kSlotBytes = 2 * kHidden;
+    // FP8: the four scales of a whole segment go out as one 16-byte store (lane 0 gathers them) rather
+    // than four 4-byte stores, each a transaction of its own on the link.
+    constexpr bool kWholeSegs = kHidden % kSeg == 0;
     const int lane = lane_id();
     const int num_local = num_experts / num_ranks;
     const int chunks = (num_tokens + 31) / 32;
-    const int words = num_experts * chunks;
 
     // Bitmap of who picks whom. Ids outside [0, E) select nothing; block 0 reports one of them.
-    for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_hits[i] = 0u;
-    __syncthreads();
     {
         BadValue bad;
-        for (int i = static_cast<int>(threadIdx.x); i < num_tokens * kTopk; i += kThreads) {
-            const int64_t id = __ldg(topk_idx + i);
+        auto mark = [&](int i, int64_t id) {
             bad.check_expert_id(id, num_experts);
             if (id >= 0 && id < num_experts) {
                 const int t = i / kTopk;
                 atomicOr(s_hits + static_cast<int>(id) * chunks + t / 32, 1u << (t % 32));
             }
+        };
+#pragma unroll
+        for (int j = 0; j < kIdsAhead; ++j) {
+            const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+            if (i < num_tokens * kTopk) mark(i, ahead.ids[j]);
         }
+        for (int i = static_cast<int>(threadIdx.x) + kIdsAhead * kThreads; i < num_tokens * kTopk; i += kThreads)
+            mark(i, __ldg(topk_idx + i));
         if (blockIdx.x == 0 && !self_masked) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
     }
     __syncthreads();
@@ -61,26 +103,29 @@ __device__ __forceinline__ void dispatch_send_direct(
     if (!self_masked) {
         const int total_items = num_tokens * kSegs;
         const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
+        const int first_item = static_cast<int>(blockIdx.x) * kBlockWarps + static_cast<int>(threadIdx.x) / 32;
         // Consecutive warps of a block take consecutive segments of one token: its ids and routing are
         // loaded by neighbours at the same time.
-        for (int item = static_cast<int>(blockIdx.x) * kBlockWarps + static_cast<int>(threadIdx.x) / 32;
-             item < total_items; item += total_warps) {
+        for (int item = first_item; item < total_items; item += total_warps) {
             const int t = item / kSegs;
             const int seg = item % kSegs;
             const int col = seg * kSeg + lane * 16;
-            // The row segment first: its loads are independent of the routing below.
-            const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
             const bool lo = col < kHidden, hi = col + 8 < kHidden;  // hidden % 8 == 0: halves are whole
-            int4 r0 = make_int4(0, 0, 0, 0), r1 = make_int4(0, 0, 0, 0);
-            if (lo) r0 = ldg_v4(src);
-            if (hi) r1 = ldg_v4(src + 8);
+            int4 r0 = ahead.r0, r1 = ahead.r1;
+            int64_t id = ahead.id;
+            if (item != first_item) {
+                // The row segment first: its loads are independent of the routing below.
+                const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
+                r0 = lo ? ldg_v4(src) : make_int4(0, 0, 0, 0);
+                r1 = hi ? ldg_v4(src + 8) : make_int4(0, 0, 0, 0);
+                id = lane < kTopk ? __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane) : int64_t{-1};
+            }
 
             // Lane k: the slot of the token's k-th expert, if it gets a row (valid, first of its value in
             // the token, live destination).
             uint8_t* slot = nullptr;
             int* src_slot = nullptr;
             {
-                const int64_t id = lane < kTopk ? __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane) : -1;
                 const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(id));
                 const bool first = (same & ((1u << lane) - 1u)) == 0u;
                 if (lane < kTopk && first && id >= 0 && id < num_experts) {
@@ -99,7 +144,16 @@ __device__ __forceinline__ void dispatch_send_direct(
 
             int4 q0 = r0, q1 = r1;
             float scale = 0.0f;
-            if constexpr (kFP8) q0 = cast16_fp8(r0, r1, lo, round_scale, scale);
+            float4 seg_scales = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if constexpr (kFP8) {
+                q0 = cast16_fp8(r0, r1, lo, round_scale, scale);
+                if constexpr (kWholeSegs) {
+                    seg_scales.x = scale;
+                    seg_scales.y = __shfl_sync(kFullMask, scale, 8);
+                    seg_scales.z = __shfl_sync(kFullMask, scale, 16);
+                    seg_scales.w = __shfl_sync(kFullMask, scale, 24);
+                }
+            }
 
             uint32_t pending = __ballot_sync(kFullMask, slot != nullptr);
             while (pending != 0u) {  // uniform over the warp
@@ -108,9 +162,11 @@ __device__ __forceinline__ void dispatch_send_direct(
                 uint8_t* msg = reinterpret_cast<uint8_t*>(
                     __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(slot), k));
                 if constexpr (kFP8) {
-                    if (lo) {
-                        st_na_v4(reinterpret_cast<int4*>(msg + col), q0);
-                        if ((lane & 7) == 0) reinterpret_cast<float*>(msg + kHidden)[col / kChannelsPerBlock] = scale;
+                    if (lo) st_na_v4(reinterpret_cast<int4*>(msg + col), q0);
+                    if constexpr (kWholeSegs) {
+                        if (lane == 0) st_na_v4(reinterpret_cast<int4*>(msg + kHidden) + seg, *reinterpret_cast<int4*>(&seg_scales));
+                    } else {
+                        if (lo && (lane & 7) == 0) reinterpret_cast<float*>(msg + kHidden)[col / kChannelsPerBlock] = scale;
                     }
                 } else {
                     if (lo) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col), q0);
@@ -121,10 +177,10 @@ __device__ __forceinline__ void dispatch_send_direct(
         }
     }
 
-    // Completion: the last block to finish publishes the tags.
+    // Completion: the last block to finish publishes the tags (grid_completion acquired the other
+    // blocks' stores; each release store below orders them before its tag).
     grid_completion(done_counter, s_last);
     if (*s_last && !self_masked) {
-        __threadfence_system();  // every other block's stores, seen through the counter, before our tags
         for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kThreads) {
             const int dst = e / num_local, le = e % num_local;
             if (s_mask[dst] != 0) continue;
@@ -152,7 +208,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
     int* s_warp_sum, const uint32_t* sym_tags, const int* sym_src_idx, const uint8_t* sym_recv, int* mask,
     uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
     int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
-    bool shrink, uint32_t tag, const Deadline& deadline, ErrorRecord* err) {
+    bool shrink, uint32_t tag, uint32_t tag_ahead, const Deadline& deadline, ErrorRecord* err) {
     constexpr int kBlockWarps = kThreads / 32;
     constexpr int kNumScales = kHidden / kChannelsPerBlock;
     constexpr int kSlotBytes = 2 * kHidden;
@@ -171,7 +227,8 @@ __device__ __forceinline__ void dispatch_recv_direct(
         const int src = u % num_ranks;
         int cnt = 0;
         if (!self_masked && s_mask[src] == 0) {
-            cnt = wait_tag(sym_tags + u, tag, deadline, err, !shrink);
+            cnt = u == static_cast<int>(threadIdx.x) ? wait_tag_seen(tag_ahead, sym_tags + u, tag, deadline, err, !shrink)
+                                                     : wait_tag(sym_tags + u, tag, deadline, err, !shrink);
             if (cnt < 0) {
                 peer_timed_out(mask, src, shrink, err, kOpDispatchRecv, rank, __LINE__, deadline);
                 cnt = 0;

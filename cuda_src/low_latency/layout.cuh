@@ -38,7 +38,7 @@ namespace deepep {
 namespace ll {
 
 constexpr int kChannelsPerBlock = 128;
-// LogFMT-10 block on the wire: float lo, float hi, 128 low code bytes, 128 x 2-bit high parts.
+// LogFMT-10 block on the wire: float lo, float step, 128 low code bytes, 128 x 2-bit high parts.
 constexpr int kLogfmtBlockBytes = 8 + 128 + 32;
 constexpr int kLogfmtLevels = 510;
 // Token chunks of 32 tracked in shared memory: T <= 8192.
@@ -83,6 +83,9 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
 }
 __device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_gpu_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ void st_release_gpu_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -210,6 +213,17 @@ __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, cons
         }
         if (!poll_pause(spin, deadline, err, bail_on_report)) return -1;
     }
+}
+
+// wait_tag for a word already read once (`seen`, e.g. ahead of the launch's prologue): no second read
+// when that value carries the tag.
+__device__ __forceinline__ int wait_tag_seen(uint32_t seen, const uint32_t* word, uint32_t tag,
+                                             const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
+    if ((seen >> 16) == tag) {
+        fence_acq_rel_sys();
+        return static_cast<int>(seen & 0xffffu);
+    }
+    return wait_tag(word, tag, deadline, err, bail_on_report);
 }
 
 // Spin until the arrival counter has grown by `need` since `base`.
@@ -348,15 +362,19 @@ __device__ __forceinline__ int block_exclusive_prefix(int value, int* s_warp_sum
 // launch and gets *s_last = 1 (shared), so it may publish for the whole grid. Every thread of every block
 // calls it.
 __device__ __forceinline__ void grid_completion(uint32_t* done_counter, int* s_last) {
-    __threadfence_system();
+    // Release (acquire-release, not sequentially consistent: an SC fence also waits for a global ordering
+    // point, which the last block's readers do not need), then one increment per block.
+    fence_acq_rel_sys();
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        fence_acq_rel_sys();
         const uint32_t before = atomicAdd(done_counter, 1u);
         *s_last = before == gridDim.x - 1 ? 1 : 0;
         if (*s_last) {
-            atomicExch(done_counter, 0u);
-            __threadfence_system();
+            // Every block has counted: reset for the next launch (it starts after this kernel ends, so a
+            // plain store suffices) and acquire what the other blocks released.
+            st_relaxed_gpu_u32(done_counter, 0u);
+            fence_acq_rel_sys();
         }
     }
     __syncthreads();

@@ -1,14 +1,14 @@
 // LogFMT-10 codec of the low-latency combine (deepep_cupy/reference/quant.py defines the format).
 //
 // Block of 128 channels: lo / hi = min / max of log2|v| over nonzero v; step = (hi - lo) / 510;
-// code 0 = zero, else (sign << 9) | (round((log2|v| - lo) / step) + 1). Wire block: float lo, float hi,
+// code 0 = zero, else (sign << 9) | (round((log2|v| - lo) / step) + 1). Wire block: float lo, float step,
 // low code bytes [128], then 2-bit high parts packed 4 per byte [32] (channel i at bits 2*(i%4)).
 //
 // Speed over exactness: log2 and exp2 use the SFU approximations (lg2/ex2.approx, about 2^-22 relative
 // error) and the encoder multiplies by 1/step instead of dividing. A value can therefore land one code
 // away from the reference's (one code is a relative change of 2^step - 1, at most a few percent),
 // which is inside the combine's LogFMT tolerance; the result is still deterministic. The decoder keeps
-// the reference's float32 step, multiply and add, so encoder and decoder agree on lo, hi and step.
+// the reference's float32 step (computed once, by the encoder, and sent in place of hi), multiply and add.
 //
 // Lane mapping: a lane holds 8 consecutive channels (one 16-byte BF16 load), so a half-warp holds one
 // block and a warp two; min/max are reduced over the 16 lanes of each half with 4 shuffle rounds.
@@ -78,7 +78,7 @@ __device__ __forceinline__ void logfmt_encode_block(const int4& raw, bool active
     if (active) {
         *reinterpret_cast<uint2*>(blk + 8 + hl * 8) = make_uint2(low[0], low[1]);
         *reinterpret_cast<uint16_t*>(blk + kLogfmtHighOffset + hl * 2) = static_cast<uint16_t>(high);
-        if (hl == 0) *reinterpret_cast<float2*>(blk) = make_float2(lo, hi);
+        if (hl == 0) *reinterpret_cast<float2*>(blk) = make_float2(lo, step);
     }
 }
 
@@ -104,7 +104,7 @@ __device__ __forceinline__ void logfmt_encode_row(const uint16_t* src, uint8_t* 
 
 // The wire bytes one lane needs to decode channels [col, col + 8) of a received row.
 struct LogfmtPiece {
-    float2 meta;  // lo, hi
+    float2 meta;  // lo, step
     uint2 low;
     uint32_t high;
 };
@@ -123,8 +123,9 @@ __device__ __forceinline__ LogfmtPiece logfmt_load8(const uint8_t* row, int col)
 
 // Decode a piece to float32, rounded to BF16 as the combine wants.
 __device__ __forceinline__ void logfmt_decode8(const LogfmtPiece& p, float (&f)[8]) {
-    const float lo = p.meta.x, hi = p.meta.y;
-    const float step = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(kLogfmtLevels));
+    // The encoder's step travels with the block: an IEEE division per 8 values here cost more than the
+    // rest of the decode.
+    const float lo = p.meta.x, step = p.meta.y;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const uint32_t byte = ((i < 4 ? p.low.x : p.low.y) >> (8 * (i % 4))) & 0xffu;

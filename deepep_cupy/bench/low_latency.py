@@ -9,7 +9,9 @@ Timing: each sample first parks the GPU in a short sleep kernel, so that the hos
 operations behind it; the CUDA events then measure only GPU time, with no launch gaps. A sample times
 ``--ll-reps`` consecutive operations (the ranks' start skew is spread over them) and reports the mean per
 operation; the table shows the median sample, averaged over the ranks. With the receive hook, each send
-and each receive kernel is bracketed by its own events.
+and each receive kernel is bracketed by its own events. These times include the GPU's gaps between
+launches. The ``kernel us`` column is kernel time as DeepEP's low-latency test measures it: the kernels'
+own durations from CUPTI (through ``torch.profiler``), median over the calls, without those gaps.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import statistics
 
 import numpy as np
 
-from .timing import park, row
+from .timing import kernel_durations, park, row
 
 __all__ = ["run"]
 
@@ -115,11 +117,44 @@ def run(comm, args) -> list[dict]:
             seconds = comm.allgather(second)
             return float(np.mean(firsts)), (float(np.mean(seconds)) if with_parts else None)
 
-        _, _, sms = warp_split(num_experts, buf.runtime.low_latency.num_sms)
+        def kernel_us(ops, with_parts=False):
+            """Kernel time per op as DeepEP's test takes it (CUPTI records, every kernel of the op summed;
+            send and receive apart with the hook), averaged over the ranks; None without torch."""
+            def call():
+                hook = ops()
+                if with_parts:  # the peers' sends land first, as when compute runs between the parts
+                    cupy.cuda.Device().synchronize()
+                    comm.Barrier()
+                    hook()
+
+            for _ in range(3):
+                call()
+            comm.Barrier()
+            # Without the hook, the calls queue up behind a parked GPU on every rank, so the kernels run back
+            # to back and the fused ones do not wait for a peer's host to issue its call.
+            got = kernel_durations(call, reps * 2, "low_latency::", lambda: cupy.cuda.Device().synchronize(),
+                                   before=None if with_parts else lambda: (comm.Barrier(), park(stream, 5000)))
+            per = len(got) // (reps * 2) if got else 0
+            if per == 0 or len(got) != per * reps * 2:
+                value = None
+            elif with_parts:
+                value = (statistics.median(got[0::2]), statistics.median(got[1::2]))
+            else:
+                value = statistics.median(sum(got[i * per:(i + 1) * per]) for i in range(reps * 2))
+            values = comm.allgather(value)
+            if any(v is None for v in values):
+                return (None, None) if with_parts else None
+            if with_parts:
+                return tuple(round(float(np.mean([v[i] for v in values])), 2) for i in (0, 1))
+            return round(float(np.mean(values)), 2)
+
+        # The FP8 dispatch and every combine run one block per SM; BF16 rows keep one per expert group.
+        _, _, sms_bf16 = warp_split(num_experts, buf.runtime.low_latency.num_sms)
+        sms = buf.runtime.low_latency.num_sms
 
         engine = buf.runtime.low_latency
         us, _ = measure(lambda: dispatch())
-        rows.append(row("LL dispatch FP8", us, nbytes["fp8"], sms))
+        rows.append(row("LL dispatch FP8", us, nbytes["fp8"], sms, **{"kernel us": kernel_us(lambda: dispatch())}))
         if not engine.staged:  # the other way to cast: once per token in a kernel of its own
             engine.staged = True
             try:
@@ -128,11 +163,13 @@ def run(comm, args) -> list[dict]:
                 engine.staged = False
             rows.append(row("LL dispatch FP8 (pre-cast)", us, nbytes["fp8"], sms))
         us, _ = measure(lambda: dispatch(fp8=False))
-        rows.append(row("LL dispatch BF16", us, nbytes["bf16"], sms))
+        rows.append(row("LL dispatch BF16", us, nbytes["bf16"], sms_bf16,
+                        **{"kernel us": kernel_us(lambda: dispatch(fp8=False))}))
         us, _ = measure(lambda: combine())
-        rows.append(row("LL combine BF16", us, nbytes["bf16"], sms))
+        rows.append(row("LL combine BF16", us, nbytes["bf16"], sms, **{"kernel us": kernel_us(lambda: combine())}))
         us, _ = measure(lambda: combine(logfmt=True))
-        rows.append(row("LL combine LogFMT", us, nbytes["logfmt"], sms))
+        rows.append(row("LL combine LogFMT", us, nbytes["logfmt"], sms,
+                        **{"kernel us": kernel_us(lambda: combine(logfmt=True))}))
 
         def both():
             nonlocal handle
@@ -140,17 +177,14 @@ def run(comm, args) -> list[dict]:
             combine()
 
         us, _ = measure(both)
-        rows.append(row("LL dispatch+combine", us, nbytes["fp8"] + nbytes["bf16"], sms))
+        rows.append(row("LL dispatch+combine", us, nbytes["fp8"] + nbytes["bf16"], sms, **{"kernel us": kernel_us(both)}))
 
-        send, recv = measure(lambda: dispatch(hook=True)[4], with_parts=True)
-        rows.append(row("LL dispatch send (hook)", send, None, sms))
-        rows.append(row("LL dispatch recv (hook)", recv, None, sms))
-        send, recv = measure(lambda: combine(hook=True)[2], with_parts=True)
-        rows.append(row("LL combine send (hook)", send, None, sms))
-        rows.append(row("LL combine recv (hook)", recv, None, sms))
-        send, recv = measure(lambda: combine(logfmt=True, hook=True)[2], with_parts=True)
-        rows.append(row("LL combine LogFMT send (hook)", send, None, sms))
-        rows.append(row("LL combine LogFMT recv (hook)", recv, None, sms))
+        for name, ops in (("LL dispatch", lambda: dispatch(hook=True)[4]), ("LL combine", lambda: combine(hook=True)[2]),
+                          ("LL combine LogFMT", lambda: combine(logfmt=True, hook=True)[2])):
+            send, recv = measure(ops, with_parts=True)
+            k_send, k_recv = kernel_us(ops, with_parts=True)
+            rows.append(row(f"{name} send (hook)", send, None, sms, **{"kernel us": k_send}))
+            rows.append(row(f"{name} recv (hook)", recv, None, sms, **{"kernel us": k_recv}))
     finally:
         cupy.cuda.Device().synchronize()
         comm.Barrier()

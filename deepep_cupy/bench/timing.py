@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["time_op", "park", "row", "format_table"]
+__all__ = ["time_op", "park", "row", "format_table", "kernel_durations"]
 
 _PARK_SRC = r"""
 extern "C" __global__ void park(unsigned long long ns) {
@@ -64,6 +64,33 @@ def time_op(fn, *, warmup: int = 5, iters: int = 30, stream=None, before=None, p
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
     return statistics.median(times)
+
+
+def kernel_durations(fn, reps: int, name: str, sync, before=None) -> list[float] | None:
+    """GPU durations in microseconds, in launch order, of the kernels whose name contains ``name`` that
+    ``reps`` calls of ``fn`` launch: CUPTI's kernel records through ``torch.profiler``, which is how
+    DeepEP's low-latency test measures kernel time (no launch gaps, no host time). None without torch on
+    a GPU. ``sync()`` waits for the device (it runs inside the profiled region, after the calls);
+    ``before()``, if given, runs inside it ahead of the calls (e.g. :func:`park`).
+    """
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if before is not None:
+            before()
+        for _ in range(reps):
+            fn()
+        sync()
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name]
+    kernels.sort(key=lambda e: e.time_range.start)
+    return [e.time_range.elapsed_us() for e in kernels]
 
 
 def row(op: str, us: float, nbytes: float | None = None, sms: int | None = None, **extra) -> dict:

@@ -192,6 +192,9 @@ class CombinePlan(_Plan):
         self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         warps, groups, blocks, kernel, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt))
+        # Every phase loops over the grid's groups or warps, so the grid may cover all SMs (one block each,
+        # all resident): the LogFMT encode is compute-bound and the reduction gains warps.
+        blocks = max(blocks, engine.num_sms)
         self.plans = []
         for b in (0, 1):
             r, state, common = self._common_args(b)
