@@ -215,10 +215,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const int slab = num_ranks * max_tokens;
     const bool bail = !shrink;
 
-    // Stage B's first tag words, read ahead of the prologue so that their latency overlaps it (relaxed
-    // loads, checked against the tag there). Thread i reads expert i, as stage B assigns them.
-    const uint32_t tag_ahead = (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_experts
-                                   ? ld_relaxed_sys_u32(sym_tags + threadIdx.x) : 0u;
+    // Stage B's first tag words, read ahead of the prologue (thread i waits for expert i there).
+    const uint32_t tag_ahead = read_tag_ahead(phases, sym_tags, num_experts);
     begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
     const Deadline deadline(timeout_ns);
     const bool self_masked = s_mask[rank] != 0;
@@ -356,8 +354,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 const int owner = e / num_local_experts;
                 if (s_mask[owner] == 0 && ld_volatile(mask + owner) == 0) {
                     const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
-                    ok = p2p ? (e == static_cast<int>(threadIdx.x) ? wait_tag_seen(tag_ahead, sym_tags + e, tag, deadline, err, bail)
-                                                                   : wait_tag(sym_tags + e, tag, deadline, err, bail)) >= 0
+                    const uint32_t seen = e == static_cast<int>(threadIdx.x) ? tag_ahead : 0u;
+                    ok = p2p ? wait_tag_seen(seen, sym_tags + e, tag, deadline, err, bail) >= 0
                              : wait_ready(ready + e, tag, deadline, err, bail);
                     if (!ok) {
                         peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);

@@ -87,9 +87,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         if (fits && (phases & kPhaseSend))
             dispatch_send_ahead<kHidden, kTopk, kWarps * kGroups * 32>(x, topk_idx, num_tokens, num_experts, s_hits, ahead);
     }
-    // The receive phase's first count, read ahead too (a relaxed load; checked against the tag below).
-    const uint32_t tag_ahead = (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_experts
-                                   ? ld_relaxed_sys_u32(sym_tags + threadIdx.x) : 0u;
+    // The receive phase's first count, read ahead too.
+    const uint32_t tag_ahead = read_tag_ahead(phases, sym_tags, num_experts);
     bool all_p2p = kTopk <= 32 && !force_rma;
     for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
         if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;

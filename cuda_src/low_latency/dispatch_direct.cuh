@@ -23,22 +23,43 @@ using namespace deepep::ll;
 // Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
 constexpr int kMaxHitWords = 6144;
 
+// Channels per send item: 16 per lane.
+constexpr int kSendSeg = 512;
+
+// A send item's inputs: its 512-channel row segment and the top-k ids of its token (lane k < K: id k).
+struct SendItem {
+    int4 r0, r1;
+    int64_t id;
+};
+
+// Item = token * segments + segment. Lanes past the row load zeros (hidden % 8 == 0: halves are whole).
+template <int kHidden, int kTopk>
+__device__ __forceinline__ SendItem load_send_item(const uint16_t* __restrict__ x,
+                                                   const int64_t* __restrict__ topk_idx, int item, int lane) {
+    constexpr int kSegs = (kHidden + kSendSeg - 1) / kSendSeg;
+    const int t = item / kSegs, col = (item % kSegs) * kSendSeg + lane * 16;
+    const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
+    SendItem it;
+    it.r0 = col < kHidden ? ldg_v4(src) : make_int4(0, 0, 0, 0);
+    it.r1 = col + 8 < kHidden ? ldg_v4(src + 8) : make_int4(0, 0, 0, 0);
+    it.id = lane < kTopk ? __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane) : int64_t{-1};
+    return it;
+}
+
 // What the send loads before the launch's prologue (begin_launch and the transport check: two dependent
 // global round trips), so that the latency of these loads overlaps it: the routing ids of the bitmap
-// (kIdsAhead per thread) and the row segment and top-k ids of the warp's first item.
+// (kIdsAhead per thread) and the warp's first item.
 template <int kIdsAhead>
 struct SendAhead {
     int64_t ids[kIdsAhead];
-    int4 r0, r1;
-    int64_t id;  // lane k < K: expert id k of the first item's token
+    SendItem first;
 };
 
 template <int kHidden, int kTopk, int kThreads, int kIdsAhead>
 __device__ __forceinline__ void dispatch_send_ahead(const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx,
                                                     int num_tokens, int num_experts, uint32_t* s_hits,
                                                     SendAhead<kIdsAhead>& ahead) {
-    constexpr int kSegs = (kHidden + 511) / 512;
-    const int lane = lane_id();
+    constexpr int kSegs = (kHidden + kSendSeg - 1) / kSendSeg;
     const int words = num_experts * ((num_tokens + 31) / 32);
     for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_hits[i] = 0u;
 #pragma unroll
@@ -47,15 +68,7 @@ __device__ __forceinline__ void dispatch_send_ahead(const uint16_t* __restrict__
         ahead.ids[j] = i < num_tokens * kTopk ? __ldg(topk_idx + i) : int64_t{-1};
     }
     const int item = static_cast<int>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
-    ahead.r0 = ahead.r1 = make_int4(0, 0, 0, 0);
-    ahead.id = -1;
-    if (item < num_tokens * kSegs) {
-        const int t = item / kSegs, col = (item % kSegs) * 512 + lane * 16;
-        const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
-        if (col < kHidden) ahead.r0 = ldg_v4(src);
-        if (col + 8 < kHidden) ahead.r1 = ldg_v4(src + 8);
-        if (lane < kTopk) ahead.id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
-    }
+    if (item < num_tokens * kSegs) ahead.first = load_send_item<kHidden, kTopk>(x, topk_idx, item, lane_id());
 }
 
 // Called by every thread of every block (the completion count needs all blocks), after
@@ -69,7 +82,7 @@ __device__ __forceinline__ void dispatch_send_direct(
     const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     constexpr int kBlockWarps = kThreads / 32;
-    constexpr int kSeg = 512;  // channels per item: 16 per lane
+    constexpr int kSeg = kSendSeg;
     constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
     constexpr int kSlotBytes = 2 * kHidden;
     // FP8: the four scales of a whole segment go out as one 16-byte store (lane 0 gathers them) rather
@@ -111,15 +124,10 @@ __device__ __forceinline__ void dispatch_send_direct(
             const int seg = item % kSegs;
             const int col = seg * kSeg + lane * 16;
             const bool lo = col < kHidden, hi = col + 8 < kHidden;  // hidden % 8 == 0: halves are whole
-            int4 r0 = ahead.r0, r1 = ahead.r1;
-            int64_t id = ahead.id;
-            if (item != first_item) {
-                // The row segment first: its loads are independent of the routing below.
-                const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
-                r0 = lo ? ldg_v4(src) : make_int4(0, 0, 0, 0);
-                r1 = hi ? ldg_v4(src + 8) : make_int4(0, 0, 0, 0);
-                id = lane < kTopk ? __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane) : int64_t{-1};
-            }
+            // The row segment is loaded first: its loads are independent of the routing below.
+            const SendItem in = item == first_item ? ahead.first : load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
+            const int4 r0 = in.r0, r1 = in.r1;
+            const int64_t id = in.id;
 
             // Lane k: the slot of the token's k-th expert, if it gets a row (valid, first of its value in
             // the token, live destination).
@@ -227,8 +235,8 @@ __device__ __forceinline__ void dispatch_recv_direct(
         const int src = u % num_ranks;
         int cnt = 0;
         if (!self_masked && s_mask[src] == 0) {
-            cnt = u == static_cast<int>(threadIdx.x) ? wait_tag_seen(tag_ahead, sym_tags + u, tag, deadline, err, !shrink)
-                                                     : wait_tag(sym_tags + u, tag, deadline, err, !shrink);
+            cnt = wait_tag_seen(u == static_cast<int>(threadIdx.x) ? tag_ahead : 0u, sym_tags + u, tag, deadline, err,
+                                !shrink);
             if (cnt < 0) {
                 peer_timed_out(mask, src, shrink, err, kOpDispatchRecv, rank, __LINE__, deadline);
                 cnt = 0;

@@ -215,8 +215,15 @@ __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, cons
     }
 }
 
-// wait_tag for a word already read once (`seen`, e.g. ahead of the launch's prologue): no second read
-// when that value carries the tag.
+// Word threadIdx.x of `tags`, read before the launch's prologue when the launch receives, so that its
+// latency overlaps the prologue (a relaxed load; wait_tag_seen checks it against the tag). 0 otherwise.
+__device__ __forceinline__ uint32_t read_tag_ahead(int phases, const uint32_t* tags, int num_words) {
+    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_relaxed_sys_u32(tags + threadIdx.x)
+                                                                                : 0u;
+}
+
+// wait_tag for a word already read once (`seen`, e.g. by read_tag_ahead): no second read when that value
+// carries the tag. seen = 0 never does (tags are never 0), so it is a plain wait_tag.
 __device__ __forceinline__ int wait_tag_seen(uint32_t seen, const uint32_t* word, uint32_t tag,
                                              const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
     if ((seen >> 16) == tag) {
