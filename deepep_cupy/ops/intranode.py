@@ -47,7 +47,7 @@ __all__ = [
 
 NOTIFY_THREADS = 1024
 # Defaults of the compile-time shape of the data kernels. Best guesses for 2 ranks (see
-# deepep_cupy/bench/NOTES_intranode.md); the bench sweeps the alternatives.
+# docs/intranode_performance.md); the bench sweeps the alternatives.
 DISPATCH_WARPS, DISPATCH_UNROLL = 16, 8
 COMBINE_WARPS, COMBINE_UNROLL = 16, 8
 # With more ranks the combine receiver keeps one accumulator per load in flight: fewer loads per lane,
