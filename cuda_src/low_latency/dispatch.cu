@@ -1,6 +1,9 @@
 // Low-latency dispatch: every rank sends each token to the ranks of its top-k experts, packed per local
 // expert on the receiver, grouped by source rank, each group in source token order (deterministic).
 //
+// One message per (token, destination rank) where the host chose that format (every rank reachable by
+// stores and the tables fit; dispatch_ranks.cuh): the token crosses the link once per rank and the
+// receiver copies it into the rows of each local expert it picked. Otherwise one row per (token, expert):
 // Send over stores (every rank reachable through NVLink, routing bitmap small enough): the grid shares
 // (token, segment) items evenly, each segment read and cast once and stored to all of the token's
 // experts; see dispatch_direct.cuh.
@@ -20,7 +23,7 @@
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
-#include "low_latency/dispatch_direct.cuh"
+#include "low_latency/dispatch_ranks.cuh"
 
 using namespace deepep;
 using namespace deepep::ll;
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
              int64_t* out_layout_range,            // [E_local, R]
              int* cumulative_recv_stats,           // [E_local] or null
              int64_t* wait_recv_cost_stats,        // [R] or null
-             int phases, int staged, int force_rma, int round_scale, int use_ue8m0, int shrink,
+             int phases, int staged, int force_rma, int rank_msgs, int round_scale, int use_ue8m0, int shrink,
              long long timeout_ns, ErrorRecord* err) {
     constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
     constexpr int kNumScales = kHidden / kChannelsPerBlock;
@@ -80,16 +83,22 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     // grid-wide splits of dispatch_direct.cuh, where the routing bitmap (send) or the unit prefix sums
     // (receive) fit shared memory. BF16 rows stay on the per-expert path: measured faster there (43
     // against 74 us at 128 x 7168).
+    // One message per (token, destination rank) when the host chose that format (rank_msgs: the same
+    // decision on every rank; see dispatch_ranks.cuh).
+    const bool ranks = kTopk <= 32 && rank_msgs != 0;
+    uint32_t* rank_tags = reinterpret_cast<uint32_t*>(sym_arrivals);
     const bool fits = kFP8 && kTopk <= 32 && !force_rma && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
     constexpr int kIdsAhead = 2;
     SendAhead<kIdsAhead> ahead;
     if constexpr (kTopk <= 32) {
-        if (fits && (phases & kPhaseSend))
-            dispatch_send_ahead<kHidden, kTopk, kWarps * kGroups * 32>(x, topk_idx, num_tokens, num_experts, s_hits, ahead);
+        if ((ranks || fits) && (phases & kPhaseSend))
+            dispatch_send_ahead<kHidden, kTopk, kWarps * kGroups * 32>(
+                x, topk_idx, num_tokens, ranks ? num_experts + num_ranks : num_experts, s_hits, ahead);
     }
     // The receive phase's first count, read ahead too.
-    const uint32_t tag_ahead = read_tag_ahead(phases, sym_tags, num_experts);
-    bool all_p2p = kTopk <= 32 && !force_rma;
+    const uint32_t tag_ahead =
+        ranks ? read_tag_ahead(phases, rank_tags, num_ranks) : read_tag_ahead(phases, sym_tags, num_experts);
+    bool all_p2p = kTopk <= 32 && !force_rma && !ranks;  // (the per-expert format's paths only)
     for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
         if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
     all_p2p = __syncthreads_and(all_p2p) != 0;
@@ -102,14 +111,18 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
     // ------------------------------------------------------------------ send
     if constexpr (kTopk <= 32) {
-        if (direct && (phases & kPhaseSend)) {
+        if (ranks && (phases & kPhaseSend)) {
+            dispatch_send_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
+                x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits, &s_last,
+                sym_tags, rank_tags, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead, err);
+        } else if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
                 &s_last, sym_tags, sym_src_idx, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
                 err);
         }
     }
-    if ((phases & kPhaseSend) && !direct) {
+    if ((phases & kPhaseSend) && !direct && !ranks) {
         const uint32_t tag = seq_tag(s_seq[0]);
         const int num_chunks = (num_tokens + 31) / 32;
         for (int e = gid; e < num_experts; e += total_groups) {
@@ -200,7 +213,14 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
     // ------------------------------------------------------------------ receive
     if constexpr (kTopk <= 32) {
-        if (recv_direct && (phases & kPhaseRecv)) {
+        if (ranks && (phases & kPhaseRecv)) {
+            __syncthreads();  // the send phase's last readers of s_hits, which becomes the receive tables
+            dispatch_recv_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
+                max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
+                s_warp_sum, sym_tags, rank_tags, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
+                out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
+                shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
+        } else if (recv_direct && (phases & kPhaseRecv)) {
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the prefix array
             dispatch_recv_direct<kHidden, kFP8, kWarps * kGroups * 32>(
                 max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
@@ -209,7 +229,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
         }
     }
-    if ((phases & kPhaseRecv) && !recv_direct) {
+    if ((phases & kPhaseRecv) && !recv_direct && !ranks) {
         const uint32_t tag = seq_tag(s_seq[1]);
         const uint64_t t_start = globaltimer();
         for (int u = gid; u < num_experts; u += total_groups) {

@@ -57,10 +57,10 @@ struct SendAhead {
 
 template <int kHidden, int kTopk, int kThreads, int kIdsAhead>
 __device__ __forceinline__ void dispatch_send_ahead(const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx,
-                                                    int num_tokens, int num_experts, uint32_t* s_hits,
+                                                    int num_tokens, int num_maps, uint32_t* s_hits,
                                                     SendAhead<kIdsAhead>& ahead) {
     constexpr int kSegs = (kHidden + kSendSeg - 1) / kSendSeg;
-    const int words = num_experts * ((num_tokens + 31) / 32);
+    const int words = num_maps * ((num_tokens + 31) / 32);  // num_maps bitmaps of one bit per token
     for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_hits[i] = 0u;
 #pragma unroll
     for (int j = 0; j < kIdsAhead; ++j) {
@@ -248,23 +248,8 @@ __device__ __forceinline__ void dispatch_recv_direct(
         }
         s_pre[u] = cnt;
     }
-    __syncthreads();
 
-    // Exclusive prefix sum over the units: each thread a contiguous run, then one scan of the runs.
-    {
-        const int per = (num_experts + kThreads - 1) / kThreads;
-        const int u0 = static_cast<int>(threadIdx.x) * per, u1 = min(num_experts, u0 + per);
-        int sum = 0;
-        for (int u = u0; u < u1; ++u) sum += s_pre[u];
-        int run = block_exclusive_prefix(sum, s_warp_sum);
-        for (int u = u0; u < u1; ++u) {
-            const int c = s_pre[u];
-            s_pre[u] = run;
-            run += c;
-        }
-        if (threadIdx.x == kThreads - 1) s_pre[num_experts] = run;
-        __syncthreads();
-    }
+    block_exclusive_scan(s_pre, num_experts, s_warp_sum);  // exclusive prefix over the units
 
     // Per-unit and per-expert outputs, and -1 for the source info of the slab's unused rows.
     if (blockIdx.x == 0) {

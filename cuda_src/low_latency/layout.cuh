@@ -364,6 +364,25 @@ __device__ __forceinline__ int block_exclusive_prefix(int value, int* s_warp_sum
     return run;
 }
 
+// In-place exclusive prefix sum of s_vals[0 .. n) with the total in s_vals[n] (s_vals holds n + 1 ints):
+// each thread sums a contiguous run, then one block scan of the runs. Every thread of the block calls
+// it; it starts and ends with a block barrier (callers have just written s_vals).
+__device__ __forceinline__ void block_exclusive_scan(int* s_vals, int n, int* s_warp_sum) {
+    __syncthreads();
+    const int per = (n + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+    const int i0 = min(n, static_cast<int>(threadIdx.x) * per), i1 = min(n, i0 + per);
+    int sum = 0;
+    for (int i = i0; i < i1; ++i) sum += s_vals[i];
+    int run = block_exclusive_prefix(sum, s_warp_sum);
+    for (int i = i0; i < i1; ++i) {
+        const int c = s_vals[i];
+        s_vals[i] = run;
+        run += c;
+    }
+    if (threadIdx.x == blockDim.x - 1) s_vals[n] = run;
+    __syncthreads();
+}
+
 // End of a grid-wide phase: each block's stores are made system-visible before the block counts itself
 // done; the block that finds the counter at gridDim.x - 1 is the last, resets the counter for the next
 // launch and gets *s_last = 1 (shared), so it may publish for the whole grid. Every thread of every block

@@ -19,9 +19,12 @@ Environment:
     DEEPEP_CUPY_LL_FORCE_RMA=1: use NVSHMEM puts even to peers reachable by loads and stores (exercises
         the network code path on one node).
     DEEPEP_CUPY_LL_STAGE=1: cast each token to FP8 once into the symmetric staging area (one extra kernel)
-        and copy the staged rows, instead of casting on the fly for every destination expert. Always on
-        when some peer is reached through puts. ``LowLatencyEngine.staged`` may also be changed between
-        calls.
+        and copy the staged rows, instead of casting on the fly for every destination expert (rows sent
+        per (token, expert) only). Always on when some peer is reached through puts.
+    DEEPEP_CUPY_LL_PER_EXPERT=1: send one dispatch row per (token, expert) even where one message per
+        (token, rank) applies (every rank reached by stores; see low_latency_layout).
+    ``LowLatencyEngine.staged`` and ``.per_expert`` hold the last two; a plan reads them when it is
+    made, so a change applies to shapes not used before (or after the Buffer's plans are dropped).
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ class LowLatencyEngine:
                 self.p2p_peers = [self._sym.peer_ptr(pe) != 0 for pe in range(self.num_ranks)]
                 self.staged = (self.force_rma or not all(self.p2p_peers)
                                or os.environ.get("DEEPEP_CUPY_LL_STAGE", "0") == "1")
+                self.per_expert = os.environ.get("DEEPEP_CUPY_LL_PER_EXPERT", "0") == "1"
                 self.errors = KernelErrorRecord()
                 self.mask = cupy.zeros(self.num_ranks, dtype=cupy.int32)
                 # Per buffer half: send sequence, its readers, receive sequence, its readers, then the
@@ -253,6 +257,13 @@ class LowLatencyEngine:
     def region_addresses(self, layout: LowLatencyLayout) -> tuple[dict, dict]:
         """Per buffer half, the absolute address of every region of ``layout``."""
         return tuple({name: self._sym.ptr + layout.region(b, name) for name in REGIONS} for b in (0, 1))
+
+    def rank_messages(self, layout: LowLatencyLayout, topk: int, use_fp8: bool) -> bool:
+        """Whether a dispatch of these sizes sends one message per (token, rank): every rank reached by
+        stores (as on every rank of an NVLink domain), not forced to puts or to per-expert rows, and the
+        layout's tables fit."""
+        return (all(self.p2p_peers) and not self.force_rma and not self.per_expert
+                and layout.rank_messages_fit(topk, use_fp8))
 
     def next_buffer(self) -> int:
         b = self._idx

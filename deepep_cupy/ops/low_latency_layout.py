@@ -13,6 +13,13 @@ are the same on every rank (which is what makes the addresses symmetric)::
               combine: the rows to return (the zero-copy buffer); RMA path: staging for the puts.
               dispatch (RMA path only): [T] staged messages of 2H bytes.
 
+Where every rank is reached by stores, the dispatch sends one message per (token, destination rank)
+instead of one row per (token, expert) when :meth:`LowLatencyLayout.rank_messages_fit` (see
+``cuda_src/low_latency/dispatch_ranks.cuh``): message ``j`` from source ``s`` sits at ``recv + (s*T + j)
+* rank_message_bytes``, the per-(source, local expert) row counts in ``tags`` (word ``s*E_local + le``)
+and the per-source completion words in ``arrivals`` (word ``s``, as uint32), regions the RMA path would
+use otherwise.
+
 A receive slot is ``2H`` bytes whatever the format: a BF16 row, an FP8 row followed by its float32
 scales (``H + 4 * H/128`` bytes), or a LogFMT-10 row (``168`` bytes per 128 channels).
 
@@ -34,6 +41,7 @@ __all__ = [
     "MAX_TOPK",
     "dispatch_message_bytes",
     "combine_message_bytes",
+    "rank_message_bytes",
     "rdma_size_hint",
 ]
 
@@ -49,6 +57,9 @@ MAX_RANKS = 1024
 MAX_EXPERTS = 8192
 #: A token's experts are awaited by the lanes of one warp in the combine.
 MAX_TOPK = 32
+#: Shared-memory table of the dispatch's grid-wide paths, in 4-byte words (kMaxHitWords in
+#: dispatch_direct.cuh).
+MAX_HIT_WORDS = 6144
 
 #: The regions of one buffer half, in address order.
 REGIONS = ("tags", "arrivals", "src_idx", "recv", "send")
@@ -73,6 +84,12 @@ def combine_message_bytes(hidden: int, use_logfmt: bool) -> int:
     if use_logfmt:
         return (hidden // BLOCK) * LOGFMT_BLOCK_BYTES
     return 2 * hidden
+
+
+def rank_message_bytes(hidden: int, topk: int, use_fp8: bool) -> int:
+    """Bytes of one per-(token, rank) dispatch message: the row (FP8: and its scales), then a header of
+    the token index and one word per top-k entry, in 16-byte units (RankMsg in dispatch_ranks.cuh)."""
+    return dispatch_message_bytes(hidden, use_fp8) + 16 * ((1 + topk + 3) // 4)
 
 
 def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
@@ -194,6 +211,18 @@ class LowLatencyLayout:
     def signal_span(self, buffer_idx: int) -> tuple[int, int]:
         """``(offset, bytes)`` of the tags and arrival counters of one half (what cleaning zeroes)."""
         return self.region(buffer_idx, "tags"), self.src_idx_offset
+
+    def rank_messages_fit(self, topk: int, use_fp8: bool) -> bool:
+        """Whether the per-(token, rank) dispatch format applies to these sizes: top-k <= 32, the
+        sender's bitmaps (one per expert and one per rank, ``ceil(T/32)`` words each) and the receiver's
+        tables fit the shared table, at least two experts per rank (else a token never shares a message
+        between experts) and ``R*T`` messages fit the receive region."""
+        t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
+        chunks = -(-t // 32)
+        return (0 < topk <= MAX_TOPK and e // r >= 2 and (e + r) * chunks <= MAX_HIT_WORDS
+                and 2 * r + 1 + e + e // r <= MAX_HIT_WORDS
+                and r * t * rank_message_bytes(h, topk, use_fp8) <= self.recv_bytes
+                and 4 * r <= self.arrivals_bytes and 4 * e <= self.tags_bytes)
 
     def fits(self, num_bytes: int) -> bool:
         return self.total_bytes <= int(num_bytes)

@@ -111,9 +111,12 @@ class DispatchPlan(_Plan):
         # Byte offset of this rank's row in a [R, R] wait-stats tensor (0 for a [R] one).
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         warps, groups, blocks, kernel, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8)
+        # One message per (token, rank) where every rank is reached by stores and the tables fit
+        # (dispatch_ranks.cuh); the same decision on every rank.
+        self.rank_msgs = engine.rank_messages(layout, topk, self.use_fp8)
         # Over stores the send phase splits (token, segment) items over the whole grid, and the receive
         # phase's units loop over the groups: one block per SM (all resident, as the waits need).
-        if self.use_fp8:  # the BF16 rows keep the per-expert path and its grid (dispatch.cu)
+        if self.use_fp8 or self.rank_msgs:  # BF16 per-expert rows keep their own grid (dispatch.cu)
             blocks = max(blocks, engine.num_sms)
         self.plans, self.stages = [], []
         for b in (0, 1):
@@ -128,11 +131,11 @@ class DispatchPlan(_Plan):
                     ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_layout_range", "ptr", None),
                     ("cumulative_recv_stats", "ptr", 0), ("wait_recv_cost_stats", "ptr", 0),
                     ("phases", "i32", _BOTH), ("staged", "i32", int(engine.staged)),
-                    ("force_rma", "i32", int(engine.force_rma)), ("round_scale", "i32", int(round_scale)),
-                    ("use_ue8m0", "i32", int(self.use_ue8m0)), ("shrink", "i32", int(engine.enable_shrink)),
+                    ("force_rma", "i32", int(engine.force_rma)), ("rank_msgs", "i32", int(self.rank_msgs)),
+                    ("round_scale", "i32", int(round_scale)), ("use_ue8m0", "i32", int(self.use_ue8m0)), ("shrink", "i32", int(engine.enable_shrink)),
                     ("timeout_ns", "i64", timeout_ns()), ("err", "ptr", engine.errors.ptr)]
             self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args))
-            if engine.staged and num_tokens > 0:
+            if engine.staged and not self.rank_msgs and num_tokens > 0:
                 stage_blocks = max(1, min(-(-num_tokens // (STAGE_THREADS // 32)), engine.num_sms))
                 self.stages.append(LaunchPlan(stage, stage_blocks, STAGE_THREADS, [
                     ("x", "ptr", None), ("num_tokens", "i32", num_tokens), ("sym_stage", "ptr", r["send"]),

@@ -97,17 +97,46 @@ def test_logfmt(env, hidden):
     agree(failures)
 
 
+def _with_engine_paths(env, run, **paths):
+    """Run ``run()`` with engine path attributes set (staged, per_expert), on plans made for them; the
+    Buffer's dispatch plans are dropped before and after, since a plan keeps the paths it was made with."""
+    buf = env["buf"]
+    engine = buf.runtime.low_latency
+    saved = {name: getattr(engine, name) for name in paths}
+    buf._ll_dispatch_plans.clear()
+    try:
+        for name, value in paths.items():
+            setattr(engine, name, value)
+        return run()
+    finally:
+        for name, value in saved.items():
+            setattr(engine, name, value)
+        buf._ll_dispatch_plans.clear()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_precast_staging(env, fp8):
-    """Tokens cast once into the staging area, then copied over NVLink (engine.staged)."""
-    engine = env["buf"].runtime.low_latency
-    saved, engine.staged = engine.staged, True
-    try:
-        failures, _, _ = run_round(env, FRAMEWORKS[0], seed=17, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
-                                   fp8=fp8, round_scale=fp8)
-    finally:
-        engine.staged = saved
+    """Tokens cast once into the staging area, then copied over NVLink as one row per (token, expert)."""
+    failures, _, _ = _with_engine_paths(env, lambda: run_round(
+        env, FRAMEWORKS[0], seed=17, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG, fp8=fp8,
+        round_scale=fp8), staged=True, per_expert=True)
     agree(failures)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_per_expert_rows(env, fp8):
+    """One row per (token, expert) cast on the fly (the format used where per-rank messages do not fit)."""
+    failures, _, _ = _with_engine_paths(env, lambda: run_round(
+        env, FRAMEWORKS[0], seed=18, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG, fp8=fp8, stats=True),
+        staged=False, per_expert=True)
+    agree(failures)
+
+
+def test_rank_messages_are_used(env):
+    """The benchmark shape takes the per-(token, rank) format on NVLink (the other tests check its results)."""
+    engine = env["buf"].runtime.low_latency
+    layout = engine.make_layout(T_BIG, H_BIG, E_BIG)
+    assert engine.rank_messages(layout, K_BIG, True) == (all(engine.p2p_peers) and not engine.force_rma)
 
 
 def test_stats(env):

@@ -14,6 +14,7 @@ from deepep_cupy.ops.low_latency_layout import (
     LowLatencyLayout,
     combine_message_bytes,
     dispatch_message_bytes,
+    rank_message_bytes,
     rdma_size_hint,
 )
 from deepep_cupy.runtime import nvshmem as nvshmem_runtime
@@ -103,6 +104,21 @@ def test_layout_slots_hold_every_message_format():
     layout = LowLatencyLayout(128, 7168, 2, 288)
     assert layout.send_bytes >= 144 * 2 * 128 * 2 * 7168
     assert layout.send_bytes >= 128 * layout.slot_bytes
+
+
+def test_rank_messages_fit_where_their_tables_and_messages_do():
+    # The benchmark shape at 2, 8 and 72 ranks: per-(token, rank) messages.
+    for r in (2, 8, 72):
+        assert LowLatencyLayout(128, 7168, r, 288 if r < 72 else 576).rank_messages_fit(8, True)
+    layout = LowLatencyLayout(128, 7168, 2, 288)
+    assert layout.rank_messages_fit(8, False) and layout.rank_messages_fit(32, False)
+    assert rank_message_bytes(7168, 8, True) == 7392 + 48 and rank_message_bytes(7168, 8, False) == 14336 + 48
+    assert 2 * 128 * rank_message_bytes(7168, 32, False) <= layout.recv_bytes
+    # Per-expert rows: top-k past 32, one expert per rank, bitmaps too large for shared memory.
+    assert not layout.rank_messages_fit(33, True)
+    assert not LowLatencyLayout(128, 7168, 8, 8).rank_messages_fit(8, True)
+    assert not LowLatencyLayout(1024, 7168, 2, 288).rank_messages_fit(8, True)
+    assert LowLatencyLayout(512, 7168, 2, 288).rank_messages_fit(8, True)
 
 
 @pytest.mark.parametrize("bad", [(0, 128, 2, 8), (8, 128, 2, 7), (8, 100, 2, 8), (8, 128, 0, 8)])

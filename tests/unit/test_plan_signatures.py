@@ -31,7 +31,8 @@ def _engine(staged: bool):
         staged=staged, force_rma=False, enable_shrink=False, num_sms=132,
         state_ptrs=({"seq": 1, "base": 2, "ready": 3, "mask": 4},) * 2,
         region_addresses=lambda _: ({n: 100 + i for i, n in enumerate(REGIONS)},) * 2,
-        kernels=lambda *a: (4, 2, 8, _Kernel, _Kernel), use_layout=lambda _: None), layout
+        kernels=lambda *a: (4, 2, 8, _Kernel, _Kernel), use_layout=lambda _: None,
+        rank_messages=lambda *a: not staged), layout
 
 
 def _names(path: Path, kernel: str) -> list[str]:
@@ -56,6 +57,8 @@ def test_low_latency_dispatch_block_matches_the_kernel(staged):
                            use_ue8m0=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,
                            comm_stream=0)
     assert plan.plans[0].names == _names(SRC / "low_latency" / "dispatch.cu", "dispatch")
+    assert plan.plans[0].value("rank_msgs") == int(not staged)
+    assert bool(plan.stages) == staged  # per-(token, rank) messages never read the staging area
     if staged:
         assert plan.stages[0].names == _names(SRC / "low_latency" / "dispatch.cu", "stage")
 

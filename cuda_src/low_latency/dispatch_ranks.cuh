@@ -1,0 +1,311 @@
+// Low-latency dispatch over stores with one message per (token, destination rank): a token that picks
+// several experts of one rank crosses the link once, and the receiver copies it into each of those
+// experts' rows. With top-8 of 288 experts on 2 ranks a token picks ~4 experts per rank, so the send
+// moves ~4x fewer bytes than one row per (token, expert); on 8 ranks ~1.5x fewer.
+//
+// Used when the host says so (every rank reached by stores, top-k <= 32, the tables below fit shared
+// memory and the messages fit the receive region; LowLatencyLayout.rank_messages_fit). Every rank takes
+// the same decision, since a receiver must read the format its sources write.
+//
+// Message j from source s sits at recv + (s * T + j) * Msg::kBytes: the data (BF16 row, or FP8 row and
+// its float32 scales), then a header: the token index, then per top-k entry (expert << 16) | position,
+// the position being the token's row among the rows of (expert, s), in token order, or kNoEntry when
+// the entry sends no row (id out of range, repeated in the token, destination masked). Messages are
+// numbered per destination in token order (j = number of earlier tokens that reach it).
+//
+// Completion: the sender's last block writes, into every live destination, its row count per local
+// expert (tags region, word s * E_local + le, plain stores) and then, after a fence and a block
+// barrier, the rank word (arrivals region, word s): (sequence tag << 16) | message count, a release
+// store. A receiver waits for R rank words; the counts are data ordered before them. Both regions are
+// otherwise used only by the RMA path, which an engine using this format never takes.
+#pragma once
+
+#include "low_latency/dispatch_direct.cuh"
+
+namespace deepep_cupy::low_latency {
+
+using namespace deepep;
+using namespace deepep::ll;
+
+constexpr uint32_t kNoEntry = 0xffffffffu;
+
+template <int kHidden, int kTopk, bool kFP8>
+struct RankMsg {
+    static constexpr int kNumScales = kHidden / kChannelsPerBlock;
+    // Data the receiver copies into a row of packed_recv_x, and what the message carries before the header.
+    static constexpr int kRowBytes = kFP8 ? kHidden : 2 * kHidden;
+    static constexpr int kDataBytes = kFP8 ? align16(kHidden + 4 * kNumScales) : 2 * kHidden;
+    static constexpr int kHeaderInt4 = (1 + kTopk + 3) / 4;
+    static constexpr int kBytes = kDataBytes + 16 * kHeaderInt4;
+};
+
+// Number of set bits of words[0 .. t / 32) plus those of word t / 32 below bit t % 32.
+__device__ __forceinline__ int bits_before(const uint32_t* words, int t) {
+    int pos = __popc(words[t / 32] & ((1u << (t % 32)) - 1u));
+    for (int c = 0; c < t / 32; ++c) pos += __popc(words[c]);
+    return pos;
+}
+
+// Called by every thread of every block after dispatch_send_ahead (which zeroed s_hits: E * chunks
+// words of per-expert bitmaps, then R * chunks words of per-rank bitmaps) and a block barrier.
+template <int kHidden, int kTopk, bool kFP8, int kThreads, int kIdsAhead>
+__device__ __forceinline__ void dispatch_send_ranks(
+    const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
+    int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
+    uint32_t* sym_counts, uint32_t* sym_rank_tags, uint8_t* sym_recv, uint32_t* done_counter, uint32_t tag,
+    bool round_scale, const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
+    static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
+    using Msg = RankMsg<kHidden, kTopk, kFP8>;
+    constexpr int kBlockWarps = kThreads / 32;
+    constexpr int kSeg = kSendSeg;
+    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    constexpr bool kWholeSegs = kHidden % kSeg == 0;
+    const int lane = lane_id();
+    const int num_local = num_experts / num_ranks;
+    const int chunks = (num_tokens + 31) / 32;
+    uint32_t* s_reach = s_hits + num_experts * chunks;  // [R][chunks]: tokens with an expert on rank r
+
+    {
+        BadValue bad;
+        auto mark = [&](int i, int64_t id) {
+            bad.check_expert_id(id, num_experts);
+            if (id >= 0 && id < num_experts) {
+                const int t = i / kTopk, e = static_cast<int>(id);
+                atomicOr(s_hits + e * chunks + t / 32, 1u << (t % 32));
+                atomicOr(s_reach + (e / num_local) * chunks + t / 32, 1u << (t % 32));
+            }
+        };
+#pragma unroll
+        for (int j = 0; j < kIdsAhead; ++j) {
+            const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+            if (i < num_tokens * kTopk) mark(i, ahead.ids[j]);
+        }
+        for (int i = static_cast<int>(threadIdx.x) + kIdsAhead * kThreads; i < num_tokens * kTopk; i += kThreads)
+            mark(i, __ldg(topk_idx + i));
+        if (blockIdx.x == 0 && !self_masked) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
+    }
+    __syncthreads();
+
+    if (!self_masked) {
+        const int total_items = num_tokens * kSegs;
+        const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
+        const int first_item = static_cast<int>(blockIdx.x) * kBlockWarps + static_cast<int>(threadIdx.x) / 32;
+        const uint32_t below = (1u << lane) - 1u;
+        for (int item = first_item; item < total_items; item += total_warps) {
+            const int t = item / kSegs;
+            const int seg = item % kSegs;
+            const int col = seg * kSeg + lane * 16;
+            const bool lo = col < kHidden, hi = col + 8 < kHidden;
+            const SendItem in = item == first_item ? ahead.first : load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
+            const int64_t id = in.id;
+
+            // Lane k: header word k, and whether it leads its destination (first live lane for that rank).
+            const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(id));
+            int dst = -1;
+            uint32_t word = kNoEntry;
+            if (lane < kTopk && (same & below) == 0u && id >= 0 && id < num_experts) {
+                const int e = static_cast<int>(id);
+                if (s_mask[e / num_local] == 0) {
+                    dst = e / num_local;
+                    word = (static_cast<uint32_t>(e) << 16) | static_cast<uint32_t>(bits_before(s_hits + e * chunks, t));
+                }
+            }
+            const unsigned same_dst = __match_any_sync(kFullMask, dst);
+            uint8_t* msg = nullptr;
+            if (dst >= 0 && (same_dst & below) == 0u) {
+                const size_t j = static_cast<size_t>(rank) * max_tokens + bits_before(s_reach + dst * chunks, t);
+                msg = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst)) + j * Msg::kBytes;
+            }
+
+            int4 q0 = in.r0, q1 = in.r1;
+            float scale = 0.0f;
+            float4 seg_scales = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if constexpr (kFP8) {
+                q0 = cast16_fp8(in.r0, in.r1, lo, round_scale, scale);
+                if constexpr (kWholeSegs) {
+                    seg_scales.x = scale;
+                    seg_scales.y = __shfl_sync(kFullMask, scale, 8);
+                    seg_scales.z = __shfl_sync(kFullMask, scale, 16);
+                    seg_scales.w = __shfl_sync(kFullMask, scale, 24);
+                }
+            }
+            // Header (with the first segment): lane q packs words 4q .. 4q + 3 (token, then the entries).
+            int4 header = make_int4(0, 0, 0, 0);
+            if (seg == 0) {
+                uint32_t h[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int w = 4 * lane + i;  // word w is entry w - 1, held by lane w - 1
+                    const uint32_t v = __shfl_sync(kFullMask, word, (w + 31) % 32);
+                    h[i] = w == 0 ? static_cast<uint32_t>(t) : (w - 1 < kTopk ? v : kNoEntry);
+                }
+                header = make_int4(static_cast<int>(h[0]), static_cast<int>(h[1]), static_cast<int>(h[2]),
+                                   static_cast<int>(h[3]));
+            }
+
+            uint32_t pending = __ballot_sync(kFullMask, msg != nullptr);
+            while (pending != 0u) {  // uniform over the warp
+                const int k = __ffs(pending) - 1;
+                pending &= pending - 1u;
+                uint8_t* m = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(msg), k));
+                if constexpr (kFP8) {
+                    if (lo) st_na_v4(reinterpret_cast<int4*>(m + col), q0);
+                    if constexpr (kWholeSegs) {
+                        if (lane == 0) st_na_v4(reinterpret_cast<int4*>(m + kHidden) + seg, *reinterpret_cast<int4*>(&seg_scales));
+                    } else {
+                        if (lo && (lane & 7) == 0) reinterpret_cast<float*>(m + kHidden)[col / kChannelsPerBlock] = scale;
+                    }
+                } else {
+                    if (lo) st_na_v4(reinterpret_cast<int4*>(m + 2 * col), q0);
+                    if (hi) st_na_v4(reinterpret_cast<int4*>(m + 2 * col + 16), q1);
+                }
+                if (seg == 0 && lane < Msg::kHeaderInt4) st_na_v4(reinterpret_cast<int4*>(m + Msg::kDataBytes) + lane, header);
+            }
+        }
+    }
+
+    // Completion: the last block publishes the counts, then (release) the rank words.
+    grid_completion(done_counter, s_last);
+    if (*s_last && !self_masked) {
+        for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kThreads) {
+            const int dst = e / num_local;
+            if (s_mask[dst] != 0) continue;
+            int count = 0;
+            for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
+            static_cast<uint32_t*>(nvshmem_ptr(sym_counts, dst))[rank * num_local + e % num_local] =
+                static_cast<uint32_t>(count);
+        }
+        fence_acq_rel_sys();
+        __syncthreads();
+        for (int dst = static_cast<int>(threadIdx.x); dst < num_ranks; dst += kThreads) {
+            if (s_mask[dst] != 0) continue;
+            int count = 0;
+            for (int c = 0; c < chunks; ++c) count += __popc(s_reach[dst * chunks + c]);
+            st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_rank_tags, dst)) + rank,
+                               tag_word(tag, static_cast<uint32_t>(count)));
+        }
+    }
+}
+
+// Receive phase of the per-rank format. Shared memory (s_tab, kMaxHitWords ints): message-count prefix
+// [R + 1], source alive [R], first row of (local expert, source) in the expert's slab [E], rows per
+// local expert [E_local]. The grid shares (message, part) items; a warp loads its part once and stores
+// it into the row of every local expert the token picked. Called by every thread.
+template <int kHidden, int kTopk, bool kFP8, int kThreads>
+__device__ __forceinline__ void dispatch_recv_ranks(
+    int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, int* s_tab,
+    int* s_warp_sum, const uint32_t* sym_counts, const uint32_t* sym_rank_tags, const uint8_t* sym_recv, int* mask,
+    uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
+    int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
+    bool shrink, uint32_t tag, uint32_t tag_ahead, const Deadline& deadline, ErrorRecord* err) {
+    using Msg = RankMsg<kHidden, kTopk, kFP8>;
+    constexpr int kBlockWarps = kThreads / 32;
+    constexpr int kRowInt4 = Msg::kRowBytes / 16;
+    constexpr int kPerLane = 4;  // 16-byte loads in flight per lane; a part feeds up to top-k rows
+    constexpr int kPartInt4 = 32 * kPerLane;
+    constexpr int kParts = (kRowInt4 + kPartInt4 - 1) / kPartInt4;
+    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    const int slab = num_ranks * max_tokens;
+    const int num_local = num_experts / num_ranks;
+    int* s_msgs = s_tab;                    // [R + 1]
+    int* s_alive = s_msgs + num_ranks + 1;  // [R]
+    int* s_base = s_alive + num_ranks;      // [E_local * R], index le * R + src
+    int* s_rows = s_base + num_experts;     // [E_local]
+    const uint64_t t_start = globaltimer();
+
+    for (int src = static_cast<int>(threadIdx.x); src < num_ranks; src += kThreads) {
+        int n = -1;
+        if (!self_masked && s_mask[src] == 0) {
+            n = wait_tag_seen(src == static_cast<int>(threadIdx.x) ? tag_ahead : 0u, sym_rank_tags + src, tag, deadline,
+                              err, !shrink);
+            if (n < 0) {
+                peer_timed_out(mask, src, shrink, err, kOpDispatchRecv, rank, __LINE__, deadline);
+            } else if (blockIdx.x == 0 && wait_recv_cost_stats != nullptr) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + src),
+                          static_cast<unsigned long long>(globaltimer() - t_start));
+            }
+        }
+        s_alive[src] = n >= 0;
+        s_msgs[src] = n >= 0 ? min(n, max_tokens) : 0;
+    }
+    block_exclusive_scan(s_msgs, num_ranks, s_warp_sum);
+
+    // Rows of (local expert, source), in source order within each expert's slab.
+    for (int le = static_cast<int>(threadIdx.x); le < num_local; le += kThreads) {
+        int run = 0;
+        for (int src = 0; src < num_ranks; ++src) {
+            const int c = s_alive[src] ? min(static_cast<int>(ld_cg_u32(sym_counts + src * num_local + le)), max_tokens) : 0;
+            s_base[le * num_ranks + src] = run;
+            if (blockIdx.x == 0)
+                out_layout_range[le * num_ranks + src] = (static_cast<int64_t>(run) << 32) | static_cast<int64_t>(c);
+            run += c;
+        }
+        s_rows[le] = run;
+        if (blockIdx.x == 0) {
+            out_count[le] = run;
+            if (cumulative_recv_stats != nullptr) atomicAdd(cumulative_recv_stats + le, run);
+        }
+    }
+    __syncthreads();
+    {
+        const long long all = static_cast<long long>(num_local) * slab;
+        for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < all;
+             i += static_cast<long long>(gridDim.x) * kThreads) {
+            if (static_cast<int>(i % slab) >= s_rows[i / slab]) out_src_info[i] = -1;
+        }
+    }
+
+    const int total_items = s_msgs[num_ranks] * kParts;
+    const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
+    const int first_expert = rank * num_local;
+    for (int item = static_cast<int>(blockIdx.x) * kBlockWarps + warp; item < total_items; item += total_warps) {
+        const int g = item / kParts, part = item % kParts;
+        int lo = 0, hi = num_ranks - 1;  // the last source with s_msgs[src] <= g
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (s_msgs[mid] <= g) lo = mid;
+            else hi = mid - 1;
+        }
+        const int src = lo;
+        const uint8_t* msg = sym_recv + (static_cast<size_t>(src) * max_tokens + (g - s_msgs[src])) * Msg::kBytes;
+        const int4* s = reinterpret_cast<const int4*>(msg) + part * kPartInt4;
+        const int n = min(kPartInt4, kRowInt4 - part * kPartInt4);
+        int4 r[kPerLane];
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j)
+            if (j * 32 + lane < n) r[j] = ld_cg_v4(s + j * 32 + lane);
+        const uint32_t* header = reinterpret_cast<const uint32_t*>(msg + Msg::kDataBytes);
+        const uint32_t word = lane < kTopk ? ld_cg_u32(header + 1 + lane) : kNoEntry;
+        // Lane k: the output row of entry k, if its expert is local (-1 otherwise).
+        int le = -1, row = -1;
+        if (word != kNoEntry) {
+            const int e = static_cast<int>(word >> 16) - first_expert;
+            const int pos = static_cast<int>(word & 0xffffu);
+            if (e >= 0 && e < num_local && s_base[e * num_ranks + src] + pos < s_rows[e]) {
+                le = e;
+                row = s_base[e * num_ranks + src] + pos;
+            }
+        }
+        const int t = part == 0 ? static_cast<int>(ld_cg_u32(header)) : 0;
+        uint32_t pending = __ballot_sync(kFullMask, le >= 0);
+        while (pending != 0u) {  // uniform over the warp
+            const int k = __ffs(pending) - 1;
+            pending &= pending - 1u;
+            const int e = __shfl_sync(kFullMask, le, k), out_row = __shfl_sync(kFullMask, row, k);
+            int4* d = reinterpret_cast<int4*>(out_x + (static_cast<size_t>(e) * slab + out_row) * Msg::kRowBytes) +
+                      part * kPartInt4;
+#pragma unroll
+            for (int j = 0; j < kPerLane; ++j)
+                if (j * 32 + lane < n) st_na_v4(d + j * 32 + lane, r[j]);
+            if (part == 0) {
+                if constexpr (kFP8) {
+                    store_recv_scales<Msg::kNumScales>(msg + kHidden, use_ue8m0, out_scales, out_scales_ue8m0, e, slab,
+                                                       out_row, lane);
+                }
+                if (lane == 0) out_src_info[static_cast<size_t>(e) * slab + out_row] = t;
+            }
+        }
+    }
+}
+
+}  // namespace deepep_cupy::low_latency
