@@ -230,11 +230,17 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     }
     block_exclusive_scan(s_msgs, num_ranks, s_warp_sum);
 
-    // Rows of (local expert, source), in source order within each expert's slab.
+    // Rows of (local expert, source), in source order within each expert's slab: the counts are loaded
+    // all at once (one thread each), then summed per expert.
+    for (int i = static_cast<int>(threadIdx.x); i < num_experts; i += kThreads) {
+        const int src = i / num_local, le = i % num_local;
+        s_base[le * num_ranks + src] = s_alive[src] ? min(static_cast<int>(ld_cg_u32(sym_counts + i)), max_tokens) : 0;
+    }
+    __syncthreads();
     for (int le = static_cast<int>(threadIdx.x); le < num_local; le += kThreads) {
         int run = 0;
         for (int src = 0; src < num_ranks; ++src) {
-            const int c = s_alive[src] ? min(static_cast<int>(ld_cg_u32(sym_counts + src * num_local + le)), max_tokens) : 0;
+            const int c = s_base[le * num_ranks + src];
             s_base[le * num_ranks + src] = run;
             if (blockIdx.x == 0)
                 out_layout_range[le * num_ranks + src] = (static_cast<int64_t>(run) << 32) | static_cast<int64_t>(c);
@@ -274,6 +280,8 @@ __device__ __forceinline__ void dispatch_recv_ranks(
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j)
             if (j * 32 + lane < n) r[j] = ld_cg_v4(s + j * 32 + lane);
+        RecvScales<Msg::kNumScales> scales;  // loaded once, stored for every row the message feeds
+        if (kFP8 && part == 0) scales.load(msg + kHidden, use_ue8m0, lane);
         const uint32_t* header = reinterpret_cast<const uint32_t*>(msg + Msg::kDataBytes);
         const uint32_t word = lane < kTopk ? ld_cg_u32(header + 1 + lane) : kNoEntry;
         // Lane k: the output row of entry k, if its expert is local (-1 otherwise).
@@ -298,10 +306,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
             for (int j = 0; j < kPerLane; ++j)
                 if (j * 32 + lane < n) st_na_v4(d + j * 32 + lane, r[j]);
             if (part == 0) {
-                if constexpr (kFP8) {
-                    store_recv_scales<Msg::kNumScales>(msg + kHidden, use_ue8m0, out_scales, out_scales_ue8m0, e, slab,
-                                                       out_row, lane);
-                }
+                if constexpr (kFP8) scales.store(use_ue8m0, out_scales, out_scales_ue8m0, e, slab, out_row, lane);
                 if (lane == 0) out_src_info[static_cast<size_t>(e) * slab + out_row] = t;
             }
         }

@@ -439,26 +439,54 @@ __device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, u
     }
 }
 
-// A received row's FP8 scales into the scale outputs ([local expert][block][slab rows], float32; or, with
-// use_ue8m0, four UE8M0 exponents packed per int32). Whole warp.
+// A received row's FP8 scales, held in registers between loading them from the message and storing them
+// into the scale outputs ([local expert][block][slab rows], float32; or, with use_ue8m0, four UE8M0
+// exponents packed per int32), so one load serves several output rows. Whole warp: lane l holds scale
+// (or packed word) l + 32 i.
+template <int kNumScales>
+struct RecvScales {
+    static constexpr int kWords = (kNumScales + 3) / 4;
+    static constexpr int kRegs = kNumScales > 32 ? (kNumScales + 31) / 32 : 1;
+    uint32_t v[kRegs];
+
+    __device__ __forceinline__ void load(const uint8_t* scales, bool use_ue8m0, int lane) {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) {
+            const int w = lane + 32 * i;
+            uint32_t word = 0;
+            if (use_ue8m0) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int b = 4 * w + j;
+                    if (w < kWords && b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
+                }
+            } else if (w < kNumScales) {
+                word = ld_cg_u32(scales + 4 * w);
+            }
+            v[i] = word;
+        }
+    }
+
+    __device__ __forceinline__ void store(bool use_ue8m0, float* out_scales, int* out_scales_ue8m0, int le, int slab,
+                                          int row, int lane) const {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) {
+            const int w = lane + 32 * i;
+            if (use_ue8m0) {
+                if (w < kWords) out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] = static_cast<int>(v[i]);
+            } else if (w < kNumScales) {
+                out_scales[(static_cast<size_t>(le) * kNumScales + w) * slab + row] = __uint_as_float(v[i]);
+            }
+        }
+    }
+};
+
 template <int kNumScales>
 __device__ __forceinline__ void store_recv_scales(const uint8_t* scales, bool use_ue8m0, float* out_scales,
                                                   int* out_scales_ue8m0, int le, int slab, int row, int lane) {
-    if (use_ue8m0) {
-        constexpr int kWords = (kNumScales + 3) / 4;
-        for (int w = lane; w < kWords; w += 32) {
-            uint32_t word = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int b = 4 * w + j;
-                if (b < kNumScales) word |= ((ld_cg_u32(scales + 4 * b) >> 23) & 0xffu) << (8 * j);
-            }
-            out_scales_ue8m0[(static_cast<size_t>(le) * kWords + w) * slab + row] = static_cast<int>(word);
-        }
-    } else {
-        for (int b = lane; b < kNumScales; b += 32)
-            out_scales[(static_cast<size_t>(le) * kNumScales + b) * slab + row] = __uint_as_float(ld_cg_u32(scales + 4 * b));
-    }
+    RecvScales<kNumScales> s;
+    s.load(scales, use_ue8m0, lane);
+    s.store(use_ue8m0, out_scales, out_scales_ue8m0, le, slab, row, lane);
 }
 
 // ---- copies -----------------------------------------------------------------------------------------
