@@ -67,7 +67,7 @@ __device__ __forceinline__ void dispatch_send_ahead(const uint16_t* __restrict__
         const int i = static_cast<int>(threadIdx.x) + j * kThreads;
         ahead.ids[j] = i < num_tokens * kTopk ? __ldg(topk_idx + i) : int64_t{-1};
     }
-    const int item = static_cast<int>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+    const int item = first_grid_item();
     if (item < num_tokens * kSegs) ahead.first = load_send_item<kHidden, kTopk>(x, topk_idx, item, lane_id());
 }
 
@@ -116,9 +116,7 @@ __device__ __forceinline__ void dispatch_send_direct(
     if (!self_masked) {
         const int total_items = num_tokens * kSegs;
         const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
-        const int first_item = static_cast<int>(blockIdx.x) * kBlockWarps + static_cast<int>(threadIdx.x) / 32;
-        // Consecutive warps of a block take consecutive segments of one token: its ids and routing are
-        // loaded by neighbours at the same time.
+        const int first_item = first_grid_item();
         for (int item = first_item; item < total_items; item += total_warps) {
             const int t = item / kSegs;
             const int seg = item % kSegs;
@@ -277,7 +275,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
     // Rows.
     const int total_items = s_pre[num_experts] * kParts;
     const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
-    for (int item = static_cast<int>(blockIdx.x) * kBlockWarps + warp; item < total_items; item += total_warps) {
+    for (int item = first_grid_item(); item < total_items; item += total_warps) {
         const int g = item / kParts, part = item % kParts;
         int lo = 0, hi = num_experts;  // the last u with s_pre[u] <= g (skips empty units)
         while (lo < hi) {

@@ -13,10 +13,11 @@
 // the entry sends no row (id out of range, repeated in the token, destination masked). Messages are
 // numbered per destination in token order (j = number of earlier tokens that reach it).
 //
-// Completion: the sender's last block writes, into every live destination, its row count per local
-// expert (tags region, word s * E_local + le, plain stores) and then, after a fence and a block
-// barrier, the rank word (arrivals region, word s): (sequence tag << 16) | message count, a release
-// store. A receiver waits for R rank words; the counts are data ordered before them. Both regions are
+// Completion: block 0 writes, into every live destination, its row count per local expert (tags region,
+// word s * E_local + le, plain stores) as soon as the routing is known; after the grid's completion
+// count, thread 0 of the last block writes the rank word of every destination (arrivals region, word
+// s): (sequence tag << 16) | message count, released by the completion's fence, so no other fence or
+// barrier sits in the tail. A receiver waits for R rank words; the counts are data ordered before them. Both regions are
 // otherwise used only by the RMA path, which an engine using this format never takes.
 #pragma once
 
@@ -86,10 +87,20 @@ __device__ __forceinline__ void dispatch_send_ranks(
     }
     __syncthreads();
 
+    // Row counts per (destination, local expert), ordered before the rank words by the completion.
+    for (int e = static_cast<int>(blockIdx.x * kThreads + threadIdx.x); !self_masked && e < num_experts;
+         e += static_cast<int>(gridDim.x) * kThreads) {
+        const int dst = e / num_local;
+        if (s_mask[dst] != 0) continue;
+        int count = 0;
+        for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
+        static_cast<uint32_t*>(nvshmem_ptr(sym_counts, dst))[rank * num_local + e % num_local] = static_cast<uint32_t>(count);
+    }
+
     if (!self_masked) {
         const int total_items = num_tokens * kSegs;
         const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
-        const int first_item = static_cast<int>(blockIdx.x) * kBlockWarps + static_cast<int>(threadIdx.x) / 32;
+        const int first_item = first_grid_item();
         const uint32_t below = (1u << lane) - 1u;
         for (int item = first_item; item < total_items; item += total_warps) {
             const int t = item / kSegs;
@@ -164,24 +175,13 @@ __device__ __forceinline__ void dispatch_send_ranks(
         }
     }
 
-    // Completion: the last block publishes the counts, then (release) the rank words.
     grid_completion(done_counter, s_last);
-    if (*s_last && !self_masked) {
-        for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kThreads) {
-            const int dst = e / num_local;
-            if (s_mask[dst] != 0) continue;
-            int count = 0;
-            for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
-            static_cast<uint32_t*>(nvshmem_ptr(sym_counts, dst))[rank * num_local + e % num_local] =
-                static_cast<uint32_t>(count);
-        }
-        fence_acq_rel_sys();
-        __syncthreads();
-        for (int dst = static_cast<int>(threadIdx.x); dst < num_ranks; dst += kThreads) {
+    if (*s_last && !self_masked && threadIdx.x == 0) {
+        for (int dst = 0; dst < num_ranks; ++dst) {
             if (s_mask[dst] != 0) continue;
             int count = 0;
             for (int c = 0; c < chunks; ++c) count += __popc(s_reach[dst * chunks + c]);
-            st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_rank_tags, dst)) + rank,
+            st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_rank_tags, dst)) + rank,
                                tag_word(tag, static_cast<uint32_t>(count)));
         }
     }
@@ -264,7 +264,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     const int total_items = s_msgs[num_ranks] * kParts;
     const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
     const int first_expert = rank * num_local;
-    for (int item = static_cast<int>(blockIdx.x) * kBlockWarps + warp; item < total_items; item += total_warps) {
+    for (int item = first_grid_item(); item < total_items; item += total_warps) {
         const int g = item / kParts, part = item % kParts;
         int lo = 0, hi = num_ranks - 1;  // the last source with s_msgs[src] <= g
         while (lo < hi) {

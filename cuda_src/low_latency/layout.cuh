@@ -87,6 +87,9 @@ __device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
 __device__ __forceinline__ void st_relaxed_gpu_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void st_release_gpu_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -216,20 +219,19 @@ __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, cons
 }
 
 // Word threadIdx.x of `tags`, read before the launch's prologue when the launch receives, so that its
-// latency overlaps the prologue (a relaxed load; wait_tag_seen checks it against the tag). 0 otherwise.
+// latency overlaps the prologue. An acquire load: when it already carries the tag (the data arrived
+// before the launch, as with a receive hook) it orders the data reads after it, and wait_tag_seen needs
+// no system fence (the measured cost of confirming a tag that was already set). 0 otherwise.
 __device__ __forceinline__ uint32_t read_tag_ahead(int phases, const uint32_t* tags, int num_words) {
-    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_relaxed_sys_u32(tags + threadIdx.x)
+    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_acquire_sys_u32(tags + threadIdx.x)
                                                                                 : 0u;
 }
 
-// wait_tag for a word already read once (`seen`, e.g. by read_tag_ahead): no second read when that value
-// carries the tag. seen = 0 never does (tags are never 0), so it is a plain wait_tag.
+// wait_tag for a word already read once with acquire semantics (`seen`, from read_tag_ahead): nothing more
+// when that value carries the tag. seen = 0 never does (tags are never 0), so it is a plain wait_tag.
 __device__ __forceinline__ int wait_tag_seen(uint32_t seen, const uint32_t* word, uint32_t tag,
                                              const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
-    if ((seen >> 16) == tag) {
-        fence_acq_rel_sys();
-        return static_cast<int>(seen & 0xffffu);
-    }
+    if ((seen >> 16) == tag) return static_cast<int>(seen & 0xffffu);
     return wait_tag(word, tag, deadline, err, bail_on_report);
 }
 
@@ -347,6 +349,13 @@ __device__ __forceinline__ int4 cast16_fp8(const int4& r0, const int4& r1, bool 
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
+// The first item of this warp when the grid's warps take items warp_in_block * gridDim.x + block, + all
+// warps: consecutive items go to different blocks, so a short list (fewer items than warps) still keeps
+// the load/store units of every SM busy instead of filling the first few SMs.
+__device__ __forceinline__ int first_grid_item() {
+    return static_cast<int>(threadIdx.x / 32 * gridDim.x + blockIdx.x);
+}
+
 // Exclusive prefix, in thread order, of every thread's `value` over the block (s_warp_sum: one word per
 // warp). Every thread of the block calls it (it holds a block barrier).
 __device__ __forceinline__ int block_exclusive_prefix(int value, int* s_warp_sum) {
@@ -386,7 +395,8 @@ __device__ __forceinline__ void block_exclusive_scan(int* s_vals, int n, int* s_
 // End of a grid-wide phase: each block's stores are made system-visible before the block counts itself
 // done; the block that finds the counter at gridDim.x - 1 is the last, resets the counter for the next
 // launch and gets *s_last = 1 (shared), so it may publish for the whole grid. Every thread of every block
-// calls it.
+// calls it. In the last block, thread 0's last memory operation is an acquire-release fence, so its
+// relaxed stores right after it publish everything the grid wrote (fence + strong store: a release).
 __device__ __forceinline__ void grid_completion(uint32_t* done_counter, int* s_last) {
     // Release (acquire-release, not sequentially consistent: an SC fence also waits for a global ordering
     // point, which the last block's readers do not need), then one increment per block.
