@@ -150,17 +150,18 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
         }
     }
 
-    // Completion: the last block to finish publishes.
-    // (grid_completion acquired the other blocks' stores; each release store below orders them before its
-    // tag.)
+    // Completion: warp 0 of the last block publishes every tag. grid_completion acquired the other
+    // blocks' stores (thread 0, then a block barrier); one acquire-release fence of the warp makes its
+    // relaxed tag stores releases, instead of a release store (a fence each) from every thread.
     grid_completion(done_counter, s_last);
-    if (*s_last) {
-        for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {
+    if (*s_last && threadIdx.x < 32) {
+        fence_acq_rel_sys();
+        for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += 32) {
             const int dst = u % num_ranks;
             if (self_masked || s_mask[dst] != 0) continue;
             const int e = rank * num_local + u / num_ranks;
             const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_prefix[u + 1] - s_prefix[u]));
-            st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+            st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
         }
     }
 }

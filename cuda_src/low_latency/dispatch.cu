@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ uint32_t s_hits[kTopk <= 32 ? kMaxHitWords : 1];
     __shared__ int s_last;
     __shared__ int s_warp_sum[kWarps * kGroups];
+    __shared__ uint8_t* s_peer_recv[kMaxRanks];  // per-rank messages: every rank's address of sym_recv
 
     const GroupCoords<kWarps, kGroups> at;
     const int lane = at.lane, group = at.group, warp = at.warp;
@@ -95,6 +96,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             dispatch_send_ahead<kHidden, kTopk, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, ranks ? num_experts + num_ranks : num_experts, s_hits, ahead);
     }
+    // The peers' receive areas, looked up once per block while thread 0 runs the prologue's round trips
+    // (the highest threads take them), not once per send item.
+    for (int r = kWarps * kGroups * 32 - 1 - static_cast<int>(threadIdx.x); ranks && (phases & kPhaseSend) && r >= 0;
+         r -= kWarps * kGroups * 32)
+        if (r < num_ranks) s_peer_recv[r] = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, r));
     // The receive phase's first count, read ahead too.
     const uint32_t tag_ahead =
         ranks ? read_tag_ahead(phases, rank_tags, num_ranks) : read_tag_ahead(phases, sym_tags, num_experts);
@@ -114,7 +120,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         if (ranks && (phases & kPhaseSend)) {
             dispatch_send_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits, &s_last,
-                sym_tags, rank_tags, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead, err);
+                s_peer_recv, sym_tags, rank_tags, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
+                err);
         } else if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
@@ -217,7 +224,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the receive tables
             dispatch_recv_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
-                s_warp_sum, sym_tags, rank_tags, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
+                sym_tags, rank_tags, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
                 out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
                 shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
         } else if (recv_direct && (phases & kPhaseRecv)) {

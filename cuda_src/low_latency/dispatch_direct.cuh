@@ -183,17 +183,18 @@ __device__ __forceinline__ void dispatch_send_direct(
         }
     }
 
-    // Completion: the last block to finish publishes the tags (grid_completion acquired the other
-    // blocks' stores; each release store below orders them before its tag).
+    // Completion: warp 0 of the last block publishes the tags (grid_completion acquired the other blocks'
+    // stores; the warp's fence makes its relaxed tag stores releases).
     grid_completion(done_counter, s_last);
-    if (*s_last && !self_masked) {
-        for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += kThreads) {
+    if (*s_last && !self_masked && threadIdx.x < 32) {
+        fence_acq_rel_sys();  // with the relaxed stores below: releases (see combine.cu's send)
+        for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += 32) {
             const int dst = e / num_local, le = e % num_local;
             if (s_mask[dst] != 0) continue;
             int count = 0;
             for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
             const uint32_t word = tag_word(tag, static_cast<uint32_t>(count));
-            st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + le * num_ranks + rank, dst)), word);
+            st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + le * num_ranks + rank, dst)), word);
         }
     }
 }

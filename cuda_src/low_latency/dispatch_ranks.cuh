@@ -53,8 +53,8 @@ template <int kHidden, int kTopk, bool kFP8, int kThreads, int kIdsAhead>
 __device__ __forceinline__ void dispatch_send_ranks(
     const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
     int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
-    uint32_t* sym_counts, uint32_t* sym_rank_tags, uint8_t* sym_recv, uint32_t* done_counter, uint32_t tag,
-    bool round_scale, const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
+    uint8_t* const* s_peer_recv, uint32_t* sym_counts, uint32_t* sym_rank_tags, uint8_t* sym_recv,
+    uint32_t* done_counter, uint32_t tag, bool round_scale, const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     using Msg = RankMsg<kHidden, kTopk, kFP8>;
     constexpr int kBlockWarps = kThreads / 32;
@@ -65,6 +65,10 @@ __device__ __forceinline__ void dispatch_send_ranks(
     const int num_local = num_experts / num_ranks;
     const int chunks = (num_tokens + 31) / 32;
     uint32_t* s_reach = s_hits + num_experts * chunks;  // [R][chunks]: tokens with an expert on rank r
+    // Rank r's address of a symmetric word: its receive area's address plus the same offset (one heap).
+    const auto at_peer = [&](const void* sym, int r) {
+        return s_peer_recv[r] + (static_cast<const uint8_t*>(sym) - sym_recv);
+    };
 
     {
         BadValue bad;
@@ -94,7 +98,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
         if (s_mask[dst] != 0) continue;
         int count = 0;
         for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
-        static_cast<uint32_t*>(nvshmem_ptr(sym_counts, dst))[rank * num_local + e % num_local] = static_cast<uint32_t>(count);
+        reinterpret_cast<uint32_t*>(at_peer(sym_counts, dst))[rank * num_local + e % num_local] = static_cast<uint32_t>(count);
     }
 
     if (!self_masked) {
@@ -125,7 +129,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
             uint8_t* msg = nullptr;
             if (dst >= 0 && (same_dst & below) == 0u) {
                 const size_t j = static_cast<size_t>(rank) * max_tokens + bits_before(s_reach + dst * chunks, t);
-                msg = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst)) + j * Msg::kBytes;
+                msg = s_peer_recv[dst] + j * Msg::kBytes;
             }
 
             int4 q0 = in.r0, q1 = in.r1;
@@ -181,7 +185,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
             if (s_mask[dst] != 0) continue;
             int count = 0;
             for (int c = 0; c < chunks; ++c) count += __popc(s_reach[dst * chunks + c]);
-            st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_rank_tags, dst)) + rank,
+            st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
                                tag_word(tag, static_cast<uint32_t>(count)));
         }
     }
@@ -194,7 +198,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
 template <int kHidden, int kTopk, bool kFP8, int kThreads>
 __device__ __forceinline__ void dispatch_recv_ranks(
     int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, int* s_tab,
-    int* s_warp_sum, const uint32_t* sym_counts, const uint32_t* sym_rank_tags, const uint8_t* sym_recv, int* mask,
+    const uint32_t* sym_counts, const uint32_t* sym_rank_tags, const uint8_t* sym_recv, int* mask,
     uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
     int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
     bool shrink, uint32_t tag, uint32_t tag_ahead, const Deadline& deadline, ErrorRecord* err) {
@@ -213,22 +217,39 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     int* s_rows = s_base + num_experts;     // [E_local]
     const uint64_t t_start = globaltimer();
 
-    for (int src = static_cast<int>(threadIdx.x); src < num_ranks; src += kThreads) {
-        int n = -1;
-        if (!self_masked && s_mask[src] == 0) {
-            n = wait_tag_seen(src == static_cast<int>(threadIdx.x) ? tag_ahead : 0u, sym_rank_tags + src, tag, deadline,
-                              err, !shrink);
-            if (n < 0) {
-                peer_timed_out(mask, src, shrink, err, kOpDispatchRecv, rank, __LINE__, deadline);
-            } else if (blockIdx.x == 0 && wait_recv_cost_stats != nullptr) {
-                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + src),
-                          static_cast<unsigned long long>(globaltimer() - t_start));
+    // Warp 0 waits for the sources (lane s for source s, 32 at a time) and scans their message counts;
+    // one block barrier then publishes the prefix.
+    if (warp == 0) {
+        int carry = 0;
+        for (int s0 = 0; s0 < num_ranks; s0 += 32) {
+            const int src = s0 + lane;
+            int n = -1;
+            if (src < num_ranks && !self_masked && s_mask[src] == 0) {
+                n = wait_tag_seen(src == static_cast<int>(threadIdx.x) ? tag_ahead : 0u, sym_rank_tags + src, tag,
+                                  deadline, err, !shrink);
+                if (n < 0) {
+                    peer_timed_out(mask, src, shrink, err, kOpDispatchRecv, rank, __LINE__, deadline);
+                } else if (blockIdx.x == 0 && wait_recv_cost_stats != nullptr) {
+                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + src),
+                              static_cast<unsigned long long>(globaltimer() - t_start));
+                }
             }
+            const int c = n >= 0 ? min(n, max_tokens) : 0;
+            int incl = c;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(kFullMask, incl, o);
+                if (lane >= o) incl += v;
+            }
+            if (src < num_ranks) {
+                s_alive[src] = n >= 0;
+                s_msgs[src] = carry + incl - c;
+            }
+            carry += __shfl_sync(kFullMask, incl, 31);
         }
-        s_alive[src] = n >= 0;
-        s_msgs[src] = n >= 0 ? min(n, max_tokens) : 0;
+        if (lane == 0) s_msgs[num_ranks] = carry;
     }
-    block_exclusive_scan(s_msgs, num_ranks, s_warp_sum);
+    __syncthreads();
 
     // Rows of (local expert, source), in source order within each expert's slab: the counts are loaded
     // all at once (one thread each), then summed per expert.
