@@ -140,8 +140,7 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
                 if (slot[j] == nullptr) continue;  // uniform over the warp
                 const int seg = static_cast<int>((it + j) % kSegs);
                 if constexpr (kLogfmt) {
-                    const int b = seg * 2 + lane / 16;
-                    logfmt_encode_block(raw[j], b < kBlocks, slot[j] + b * kLogfmtBlockBytes, lane % 16);
+                    logfmt_encode_segment(raw[j], min(2, kBlocks - 2 * seg), slot[j] + seg * kLogfmtSegBytes, lane);
                 } else {
                     const int col = seg * kSeg + lane * 8;
                     if (col < kHidden) st_na_v4(reinterpret_cast<int4*>(slot[j] + col * 2), raw[j]);
@@ -408,7 +407,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                         w[j] = __ldg(topk_weights + static_cast<size_t>(t) * kTopk + k0 + j);
                         if (active) {
                             const uint8_t* row = sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes;
-                            if constexpr (kLogfmt) piece[j] = logfmt_load8(row, col);
+                            if constexpr (kLogfmt) piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
                             else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
                         }
                     }

@@ -38,7 +38,8 @@ namespace deepep {
 namespace ll {
 
 constexpr int kChannelsPerBlock = 128;
-// LogFMT-10 block on the wire: float lo, float step, 128 low code bytes, 128 x 2-bit high parts.
+// Wire bytes of a LogFMT-10 block: 128 low code bytes, 128 x 2-bit high parts, float lo and step (byte
+// order of a row: logfmt.cuh).
 constexpr int kLogfmtBlockBytes = 8 + 128 + 32;
 constexpr int kLogfmtLevels = 510;
 // Token chunks of 32 tracked in shared memory: T <= 8192.

@@ -148,20 +148,35 @@ def run(comm, args) -> list[dict]:
                 return tuple(round(float(np.mean([v[i] for v in values])), 2) for i in (0, 1))
             return round(float(np.mean(values)), 2)
 
-        # The FP8 dispatch and every combine run one block per SM; BF16 rows keep one per expert group.
-        _, _, sms_bf16 = warp_split(num_experts, buf.runtime.low_latency.num_sms)
-        sms = buf.runtime.low_latency.num_sms
-
+        # Every op runs one block per SM, except BF16 dispatch rows sent per (token, expert): one block per
+        # expert group.
         engine = buf.runtime.low_latency
+        sms = engine.num_sms
+        per_rank_bf16 = engine.rank_messages(engine.make_layout(t_max, hidden, num_experts), topk, False)
+        sms_bf16 = sms if per_rank_bf16 else warp_split(num_experts, sms)[2]
+
         us, _ = measure(lambda: dispatch())
         rows.append(row("LL dispatch FP8", us, nbytes["fp8"], sms, **{"kernel us": kernel_us(lambda: dispatch())}))
-        if not engine.staged:  # the other way to cast: once per token in a kernel of its own
-            engine.staged = True
+
+        def other_paths(**paths):
+            """Measure the FP8 dispatch on plans made with other engine paths (plans keep their paths)."""
+            saved = {name: getattr(engine, name) for name in paths}
+            buf._ll_dispatch_plans.clear()
             try:
-                us, _ = measure(lambda: dispatch())
+                for name, value in paths.items():
+                    setattr(engine, name, value)
+                return measure(lambda: dispatch())[0], kernel_us(lambda: dispatch())
             finally:
-                engine.staged = False
-            rows.append(row("LL dispatch FP8 (pre-cast)", us, nbytes["fp8"], sms))
+                for name, value in saved.items():
+                    setattr(engine, name, value)
+                buf._ll_dispatch_plans.clear()
+
+        if not engine.per_expert:  # the same op with one row per (token, expert), cast on the fly or pre-cast
+            us, k_us = other_paths(per_expert=True, staged=False)
+            rows.append(row("LL dispatch FP8 (per-expert rows)", us, nbytes["fp8"], sms, **{"kernel us": k_us}))
+        if not engine.staged:
+            us, _ = other_paths(per_expert=True, staged=True)
+            rows.append(row("LL dispatch FP8 (per-expert, pre-cast)", us, nbytes["fp8"], sms))
         us, _ = measure(lambda: dispatch(fp8=False))
         rows.append(row("LL dispatch BF16", us, nbytes["bf16"], sms_bf16,
                         **{"kernel us": kernel_us(lambda: dispatch(fp8=False))}))

@@ -47,7 +47,8 @@ __all__ = [
 
 #: Channels per FP8 scale and per LogFMT block.
 BLOCK = 128
-#: One LogFMT-10 block on the wire: float32 lo, float32 hi, 128 low code bytes, 128 x 2 high code bits.
+#: Wire bytes of one LogFMT-10 block (128 channels): 128 low code bytes, 128 x 2 high code bits, float32 lo and
+#: step; two blocks form a 256-channel segment (cuda_src/low_latency/logfmt.cuh has the byte order).
 LOGFMT_BLOCK_BYTES = 8 + 128 + 32
 #: Token chunks of 32 are tracked in shared memory (kMaxTokenChunks in layout.cuh).
 MAX_TOKENS = 256 * 32

@@ -89,7 +89,7 @@ def test_zero_copy_and_out(env):
     agree(failures)
 
 
-@pytest.mark.parametrize("hidden", [2048, H_BIG])
+@pytest.mark.parametrize("hidden", [2048, 2176, H_BIG])  # 2176: 17 blocks, a one-block last wire segment
 def test_logfmt(env, hidden):
     experts = E_BIG if hidden == H_BIG else 32
     failures, _, _ = run_round(env, FRAMEWORKS[0], seed=13, t_max=T_BIG, hidden=hidden, num_experts=experts, k=K_BIG,
