@@ -282,11 +282,14 @@ __device__ __forceinline__ void dispatch_recv_ranks(
         }
     }
 
-    const int total_items = s_msgs[num_ranks] * kParts;
+    // Item = part * messages + message: a message's first part (with the scales, source indices and more
+    // stores) lands on blocks spread like the others, not on every kParts-th block.
+    const int num_msgs = s_msgs[num_ranks];
+    const int total_items = num_msgs * kParts;
     const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
     const int first_expert = rank * num_local;
     for (int item = first_grid_item(); item < total_items; item += total_warps) {
-        const int g = item / kParts, part = item % kParts;
+        const int g = item % num_msgs, part = item / num_msgs;
         int lo = 0, hi = num_ranks - 1;  // the last source with s_msgs[src] <= g
         while (lo < hi) {
             const int mid = (lo + hi + 1) / 2;
