@@ -50,8 +50,6 @@ __device__ __forceinline__ int unit_rows(const int64_t* layout_range, int u, int
 template <int kThreads>
 __device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int num_units, int num_ranks, int max_tokens,
                                             bool self_masked, const int* s_mask, int* s_prefix, int* s_warp_sum) {
-    constexpr int kBlockWarps = kThreads / 32;
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
     const int per = (num_units + kThreads - 1) / kThreads;
     const int u0 = static_cast<int>(threadIdx.x) * per, u1 = min(num_units, u0 + per);
     int sum = 0;
