@@ -71,6 +71,86 @@ __device__ __forceinline__ void dispatch_send_ahead(const uint16_t* __restrict__
     if (item < num_tokens * kSegs) ahead.first = load_send_item<kHidden, kTopk>(x, topk_idx, item, lane_id());
 }
 
+// Number of set bits of words[0 .. t / 32) plus those of word t / 32 below bit t % 32: the position of
+// token t among the tokens a routing bitmap selects.
+__device__ __forceinline__ int bits_before(const uint32_t* words, int t) {
+    int pos = __popc(words[t / 32] & ((1u << (t % 32)) - 1u));
+    for (int c = 0; c < t / 32; ++c) pos += __popc(words[c]);
+    return pos;
+}
+
+// Routing bitmaps of the send, in shared memory (zeroed by dispatch_send_ahead): bit t of
+// s_hits[e * chunks + t / 32] when token t picks expert e and, when s_reach is given, of
+// s_reach[(e / num_local) * chunks + t / 32] (token t reaches that rank). One shared atomicOr per top-k id
+// and map; ids outside [0, E) select nothing and block 0 reports one of them (unless `quiet`). Ends with
+// a block barrier. Every thread calls it.
+template <int kTopk, int kThreads, int kIdsAhead>
+__device__ __forceinline__ void mark_routing(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts,
+                                             int num_local, uint32_t* s_hits, uint32_t* s_reach,
+                                             const SendAhead<kIdsAhead>& ahead, bool quiet, int rank, ErrorRecord* err) {
+    const int chunks = (num_tokens + 31) / 32;
+    BadValue bad;
+    auto mark = [&](int i, int64_t id) {
+        bad.check_expert_id(id, num_experts);
+        if (id >= 0 && id < num_experts) {
+            const int t = i / kTopk, e = static_cast<int>(id);
+            atomicOr(s_hits + e * chunks + t / 32, 1u << (t % 32));
+            if (s_reach != nullptr) atomicOr(s_reach + (e / num_local) * chunks + t / 32, 1u << (t % 32));
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < kIdsAhead; ++j) {
+        const int i = static_cast<int>(threadIdx.x) + j * kThreads;
+        if (i < num_tokens * kTopk) mark(i, ahead.ids[j]);
+    }
+    for (int i = static_cast<int>(threadIdx.x) + kIdsAhead * kThreads; i < num_tokens * kTopk; i += kThreads)
+        mark(i, __ldg(topk_idx + i));
+    if (blockIdx.x == 0 && !quiet) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
+    __syncthreads();
+}
+
+// A send item's 512-channel segment as it goes out (FP8: cast once, the segment's four scales gathered by
+// lane 0 so they leave as one 16-byte store rather than four 4-byte stores, each a link transaction of
+// its own); store() writes it into one destination row. Whole warp.
+template <int kHidden, bool kFP8>
+struct SendSegment {
+    static constexpr bool kWholeSegs = kHidden % kSendSeg == 0;
+    int4 q0, q1;
+    float scale;
+    float4 seg_scales;
+    int seg, col;
+    bool lo, hi;
+
+    __device__ __forceinline__ SendSegment(const SendItem& in, int seg_, bool round_scale, int lane)
+        : q0(in.r0), q1(in.r1), scale(0.0f), seg_scales(make_float4(0.0f, 0.0f, 0.0f, 0.0f)), seg(seg_),
+          col(seg_ * kSendSeg + lane * 16), lo(col < kHidden), hi(col + 8 < kHidden) {
+        if constexpr (kFP8) {
+            q0 = cast16_fp8(in.r0, in.r1, lo, round_scale, scale);
+            if constexpr (kWholeSegs) {
+                seg_scales.x = scale;
+                seg_scales.y = __shfl_sync(kFullMask, scale, 8);
+                seg_scales.z = __shfl_sync(kFullMask, scale, 16);
+                seg_scales.w = __shfl_sync(kFullMask, scale, 24);
+            }
+        }
+    }
+
+    // msg: the destination row (BF16 data, or FP8 data then float32 scales at kHidden).
+    __device__ __forceinline__ void store(uint8_t* msg, int lane) const {
+        if constexpr (kFP8) {
+            if (lo) st_na_v4(reinterpret_cast<int4*>(msg + col), q0);
+            if constexpr (kWholeSegs) {
+                if (lane == 0) st_na_v4(reinterpret_cast<int4*>(msg + kHidden) + seg, *reinterpret_cast<const int4*>(&seg_scales));
+            } else {
+                if (lo && (lane & 7) == 0) reinterpret_cast<float*>(msg + kHidden)[col / kChannelsPerBlock] = scale;
+            }
+        } else {
+            if (lo) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col), q0);
+            if (hi) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col + 16), q1);
+        }
+    }
+};
+
 // Called by every thread of every block (the completion count needs all blocks), after
 // dispatch_send_ahead and a block barrier. s_hits holds num_experts * ceil(num_tokens / 32) <=
 // kMaxHitWords words, zeroed by dispatch_send_ahead.
@@ -82,36 +162,14 @@ __device__ __forceinline__ void dispatch_send_direct(
     const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     constexpr int kBlockWarps = kThreads / 32;
-    constexpr int kSeg = kSendSeg;
-    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    constexpr int kSegs = (kHidden + kSendSeg - 1) / kSendSeg;
     constexpr int kSlotBytes = 2 * kHidden;
-    // FP8: the four scales of a whole segment go out as one 16-byte store (lane 0 gathers them) rather
-    // than four 4-byte stores, each a transaction of its own on the link.
-    constexpr bool kWholeSegs = kHidden % kSeg == 0;
     const int lane = lane_id();
     const int num_local = num_experts / num_ranks;
     const int chunks = (num_tokens + 31) / 32;
 
-    // Bitmap of who picks whom. Ids outside [0, E) select nothing; block 0 reports one of them.
-    {
-        BadValue bad;
-        auto mark = [&](int i, int64_t id) {
-            bad.check_expert_id(id, num_experts);
-            if (id >= 0 && id < num_experts) {
-                const int t = i / kTopk;
-                atomicOr(s_hits + static_cast<int>(id) * chunks + t / 32, 1u << (t % 32));
-            }
-        };
-#pragma unroll
-        for (int j = 0; j < kIdsAhead; ++j) {
-            const int i = static_cast<int>(threadIdx.x) + j * kThreads;
-            if (i < num_tokens * kTopk) mark(i, ahead.ids[j]);
-        }
-        for (int i = static_cast<int>(threadIdx.x) + kIdsAhead * kThreads; i < num_tokens * kTopk; i += kThreads)
-            mark(i, __ldg(topk_idx + i));
-        if (blockIdx.x == 0 && !self_masked) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
-    }
-    __syncthreads();
+    mark_routing<kTopk, kThreads>(topk_idx, num_tokens, num_experts, num_local, s_hits, nullptr, ahead, self_masked,
+                                  rank, err);
 
     if (!self_masked) {
         const int total_items = num_tokens * kSegs;
@@ -119,12 +177,8 @@ __device__ __forceinline__ void dispatch_send_direct(
         const int first_item = first_grid_item();
         for (int item = first_item; item < total_items; item += total_warps) {
             const int t = item / kSegs;
-            const int seg = item % kSegs;
-            const int col = seg * kSeg + lane * 16;
-            const bool lo = col < kHidden, hi = col + 8 < kHidden;  // hidden % 8 == 0: halves are whole
             // The row segment is loaded first: its loads are independent of the routing below.
             const SendItem in = item == first_item ? ahead.first : load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
-            const int4 r0 = in.r0, r1 = in.r1;
             const int64_t id = in.id;
 
             // Lane k: the slot of the token's k-th expert, if it gets a row (valid, first of its value in
@@ -138,9 +192,7 @@ __device__ __forceinline__ void dispatch_send_direct(
                     const int e = static_cast<int>(id);
                     const int dst = e / num_local, le = e % num_local;
                     if (s_mask[dst] == 0) {
-                        const uint32_t* h = s_hits + e * chunks;
-                        int pos = __popc(h[t / 32] & ((1u << (t % 32)) - 1u));
-                        for (int c = 0; c < t / 32; ++c) pos += __popc(h[c]);
+                        const int pos = bits_before(s_hits + e * chunks, t);
                         const size_t s = static_cast<size_t>(le * num_ranks + rank) * max_tokens + pos;
                         slot = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst)) + s * kSlotBytes;
                         src_slot = static_cast<int*>(nvshmem_ptr(sym_src_idx, dst)) + s;
@@ -148,36 +200,14 @@ __device__ __forceinline__ void dispatch_send_direct(
                 }
             }
 
-            int4 q0 = r0, q1 = r1;
-            float scale = 0.0f;
-            float4 seg_scales = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if constexpr (kFP8) {
-                q0 = cast16_fp8(r0, r1, lo, round_scale, scale);
-                if constexpr (kWholeSegs) {
-                    seg_scales.x = scale;
-                    seg_scales.y = __shfl_sync(kFullMask, scale, 8);
-                    seg_scales.z = __shfl_sync(kFullMask, scale, 16);
-                    seg_scales.w = __shfl_sync(kFullMask, scale, 24);
-                }
-            }
-
+            const int seg = item % kSegs;
+            const SendSegment<kHidden, kFP8> out(in, seg, round_scale, lane);
             uint32_t pending = __ballot_sync(kFullMask, slot != nullptr);
             while (pending != 0u) {  // uniform over the warp
                 const int k = __ffs(pending) - 1;
                 pending &= pending - 1u;
-                uint8_t* msg = reinterpret_cast<uint8_t*>(
-                    __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(slot), k));
-                if constexpr (kFP8) {
-                    if (lo) st_na_v4(reinterpret_cast<int4*>(msg + col), q0);
-                    if constexpr (kWholeSegs) {
-                        if (lane == 0) st_na_v4(reinterpret_cast<int4*>(msg + kHidden) + seg, *reinterpret_cast<int4*>(&seg_scales));
-                    } else {
-                        if (lo && (lane & 7) == 0) reinterpret_cast<float*>(msg + kHidden)[col / kChannelsPerBlock] = scale;
-                    }
-                } else {
-                    if (lo) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col), q0);
-                    if (hi) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col + 16), q1);
-                }
+                out.store(reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(slot), k)),
+                          lane);
                 if (seg == 0 && lane == k) *src_slot = t;
             }
         }
@@ -224,7 +254,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
     constexpr int kPerLane = 8;  // 16-byte loads in flight per lane
     constexpr int kPartInt4 = 32 * kPerLane;
     constexpr int kParts = (kInt4 + kPartInt4 - 1) / kPartInt4;
-    const int lane = lane_id(), warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = lane_id();
     const int slab = num_ranks * max_tokens;
     const int num_local = num_experts / num_ranks;
     const uint64_t t_start = globaltimer();

@@ -40,13 +40,6 @@ struct RankMsg {
     static constexpr int kBytes = kDataBytes + 16 * kHeaderInt4;
 };
 
-// Number of set bits of words[0 .. t / 32) plus those of word t / 32 below bit t % 32.
-__device__ __forceinline__ int bits_before(const uint32_t* words, int t) {
-    int pos = __popc(words[t / 32] & ((1u << (t % 32)) - 1u));
-    for (int c = 0; c < t / 32; ++c) pos += __popc(words[c]);
-    return pos;
-}
-
 // Called by every thread of every block after dispatch_send_ahead (which zeroed s_hits: E * chunks
 // words of per-expert bitmaps, then R * chunks words of per-rank bitmaps) and a block barrier.
 template <int kHidden, int kTopk, bool kFP8, int kThreads, int kIdsAhead>
@@ -58,9 +51,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     using Msg = RankMsg<kHidden, kTopk, kFP8>;
     constexpr int kBlockWarps = kThreads / 32;
-    constexpr int kSeg = kSendSeg;
-    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
-    constexpr bool kWholeSegs = kHidden % kSeg == 0;
+    constexpr int kSegs = (kHidden + kSendSeg - 1) / kSendSeg;
     const int lane = lane_id();
     const int num_local = num_experts / num_ranks;
     const int chunks = (num_tokens + 31) / 32;
@@ -70,26 +61,8 @@ __device__ __forceinline__ void dispatch_send_ranks(
         return s_peer_recv[r] + (static_cast<const uint8_t*>(sym) - sym_recv);
     };
 
-    {
-        BadValue bad;
-        auto mark = [&](int i, int64_t id) {
-            bad.check_expert_id(id, num_experts);
-            if (id >= 0 && id < num_experts) {
-                const int t = i / kTopk, e = static_cast<int>(id);
-                atomicOr(s_hits + e * chunks + t / 32, 1u << (t % 32));
-                atomicOr(s_reach + (e / num_local) * chunks + t / 32, 1u << (t % 32));
-            }
-        };
-#pragma unroll
-        for (int j = 0; j < kIdsAhead; ++j) {
-            const int i = static_cast<int>(threadIdx.x) + j * kThreads;
-            if (i < num_tokens * kTopk) mark(i, ahead.ids[j]);
-        }
-        for (int i = static_cast<int>(threadIdx.x) + kIdsAhead * kThreads; i < num_tokens * kTopk; i += kThreads)
-            mark(i, __ldg(topk_idx + i));
-        if (blockIdx.x == 0 && !self_masked) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
-    }
-    __syncthreads();
+    mark_routing<kTopk, kThreads>(topk_idx, num_tokens, num_experts, num_local, s_hits, s_reach, ahead, self_masked,
+                                  rank, err);
 
     // Row counts per (destination, local expert), ordered before the rank words by the completion.
     for (int e = static_cast<int>(blockIdx.x * kThreads + threadIdx.x); !self_masked && e < num_experts;
@@ -109,8 +82,6 @@ __device__ __forceinline__ void dispatch_send_ranks(
         for (int item = first_item; item < total_items; item += total_warps) {
             const int t = item / kSegs;
             const int seg = item % kSegs;
-            const int col = seg * kSeg + lane * 16;
-            const bool lo = col < kHidden, hi = col + 8 < kHidden;
             const SendItem in = item == first_item ? ahead.first : load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
             const int64_t id = in.id;
 
@@ -132,18 +103,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
                 msg = s_peer_recv[dst] + j * Msg::kBytes;
             }
 
-            int4 q0 = in.r0, q1 = in.r1;
-            float scale = 0.0f;
-            float4 seg_scales = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if constexpr (kFP8) {
-                q0 = cast16_fp8(in.r0, in.r1, lo, round_scale, scale);
-                if constexpr (kWholeSegs) {
-                    seg_scales.x = scale;
-                    seg_scales.y = __shfl_sync(kFullMask, scale, 8);
-                    seg_scales.z = __shfl_sync(kFullMask, scale, 16);
-                    seg_scales.w = __shfl_sync(kFullMask, scale, 24);
-                }
-            }
+            const SendSegment<kHidden, kFP8> out(in, seg, round_scale, lane);
             // Header (with the first segment): lane q packs words 4q .. 4q + 3 (token, then the entries).
             int4 header = make_int4(0, 0, 0, 0);
             if (seg == 0) {
@@ -163,17 +123,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
                 const int k = __ffs(pending) - 1;
                 pending &= pending - 1u;
                 uint8_t* m = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(msg), k));
-                if constexpr (kFP8) {
-                    if (lo) st_na_v4(reinterpret_cast<int4*>(m + col), q0);
-                    if constexpr (kWholeSegs) {
-                        if (lane == 0) st_na_v4(reinterpret_cast<int4*>(m + kHidden) + seg, *reinterpret_cast<int4*>(&seg_scales));
-                    } else {
-                        if (lo && (lane & 7) == 0) reinterpret_cast<float*>(m + kHidden)[col / kChannelsPerBlock] = scale;
-                    }
-                } else {
-                    if (lo) st_na_v4(reinterpret_cast<int4*>(m + 2 * col), q0);
-                    if (hi) st_na_v4(reinterpret_cast<int4*>(m + 2 * col + 16), q1);
-                }
+                out.store(m, lane);
                 if (seg == 0 && lane < Msg::kHeaderInt4) st_na_v4(reinterpret_cast<int4*>(m + Msg::kDataBytes) + lane, header);
             }
         }
