@@ -35,11 +35,10 @@ namespace deepep_cupy::low_latency {
 
 // Rows of unit u = le * R + dst that this launch returns: the handle's count, clipped to the slab (a
 // corrupt handle must not make us read or write out of bounds), 0 for a masked side.
-__device__ __forceinline__ int unit_rows(const int64_t* layout_range, int u, int num_ranks, int max_tokens,
-                                         bool self_masked, const int* s_mask) {
+__device__ __forceinline__ int unit_rows_of(int64_t range, int u, int num_ranks, int max_tokens, bool self_masked,
+                                            const int* s_mask) {
     if (self_masked || s_mask[u % num_ranks] != 0) return 0;
     const int slab = num_ranks * max_tokens;
-    const int64_t range = __ldg(layout_range + u);
     const int begin = static_cast<int>(range >> 32);
     const int count = static_cast<int>(range & 0xffffffffll);
     return (begin < 0 || begin > slab) ? 0 : max(0, min(count, min(max_tokens, slab - begin)));
@@ -47,14 +46,17 @@ __device__ __forceinline__ int unit_rows(const int64_t* layout_range, int u, int
 
 // s_prefix[u] = rows of the units before u, s_prefix[E] = all rows (E = num_units <= kMaxExperts). Each
 // thread sums a contiguous run of units, then one block-wide exclusive scan of the runs. Ends synced.
+// range_ahead: layout_range[threadIdx.x], loaded before the prologue (the thread's unit when E <= threads).
 template <int kThreads>
-__device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int num_units, int num_ranks, int max_tokens,
-                                            bool self_masked, const int* s_mask, int* s_prefix, int* s_warp_sum) {
+__device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int64_t range_ahead, int num_units,
+                                            int num_ranks, int max_tokens, bool self_masked, const int* s_mask,
+                                            int* s_prefix, int* s_warp_sum) {
     const int per = (num_units + kThreads - 1) / kThreads;
     const int u0 = static_cast<int>(threadIdx.x) * per, u1 = min(num_units, u0 + per);
     int sum = 0;
     for (int u = u0; u < u1; ++u) {
-        const int c = unit_rows(layout_range, u, num_ranks, max_tokens, self_masked, s_mask);
+        const int64_t range = u == static_cast<int>(threadIdx.x) ? range_ahead : __ldg(layout_range + u);
+        const int c = unit_rows_of(range, u, num_ranks, max_tokens, self_masked, s_mask);
         s_prefix[u] = c;  // the count for now, this thread's own entry
         sum += c;
     }
@@ -72,7 +74,7 @@ __device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int num
 // evenly by the grid's warps; the last block to finish publishes every unit's tag (see the top).
 template <int kHidden, bool kLogfmt, int kThreads>
 __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_info, const int64_t* layout_range,
-                                            int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked,
+                                            int64_t range_ahead, int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked,
                                             const int* s_mask, int* s_prefix, int* s_warp_sum, int* s_last,
                                             uint32_t* sym_tags, uint8_t* sym_recv, uint32_t* done_counter,
                                             uint32_t tag) {
@@ -89,7 +91,8 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
     const int num_local = num_experts / num_ranks;
     const int slab = num_ranks * max_tokens;
 
-    unit_prefix<kThreads>(layout_range, num_experts, num_ranks, max_tokens, self_masked, s_mask, s_prefix, s_warp_sum);
+    unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask, s_prefix,
+                          s_warp_sum);
     // 64-bit item numbers: rows x segments may pass 2^31 at the largest shapes the layout allows.
     const long long total_items = static_cast<long long>(s_prefix[num_experts]) * kSegs;
     const long long total_warps = static_cast<long long>(gridDim.x) * kBlockWarps;
@@ -213,8 +216,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const int slab = num_ranks * max_tokens;
     const bool bail = !shrink;
 
-    // Stage B's first tag words, read ahead of the prologue (thread i waits for expert i there).
+    // Stage B's first tag words, read ahead of the prologue (thread i waits for expert i there), and the
+    // send's unit ranges.
     const uint32_t tag_ahead = read_tag_ahead(phases, sym_tags, num_experts);
+    const int64_t range_ahead =
+        (phases & kPhaseSend) && static_cast<int>(threadIdx.x) < num_experts ? __ldg(layout_range + threadIdx.x) : 0;
     begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
     const Deadline deadline(timeout_ns);
     const bool self_masked = s_mask[rank] != 0;
@@ -230,9 +236,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             if (nvshmem_ptr(sym_recv, r) == nullptr) direct = false;
         direct = __syncthreads_and(direct) != 0;
         if (direct) {
-            send_direct<kHidden, kLogfmt, kThreads>(x, src_info, layout_range, max_tokens, num_experts, num_ranks, rank,
-                                                    self_masked, s_mask, s_prefix, s_warp_sum, &s_last, sym_tags,
-                                                    sym_recv, seq_state + 4, tag);
+            send_direct<kHidden, kLogfmt, kThreads>(x, src_info, layout_range, range_ahead, max_tokens, num_experts,
+                                                    num_ranks, rank, self_masked, s_mask, s_prefix, s_warp_sum, &s_last,
+                                                    sym_tags, sym_recv, seq_state + 4, tag);
         } else {
             for (int u = gid; u < num_experts; u += total_groups) {
                 const int le = u / num_ranks;
@@ -240,7 +246,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group
                 const int e = rank * num_local_experts + le;
                 const int begin = static_cast<int>(layout_range[u] >> 32);
-                const int count = unit_rows(layout_range, u, num_ranks, max_tokens, self_masked, s_mask);
+                const int count = unit_rows_of(__ldg(layout_range + u), u, num_ranks, max_tokens, self_masked, s_mask);
                 uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
                 const bool p2p = peer_recv != nullptr;
                 if (gthread == 0) s_sent[group] = 0;

@@ -104,6 +104,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     // The receive phase's first count, read ahead too.
     const uint32_t tag_ahead =
         ranks ? read_tag_ahead(phases, rank_tags, num_ranks) : read_tag_ahead(phases, sym_tags, num_experts);
+    // Per-rank messages: the (source, expert) count words too (tagged, so a word read early is usable
+    // when it carries this launch's tag).
+    const uint32_t count_ahead = ranks ? read_word_ahead(phases, sym_tags, num_experts) : 0u;
     bool all_p2p = kTopk <= 32 && !force_rma && !ranks;  // (the per-expert format's paths only)
     for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
         if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
@@ -226,7 +229,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
                 sym_tags, rank_tags, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
                 out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
-                shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
+                shrink != 0, seq_tag(s_seq[1]), tag_ahead, count_ahead, deadline, err);
         } else if (recv_direct && (phases & kPhaseRecv)) {
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the prefix array
             dispatch_recv_direct<kHidden, kFP8, kWarps * kGroups * 32>(

@@ -14,7 +14,7 @@
 // numbered per destination in token order (j = number of earlier tokens that reach it).
 //
 // Completion: block 0 writes, into every live destination, its row count per local expert (tags region,
-// word s * E_local + le, plain stores) as soon as the routing is known; after the grid's completion
+// word s * E_local + le: (sequence tag << 16) | count, plain stores) as soon as the routing is known; after the grid's completion
 // count, thread 0 of the last block writes the rank word of every destination (arrivals region, word
 // s): (sequence tag << 16) | message count, released by the completion's fence, so no other fence or
 // barrier sits in the tail. A receiver waits for R rank words; the counts are data ordered before them. Both regions are
@@ -71,7 +71,8 @@ __device__ __forceinline__ void dispatch_send_ranks(
         if (s_mask[dst] != 0) continue;
         int count = 0;
         for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
-        reinterpret_cast<uint32_t*>(at_peer(sym_counts, dst))[rank * num_local + e % num_local] = static_cast<uint32_t>(count);
+        reinterpret_cast<uint32_t*>(at_peer(sym_counts, dst))[rank * num_local + e % num_local] =
+            tag_word(tag, static_cast<uint32_t>(count));
     }
 
     if (!self_masked) {
@@ -151,7 +152,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     const uint32_t* sym_counts, const uint32_t* sym_rank_tags, const uint8_t* sym_recv, int* mask,
     uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
     int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
-    bool shrink, uint32_t tag, uint32_t tag_ahead, const Deadline& deadline, ErrorRecord* err) {
+    bool shrink, uint32_t tag, uint32_t tag_ahead, uint32_t count_ahead, const Deadline& deadline, ErrorRecord* err) {
     using Msg = RankMsg<kHidden, kTopk, kFP8>;
     constexpr int kBlockWarps = kThreads / 32;
     constexpr int kRowInt4 = Msg::kRowBytes / 16;
@@ -201,11 +202,15 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     }
     __syncthreads();
 
-    // Rows of (local expert, source), in source order within each expert's slab: the counts are loaded
-    // all at once (one thread each), then summed per expert.
+    // Rows of (local expert, source), in source order within each expert's slab: the count words (one
+    // thread each; the word read ahead unless it missed this launch's tag, which the rank word's acquire
+    // now guarantees), then summed per expert.
     for (int i = static_cast<int>(threadIdx.x); i < num_experts; i += kThreads) {
         const int src = i / num_local, le = i % num_local;
-        s_base[le * num_ranks + src] = s_alive[src] ? min(static_cast<int>(ld_cg_u32(sym_counts + i)), max_tokens) : 0;
+        uint32_t w = i == static_cast<int>(threadIdx.x) ? count_ahead : 0u;
+        if (s_alive[src] && (w >> 16) != tag) w = ld_cg_u32(sym_counts + i);
+        s_base[le * num_ranks + src] =
+            s_alive[src] && (w >> 16) == tag ? min(static_cast<int>(w & 0xffffu), max_tokens) : 0;
     }
     __syncthreads();
     for (int le = static_cast<int>(threadIdx.x); le < num_local; le += kThreads) {

@@ -228,6 +228,13 @@ __device__ __forceinline__ uint32_t read_tag_ahead(int phases, const uint32_t* t
                                                                                 : 0u;
 }
 
+// Word threadIdx.x of `words` with a relaxed load, ahead of the prologue, when the launch receives (0
+// otherwise): for tagged data words, which are usable as read when they carry the launch's tag.
+__device__ __forceinline__ uint32_t read_word_ahead(int phases, const uint32_t* words, int num_words) {
+    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_relaxed_sys_u32(words + threadIdx.x)
+                                                                                : 0u;
+}
+
 // wait_tag for a word already read once with acquire semantics (`seen`, from read_tag_ahead): nothing more
 // when that value carries the tag. seen = 0 never does (tags are never 0), so it is a plain wait_tag.
 __device__ __forceinline__ int wait_tag_seen(uint32_t seen, const uint32_t* word, uint32_t tag,
