@@ -97,10 +97,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 x, topk_idx, num_tokens, ranks ? num_experts + num_ranks : num_experts, s_hits, ahead);
     }
     // The peers' receive areas, looked up once per block while thread 0 runs the prologue's round trips
-    // (the highest threads take them), not once per send item.
-    for (int r = kWarps * kGroups * 32 - 1 - static_cast<int>(threadIdx.x); ranks && (phases & kPhaseSend) && r >= 0;
-         r -= kWarps * kGroups * 32)
-        if (r < num_ranks) s_peer_recv[r] = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, r));
+    // (rank r goes to thread kThreads - 1 - r, wrapping past kThreads ranks), not once per send item.
+    constexpr int kThreads = kWarps * kGroups * 32;
+    for (int r = kThreads - 1 - static_cast<int>(threadIdx.x); ranks && (phases & kPhaseSend) && r < num_ranks;
+         r += kThreads)
+        s_peer_recv[r] = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, r));
     // The receive phase's first count, read ahead too.
     const uint32_t tag_ahead =
         ranks ? read_tag_ahead(phases, rank_tags, num_ranks) : read_tag_ahead(phases, sym_tags, num_experts);

@@ -79,6 +79,13 @@ __device__ __forceinline__ int bits_before(const uint32_t* words, int t) {
     return pos;
 }
 
+// Number of set bits of words[0 .. n): the tokens a routing bitmap of n chunks selects.
+__device__ __forceinline__ int bits_set(const uint32_t* words, int n) {
+    int count = 0;
+    for (int c = 0; c < n; ++c) count += __popc(words[c]);
+    return count;
+}
+
 // Routing bitmaps of the send, in shared memory (zeroed by dispatch_send_ahead): bit t of
 // s_hits[e * chunks + t / 32] when token t picks expert e and, when s_reach is given, of
 // s_reach[(e / num_local) * chunks + t / 32] (token t reaches that rank). One shared atomicOr per top-k id
@@ -221,9 +228,7 @@ __device__ __forceinline__ void dispatch_send_direct(
         for (int e = static_cast<int>(threadIdx.x); e < num_experts; e += 32) {
             const int dst = e / num_local, le = e % num_local;
             if (s_mask[dst] != 0) continue;
-            int count = 0;
-            for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
-            const uint32_t word = tag_word(tag, static_cast<uint32_t>(count));
+            const uint32_t word = tag_word(tag, static_cast<uint32_t>(bits_set(s_hits + e * chunks, chunks)));
             st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + le * num_ranks + rank, dst)), word);
         }
     }

@@ -14,11 +14,12 @@
 // numbered per destination in token order (j = number of earlier tokens that reach it).
 //
 // Completion: block 0 writes, into every live destination, its row count per local expert (tags region,
-// word s * E_local + le: (sequence tag << 16) | count, plain stores) as soon as the routing is known; after the grid's completion
-// count, thread 0 of the last block writes the rank word of every destination (arrivals region, word
-// s): (sequence tag << 16) | message count, released by the completion's fence, so no other fence or
-// barrier sits in the tail. A receiver waits for R rank words; the counts are data ordered before them. Both regions are
-// otherwise used only by the RMA path, which an engine using this format never takes.
+// word s * E_local + le: (sequence tag << 16) | count, plain stores) as soon as the routing is known;
+// after the grid's completion count, thread 0 of the last block writes the rank word of every
+// destination (arrivals region, word s): (sequence tag << 16) | message count, released by the
+// completion's fence, so no other fence or barrier sits in the tail. A receiver waits for R rank words;
+// the counts are data ordered before them. Both regions are otherwise used only by the RMA path, which
+// an engine using this format never takes.
 #pragma once
 
 #include "low_latency/dispatch_direct.cuh"
@@ -69,10 +70,8 @@ __device__ __forceinline__ void dispatch_send_ranks(
          e += static_cast<int>(gridDim.x) * kThreads) {
         const int dst = e / num_local;
         if (s_mask[dst] != 0) continue;
-        int count = 0;
-        for (int c = 0; c < chunks; ++c) count += __popc(s_hits[e * chunks + c]);
         reinterpret_cast<uint32_t*>(at_peer(sym_counts, dst))[rank * num_local + e % num_local] =
-            tag_word(tag, static_cast<uint32_t>(count));
+            tag_word(tag, static_cast<uint32_t>(bits_set(s_hits + e * chunks, chunks)));
     }
 
     if (!self_masked) {
@@ -134,10 +133,8 @@ __device__ __forceinline__ void dispatch_send_ranks(
     if (*s_last && !self_masked && threadIdx.x == 0) {
         for (int dst = 0; dst < num_ranks; ++dst) {
             if (s_mask[dst] != 0) continue;
-            int count = 0;
-            for (int c = 0; c < chunks; ++c) count += __popc(s_reach[dst * chunks + c]);
             st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
-                               tag_word(tag, static_cast<uint32_t>(count)));
+                               tag_word(tag, static_cast<uint32_t>(bits_set(s_reach + dst * chunks, chunks))));
         }
     }
 }
