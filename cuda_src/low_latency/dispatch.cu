@@ -23,6 +23,7 @@
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
+#include "low_latency/rows.cuh"
 #include "low_latency/dispatch_ranks.cuh"
 
 using namespace deepep;

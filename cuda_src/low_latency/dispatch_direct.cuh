@@ -14,6 +14,7 @@
 #pragma once
 
 #include "low_latency/layout.cuh"
+#include "low_latency/rows.cuh"
 
 namespace deepep_cupy::low_latency {
 

@@ -20,6 +20,7 @@
 #pragma once
 
 #include "low_latency/layout.cuh"
+#include "low_latency/rows.cuh"
 
 namespace deepep {
 namespace ll {
