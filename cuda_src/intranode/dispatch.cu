@@ -3,14 +3,16 @@
 // Grid: 2 * C blocks; block 2c sends channel c, block 2c + 1 receives channel c. Channel c is the token
 // range [c * ceil(N/C), ...) of every rank.
 //
-// Self group: warps [0, num_self_warps) of the sender block and warps [0, num_recv_self_warps) of the
-// receiver block (numbered in that order) copy this rank's own tokens straight from x into the outputs
-// (no ring). Putting some of them in the receiver block leaves more of the sender block's warps for the
-// NVLink pushes.
+// Self copy: this rank's own tokens of channel c go straight from x into the outputs (no ring). Warps
+// [0, num_self_warps) of the sender block and [0, num_recv_self_warps) of the receiver block start on it;
+// every other warp joins it once its pushes or receives are done. The work is shared dynamically: runs of
+// kSelfRun consecutive own-token indices are claimed from a per-channel counter (self_claims[c], back to 0
+// when the kernel ends). With fixed shares the warps that started on it finished last: on 2 x H200 (4096 x
+// 7168 BF16, 24 SMs) they ended ~85 us after the pushes and ~60 us after the ring receivers.
 //
-// Sender block, other warps: split evenly over the R - 1 peers. Every warp of a peer's group (and of the
-// self group) scans the channel's is_token_in_rank column with ballots, so it knows the index i of each
-// token going to that peer. Tokens go in runs of B = clamp_batch(publish_batch, cap) consecutive indices;
+// Sender block, other warps: split evenly over the R - 1 peers. Every warp of a peer's group scans the
+// channel's is_token_in_rank column with ballots, so it knows the index i of each token going to that
+// peer. Tokens go in runs of B = clamp_batch(publish_batch, cap) consecutive indices;
 // run k belongs to warp k % (group size). For every token of its run the warp (waiting first for the
 // peer's "slot free" word for token i in its own buffer when i >= cap) moves the token into slot i % cap
 // of ring (c, me) in the peer's buffer with 16-byte stores; at the end of the run one system fence
@@ -68,6 +70,7 @@ struct DispatchArgs {
     long long ring_offset, free_offset;
     int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
     int batch;
+    int* self_claims;
     deepep::ErrorRecord* err;
     int rank;
     uint64_t seq;
@@ -156,14 +159,120 @@ __device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, i
     }
 }
 
-// One warp of the group sending channel c's tokens to dst (dst == rank: the self group, straight into the
-// outputs). gi / gs: index of the warp in its group and the group size.
+// Copies own token `token` into output row `row` (the self copy): row, scales, top-k ids made local (-1
+// for another rank's experts, weight 0) and the source index.
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitCtx& wctx, int c, int dst, int gi,
+__device__ __forceinline__ void copy_own_token(const DispatchArgs& a, int token, int row, deepep::BadValue& bad,
+                                               int lane) {
+    const int rank = a.rank;
+    if (row >= a.num_out_rows) {
+        if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, rank, rank, __LINE__, a.num_recv);
+        return;
+    }
+    const TokenAux aux = load_aux(a, token, a.recv_topk_idx != nullptr, lane);
+    warp_copy_nc<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4,
+                          a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
+    store_scales(a.recv_x_scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
+    if (a.recv_topk_idx != nullptr) {
+        const long long num_experts = static_cast<long long>(kNumRanks) * a.num_local_experts;
+        for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
+            bad.check_expert_id(e, num_experts);
+            const long long local = e - static_cast<long long>(rank) * a.num_local_experts;
+            const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
+            a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
+            if (a.recv_topk_weights != nullptr)
+                a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] = mine ? w : 0.0f;
+        });
+    }
+    if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = token;
+}
+
+// Bits of the tokens of [chunk, chunk + 32) (clipped at end) that go to rank dst.
+template <int kNumRanks>
+__device__ __forceinline__ unsigned int chunk_mask(const DispatchArgs& a, int chunk, int end, int dst, int lane) {
+    const int t = chunk + lane;
+    return __ballot_sync(kFullMask, t < end && a.is_token_in_rank[static_cast<long long>(t) * kNumRanks + dst]);
+}
+
+// Position of the n-th (from 0) set bit of mask.
+__device__ __forceinline__ int nth_set_bit(unsigned int mask, int n) {
+    for (int i = 0; i < n; ++i) mask &= mask - 1u;
+    return __ffs(mask) - 1;
+}
+
+constexpr int kSelfRun = 2;  // own tokens per claim
+
+// Writes the send_head column of this rank for channel c (non-cached mode; one warp per channel).
+template <int kNumRanks>
+__device__ __forceinline__ void write_own_send_head(const DispatchArgs& a, int c, int lane) {
+    constexpr int R = kNumRanks;
+    const int send_base = c > 0 ? a.channel_prefix_matrix[a.rank * a.num_channels + c - 1] : 0;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    int count = 0;
+    for (int chunk = t_begin; chunk < t_end; chunk += 32) {
+        const unsigned int mask = chunk_mask<R>(a, chunk, t_end, a.rank, lane);
+        const int t = chunk + lane;
+        if (t < t_end)
+            a.send_head[static_cast<long long>(t) * R + a.rank] =
+                (mask >> lane) & 1u ? send_base + count + __popc(mask & ((1u << lane) - 1u)) : -1;
+        count += __popc(mask);
+    }
+}
+
+// The self copy of channel c by one warp (see the header), in claimed runs until the channel's own tokens
+// are all claimed. Each warp walks the is_token_in_rank column forward from its own cursor, since the runs
+// it claims only grow. The warp that gets run 0 also writes the channel's send_head column for this rank.
+// (Letting the ring receivers take runs while their slots were still empty was tried: they then finished
+// last, and FP8 got slower.)
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void dispatch_self(const DispatchArgs& a, int c, int lane) {
+    constexpr int R = kNumRanks;
+    const int rank = a.rank;
+    int chunk, t_end;
+    channel_range(a.num_tokens, a.num_channels, c, chunk, t_end);
+    const int out_base = (rank > 0 ? a.rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
+                         a.recv_channel_prefix_matrix[rank * a.num_channels + c];
+    int* claim = a.self_claims + c;
+    int run = 0;
+    if (lane == 0) run = atomicAdd(claim, 1);
+    run = __shfl_sync(kFullMask, run, 0);
+    if (run == 0 && a.send_head != nullptr) write_own_send_head<R>(a, c, lane);
+    deepep::BadValue bad;
+    int before = 0;  // own tokens before `chunk`
+    bool more = chunk < t_end;
+    unsigned int mask = more ? chunk_mask<R>(a, chunk, t_end, rank, lane) : 0u;
+    while (more) {
+        // The next claim is issued now and read after this run's copies, so its latency is hidden.
+        int next = 0;
+        if (lane == 0) next = atomicAdd(claim, 1);
+        for (int idx = run * kSelfRun; more && idx < (run + 1) * kSelfRun; ++idx) {
+            while (idx >= before + __popc(mask)) {
+                before += __popc(mask);
+                chunk += 32;
+                if (chunk >= t_end) {
+                    more = false;
+                    break;
+                }
+                mask = chunk_mask<R>(a, chunk, t_end, rank, lane);
+            }
+            if (!more) break;
+            // The first claimer in a chunk asks L2 for the next chunk's scales.
+            if (idx == before) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
+            copy_own_token<R, kUnroll>(a, chunk + nth_set_bit(mask, idx - before), out_base + idx, bad, lane);
+        }
+        run = __shfl_sync(kFullMask, next, 0);
+    }
+    bad.report_from_warp(a.err, deepep::kValueOpIntranodeDispatch, rank, __LINE__);
+}
+
+// One warp of the group pushing channel c's tokens to peer dst. gi / gs: index of the warp in its group and
+// the group size. Returns false when a wait ended without success (timeout, reported).
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitCtx& wctx, int c, int dst, int gi,
                                               int gs, int lane) {
     constexpr int R = kNumRanks;
     const int rank = a.rank;
-    const bool to_self = dst == rank;
     const int B = a.batch;
     int t_begin, t_end;
     channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
@@ -171,19 +280,10 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
     const long long ring_bytes = static_cast<long long>(a.cap) * a.slot_bytes;
     uint8_t* my_base = rank_base(a.bases, rank);
 
-    bool ok = true;
-    uint8_t* ring = nullptr;
-    int out_base = 0;
-    if (to_self) {
-        out_base = (rank > 0 ? a.rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
-                   a.recv_channel_prefix_matrix[rank * a.num_channels + c];
-    } else {
-        ring = rank_base(a.bases, dst) + a.ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
-        // The peer must have finished its earlier kernels before anything lands in its buffer.
-        const Ctrl ctrl = ctrl_of(my_base, R);
-        ok = warp_wait(ctrl.arrive(dst), [seq = a.seq](uint64_t v) { return v >= seq; }, wctx, kOpDispatchArrive, dst,
-                       __LINE__);
-    }
+    uint8_t* ring = rank_base(a.bases, dst) + a.ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
+    // The peer must have finished its earlier kernels before anything lands in its buffer.
+    bool ok = warp_wait(ctrl_of(my_base, R).arrive(dst), [seq = a.seq](uint64_t v) { return v >= seq; }, wctx,
+                        kOpDispatchArrive, dst, __LINE__);
     const uint64_t* free_words =
         reinterpret_cast<const uint64_t*>(my_base + a.free_offset) + static_cast<long long>(c * R + dst) * a.cap;
 
@@ -216,31 +316,6 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
             if ((idx / B) % gs != gi) continue;
             const int token = chunk + k;
             const int4* src_row = a.x + static_cast<long long>(token) * a.hidden_int4;
-
-            if (to_self) {
-                const int row = out_base + idx;
-                if (row >= a.num_out_rows) {
-                    if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, rank, rank, __LINE__, a.num_recv);
-                    continue;
-                }
-                const TokenAux aux = load_aux(a, token, a.recv_topk_idx != nullptr, lane);
-                warp_copy_nc<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4, src_row, a.hidden_int4,
-                                      lane);
-                store_scales(a.recv_x_scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
-                if (a.recv_topk_idx != nullptr) {
-                    for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
-                        bad.check_expert_id(e, num_experts);
-                        const long long local = e - static_cast<long long>(rank) * a.num_local_experts;
-                        const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
-                        a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
-                        if (a.recv_topk_weights != nullptr)
-                            a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] = mine ? w : 0.0f;
-                    });
-                }
-                if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = token;
-                continue;
-            }
-
             const int slot = idx % a.cap;
             if (idx >= a.cap) {
                 const uint64_t want = tag(a.seq, idx);
@@ -276,11 +351,12 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const WaitC
     if (ok && run_len > 0) publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
     // Every lane is here (all branches above are uniform over the warp).
     bad.report_from_warp(a.err, deepep::kValueOpIntranodeDispatch, rank, __LINE__);
+    return ok;
 }
 
-// One warp of the group receiving channel c from src.
+// One warp of the group receiving channel c from src. Returns false when a wait timed out (reported).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const WaitCtx& wctx, int c, int src, int gi,
+__device__ __forceinline__ bool dispatch_recv(const DispatchArgs& a, const WaitCtx& wctx, int c, int src, int gi,
                                               int gs, int lane) {
     constexpr int R = kNumRanks;
     const int rank = a.rank;
@@ -306,7 +382,7 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const WaitC
                 flag = reinterpret_cast<const uint64_t*>(ring + static_cast<long long>((first + lane) % a.cap) * a.slot_bytes);
                 want = tag(a.seq, first + lane);
             }
-            if (!warp_wait_lanes(flag, want, src, wctx, kOpDispatchRecv, __LINE__)) break;
+            if (!warp_wait_lanes(flag, want, src, wctx, kOpDispatchRecv, __LINE__)) return false;
         }
         for (int idx = first; idx < first + len; ++idx) {
             const uint8_t* slot_ptr = ring + static_cast<long long>(idx % a.cap) * a.slot_bytes;
@@ -366,6 +442,7 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const WaitC
             __syncwarp();
         }
     }
+    return true;
 }
 
 }  // namespace deepep_intranode
@@ -387,7 +464,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          int num_out_rows, int num_worst_tokens, const long long* __restrict__ bases, long long ring_offset,
          long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
-         int publish_batch, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+         int publish_batch, int* __restrict__ self_claims, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -404,7 +481,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                          recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, ring_offset, free_offset,
                          slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset,
-                         num_channels, clamp_batch(publish_batch, cap), err, rank, seq, num_recv};
+                         num_channels, clamp_batch(publish_batch, cap), self_claims, err, rank, seq, num_recv};
 
     if (!is_sender && num_worst_tokens > 0) {
         // Padding rows of the index outputs (num_worst_tokens mode).
@@ -422,26 +499,19 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
             }
         }
     }
-    // Role of this warp: send to `peer` (peer == rank: the self group) or receive from it.
+    // Role of this warp: push to a peer or receive from one, then join the self copy; or start on the self copy
+    // (with a single rank every warp does).
     const int self_in_block = is_sender ? num_self_warps : num_recv_self_warps;
-    bool sending = is_sender;
-    int peer = rank, gi = 0, gs = 1;
-    if (warp < self_in_block) {
-        sending = true;
-        gi = is_sender ? warp : num_self_warps + warp;
-        gs = num_self_warps + num_recv_self_warps;
-    } else if (R > 1) {
-        int g;
+    bool ok = true;
+    if (warp >= self_in_block && R > 1) {
+        int g, gi, gs;
         split_warps(warp - self_in_block, kNumWarps - self_in_block, R - 1, g, gi, gs);
-        peer = (rank + 1 + g) % R;
-    } else {
-        gs = 0;  // a single rank: the receiver block has nothing to receive
+        const int peer = (rank + 1 + g) % R;
+        ok = is_sender ? dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane)
+                       : dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
     }
-    if (sending)
-        dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
-    else if (gs > 0)
-        dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
-    end_kernel(ctrl, seq);
+    if (ok) dispatch_self<R, kUnroll>(a, c, lane);
+    end_kernel(ctrl, seq, self_claims, num_channels);
 }
 
 }  // namespace deepep_cupy::intranode

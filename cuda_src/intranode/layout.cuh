@@ -93,7 +93,8 @@ __device__ __forceinline__ uint64_t begin_kernel(const Ctrl& ctrl) {
     return seq_shared;
 }
 
-__device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq) {
+// `counters` (n ints, optional): per-kernel work counters, back to 0 for the next kernel once every block is done.
+__device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq, int* counters = nullptr, int n = 0) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -101,6 +102,7 @@ __device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq) {
         if (old + 1 == gridDim.x) {
             // Every block has read local_seq already (they all passed begin_kernel before counting).
             *ctrl.done_count() = 0;
+            for (int i = 0; i < n; ++i) counters[i] = 0;
             *reinterpret_cast<volatile unsigned long long*>(ctrl.local_seq()) = static_cast<unsigned long long>(seq);
             __threadfence();
         }

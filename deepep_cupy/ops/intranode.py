@@ -145,7 +145,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
                   layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank, num_recv_self_warps=0,
-                  batch=1) -> list[tuple[str, object]]:
+                  batch=1, self_claims=0) -> list[tuple[str, object]]:
     """Arguments of dispatch_kernel, in order, with their parameter names."""
     slot = layout.slot
     return [
@@ -184,6 +184,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("num_self_warps", np.int32(num_self_warps)),
         ("num_recv_self_warps", np.int32(num_recv_self_warps)),
         ("publish_batch", np.int32(publish_batch(batch, layout.cap))),
+        ("self_claims", np.uint64(self_claims)),
         ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)),
         ("rank", np.int32(rank)),
@@ -335,6 +336,9 @@ class IntranodeEngine(EngineHealth):
                 cupy.cuda.runtime.memset(self.buffer.local_ptr, 0, self.buffer.size)
                 cupy.cuda.Device(self.device_id).synchronize()
                 self.errors = KernelErrorRecord()
+                # Per-channel work counters of the dispatch's self copy (0 between kernels; a channel per 2 SMs).
+                sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
+                self.self_claims = cupy.zeros(max(1, sms // 2), dtype=cupy.int32)
                 group.barrier()
             except BaseException:
                 self.buffer.close()
@@ -433,7 +437,7 @@ class IntranodeEngine(EngineHealth):
             warnings.warn(f"deepep_cupy: an unreported kernel error was pending at destroy: {op}, rank "
                           f"{pending['rank']}, peer {pending['peer']}", RuntimeWarning, stacklevel=2)
         buffer, self.buffer = self.buffer, None
-        self.bases = None
+        self.bases = self.self_claims = None
         self._metas = {}
         if buffer is not None:
             buffer.close()
