@@ -51,7 +51,7 @@ def _default_split(warps: int) -> tuple[int, int]:
 def _restore_defaults(engine) -> None:
     from ..ops import intranode as I
 
-    engine.dispatch_warps, engine.dispatch_unroll = I.DISPATCH_WARPS, I.DISPATCH_UNROLL
+    engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
 

@@ -49,10 +49,19 @@ NOTIFY_THREADS = 1024
 # Defaults of the compile-time shape of the data kernels. Best guesses for 2 ranks (see
 # docs/intranode_performance.md); the bench sweeps the alternatives.
 DISPATCH_WARPS, DISPATCH_UNROLL = 16, 8
+# Up to 2 ranks the dispatch loads 14 x 16 bytes per lane per round: a 7168-wide row then takes exactly one
+# round (FP8) or two (BF16) instead of 1.75 / 3.5 (2 x H200, 4096 x 7168, 24 SMs, two sweeps: FP8 195.6 /
+# 200.6 us at 16 x 14 against 204.3 / 208.7 at 16 x 8; BF16 303.4 against 321.4 in one of them).
+DISPATCH_UNROLL_FEW = 14
 COMBINE_WARPS, COMBINE_UNROLL = 16, 8
 # With more ranks the combine receiver keeps one accumulator per load in flight: fewer loads per lane,
 # more warps (8 x H200, send 8: 32 x 2 took 1654 us, 24 x 2 1748 us, 24 x 4 1819 us).
 COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
+
+
+def default_dispatch_shape(num_ranks: int) -> tuple[int, int]:
+    """``(warps, unroll)`` of the dispatch kernel for ``num_ranks`` ranks."""
+    return (DISPATCH_WARPS, DISPATCH_UNROLL_FEW if num_ranks <= 2 else DISPATCH_UNROLL)
 
 
 def default_combine_shape(num_ranks: int) -> tuple[int, int]:
@@ -91,7 +100,9 @@ def notify_spec(num_ranks: int) -> BuildSpec:
 
 
 @functools.cache
-def dispatch_spec(num_ranks: int, warps: int = DISPATCH_WARPS, unroll: int = DISPATCH_UNROLL) -> BuildSpec:
+def dispatch_spec(num_ranks: int, warps: int | None = None, unroll: int | None = None) -> BuildSpec:
+    dw, du = default_dispatch_shape(num_ranks)
+    warps, unroll = warps or dw, unroll or du
     return BuildSpec.make("intranode/dispatch.cu", name_expressions=[_dispatch_name(num_ranks, warps, unroll)])
 
 
@@ -317,7 +328,7 @@ class IntranodeEngine(EngineHealth):
         self.device_id = int(device_id)
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.timeout_s = timeout_seconds()
-        self.dispatch_warps, self.dispatch_unroll = DISPATCH_WARPS, DISPATCH_UNROLL
+        self.dispatch_warps, self.dispatch_unroll = default_dispatch_shape(self.num_ranks)
         self.combine_warps, self.combine_unroll = default_combine_shape(self.num_ranks)
         self.self_warps: int | None = None
         self.recv_self_warps: int | None = None
