@@ -11,8 +11,10 @@
 // publishes all the run's slot flags (seq << 32 | i) after one system fence.
 // Rows this rank received from itself are not sent: the receiver reads them from x directly.
 //
-// Receiver block of channel c: warp w reduces the runs of B consecutive tokens w, w + kNumWarps, ... of
-// the channel. For token t and every rank r in rank order with send_head[t][r] >= 0, the row index within
+// Reduction of channel c: runs of B consecutive tokens of the channel, claimed in order from a per-channel
+// counter (run_claims[c], back to 0 when the kernel ends) by the receiver block's warps and, once their
+// pushes are done, by the sender block's warps too (with fixed shares the receiver block finished long
+// after the senders). For token t and every rank r in rank order with send_head[t][r] >= 0, the row index within
 // the channel is i_r = send_head[t][r] - channel_prefix_matrix[r][c - 1]; the row comes from ring (c, r)
 // slot i_r % cap, or from x for r == me. The warp reads send_head for the whole run and waits for all its
 // slot flags at once (lane k * R + r: token k of the run, rank r). Sum in float32: acc = (bias_0 + bias_1)
@@ -21,7 +23,9 @@
 // every r that will reuse a slot (i_r + cap < n_r).
 //
 // No deadlock: a run of B tokens spans at most B indices of each ring, and B <= ceil(cap / 2), so the
-// receiver run holding index i - cap ends before the sender run holding i begins (see dispatch.cu).
+// receiver run holding index i - cap ends before the sender run holding i begins (see dispatch.cu). A warp
+// claims its next run while it reduces the current one, so it may hold two; the smallest run not yet done
+// is always some warp's current run, and the flags it waits for only need slots freed by smaller runs.
 
 #include "common/nvrtc_compat.cuh"
 #include "intranode/layout.cuh"
@@ -80,8 +84,8 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         const int* __restrict__ recv_channel_prefix_matrix, const int* __restrict__ send_head, int num_tokens,
         int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights,
         const long long* __restrict__ bases, long long ring_offset, long long free_offset, int slot_bytes,
-        int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, deepep::ErrorRecord* err,
-        long long timeout_ns, int rank) {
+        int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, int* __restrict__ run_claims,
+        deepep::ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -95,7 +99,9 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     // Runs of B tokens; the receiver needs one lane per (token, rank) of a run.
     const int B = min(clamp_batch(publish_batch, cap), 32 / R);
 
+    bool reduce = !is_sender;  // sender warps join the reduction once their pushes are done
     if (is_sender) {
+        reduce = true;
         if (R > 1) {
             int g, gi, gs;
             split_warps(warp, kNumWarps, R - 1, g, gi, gs);
@@ -135,8 +141,10 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                 if (!ok) break;
                 publish_run(ring, slot_bytes, cap, seq, first, len, lane);
             }
+            reduce = ok;
         }
-    } else {
+    }
+    if (reduce) {
         int t_begin, t_end;
         channel_range(num_tokens, num_channels, c, t_begin, t_end);
         // Lane l handles rank lr = l % R of token l / R of each run.
@@ -148,8 +156,15 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                                     recv_channel_prefix_matrix[rank * num_channels + c];
         const bool has_bias = bias_0 != nullptr || bias_1 != nullptr;
 
-        for (int t0 = t_begin + warp * B; t0 < t_end; t0 += kNumWarps * B) {
+        int* claim = run_claims + c;
+        int run = 0;
+        if (lane == 0) run = atomicAdd(claim, 1);
+        run = __shfl_sync(kFullMask, run, 0);
+        for (int t0 = t_begin + run * B; t0 < t_end; t0 = t_begin + run * B) {
             const int len = min(B, t_end - t0);
+            // The next claim is issued now and read at the end of this run, so its latency is hidden.
+            int next = 0;
+            if (lane == 0) next = atomicAdd(claim, 1);
             // This lane's (token, rank) of the run: its row index in ring (c, lr), or -1.
             int my_idx = -1;
             const uint64_t* my_flag = nullptr;
@@ -165,7 +180,10 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                     }
                 }
             }
-            if (!warp_wait_lanes(my_flag, my_want, lr, wctx, kOpCombineRecv, __LINE__)) break;
+            if (!warp_wait_lanes(my_flag, my_want, lr, wctx, kOpCombineRecv, __LINE__)) {
+                run = __shfl_sync(kFullMask, next, 0);  // the claim is complete before the warp leaves
+                break;
+            }
 
             for (int k = 0; k < len; ++k) {
                 const int t = t0 + k;
@@ -299,9 +317,10 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                 }
                 __syncwarp();
             }
+            run = __shfl_sync(kFullMask, next, 0);
         }
     }
-    end_kernel(ctrl, seq);
+    end_kernel(ctrl, seq, run_claims, num_channels);
 }
 
 }  // namespace deepep_cupy::intranode

@@ -204,7 +204,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
 
 def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, channel_prefix_matrix,
                  recv_channel_prefix_matrix, send_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
-                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank, batch=1) -> list[tuple[str, object]]:
+                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank, batch=1, run_claims=0) -> list[tuple[str, object]]:
     """Arguments of combine_kernel, in order, with their parameter names."""
     return [
         ("x", x),
@@ -228,6 +228,7 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matri
         ("slot_topk_weights_offset", np.int32(layout.slot.topk_weights_offset)),
         ("num_channels", np.int32(layout.num_channels)),
         ("publish_batch", np.int32(publish_batch(batch, layout.cap))),
+        ("run_claims", np.uint64(run_claims)),
         ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)),
         ("rank", np.int32(rank)),
@@ -347,9 +348,10 @@ class IntranodeEngine(EngineHealth):
                 cupy.cuda.runtime.memset(self.buffer.local_ptr, 0, self.buffer.size)
                 cupy.cuda.Device(self.device_id).synchronize()
                 self.errors = KernelErrorRecord()
-                # Per-channel work counters of the dispatch's self copy (0 between kernels; a channel per 2 SMs).
+                # Per-channel work counters: runs of the dispatch's self copy and of the combine's reduction
+                # claimed so far (0 between kernels; at most one channel per 2 SMs).
                 sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
-                self.self_claims = cupy.zeros(max(1, sms // 2), dtype=cupy.int32)
+                self.work_claims = cupy.zeros(max(1, sms // 2), dtype=cupy.int32)
                 group.barrier()
             except BaseException:
                 self.buffer.close()
@@ -448,7 +450,7 @@ class IntranodeEngine(EngineHealth):
             warnings.warn(f"deepep_cupy: an unreported kernel error was pending at destroy: {op}, rank "
                           f"{pending['rank']}, peer {pending['peer']}", RuntimeWarning, stacklevel=2)
         buffer, self.buffer = self.buffer, None
-        self.bases = self.self_claims = None
+        self.bases = self.work_claims = None
         self._metas = {}
         if buffer is not None:
             buffer.close()

@@ -164,7 +164,7 @@ class DispatchPlan(_Plan):
             recv_topk_weights=0, recv_src_idx=0, send_head=0, num_out_rows=self.num_rows,
             num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
             num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            num_recv_self_warps=recv_self_warps, batch=engine._batch(config), self_claims=engine.self_claims.data.ptr)
+            num_recv_self_warps=recv_self_warps, batch=engine._batch(config), self_claims=engine.work_claims.data.ptr)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
@@ -286,7 +286,7 @@ class CombinePlan(_Plan):
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
             hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
             layout=layout, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            batch=engine._batch(config))
+            batch=engine._batch(config), run_claims=engine.work_claims.data.ptr)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",

@@ -208,8 +208,8 @@ def test_repeatable_hashes(env):
         h.update(repr(counts).encode())
         digests.add(h.hexdigest())
     assert len(digests) == 1, f"{len(digests)} different results over 20 identical calls"
-    # The dispatch's per-channel self-copy counters are back to 0 once its kernel is done.
-    assert int(cupy.count_nonzero(buf.runtime.intranode.self_claims)) == 0
+    # The per-channel work counters of dispatch and combine are back to 0 once their kernels are done.
+    assert int(cupy.count_nonzero(buf.runtime.intranode.work_claims)) == 0
 
 
 def test_async_finish_and_previous_event(env):
