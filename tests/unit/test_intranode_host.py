@@ -132,6 +132,91 @@ def test_publish_batch_never_deadlocks(cap, send):
         assert ((i - cap) // b) * b + b - 1 < (i // b) * b
 
 
+def _simulate_claimed_combine(rng, num_tokens, cap, b, send_warps, recv_warps, present_prob):
+    """One channel and one peer of the combine, as the kernels order it: sender warps push ring indices in runs
+    of b (run k to warp k % send_warps; index i >= cap waits for the free word of i - cap; a run is
+    published at its end); reducing warps claim runs of b tokens in order, holding the next claim while
+    they reduce the current run (wait for its flags, then free the slots the sender will reuse), and sender
+    warps join once their pushes are done. Warps move in random order; returns False on a deadlock."""
+    present = rng.random(num_tokens) < present_prob
+    index_of = np.cumsum(present) - 1  # ring index of each present token
+    n = int(present.sum())
+    published, freed = np.zeros(n, bool), np.zeros(n, bool)
+    send_runs = [list(range(k * b, min(n, k * b + b))) for k in range(-(-n // b))]
+    senders = [{"runs": send_runs[w::send_warps], "pos": 0, "written": []} for w in range(send_warps)]
+    counter = [0]
+
+    def claim():
+        counter[0] += 1
+        return counter[0] - 1
+
+    reducers = [{"cur": None, "next": None} for _ in range(recv_warps)]
+    done_runs = set()
+    num_runs = -(-num_tokens // b)
+
+    def reduce_step(r):
+        if r["cur"] is None:
+            r["cur"], r["next"] = claim(), claim()
+        run = r["cur"]
+        if run >= num_runs:
+            return False
+        idx = [int(index_of[t]) for t in range(run * b, min(num_tokens, run * b + b)) if present[t]]
+        if not all(published[i] for i in idx):
+            return False
+        for i in idx:
+            if i + cap < n:
+                freed[i] = True
+        done_runs.add(run)
+        r["cur"], r["next"] = r["next"], claim()
+        return True
+
+    def send_step(s):
+        if s["pos"] >= len(s["runs"]):
+            return False
+        run = s["runs"][s["pos"]]
+        i = run[len(s["written"])]
+        if i >= cap and not freed[i - cap]:
+            return False
+        s["written"].append(i)
+        if len(s["written"]) == len(run):
+            published[run] = True
+            s["pos"], s["written"] = s["pos"] + 1, []
+        return True
+
+    joined = [{"cur": None, "next": None} for _ in range(send_warps)]
+    while len(done_runs) < num_runs:
+        movers = [lambda r=r: reduce_step(r) for r in reducers]
+        movers += [lambda s=s: send_step(s) for s in senders]
+        movers += [lambda j=j, s=s: s["pos"] >= len(s["runs"]) and reduce_step(j)
+                   for j, s in zip(joined, senders, strict=True)]
+        progressed = False
+        for k in rng.permutation(len(movers)):
+            if movers[k]():
+                progressed = True
+                break
+        if not progressed:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("cap", [2, 3, 8, 64])
+@pytest.mark.parametrize("send", [1, 4, 32])
+def test_claimed_combine_runs_never_deadlock(cap, send):
+    """The combine's reduction runs are claimed from a counter, one held ahead, by the receiver block and by
+    sender warps whose pushes are done: with B = publish_batch (<= ceil(cap / 2)) no schedule deadlocks."""
+    rng = np.random.default_rng([cap, send])
+    b = intranode.publish_batch(send, cap)
+    for _ in range(12):
+        assert _simulate_claimed_combine(rng, int(rng.integers(1, 120)), cap, b, int(rng.integers(1, 4)),
+                                         int(rng.integers(1, 5)), float(rng.uniform(0.3, 1.0)))
+
+
+def test_claimed_combine_model_can_deadlock():
+    """The model above is able to fail: with runs longer than the ring (B > cap) it finds the deadlock."""
+    rng = np.random.default_rng(3)
+    assert not all(_simulate_claimed_combine(rng, 64, 2, 4, 1, 1, 1.0) for _ in range(5))
+
+
 def test_publish_batch_args():
     a = _FakeArray()
     lay = L.buffer_layout(2, 12, 8, L.combine_slot(7168 * 2, 8))
