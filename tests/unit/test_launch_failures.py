@@ -1,19 +1,13 @@
 """Whole jobs under ``mpiexec -n 2`` (started from here) where one rank goes wrong: the job must end on its
 own, quickly, with the error named; nothing may hang at construction, in an op or at interpreter exit."""
 
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
+from _mpi_job import MARKS, run_job
 
 pytest.importorskip("mpi4py")
-MPIEXEC = os.environ.get("MPIEXEC", "mpiexec")
-pytestmark = [pytest.mark.skipif(shutil.which(MPIEXEC) is None, reason="needs mpiexec"),
-              pytest.mark.timeout(120, method="thread")]
+pytestmark = MARKS
 
 SCRIPT = textwrap.dedent('''
     import os, sys, time
@@ -51,13 +45,8 @@ SCRIPT = textwrap.dedent('''
 
 
 def _job(tmp_path, mode, timeout_s, *launcher):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, DEEPEP_CUPY_TIMEOUT_S=str(timeout_s), DEEPEP_CUPY_BACKEND="reference")
-    start = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *launcher, str(script), mode], env=env,
-                          capture_output=True, text=True, timeout=90)
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+    proc, took = run_job(tmp_path, SCRIPT, mode, timeout_s, *launcher, DEEPEP_CUPY_BACKEND="reference")
+    return proc.returncode, proc.stdout + proc.stderr, took
 
 
 @pytest.mark.parametrize("mode", ["construct", "skip"])

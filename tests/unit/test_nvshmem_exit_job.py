@@ -6,18 +6,16 @@ finalize. (A rank that dies outright ends the whole job under MPICH's launcher; 
 tests/gpu/test_teardown_dead_rank.py covers that case with processes no MPI launcher watches.)"""
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+from _mpi_job import MARKS, run_job
 
 pytest.importorskip("mpi4py")
-MPIEXEC = os.environ.get("MPIEXEC", "mpiexec")
-pytestmark = [pytest.mark.skipif(shutil.which(MPIEXEC) is None, reason="needs mpiexec"),
-              pytest.mark.timeout(120, method="thread")]
+pytestmark = MARKS
 
 SCRIPT = textwrap.dedent('''
     import atexit, os, sys, time
@@ -53,13 +51,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def _job(tmp_path, mode, timeout_s):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, DEEPEP_CUPY_TIMEOUT_S=str(timeout_s))
-    start = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), mode], env=env, capture_output=True,
-                          text=True, timeout=90)
-    return proc, time.monotonic() - start
+    return run_job(tmp_path, SCRIPT, mode, timeout_s)
 
 
 def test_every_rank_at_exit_finalizes(tmp_path):
