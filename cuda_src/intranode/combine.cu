@@ -14,10 +14,10 @@
 // Reduction of channel c: runs of B consecutive tokens of the channel, claimed in order from a per-channel
 // counter (run_claims[c], back to 0 when the kernel ends) by the receiver block's warps and, once their
 // pushes are done, by the sender block's warps too (with fixed shares the receiver block finished long
-// after the senders). For token t and every rank r in rank order with send_head[t][r] >= 0, the row index within
-// the channel is i_r = send_head[t][r] - channel_prefix_matrix[r][c - 1]; the row comes from ring (c, r)
-// slot i_r % cap, or from x for r == me. The warp reads send_head for the whole run and waits for all its
-// slot flags at once (lane k * R + r: token k of the run, rank r). Sum in float32: acc = (bias_0 + bias_1)
+// after the senders). For token t and every rank r in rank order with send_head[t][r] >= 0, the row
+// index within the channel is i_r = send_head[t][r] - channel_prefix_matrix[r][c - 1]; the row comes from
+// ring (c, r) slot i_r % cap, or from x for r == me. The warp reads send_head for the whole run and waits
+// for all its slot flags at once (lane k * R + r: token k of the run, rank r). Sum in float32: acc = (bias_0 + bias_1)
 // when a bias is given, else 0; then acc += row_r in rank order; round to bf16 (nearest even) once. The
 // same for the top-k weights (no bias). After the run, one fence, then the "slot free" words go back to
 // every r that will reuse a slot (i_r + cap < n_r).
