@@ -337,7 +337,7 @@ class IntranodeEngine(EngineHealth):
         self._broken: str | None = None
         self._destroyed = False
         self._metas: dict = {}
-        self._num_device_sms: int | None = None
+        self._num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
         self.buffer = None
         with cupy.cuda.Device(self.device_id):
             self.buffer = PeerMappedBuffer(group, self.device_id, self.num_nvl_bytes, use_fabric=use_fabric)
@@ -349,9 +349,8 @@ class IntranodeEngine(EngineHealth):
                 cupy.cuda.Device(self.device_id).synchronize()
                 self.errors = KernelErrorRecord()
                 # Per-channel work counters: runs of the dispatch's self copy and of the combine's reduction
-                # claimed so far (0 between kernels; at most one channel per 2 SMs).
-                sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
-                self.work_claims = cupy.zeros(max(1, sms // 2), dtype=cupy.int32)
+                # claimed so far (0 between kernels; at most one channel per 2 SMs, see _check_grid).
+                self.work_claims = cupy.zeros(max(1, self._num_device_sms // 2), dtype=cupy.int32)
                 group.barrier()
             except BaseException:
                 self.buffer.close()
@@ -384,10 +383,6 @@ class IntranodeEngine(EngineHealth):
 
     def _check_grid(self, num_channels: int) -> None:
         """Senders and receivers wait for each other, so all 2 * C blocks must be resident at once."""
-        import cupy
-
-        if self._num_device_sms is None:
-            self._num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
         if 2 * num_channels > self._num_device_sms:
             raise ValueError(f"{num_channels} channels need {2 * num_channels} SMs, but the GPU has "
                              f"{self._num_device_sms}; lower config.num_sms")
