@@ -1,6 +1,7 @@
 // Low-latency combine: each rank returns the expert outputs of the rows it received in the dispatch to
 // their source ranks, which reduce them with the top-k weights:
-//   out[t] = bf16( fma chain over k = 0..K-1 of (row(t, k), weight[t, k]) ), float32, one rounding per fma.
+//   out[t] = bf16( sum over ranks r in rank order of part_r ), float32, where part_r is the fma chain
+//   over the k = 0..K-1 whose expert is on r of (row(t, k), weight[t, k]), one rounding per fma.
 //
 // Send phase. A unit is (local expert, destination rank), described by the dispatch handle (layout_range
 // gives the rows, src_info the token each row answers); a row lands in the slot [global expert][token]
@@ -17,8 +18,11 @@
 // Receive phase: the block's warps wait for the experts' tags together (one lane per expert, each
 // polled by a single thread, backing off) and publish an "arrived" bitmap in shared memory; then every
 // warp reduces (token, 256-channel chunk) items: it loads the K rows (all in flight) and accumulates
-// in k order. On the RMA path, units of the receive phase first turn put-with-signal counters into
-// local ready flags (one unit per global expert). See layout.cuh for the buffer layout and the protocol.
+// them per rank in rank order, each rank's part in k order (the order of the reference). On the RMA
+// path, units of the receive phase first turn put-with-signal counters into local ready flags (one unit
+// per global expert). See layout.cuh for the buffer layout and the protocol.
+// kPartials (the host's choice, the same on every rank): both phases send and add per-rank partial sums
+// instead (combine_partials.cuh).
 //
 // Top-k ids outside [-1, E) contribute nothing, like -1. Before waiting, the warps check every id once
 // over the grid and report a bad one as a value error (op kValueOpLowLatencyCombine; the first report
@@ -28,6 +32,7 @@
 #include "low_latency/layout.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/logfmt.cuh"
+#include "low_latency/combine_partials.cuh"
 
 using namespace deepep;
 using namespace deepep::ll;
@@ -167,7 +172,7 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
     }
 }
 
-template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt>
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt, bool kPartials>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     combine(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
             const int* __restrict__ src_info,         // [E_local, R*T]
@@ -201,6 +206,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     static_assert(kTopk >= 1 && kTopk <= 32, "the combine waits for one expert per lane: top-k <= 32");
     static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
     static_assert(kRowBytes <= kSlotBytes, "row must fit a slot");
+    static_assert(!(kPartials && kLogfmt), "partial sums travel as float32");
 
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_sent[kGroups];
@@ -209,6 +215,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ int s_warp_sum[kBlockWarps];
     __shared__ int s_last;
     __shared__ uint32_t s_seq[2];
+    extern __shared__ int s_table[];  // kPartials: the send's row table (combine_partials.cuh), R * T * (K + 1) ints
 
     const GroupCoords<kWarps, kGroups> at;
     const int warp_in_block = at.warp_in_block, lane = at.lane, group = at.group, warp = at.warp;
@@ -227,7 +234,16 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool self_masked = s_mask[rank] != 0;
 
     // ------------------------------------------------------------------ send
-    if (phases & kPhaseSend) {
+    if (kPartials && (phases & kPhaseSend)) {
+        const uint32_t tag = seq_tag(s_seq[0]);
+        publish_routes<kTopk, kThreads>(topk_idx, topk_weights, num_tokens, max_tokens, num_experts, num_ranks, rank,
+                                        kHidden, self_masked, s_mask, sym_recv, tag);
+        unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
+                              s_prefix, s_warp_sum);
+        send_partials<kHidden, kTopk, kThreads>(x, src_info, layout_range, max_tokens, num_experts, num_ranks, rank,
+                                                self_masked, s_mask, mask, s_prefix, s_table, &s_last, sym_tags,
+                                                sym_recv, seq_state + 4, tag, shrink != 0, deadline, err);
+    } else if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
         // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
         // on the block's mask snapshot, since all blocks have to take the same path for the completion
@@ -308,7 +324,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
         // Stage A (thread 0 of each group, one global expert at a time): RMA owners -> local ready flag;
         // wait-time statistics for every owner when requested.
-        if (gthread == 0 && !self_masked) {
+        if (!kPartials && gthread == 0 && !self_masked) {
             for (int e = gid; e < num_experts; e += total_groups) {
                 const int owner = e / num_local_experts;
                 if (s_mask[owner] != 0) continue;
@@ -343,6 +359,13 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                  i < static_cast<long long>(num_tokens) * kTopk; i += stride)
                 bad.check_expert_id(__ldg(topk_idx + i), num_experts);
             bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
+        }
+        if constexpr (kPartials) {
+            recv_partials<kHidden, kTopk, kThreads>(topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank,
+                                                    self_masked, s_mask, mask, s_arrived, sym_tags, sym_recv, out,
+                                                    wait_recv_cost_stats, tag_ahead, tag, t_start, shrink != 0,
+                                                    deadline, err);
+            return;
         }
 
         // Stage B: the block learns which experts have arrived, one lane per expert spread over all its
@@ -393,39 +416,69 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     if (((s_arrived[expert / 32] >> (expert % 32)) & 1u) == 0) expert = -1;
                 }
             }
-            __syncwarp();
+            const float weight = expert >= 0 ? __ldg(topk_weights + static_cast<size_t>(t) * kTopk + lane) : 0.0f;
+            // The sum is grouped by rank, in rank order, each rank's part an fma chain in top-k order (the
+            // order of the partial-sum path and of the reference): entry j of the loop below is the lane
+            // at place j in (rank, k) order among the valid ones.
+            const int owner = expert >= 0 ? expert / num_local_experts : -1;
+            const uint32_t valid = __ballot_sync(kFullMask, expert >= 0);
+            int place = 0;
+            for (uint32_t m = valid; m != 0; m &= m - 1) {
+                const int b = __ffs(m) - 1;
+                const int o = __shfl_sync(kFullMask, owner, b);
+                if (o < owner || (o == owner && b < lane)) ++place;
+            }
 
-            float acc[8];
+            float acc[8], part[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+            for (int i = 0; i < 8; ++i) acc[i] = part[i] = 0.0f;
+            int part_owner = -1;
 #pragma unroll
             for (int k0 = 0; k0 < kTopk; k0 += kBatch) {
                 int4 raw[kBatch];
                 LogfmtPiece piece[kLogfmt ? kBatch : 1];
-                float w[kBatch];
-                int ex[kBatch];
+                // The lane of entry k0 + j, -1 past the valid ones (warp-uniform); found again after the
+                // loads rather than kept, which would cost registers the rows in flight need.
+                const auto lane_of = [&](int j) {
+                    const uint32_t at = __ballot_sync(kFullMask, expert >= 0 && place == k0 + j);
+                    return at != 0 ? __ffs(at) - 1 : -1;
+                };
 #pragma unroll
                 for (int j = 0; j < kBatch; ++j) {
-                    ex[j] = (k0 + j < kTopk) ? __shfl_sync(kFullMask, expert, k0 + j) : -1;
-                    w[j] = 0.0f;
-                    if (ex[j] >= 0) {
-                        w[j] = __ldg(topk_weights + static_cast<size_t>(t) * kTopk + k0 + j);
-                        if (active) {
-                            const uint8_t* row = sym_recv + (static_cast<size_t>(ex[j]) * max_tokens + t) * kSlotBytes;
-                            if constexpr (kLogfmt) piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
-                            else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
-                        }
+                    const int src = lane_of(j);
+                    const int e = __shfl_sync(kFullMask, expert, max(src, 0));
+                    if (src >= 0 && active) {
+                        const uint8_t* row = sym_recv + (static_cast<size_t>(e) * max_tokens + t) * kSlotBytes;
+                        if constexpr (kLogfmt) piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
+                        else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
                     }
                 }
 #pragma unroll
                 for (int j = 0; j < kBatch; ++j) {
-                    if (ex[j] < 0 || !active) continue;
+                    // Shuffles before the (lane-dependent) skip: every lane takes part.
+                    const int src = lane_of(j);
+                    const float w = __shfl_sync(kFullMask, weight, max(src, 0));
+                    const int o = __shfl_sync(kFullMask, owner, max(src, 0));
+                    if (src < 0 || !active) continue;
                     float v[8];
                     if constexpr (kLogfmt) logfmt_decode8(piece[j], v);
                     else unpack_bf16x8(raw[j], v);
+                    if (o != part_owner) {
+                        if (part_owner >= 0) {
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] = __fmaf_rn(v[i], w[j], acc[i]);
+                            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
+                        }
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) part[i] = 0.0f;
+                        part_owner = o;
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
                 }
+            }
+            if (part_owner >= 0) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
             }
             if (active) st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
         }

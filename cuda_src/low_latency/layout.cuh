@@ -53,6 +53,7 @@ constexpr int kPhaseRecv = 2;
 // Op codes reported in the error record (mirrored in deepep_cupy/ops/low_latency.py).
 constexpr int kOpDispatchRecv = 201;
 constexpr int kOpCombineRecv = 202;
+constexpr int kOpCombineSend = 203;  // the partial-sum combine waits for its sources' routes
 
 constexpr unsigned kFullMask = 0xffffffffu;
 

@@ -79,9 +79,10 @@ def ll_stage(hidden: int, use_fp8: bool) -> str:
     return f"deepep_cupy::low_latency::stage<{_ints(hidden)}, {_flag(use_fp8)}>"
 
 
-def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool) -> str:
-    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt>`` (``cuda_src/low_latency/combine.cu``)."""
-    return f"deepep_cupy::low_latency::combine<{_ints(hidden, topk, warps, groups)}, {_flag(use_logfmt)}>"
+def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False) -> str:
+    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt, partials>`` (``cuda_src/low_latency/combine.cu``)."""
+    return (f"deepep_cupy::low_latency::combine<{_ints(hidden, topk, warps, groups)}, {_flag(use_logfmt)}, "
+            f"{_flag(partials)}>")
 
 
 # ---------------------------------------------------------------------------------------- intranode

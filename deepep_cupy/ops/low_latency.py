@@ -22,7 +22,8 @@ Environment:
         and copy the staged rows, instead of casting on the fly for every destination expert (rows sent
         per (token, expert) only). Always on when some peer is reached through puts.
     DEEPEP_CUPY_LL_PER_EXPERT=1: send one dispatch row per (token, expert) even where one message per
-        (token, rank) applies (every rank reached by stores; see low_latency_layout).
+        (token, rank) applies (every rank reached by stores; see low_latency_layout), and one combine row
+        per (token, expert) even where per-rank partial sums apply (:meth:`LowLatencyEngine.rank_partials`).
     ``LowLatencyEngine.staged`` and ``.per_expert`` hold the last two; a plan reads them when it is
     made, so a change applies to shapes not used before (or after the Buffer's plans are dropped).
 """
@@ -56,7 +57,8 @@ __all__ = [
 ]
 
 #: Op codes of cuda_src/low_latency/layout.cuh, for error messages.
-OP_NAMES = {201: "low_latency_dispatch (receive)", 202: "low_latency_combine (receive)"}
+OP_NAMES = {201: "low_latency_dispatch (receive)", 202: "low_latency_combine (receive)",
+            203: "low_latency_combine (send)"}
 
 PHASE_SEND = 1
 PHASE_RECV = 2
@@ -98,9 +100,10 @@ def dispatch_spec(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool
 
 
 @functools.cache
-def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool) -> BuildSpec:
+def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False) -> BuildSpec:
+    """Combine kernel for one shape; ``partials``: the per-rank partial-sum path (BF16 only)."""
     return BuildSpec.make("low_latency/combine.cu",
-                          name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt)],
+                          name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt, partials)],
                           nvshmem=True)
 
 
@@ -114,6 +117,7 @@ def representative_builds() -> list[BuildSpec]:
         dispatch_spec(7168, 8, w, g, True),
         dispatch_spec(7168, 8, w, g, False),
         combine_spec(7168, 8, w, g, False),
+        combine_spec(7168, 8, w, g, False, True),
         combine_spec(7168, 8, w, g, True),
         dispatch_spec(128, 1, w1, g1, True),
         dispatch_spec(2056, 32, w4, g4, False),
@@ -265,15 +269,25 @@ class LowLatencyEngine:
         return (all(self.p2p_peers) and not self.force_rma and not self.per_expert
                 and layout.rank_messages_fit(topk, use_fp8))
 
+    def rank_partials(self, layout: LowLatencyLayout, topk: int, use_logfmt: bool) -> bool:
+        """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): BF16, every
+        rank reached by stores, not forced to puts or per-expert rows, the layout's regions and the
+        send's shared table fit, and a token is expected to pick enough experts of a rank it reaches
+        (``LowLatencyLayout.partials_pay``) that one float32 row beats its BF16 rows. The same decision
+        on every rank."""
+        return (not use_logfmt and all(self.p2p_peers) and not self.force_rma and not self.per_expert
+                and layout.partials_fit(topk) and layout.partials_pay(topk))
+
     def next_buffer(self) -> int:
         b = self._idx
         self._idx ^= 1
         return b
 
-    def kernels(self, op: str, hidden: int, topk: int, num_experts: int, flag: bool):
+    def kernels(self, op: str, hidden: int, topk: int, num_experts: int, flag: bool, partials: bool = False):
         """``(warps, groups, blocks, kernel, stage kernel or None)`` of ``op`` for these sizes, looked up
-        once per shape (``flag``: FP8 for the dispatch, LogFMT for the combine)."""
-        key = (op, hidden, topk, num_experts, flag, self.num_sms)
+        once per shape (``flag``: FP8 for the dispatch, LogFMT for the combine; ``partials``: the
+        combine's per-rank partial-sum path)."""
+        key = (op, hidden, topk, num_experts, flag, partials, self.num_sms)
         found = self._kernel_cache.get(key)
         if found is None:
             warps, groups, blocks = warp_split(num_experts, self.num_sms)
@@ -282,8 +296,8 @@ class LowLatencyEngine:
                 kernel = module.get_function(dispatch_kernel_name(hidden, topk, warps, groups, flag))
                 stage = module.get_function(stage_kernel_name(hidden, flag))
             else:
-                kernel = load(combine_spec(hidden, topk, warps, groups, flag)).get_function(
-                    combine_kernel_name(hidden, topk, warps, groups, flag))
+                kernel = load(combine_spec(hidden, topk, warps, groups, flag, partials)).get_function(
+                    combine_kernel_name(hidden, topk, warps, groups, flag, partials))
                 stage = None
             found = self._kernel_cache[key] = (warps, groups, blocks, kernel, stage)
         return found

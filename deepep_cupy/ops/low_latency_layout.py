@@ -13,6 +13,11 @@ are the same on every rank (which is what makes the addresses symmetric)::
               combine: the rows to return (the zero-copy buffer); RMA path: staging for the puts.
               dispatch (RMA path only): [T] staged messages of 2H bytes.
 
+Where every rank is reached by stores and :meth:`LowLatencyLayout.partials_fit` / ``partials_pay``
+hold, a BF16 combine sends per-rank float32 partial sums (``cuda_src/low_latency/combine_partials.cuh``):
+the rows ``[R][T][H]`` float32 at the start of ``recv``, then 8-byte routes ``[R][T][K]``; the completion
+words are ``tags[source rank]``.
+
 Where every rank is reached by stores, the dispatch sends one message per (token, destination rank)
 instead of one row per (token, expert) when :meth:`LowLatencyLayout.rank_messages_fit` (see
 ``cuda_src/low_latency/dispatch_ranks.cuh``): message ``j`` from source ``s`` sits at ``recv + (s*T + j)
@@ -61,6 +66,10 @@ MAX_TOPK = 32
 #: Shared-memory table of the dispatch's grid-wide paths, in 4-byte words (kMaxHitWords in
 #: dispatch_direct.cuh).
 MAX_HIT_WORDS = 6144
+
+#: Dynamic shared memory the partial-sum combine's send table may take (the kernel's static arrays use
+#: ~38 KiB of the 227 KiB an H100/H200 block may have).
+MAX_PARTIAL_TABLE_BYTES = 160 * 1024
 
 #: The regions of one buffer half, in address order.
 REGIONS = ("tags", "arrivals", "src_idx", "recv", "send")
@@ -224,6 +233,34 @@ class LowLatencyLayout:
                 and 2 * r + 1 + e + e // r <= MAX_HIT_WORDS
                 and r * t * rank_message_bytes(h, topk, use_fp8) <= self.recv_bytes
                 and 4 * r <= self.arrivals_bytes and 4 * e <= self.tags_bytes)
+
+    def partial_table_bytes(self, topk: int) -> int:
+        """Dynamic shared memory of the partial-sum combine's send: a count and ``topk`` rows per
+        (source, token)."""
+        return 4 * self.num_ranks * self.num_max_dispatch_tokens_per_rank * (int(topk) + 1)
+
+    def partials_fit(self, topk: int) -> bool:
+        """Whether the per-rank partial-sum combine applies to these sizes (combine_partials.cuh): top-k
+        <= 32, the float32 rows ``[R][T][H]`` and the routes ``[R][T][K]`` (8 bytes each) fit the receive
+        region, a row of the send's table packs (local expert << 16) | row, a row of ``x`` has a 32-bit
+        index, and the table fits shared memory next to the kernel's own arrays."""
+        t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
+        return (0 < topk <= MAX_TOPK and r * t <= 1 << 16 and e // r < 1 << 16 and e * t < 1 << 31
+                and r * t * (4 * h + 8 * topk) <= self.recv_bytes and r <= self.tags_bytes // 4
+                and self.partial_table_bytes(topk) <= MAX_PARTIAL_TABLE_BYTES)
+
+    def partials_pay(self, topk: int) -> bool:
+        """Whether one float32 row per (token, rank) is expected to carry at most two thirds of the bytes
+        of one BF16 row per (token, expert): with top-``k`` ids drawn uniformly without repeats, a token
+        reaches ``R * (1 - C(E - E_local, k) / C(E, k))`` ranks, and the partial path pays when it picks
+        at least 3 experts per rank reached (top-8 of 288: 4 on 2 ranks, 2.2 on 4, 1.5 on 8)."""
+        r, e = self.num_ranks, self.num_experts
+        k = min(int(topk), e)
+        miss = 1.0
+        for i in range(k):  # C(E - E_local, k) / C(E, k), one factor per pick
+            miss *= max(0.0, (e - e // r - i) / (e - i))
+        reached = r * (1.0 - miss)
+        return reached > 0 and k / reached >= 3.0
 
     def fits(self, num_bytes: int) -> bool:
         return self.total_bytes <= int(num_bytes)

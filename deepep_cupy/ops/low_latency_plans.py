@@ -194,10 +194,15 @@ class CombinePlan(_Plan):
         self.num_tokens, self.hidden = num_tokens, hidden
         self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
-        warps, groups, blocks, kernel, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt))
+        # Per-rank float32 partial sums where they pay and fit (combine_partials.cuh); the same decision on
+        # every rank, since an owner reads the format its sources write.
+        self.partials = engine.rank_partials(layout, topk, bool(use_logfmt))
+        warps, groups, blocks, kernel, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt),
+                                                          self.partials)
         # Every phase loops over the grid's groups or warps, so the grid may cover all SMs (one block each,
         # all resident): the LogFMT encode is compute-bound and the reduction gains warps.
         blocks = max(blocks, engine.num_sms)
+        shared = layout.partial_table_bytes(topk) if self.partials else 0
         self.plans = []
         for b in (0, 1):
             r, state, common = self._common_args(b)
@@ -212,7 +217,7 @@ class CombinePlan(_Plan):
                     ("zero_copy", "i32", int(zero_copy)), ("force_rma", "i32", int(engine.force_rma)),
                     ("shrink", "i32", int(engine.enable_shrink)), ("timeout_ns", "i64", timeout_ns()),
                     ("err", "ptr", engine.errors.ptr)]
-            self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args))
+            self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args, shared_mem=shared))
         names = ("x", "src_info", "layout_range", "topk_idx", "topk_weights", "out", "wait_recv_cost_stats",
                  "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]

@@ -172,9 +172,14 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
     outputs. Each owner returns, for every source ``s`` and local expert ``i``, the rows
     ``layout_range[i, s]`` of ``x[i]`` (with ``use_logfmt`` each 128-channel block travels as LogFMT-10
     and the receiver decodes it and rounds to bf16: ``quant.logfmt_roundtrip_bf16``).
-    On the source: ``acc = 0``; for ``k = 0 .. K-1`` with a valid expert ``e`` whose row came back:
-    ``acc = fma(float32(row), topk_weights[t, k], acc)`` (one rounding, ``quant.fma_f32``);
-    ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
+    On the source, per token ``t``: ``acc = 0``; for each rank ``o`` in rank order that holds a valid expert
+    of ``t`` whose row came back, ``part = 0``, then for ``k = 0 .. K-1`` with such an expert ``e`` on
+    ``o``: ``part = fma(float32(row), topk_weights[t, k], part)`` (one rounding, ``quant.fma_f32``); then
+    ``acc = acc + part`` (float32). ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
+
+    The sum is grouped by rank so that a rank may reduce its own experts' rows of a token before sending
+    them (one float32 row per token and rank instead of one bf16 row per expert); every path sums in this
+    order, so all are bit-identical.
     """
     me, nranks = group.rank, group.size
     error = fields = None
@@ -238,15 +243,19 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
         offset += rows.shape[0]
     all_rows = np.concatenate(all_rows, axis=0) if all_rows else np.zeros((0, hidden), np.float32)
 
-    acc = np.zeros((n, hidden), dtype=np.float32)
     tokens = np.arange(n)
-    for k in range(k_top):
-        e = topk_idx[:, k]
-        valid = (e >= 0) & (e < e_local * nranks)  # an id out of range selects nothing (as in the kernels)
-        where = np.full(n, -1, dtype=np.int64)
-        ev = e[valid]
-        where[valid] = lookup[ev // e_local, ev % e_local, tokens[valid]]
-        ok = where >= 0
-        if ok.any():
-            acc[ok] = quant.fma_f32(all_rows[where[ok]], weights[ok, k][:, None], acc[ok])
+    valid = (topk_idx >= 0) & (topk_idx < e_local * nranks)  # an id out of range selects nothing (as in the kernels)
+    ids = np.where(valid, topk_idx, 0)
+    where = np.where(valid, lookup[ids // e_local, ids % e_local, tokens[:, None]], -1)
+    owner = ids // e_local
+    acc = np.zeros((n, hidden), dtype=np.float32)
+    for o in range(nranks):
+        part = np.zeros((n, hidden), dtype=np.float32)
+        held = np.zeros(n, dtype=bool)
+        for k in range(k_top):
+            ok = (where[:, k] >= 0) & (owner[:, k] == o)
+            if ok.any():
+                part[ok] = quant.fma_f32(all_rows[where[ok, k]], weights[ok, k][:, None], part[ok])
+                held |= ok
+        acc[held] = acc[held] + part[held]
     return acc.astype(quant.BF16)

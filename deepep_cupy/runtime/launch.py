@@ -71,6 +71,8 @@ class LaunchPlan:
             *[ctypes.addressof(self._slots[name]) for name in self.names])
         self._address = ctypes.addressof(self._array)
         self._fn = _function_address(kernel)
+        if self.shared_mem > _DEFAULT_SHARED_LIMIT:
+            _allow_shared(self._fn, self.shared_mem, kernel)
 
     def slot(self, name: str):
         """The ctypes scalar behind argument ``name`` (set ``.value`` to patch it)."""
@@ -134,6 +136,21 @@ def _raise_launch_error(err, kernel) -> None:
     except Exception:  # the message must not depend on the driver answering
         detail = "see the CUDA driver's error codes"
     raise RuntimeError(f"launching {name} failed: {detail} (CUresult {int(err)})")
+
+
+#: Dynamic shared memory a kernel may take without opting in (cuFuncSetAttribute above it).
+_DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def _allow_shared(fn: int, nbytes: int, kernel) -> None:
+    """Let the function at ``fn`` take ``nbytes`` of dynamic shared memory (once per plan; the driver
+    keeps the attribute on the function)."""
+    driver = _driver()
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (err,) = driver.cuFuncSetAttribute(driver.CUfunction(fn), attr, int(nbytes))
+    if int(err) != 0:
+        raise RuntimeError(f"{getattr(kernel, 'name', kernel)}: cannot take {nbytes} bytes of dynamic shared "
+                           f"memory (CUresult {int(err)})")
 
 
 def _function_address(kernel) -> int:

@@ -99,11 +99,12 @@ def test_logfmt(env, hidden):
 
 def _with_engine_paths(env, run, **paths):
     """Run ``run()`` with engine path attributes set (staged, per_expert), on plans made for them; the
-    Buffer's dispatch plans are dropped before and after, since a plan keeps the paths it was made with."""
+    Buffer's plans are dropped before and after, since a plan keeps the paths it was made with."""
     buf = env["buf"]
     engine = buf.runtime.low_latency
     saved = {name: getattr(engine, name) for name in paths}
     buf._ll_dispatch_plans.clear()
+    buf._ll_combine_plans.clear()
     try:
         for name, value in paths.items():
             setattr(engine, name, value)
@@ -112,6 +113,7 @@ def _with_engine_paths(env, run, **paths):
         for name, value in saved.items():
             setattr(engine, name, value)
         buf._ll_dispatch_plans.clear()
+        buf._ll_combine_plans.clear()
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -125,7 +127,8 @@ def test_precast_staging(env, fp8):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_per_expert_rows(env, fp8):
-    """One row per (token, expert) cast on the fly (the format used where per-rank messages do not fit)."""
+    """One row per (token, expert) cast on the fly (the format used where per-rank messages do not fit),
+    and a BF16 combine row per (token, expert) (where per-rank partial sums do not pay): the same bits."""
     failures, _, _ = _with_engine_paths(env, lambda: run_round(
         env, FRAMEWORKS[0], seed=18, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG, fp8=fp8, stats=True),
         staged=False, per_expert=True)
@@ -137,6 +140,16 @@ def test_rank_messages_are_used(env):
     engine = env["buf"].runtime.low_latency
     layout = engine.make_layout(T_BIG, H_BIG, E_BIG)
     assert engine.rank_messages(layout, K_BIG, True) == (all(engine.p2p_peers) and not engine.force_rma)
+
+
+def test_rank_partials_are_used(env):
+    """The benchmark shape's BF16 combine sends per-rank partial sums on NVLink at 2 ranks (the other
+    tests check its results; test_per_expert_rows checks the rows it replaces); LogFMT never does."""
+    engine = env["buf"].runtime.low_latency
+    layout = engine.make_layout(T_BIG, H_BIG, E_BIG)
+    nvlink = all(engine.p2p_peers) and not engine.force_rma
+    assert engine.rank_partials(layout, K_BIG, False) == (nvlink and env["size"] == 2)
+    assert not engine.rank_partials(layout, K_BIG, True)
 
 
 def test_stats(env):

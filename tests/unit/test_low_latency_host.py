@@ -121,6 +121,24 @@ def test_rank_messages_fit_where_their_tables_and_messages_do():
     assert LowLatencyLayout(512, 7168, 2, 288).rank_messages_fit(8, True)
 
 
+def test_partials_where_they_fit_and_pay():
+    # The benchmark shape: 4 experts of 8 per rank reached on 2 ranks (float32 partial rows pay); on 4 and
+    # 8 ranks a token picks ~2.2 and ~1.5 experts per rank reached, so BF16 rows per expert stay.
+    layout = LowLatencyLayout(128, 7168, 2, 288)
+    assert layout.partials_fit(8) and layout.partials_pay(8)
+    assert 2 * 128 * (4 * 7168 + 8 * 8) <= layout.recv_bytes
+    assert layout.partial_table_bytes(8) == 4 * 2 * 128 * 9
+    for r in (4, 8):
+        assert LowLatencyLayout(128, 7168, r, 288).partials_fit(8)
+        assert not LowLatencyLayout(128, 7168, r, 288).partials_pay(8)
+    # Top-1 never pays; one expert per rank leaves no room for float32 rows; top-k past 32 and tables past
+    # shared memory do not fit.
+    assert not layout.partials_pay(1)
+    assert not LowLatencyLayout(128, 7168, 2, 2).partials_fit(8)
+    assert not layout.partials_fit(33)
+    assert not LowLatencyLayout(8192, 7168, 2, 288).partials_fit(8)
+
+
 @pytest.mark.parametrize("bad", [(0, 128, 2, 8), (8, 128, 2, 7), (8, 100, 2, 8), (8, 128, 0, 8)])
 def test_layout_rejects_bad_sizes(bad):
     with pytest.raises(ValueError):

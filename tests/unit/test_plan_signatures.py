@@ -32,7 +32,7 @@ def _engine(staged: bool):
         state_ptrs=({"seq": 1, "base": 2, "ready": 3, "mask": 4},) * 2,
         region_addresses=lambda _: ({n: 100 + i for i, n in enumerate(REGIONS)},) * 2,
         kernels=lambda *a: (4, 2, 8, _Kernel, _Kernel), use_layout=lambda _: None,
-        rank_messages=lambda *a: not staged), layout
+        rank_messages=lambda *a: not staged, rank_partials=lambda *a: not staged), layout
 
 
 def _names(path: Path, kernel: str) -> list[str]:
@@ -63,11 +63,17 @@ def test_low_latency_dispatch_block_matches_the_kernel(staged):
         assert plan.stages[0].names == _names(SRC / "low_latency" / "dispatch.cu", "stage")
 
 
-def test_low_latency_combine_block_matches_the_kernel():
-    engine, layout = _engine(False)
+@pytest.mark.parametrize("partials", [False, True])
+def test_low_latency_combine_block_matches_the_kernel(partials):
+    engine, layout = _engine(not partials)
+    asked = []
+    engine.kernels = lambda *a: asked.append(a) or (4, 2, 8, _Kernel, None)
     plan = lp.CombinePlan(engine, None, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
                           return_recv_hook=True, wait_stats_row=1, async_finish=False, comm_stream=0)
     assert plan.plans[1].names == _names(SRC / "low_latency" / "combine.cu", "combine")
+    # The partial-sum path is its own kernel, with its row table in dynamic shared memory.
+    assert asked == [("combine", 2048, 4, 16, False, partials)]
+    assert plan.plans[1].shared_mem == (layout.partial_table_bytes(4) if partials else 0)
     assert plan.plans[1].value("x") == 100 + REGIONS.index("send")  # zero-copy sends from the send area
     assert plan.wait_offset == 8 * 2 * 1  # this rank's row of an [R, R] stats tensor
 

@@ -553,12 +553,17 @@ def test_ll_hooks_zero_copy_out_logfmt(num_ranks):
         assert not buf.astype(np.float32).any()
         # logfmt: exact against an independent per-row LogFMT round trip, and close to the plain result
         got, _ = ll_combine(b, y, topk, w, ref_handle, use_logfmt=True)
+        # (summed per rank in rank order, each rank's part an fma chain in top-k order)
         acc = np.zeros(x.shape, np.float32)
         for t in range(x.shape[0]):
-            for j, e in enumerate(topk[t]):
-                if e >= 0:
-                    row = quant.logfmt_roundtrip_bf16(expert_fn(x[t:t + 1], e)).astype(np.float32)[0]
-                    acc[t] = quant.fma_f32(row, w[t, j], acc[t])
+            for o in range(num_ranks):
+                part, held = np.zeros(x.shape[1], np.float32), False
+                for j, e in enumerate(topk[t]):
+                    if e >= 0 and e // e_local == o:
+                        row = quant.logfmt_roundtrip_bf16(expert_fn(x[t:t + 1], e)).astype(np.float32)[0]
+                        part, held = quant.fma_f32(row, w[t, j], part), True
+                if held:
+                    acc[t] = acc[t] + part
         np.testing.assert_array_equal(got.view(np.uint16), acc.astype(BF16).view(np.uint16))
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=0.03, atol=0.03)
         return True

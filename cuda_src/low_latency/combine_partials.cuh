@@ -1,0 +1,316 @@
+// Low-latency combine with per-rank partial sums: where every rank is reached by stores and a token
+// picks several experts of one rank (top-8 of 288 on 2 ranks: ~4), the expert side reduces the rows of
+// a token that its own experts produced, in float32, and sends one float32 row per (token, rank)
+// instead of one BF16 row per (token, expert): ~2x fewer bytes over the link, and the owner adds R
+// rows instead of K. The owner's sum is the same on every path (see the reference): per rank in rank
+// order, acc = acc + part, each part an fma chain over that rank's top-k entries in top-k order.
+//
+// The weights live on the owner, so the send phase first publishes them: every rank writes, into the
+// receive region of every live destination d, one 8-byte route per (token, top-k entry) of its own
+// tokens: low word (sequence tag << 16) | (local expert on d + 1, or 0 when the entry has no expert on
+// d), high word the float32 weight. One 8-byte store is single-copy atomic, so a route that carries the
+// launch's tag is complete and needs no fence or flag. Routes are written for all T token slots (none
+// past the owner's token count), so a reader never waits for a token the owner does not have.
+//
+// Expert side: every block builds, in dynamic shared memory, the rows the dispatch handle gives each
+// (source, token): s_count[s * T + t] and up to K entries (local expert << 16) | row. The grid's warps
+// then take contiguous ranges of (source, token, 256-channel segment) items; for a new token, lane k
+// waits for route k, finds the row of its expert, and the warp loads every row of the token (all in
+// flight) and writes the fma chain in top-k order as float32 to the owner, at row (rank * T + t) of
+// the owner's receive region. A token is written iff some route names an expert here, which is exactly
+// when the owner's own top-k names this rank, so both sides agree without a count.
+// Completion: the grid's completion count, then warp 0 of the last block writes one word per live
+// destination, tags[rank] = (tag << 16), after an acquire-release fence.
+//
+// Owner side: one thread per source rank waits for its word; a warp per (token, 256-channel chunk)
+// then adds, in rank order, the rows of the ranks its top-k entries name (arrived and not masked).
+//
+// Layout inside the receive region of a half: float32 rows [R][T][H], then the routes [R][T][K]
+// (LowLatencyLayout.partials_fit checks that both fit).
+#pragma once
+
+#include "low_latency/layout.cuh"
+#include "low_latency/rows.cuh"
+
+namespace deepep_cupy::low_latency {
+
+using namespace deepep;
+using namespace deepep::ll;
+
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ size_t partial_row_bytes(int hidden) { return static_cast<size_t>(hidden) * 4; }
+
+__device__ __forceinline__ uint64_t* partial_routes(uint8_t* recv, int num_ranks, int max_tokens, int hidden) {
+    return reinterpret_cast<uint64_t*>(recv + static_cast<size_t>(num_ranks) * max_tokens * partial_row_bytes(hidden));
+}
+
+// Every live destination gets the routes of all T token slots of this rank (grid-wide, one store each).
+template <int kTopk, int kThreads>
+__device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
+                                               int num_tokens, int max_tokens, int num_experts, int num_ranks,
+                                               int rank, int hidden, bool self_masked, const int* s_mask,
+                                               uint8_t* sym_recv, uint32_t tag) {
+    if (self_masked) return;
+    const int num_local = num_experts / num_ranks;
+    const long long per_rank = static_cast<long long>(max_tokens) * kTopk;
+    const long long total = per_rank * num_ranks;
+    for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * kThreads) {
+        const int d = static_cast<int>(i / per_rank);
+        if (s_mask[d] != 0) continue;
+        const long long tk = i % per_rank;  // t * K + k
+        const int64_t id = tk < static_cast<long long>(num_tokens) * kTopk ? __ldg(topk_idx + tk) : -1;
+        const bool here = id >= 0 && id < num_experts && static_cast<int>(id / num_local) == d;
+        const uint32_t low = (tag << 16) | (here ? static_cast<uint32_t>(id % num_local) + 1u : 0u);
+        const float w = here ? __ldg(topk_weights + tk) : 0.0f;
+        uint8_t* peer = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, d));
+        uint64_t* slot = partial_routes(peer, num_ranks, max_tokens, hidden) + static_cast<size_t>(rank) * per_rank + tk;
+        st_relaxed_sys_u64(slot, (static_cast<uint64_t>(__float_as_uint(w)) << 32) | low);
+    }
+}
+
+// The handle's rows of every (source, token): s_count[R * T] and s_rows[R * T][K]. s_prefix holds the
+// unit prefix sums (unit_prefix); every thread calls it; ends synced.
+template <int kTopk, int kThreads>
+__device__ __forceinline__ void build_row_table(const int* __restrict__ src_info, const int64_t* __restrict__ layout_range,
+                                                int max_tokens, int num_experts, int num_ranks, const int* s_prefix,
+                                                int* s_count, uint32_t* s_rows) {
+    const int slots = num_ranks * max_tokens;
+    for (int i = static_cast<int>(threadIdx.x); i < slots; i += kThreads) s_count[i] = 0;
+    __syncthreads();
+    const int total = s_prefix[num_experts];
+    for (int g = static_cast<int>(threadIdx.x); g < total; g += kThreads) {
+        int lo = 0, hi = num_experts;  // the last unit u with s_prefix[u] <= g
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (s_prefix[mid] <= g) lo = mid;
+            else hi = mid - 1;
+        }
+        const int le = lo / num_ranks, s = lo % num_ranks;
+        const int row = static_cast<int>(__ldg(layout_range + lo) >> 32) + (g - s_prefix[lo]);
+        const int t = __ldg(src_info + static_cast<size_t>(le) * slots + row);
+        if (t < 0 || t >= max_tokens) continue;  // corrupt handle: the row answers nobody
+        const int at = s * max_tokens + t;
+        const int pos = atomicAdd(s_count + at, 1);
+        if (pos < kTopk) s_rows[at * kTopk + pos] = (static_cast<uint32_t>(le) << 16) | static_cast<uint32_t>(row);
+    }
+    __syncthreads();
+}
+
+// Spin until a route carries `tag`; false on timeout (or a reported one, when bail_on_report).
+__device__ __forceinline__ bool wait_route(const uint64_t* word, uint32_t tag, uint64_t& value,
+                                           const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t v;
+        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
+        if ((static_cast<uint32_t>(v) >> 16) == tag) {
+            value = v;
+            return true;
+        }
+        if (!poll_pause(spin, deadline, err, bail_on_report)) return false;
+    }
+}
+
+// Send phase of the partial-sum combine (after unit_prefix; see the top). Every thread calls it.
+template <int kHidden, int kTopk, int kThreads>
+__device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_info, const int64_t* layout_range,
+                                              int max_tokens, int num_experts, int num_ranks, int rank,
+                                              bool self_masked, const int* s_mask, int* mask, const int* s_prefix,
+                                              int* s_table, int* s_last, uint32_t* sym_tags, uint8_t* sym_recv,
+                                              uint32_t* done_counter, uint32_t tag, bool shrink,
+                                              const Deadline& deadline, ErrorRecord* err) {
+    constexpr int kBlockWarps = kThreads / 32;
+    constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 in, 32 bytes of float32 out per lane
+    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    const int lane = lane_id();
+    const int slots = num_ranks * max_tokens;
+    int* s_count = s_table;
+    uint32_t* s_rows = reinterpret_cast<uint32_t*>(s_table + slots);
+    build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
+                                     s_rows);
+    const uint64_t* routes = partial_routes(sym_recv, num_ranks, max_tokens, kHidden);
+
+    const long long total_items = static_cast<long long>(slots) * kSegs;
+    const long long total_warps = static_cast<long long>(gridDim.x) * kBlockWarps;
+    const long long per_warp = (total_items + total_warps - 1) / total_warps;
+    const long long first = (static_cast<long long>(blockIdx.x) * kBlockWarps + threadIdx.x / 32) * per_warp;
+    const long long last = self_masked ? 0 : min(total_items, first + per_warp);
+
+    int cur = -1;                  // the (source, token) whose routes the lanes hold
+    int my_row = -1;               // lane k: its expert's row of x ([E_local * R * T] rows), -1 for none
+    float my_w = 0.0f;
+    float* dst = nullptr;          // the owner's float32 row, null when nothing goes there
+    for (long long item = first; item < last; ++item) {
+        const int st = static_cast<int>(item / kSegs);
+        if (st != cur) {
+            cur = st;
+            const int s = st / max_tokens;
+            my_row = -1;
+            my_w = 0.0f;
+            bool named = false;
+            if (s_mask[s] == 0 && lane < kTopk) {
+                uint64_t route = 0;
+                if (wait_route(routes + static_cast<size_t>(st) * kTopk + lane, tag, route, deadline, err, !shrink)) {
+                    const uint32_t le1 = static_cast<uint32_t>(route) & 0xffffu;
+                    if (le1 != 0) {
+                        named = true;
+                        my_w = __uint_as_float(static_cast<uint32_t>(route >> 32));
+                        const int n = min(s_count[st], kTopk);
+                        for (int i = 0; i < n; ++i) {
+                            const uint32_t r = s_rows[st * kTopk + i];
+                            if ((r >> 16) == le1 - 1u) {
+                                my_row = static_cast<int>(le1 - 1u) * slots + static_cast<int>(r & 0xffffu);
+                                break;
+                            }
+                        }
+                    }
+                } else {
+                    peer_timed_out(mask, s, shrink, err, kOpCombineSend, rank, __LINE__, deadline);
+                }
+            }
+            dst = nullptr;
+            if (__ballot_sync(kFullMask, named) != 0)
+                dst = reinterpret_cast<float*>(static_cast<uint8_t*>(nvshmem_ptr(sym_recv, s)) +
+                                               (static_cast<size_t>(rank) * max_tokens + st % max_tokens) *
+                                                   partial_row_bytes(kHidden));
+        }
+        if (dst == nullptr) continue;  // uniform over the warp
+        const int col = static_cast<int>(item % kSegs) * kSeg + lane * 8;
+        const bool active = col < kHidden;
+        int4 raw[kTopk];
+        uint32_t have = 0;  // bit j: entry j's row is loaded
+#pragma unroll
+        for (int j = 0; j < kTopk; ++j) {
+            const int row = __shfl_sync(kFullMask, my_row, j);
+            if (row >= 0 && active) {
+                raw[j] = ldg_v4(x + static_cast<size_t>(row) * kHidden + col);
+                have |= 1u << j;
+            }
+        }
+        float part[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part[i] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kTopk; ++j) {
+            const float w = __shfl_sync(kFullMask, my_w, j);
+            if (((have >> j) & 1u) == 0) continue;
+            float v[8];
+            unpack_bf16x8(raw[j], v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
+        }
+        if (active) {
+            st_na_v4(reinterpret_cast<int4*>(dst + col),
+                     make_int4(__float_as_int(part[0]), __float_as_int(part[1]), __float_as_int(part[2]),
+                               __float_as_int(part[3])));
+            st_na_v4(reinterpret_cast<int4*>(dst + col + 4),
+                     make_int4(__float_as_int(part[4]), __float_as_int(part[5]), __float_as_int(part[6]),
+                               __float_as_int(part[7])));
+        }
+    }
+
+    grid_completion(done_counter, s_last);
+    if (*s_last && threadIdx.x < 32 && !self_masked) {
+        fence_acq_rel_sys();
+        for (int d = static_cast<int>(threadIdx.x); d < num_ranks; d += 32)
+            if (s_mask[d] == 0)
+                st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + rank, d)), tag_word(tag, 0u));
+    }
+}
+
+// Receive phase of the partial-sum combine (see the top). Every thread of every block calls it; the
+// top-k ids were checked by the caller. tag_ahead: word threadIdx.x of the tags, read before the prologue.
+template <int kHidden, int kTopk, int kThreads>
+__device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
+                                              int num_experts, int num_ranks, int rank, bool self_masked,
+                                              const int* s_mask, int* mask, uint32_t* s_arrived,
+                                              const uint32_t* sym_tags, const uint8_t* sym_recv, uint16_t* out,
+                                              int64_t* wait_recv_cost_stats, uint32_t tag_ahead, uint32_t tag,
+                                              uint64_t t_start, bool shrink, const Deadline& deadline,
+                                              ErrorRecord* err) {
+    constexpr int kChunk = 256;
+    constexpr int kNumChunks = (kHidden + kChunk - 1) / kChunk;
+    constexpr int kBatch = 4;  // ranks' rows in flight per warp
+    const int lane = lane_id(), warp_in_block = static_cast<int>(threadIdx.x) / 32;
+    const int num_local = num_experts / num_ranks;
+
+    // One thread per source rank learns whether its rows are in.
+    for (int r0 = warp_in_block * 32; r0 < num_ranks; r0 += kThreads) {
+        const int r = r0 + lane;
+        bool ok = false;
+        if (r < num_ranks && !self_masked && s_mask[r] == 0 && ld_volatile(mask + r) == 0) {
+            const uint32_t seen = r == static_cast<int>(threadIdx.x) ? tag_ahead : 0u;
+            ok = wait_tag_seen(seen, sym_tags + r, tag, deadline, err, !shrink) >= 0;
+            if (!ok) peer_timed_out(mask, r, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
+            else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0)
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + r),
+                          static_cast<unsigned long long>(globaltimer() - t_start));
+        }
+        const uint32_t bits = __ballot_sync(kFullMask, ok);
+        if (lane == 0) s_arrived[r0 / 32] = bits;
+    }
+    __syncthreads();
+
+    const long long total_warps = static_cast<long long>(gridDim.x) * (kThreads / 32);
+    const long long gwarp = static_cast<long long>(blockIdx.x) * (kThreads / 32) + warp_in_block;
+    for (long long item = gwarp; item < static_cast<long long>(num_tokens) * kNumChunks; item += total_warps) {
+        const int t = static_cast<int>(item / kNumChunks);
+        const int col = static_cast<int>(item % kNumChunks) * kChunk + lane * 8;
+        // Lane k: the rank of its expert, -1 for none. The ranks named, each once, in rank order.
+        int owner = -1;
+        if (lane < kTopk) {
+            const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
+            if (id >= 0 && id < num_experts) {
+                const int o = static_cast<int>(id / num_local);
+                if ((s_arrived[o / 32] >> (o % 32)) & 1u) owner = o;
+            }
+        }
+        const uint32_t same = __match_any_sync(kFullMask, owner);
+        const bool first_of_rank = owner >= 0 && __ffs(same) - 1 == lane;
+        const uint32_t firsts = __ballot_sync(kFullMask, first_of_rank);
+        int pos = 0;  // ranks named before this lane's, in rank order
+        for (uint32_t m = firsts; m != 0; m &= m - 1) {
+            const int o = __shfl_sync(kFullMask, owner, __ffs(m) - 1);
+            if (o < owner) ++pos;
+        }
+        const int named = __popc(firsts);
+
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        for (int j0 = 0; j0 < named; j0 += kBatch) {
+            int4 lo[kBatch], hi[kBatch];
+            bool have[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const uint32_t at = __ballot_sync(kFullMask, first_of_rank && pos == j0 + j);
+                const int o = __shfl_sync(kFullMask, owner, at != 0 ? __ffs(at) - 1 : 0);
+                have[j] = at != 0 && col < kHidden;
+                if (have[j]) {
+                    const float* row = reinterpret_cast<const float*>(
+                        sym_recv + (static_cast<size_t>(o) * max_tokens + t) * partial_row_bytes(kHidden));
+                    lo[j] = ld_cg_v4(row + col);
+                    hi[j] = ld_cg_v4(row + col + 4);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                if (!have[j]) continue;
+                acc[0] = __fadd_rn(acc[0], __int_as_float(lo[j].x));
+                acc[1] = __fadd_rn(acc[1], __int_as_float(lo[j].y));
+                acc[2] = __fadd_rn(acc[2], __int_as_float(lo[j].z));
+                acc[3] = __fadd_rn(acc[3], __int_as_float(lo[j].w));
+                acc[4] = __fadd_rn(acc[4], __int_as_float(hi[j].x));
+                acc[5] = __fadd_rn(acc[5], __int_as_float(hi[j].y));
+                acc[6] = __fadd_rn(acc[6], __int_as_float(hi[j].z));
+                acc[7] = __fadd_rn(acc[7], __int_as_float(hi[j].w));
+            }
+        }
+        if (col < kHidden) st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
+    }
+}
+
+}  // namespace deepep_cupy::low_latency
