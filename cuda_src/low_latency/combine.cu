@@ -419,15 +419,18 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             const float weight = expert >= 0 ? __ldg(topk_weights + static_cast<size_t>(t) * kTopk + lane) : 0.0f;
             // The sum is grouped by rank, in rank order, each rank's part an fma chain in top-k order (the
             // order of the partial-sum path and of the reference): entry j of the loop below is the lane
-            // at place j in (rank, k) order among the valid ones.
+            // `order` names at place j in (rank, k) order among the valid ones. Shuffles of unrolled loops,
+            // no ballots per entry: this runs once per (token, chunk) item, so its instructions count.
             const int owner = expert >= 0 ? expert / num_local_experts : -1;
-            const uint32_t valid = __ballot_sync(kFullMask, expert >= 0);
+            const uint32_t key = expert >= 0 ? (static_cast<uint32_t>(owner) << 5) | static_cast<uint32_t>(lane) : ~0u;
             int place = 0;
-            for (uint32_t m = valid; m != 0; m &= m - 1) {
-                const int b = __ffs(m) - 1;
-                const int o = __shfl_sync(kFullMask, owner, b);
-                if (o < owner || (o == owner && b < lane)) ++place;
-            }
+#pragma unroll
+            for (int x = 0; x < kTopk; ++x) place += __shfl_sync(kFullMask, key, x) < key ? 1 : 0;
+            int order = 0;  // lane p < (valid count): the lane at place p
+#pragma unroll
+            for (int x = 0; x < kTopk; ++x)
+                if (__shfl_sync(kFullMask, place, x) == lane && __shfl_sync(kFullMask, key, x) != ~0u) order = x;
+            const int num_valid = __popc(__ballot_sync(kFullMask, expert >= 0));
 
             float acc[8], part[8];
 #pragma unroll
@@ -437,17 +440,13 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             for (int k0 = 0; k0 < kTopk; k0 += kBatch) {
                 int4 raw[kBatch];
                 LogfmtPiece piece[kLogfmt ? kBatch : 1];
-                // The lane of entry k0 + j, -1 past the valid ones (warp-uniform); found again after the
-                // loads rather than kept, which would cost registers the rows in flight need.
-                const auto lane_of = [&](int j) {
-                    const uint32_t at = __ballot_sync(kFullMask, expert >= 0 && place == k0 + j);
-                    return at != 0 ? __ffs(at) - 1 : -1;
-                };
+                // The lane of entry k0 + j (warp-uniform), shuffled again after the loads rather than kept:
+                // registers go to the rows in flight.
 #pragma unroll
                 for (int j = 0; j < kBatch; ++j) {
-                    const int src = lane_of(j);
-                    const int e = __shfl_sync(kFullMask, expert, max(src, 0));
-                    if (src >= 0 && active) {
+                    const int src = __shfl_sync(kFullMask, order, (k0 + j) & 31);
+                    const int e = __shfl_sync(kFullMask, expert, src);
+                    if (k0 + j < num_valid && active) {
                         const uint8_t* row = sym_recv + (static_cast<size_t>(e) * max_tokens + t) * kSlotBytes;
                         if constexpr (kLogfmt) piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
                         else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
@@ -456,10 +455,10 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 #pragma unroll
                 for (int j = 0; j < kBatch; ++j) {
                     // Shuffles before the (lane-dependent) skip: every lane takes part.
-                    const int src = lane_of(j);
-                    const float w = __shfl_sync(kFullMask, weight, max(src, 0));
-                    const int o = __shfl_sync(kFullMask, owner, max(src, 0));
-                    if (src < 0 || !active) continue;
+                    const int src = __shfl_sync(kFullMask, order, (k0 + j) & 31);
+                    const float w = __shfl_sync(kFullMask, weight, src);
+                    const int o = __shfl_sync(kFullMask, owner, src);
+                    if (k0 + j >= num_valid || !active) continue;
                     float v[8];
                     if constexpr (kLogfmt) logfmt_decode8(piece[j], v);
                     else unpack_bf16x8(raw[j], v);

@@ -14,7 +14,7 @@
 //
 // Expert side: every block builds, in dynamic shared memory, the rows the dispatch handle gives each
 // (source, token): s_count[s * T + t] and up to K entries (local expert << 16) | row. The grid's warps
-// then take contiguous ranges of (source, token, 256-channel segment) items; for a new token, lane k
+// then take contiguous ranges of (token, source, 256-channel segment) items; for a new token, lane k
 // waits for route k, finds the row of its expert, and the warp loads every row of the token (all in
 // flight) and writes the fma chain in top-k order as float32 to the owner, at row (rank * T + t) of
 // the owner's receive region. A token is written iff some route names an expert here, which is exactly
@@ -39,6 +39,19 @@ using namespace deepep::ll;
 
 __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// 8-byte read-only load (4 BF16 channels) for inputs nobody writes while the kernel runs.
+__device__ __forceinline__ uint2 ldg_v2(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys_u64_route(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
 }
 
 __device__ __forceinline__ size_t partial_row_bytes(int hidden) { return static_cast<size_t>(hidden) * 4; }
@@ -100,12 +113,16 @@ __device__ __forceinline__ void build_row_table(const int* __restrict__ src_info
     __syncthreads();
 }
 
-// Spin until a route carries `tag`; false on timeout (or a reported one, when bail_on_report).
-__device__ __forceinline__ bool wait_route(const uint64_t* word, uint32_t tag, uint64_t& value,
+// Spin until a route carries `tag` (`seen`: the word read ahead, used when it already does); false on
+// timeout (or a reported one, when bail_on_report).
+__device__ __forceinline__ bool wait_route(const uint64_t* word, uint64_t seen, uint32_t tag, uint64_t& value,
                                            const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
+    if ((static_cast<uint32_t>(seen) >> 16) == tag) {
+        value = seen;
+        return true;
+    }
     for (uint32_t spin = 0;; ++spin) {
-        uint64_t v;
-        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
+        const uint64_t v = ld_relaxed_sys_u64_route(word);
         if ((static_cast<uint32_t>(v) >> 16) == tag) {
             value = v;
             return true;
@@ -129,8 +146,6 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     const int slots = num_ranks * max_tokens;
     int* s_count = s_table;
     uint32_t* s_rows = reinterpret_cast<uint32_t*>(s_table + slots);
-    build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
-                                     s_rows);
     const uint64_t* routes = partial_routes(sym_recv, num_ranks, max_tokens, kHidden);
 
     const long long total_items = static_cast<long long>(slots) * kSegs;
@@ -138,22 +153,41 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     const long long per_warp = (total_items + total_warps - 1) / total_warps;
     const long long first = (static_cast<long long>(blockIdx.x) * kBlockWarps + threadIdx.x / 32) * per_warp;
     const long long last = self_masked ? 0 : min(total_items, first + per_warp);
+    // Lane k's route of the next (token, source) pair is read one pair ahead (the first one before the
+    // table is built), so its round trip overlaps other work; wait_route only polls when it was early.
+    const auto route_word = [&](int pair) {
+        return routes + (static_cast<size_t>(pair % num_ranks) * max_tokens + pair / num_ranks) * kTopk + lane;
+    };
+    int ahead_pair = first < last && lane < kTopk ? static_cast<int>(first / kSegs) : -1;
+    uint64_t ahead = ahead_pair >= 0 ? ld_relaxed_sys_u64_route(route_word(ahead_pair)) : 0;
+    build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
+                                     s_rows);
 
-    int cur = -1;                  // the (source, token) whose routes the lanes hold
+    int cur = -1;                  // the (token, source) pair whose routes the lanes hold
     int my_row = -1;               // lane k: its expert's row of x ([E_local * R * T] rows), -1 for none
     float my_w = 0.0f;
     float* dst = nullptr;          // the owner's float32 row, null when nothing goes there
     for (long long item = first; item < last; ++item) {
-        const int st = static_cast<int>(item / kSegs);
-        if (st != cur) {
-            cur = st;
-            const int s = st / max_tokens;
+        // Items run token-major (t, s, segment): the float32 rows for the peers are spread over every SM
+        // rather than sent by the half of the grid that holds the peer's tokens (the stores of one SM
+        // bound the rate: measured ~2.2 GB/s per SM either way, 27 us with source-major items).
+        const int pair = static_cast<int>(item / kSegs);
+        const int t = pair / num_ranks, s = pair % num_ranks;
+        const int st = s * max_tokens + t;
+        if (pair != cur) {
+            cur = pair;
             my_row = -1;
             my_w = 0.0f;
             bool named = false;
+            const uint64_t seen = ahead_pair == pair ? ahead : 0;
+            const int next = pair + 1;
+            if (lane < kTopk && static_cast<long long>(next) * kSegs < last) {
+                ahead_pair = next;
+                ahead = ld_relaxed_sys_u64_route(route_word(next));
+            }
             if (s_mask[s] == 0 && lane < kTopk) {
                 uint64_t route = 0;
-                if (wait_route(routes + static_cast<size_t>(st) * kTopk + lane, tag, route, deadline, err, !shrink)) {
+                if (wait_route(route_word(pair), seen, tag, route, deadline, err, !shrink)) {
                     const uint32_t le1 = static_cast<uint32_t>(route) & 0xffffu;
                     if (le1 != 0) {
                         named = true;
@@ -174,19 +208,25 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             dst = nullptr;
             if (__ballot_sync(kFullMask, named) != 0)
                 dst = reinterpret_cast<float*>(static_cast<uint8_t*>(nvshmem_ptr(sym_recv, s)) +
-                                               (static_cast<size_t>(rank) * max_tokens + st % max_tokens) *
+                                               (static_cast<size_t>(rank) * max_tokens + t) *
                                                    partial_row_bytes(kHidden));
         }
         if (dst == nullptr) continue;  // uniform over the warp
-        const int col = static_cast<int>(item % kSegs) * kSeg + lane * 8;
-        const bool active = col < kHidden;
-        int4 raw[kTopk];
+        // Lane i takes channels c0 .. c0 + 3 and c1 .. c1 + 3 of the segment, so that each of the warp's two
+        // 16-byte float32 stores covers 512 contiguous bytes: 32 bytes per lane in one place would leave
+        // every store instruction writing half of each 32-byte sector, which the link moves at half rate.
+        const int c0 = static_cast<int>(item % kSegs) * kSeg + lane * 4, c1 = c0 + kSeg / 2;
+        const bool a0 = c0 < kHidden, a1 = c1 < kHidden;
+        uint2 lo[kTopk], hi[kTopk];
         uint32_t have = 0;  // bit j: entry j's row is loaded
 #pragma unroll
         for (int j = 0; j < kTopk; ++j) {
             const int row = __shfl_sync(kFullMask, my_row, j);
-            if (row >= 0 && active) {
-                raw[j] = ldg_v4(x + static_cast<size_t>(row) * kHidden + col);
+            lo[j] = hi[j] = make_uint2(0u, 0u);
+            if (row >= 0) {
+                const uint16_t* src = x + static_cast<size_t>(row) * kHidden;
+                if (a0) lo[j] = ldg_v2(src + c0);
+                if (a1) hi[j] = ldg_v2(src + c1);
                 have |= 1u << j;
             }
         }
@@ -197,19 +237,19 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         for (int j = 0; j < kTopk; ++j) {
             const float w = __shfl_sync(kFullMask, my_w, j);
             if (((have >> j) & 1u) == 0) continue;
-            float v[8];
-            unpack_bf16x8(raw[j], v);
+            const float v[8] = {bf16_bits_to_float(lo[j].x & 0xffffu), bf16_bits_to_float(lo[j].x >> 16),
+                                bf16_bits_to_float(lo[j].y & 0xffffu), bf16_bits_to_float(lo[j].y >> 16),
+                                bf16_bits_to_float(hi[j].x & 0xffffu), bf16_bits_to_float(hi[j].x >> 16),
+                                bf16_bits_to_float(hi[j].y & 0xffffu), bf16_bits_to_float(hi[j].y >> 16)};
 #pragma unroll
             for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
         }
-        if (active) {
-            st_na_v4(reinterpret_cast<int4*>(dst + col),
-                     make_int4(__float_as_int(part[0]), __float_as_int(part[1]), __float_as_int(part[2]),
-                               __float_as_int(part[3])));
-            st_na_v4(reinterpret_cast<int4*>(dst + col + 4),
-                     make_int4(__float_as_int(part[4]), __float_as_int(part[5]), __float_as_int(part[6]),
-                               __float_as_int(part[7])));
-        }
+        if (a0)
+            st_na_v4(reinterpret_cast<int4*>(dst + c0), make_int4(__float_as_int(part[0]), __float_as_int(part[1]),
+                                                                   __float_as_int(part[2]), __float_as_int(part[3])));
+        if (a1)
+            st_na_v4(reinterpret_cast<int4*>(dst + c1), make_int4(__float_as_int(part[4]), __float_as_int(part[5]),
+                                                                   __float_as_int(part[6]), __float_as_int(part[7])));
     }
 
     grid_completion(done_counter, s_last);
