@@ -428,8 +428,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             for (int x = 0; x < kTopk; ++x) place += __shfl_sync(kFullMask, key, x) < key ? 1 : 0;
             int order = 0;  // lane p < (valid count): the lane at place p
 #pragma unroll
-            for (int x = 0; x < kTopk; ++x)
-                if (__shfl_sync(kFullMask, place, x) == lane && __shfl_sync(kFullMask, key, x) != ~0u) order = x;
+            for (int x = 0; x < kTopk; ++x) {
+                const int place_x = __shfl_sync(kFullMask, place, x);  // both shuffles on every lane
+                const uint32_t key_x = __shfl_sync(kFullMask, key, x);
+                if (place_x == lane && key_x != ~0u) order = x;
+            }
             const int num_valid = __popc(__ballot_sync(kFullMask, expert >= 0));
 
             float acc[8], part[8];

@@ -168,9 +168,8 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     float my_w = 0.0f;
     float* dst = nullptr;          // the owner's float32 row, null when nothing goes there
     for (long long item = first; item < last; ++item) {
-        // Items run token-major (t, s, segment): the float32 rows for the peers are spread over every SM
-        // rather than sent by the half of the grid that holds the peer's tokens (the stores of one SM
-        // bound the rate: measured ~2.2 GB/s per SM either way, 27 us with source-major items).
+        // Items run token-major (t, s, segment), so every SM stores to every destination (source-major
+        // items left the peer's rows to half of the grid).
         const int pair = static_cast<int>(item / kSegs);
         const int t = pair / num_ranks, s = pair % num_ranks;
         const int st = s * max_tokens + t;
