@@ -417,23 +417,31 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 }
             }
             const float weight = expert >= 0 ? __ldg(topk_weights + static_cast<size_t>(t) * kTopk + lane) : 0.0f;
-            // The sum is grouped by rank, in rank order, each rank's part an fma chain in top-k order (the
-            // order of the partial-sum path and of the reference): entry j of the loop below is the lane
-            // `order` names at place j in (rank, k) order among the valid ones. Shuffles of unrolled loops,
-            // no ballots per entry: this runs once per (token, chunk) item, so its instructions count.
+            // BF16: the sum is grouped by rank, in rank order, each rank's part an fma chain in top-k order
+            // (the order of the partial-sum path and of the reference, so every BF16 path gives the same
+            // bits): entry j of the loop below is the lane `order` names at place j in (rank, k) order among
+            // the valid ones. Shuffles of unrolled loops, no ballots per entry: this runs once per (token,
+            // chunk) item, so its instructions count. LogFMT values are approximate (the tests compare
+            // within a tolerance), and its decode is issue-bound: one fma chain in top-k order.
+            constexpr bool kRankOrder = !kLogfmt;
             const int owner = expert >= 0 ? expert / num_local_experts : -1;
-            const uint32_t key = expert >= 0 ? (static_cast<uint32_t>(owner) << 5) | static_cast<uint32_t>(lane) : ~0u;
-            int place = 0;
+            int order = lane;  // lane p: the lane at place p (p < num_valid)
+            int num_valid = kTopk;
+            if constexpr (kRankOrder) {
+                const uint32_t key =
+                    expert >= 0 ? (static_cast<uint32_t>(owner) << 5) | static_cast<uint32_t>(lane) : ~0u;
+                int place = 0;
 #pragma unroll
-            for (int x = 0; x < kTopk; ++x) place += __shfl_sync(kFullMask, key, x) < key ? 1 : 0;
-            int order = 0;  // lane p < (valid count): the lane at place p
+                for (int x = 0; x < kTopk; ++x) place += __shfl_sync(kFullMask, key, x) < key ? 1 : 0;
+                order = 0;
 #pragma unroll
-            for (int x = 0; x < kTopk; ++x) {
-                const int place_x = __shfl_sync(kFullMask, place, x);  // both shuffles on every lane
-                const uint32_t key_x = __shfl_sync(kFullMask, key, x);
-                if (place_x == lane && key_x != ~0u) order = x;
+                for (int x = 0; x < kTopk; ++x) {
+                    const int place_x = __shfl_sync(kFullMask, place, x);  // both shuffles on every lane
+                    const uint32_t key_x = __shfl_sync(kFullMask, key, x);
+                    if (place_x == lane && key_x != ~0u) order = x;
+                }
+                num_valid = __popc(__ballot_sync(kFullMask, expert >= 0));
             }
-            const int num_valid = __popc(__ballot_sync(kFullMask, expert >= 0));
 
             float acc[8], part[8];
 #pragma unroll
@@ -449,7 +457,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 for (int j = 0; j < kBatch; ++j) {
                     const int src = __shfl_sync(kFullMask, order, (k0 + j) & 31);
                     const int e = __shfl_sync(kFullMask, expert, src);
-                    if (k0 + j < num_valid && active) {
+                    if ((kRankOrder ? k0 + j < num_valid : e >= 0) && active) {
                         const uint8_t* row = sym_recv + (static_cast<size_t>(e) * max_tokens + t) * kSlotBytes;
                         if constexpr (kLogfmt) piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
                         else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
@@ -460,11 +468,16 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     // Shuffles before the (lane-dependent) skip: every lane takes part.
                     const int src = __shfl_sync(kFullMask, order, (k0 + j) & 31);
                     const float w = __shfl_sync(kFullMask, weight, src);
-                    const int o = __shfl_sync(kFullMask, owner, src);
-                    if (k0 + j >= num_valid || !active) continue;
+                    const int o = __shfl_sync(kFullMask, kRankOrder ? owner : expert, src);  // LogFMT: the expert
+                    if (!(kRankOrder ? k0 + j < num_valid : o >= 0) || !active) continue;
                     float v[8];
                     if constexpr (kLogfmt) logfmt_decode8(piece[j], v);
                     else unpack_bf16x8(raw[j], v);
+                    if constexpr (!kRankOrder) {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[i] = __fmaf_rn(v[i], w, acc[i]);
+                        continue;
+                    }
                     if (o != part_owner) {
                         if (part_owner >= 0) {
 #pragma unroll

@@ -178,8 +178,9 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
     ``acc = acc + part`` (float32). ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
 
     The sum is grouped by rank so that a rank may reduce its own experts' rows of a token before sending
-    them (one float32 row per token and rank instead of one bf16 row per expert); every path sums in this
-    order, so all are bit-identical.
+    them (one float32 row per token and rank instead of one bf16 row per expert); every BF16 path of the
+    kernels sums in this order, so all are bit-identical. With ``use_logfmt`` the kernels sum in top-k
+    order (the decoded values are approximate; results agree within LogFMT's tolerance).
     """
     me, nranks = group.rank, group.size
     error = fields = None
