@@ -103,7 +103,11 @@ class LowLatencyOps:
             handle: from ``low_latency_dispatch``.
             use_logfmt: send a 10-bit logarithmic format per 128 channels (less traffic, ~1% error).
             zero_copy: ``x`` was already written into ``get_next_low_latency_combine_buffer(handle)``.
-            async_finish, return_recv_hook: as for ``low_latency_dispatch``.
+            async_finish, return_recv_hook: as for ``low_latency_dispatch``. Where a token picks several
+                experts per rank (BF16, every rank on NVLink; e.g. top-8 on 2 ranks) each rank first sums
+                its own experts' rows per token in float32 and sends one row per (token, rank); that send
+                needs the weights, so it waits until every peer's combine has started (every rank calls
+                the combine, as with any collective).
             out: optional `[num_tokens, hidden]` bf16 output written in place and returned.
             combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
 

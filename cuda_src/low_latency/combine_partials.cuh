@@ -212,8 +212,9 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         }
         if (dst == nullptr) continue;  // uniform over the warp
         // Lane i takes channels c0 .. c0 + 3 and c1 .. c1 + 3 of the segment, so that each of the warp's two
-        // 16-byte float32 stores covers 512 contiguous bytes: 32 bytes per lane in one place would leave
-        // every store instruction writing half of each 32-byte sector, which the link moves at half rate.
+        // 16-byte float32 stores covers 512 contiguous bytes. With 32 bytes per lane in one place every store
+        // instruction wrote half of each 32-byte sector; that version's items ended ~12 us later (measured
+        // together with the routes read ahead; docs/low_latency_performance.md).
         const int c0 = static_cast<int>(item % kSegs) * kSeg + lane * 4, c1 = c0 + kSeg / 2;
         const bool a0 = c0 < kHidden, a1 = c1 < kHidden;
         uint2 lo[kTopk], hi[kTopk];

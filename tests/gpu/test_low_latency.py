@@ -152,6 +152,15 @@ def test_rank_partials_are_used(env):
     assert not engine.rank_partials(layout, K_BIG, True)
 
 
+def test_partials_with_a_table_past_48_kib(env):
+    """T=1024 at top-8 on 2 ranks: the partial-sum send's row table (~74 KB of dynamic shared memory) needs
+    the function's opt-in past 48 KiB."""
+    layout = env["buf"].runtime.low_latency.make_layout(1024, 2048, 32)
+    assert layout.partial_table_bytes(8) > 48 * 1024
+    failures, _, _ = run_round(env, FRAMEWORKS[0], seed=21, t_max=1024, hidden=2048, num_experts=32, k=8)
+    agree(failures)
+
+
 def test_stats(env):
     failures, _, _ = run_round(env, FRAMEWORKS[0], seed=14, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
                                fp8=True, stats=True)

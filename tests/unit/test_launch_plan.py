@@ -79,3 +79,23 @@ def test_a_failed_launch_raises_with_the_kernel_name(monkeypatch):
     plan = launch.LaunchPlan(_Kernel(), 1, 1, [("a", "ptr", 1)])
     with pytest.raises(RuntimeError, match=r"fake<1>"):
         plan.launch(0)
+
+
+def test_large_dynamic_shared_memory_is_opted_into(monkeypatch):
+    """Past 48 KiB of dynamic shared memory the function must opt in (cuFuncSetAttribute), once, when the plan
+    is made; at or below it nothing is asked of the driver, and a refusal names the kernel."""
+    import types
+
+    calls = []
+    attrs = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max-dynamic-shared")
+    status = {"err": 0}
+    fake = types.SimpleNamespace(CUfunction=lambda fn: ("CUfunction", fn), CUfunction_attribute=attrs,
+                                 cuFuncSetAttribute=lambda fn, attr, n: calls.append((fn, attr, n)) or (status["err"],))
+    monkeypatch.setattr(launch, "_driver", lambda: fake)
+    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=48 * 1024)
+    assert calls == []
+    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=80 * 1024)
+    assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 80 * 1024)]
+    status["err"] = 1
+    with pytest.raises(RuntimeError, match="fake<1>"):
+        launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=100 * 1024)
