@@ -107,19 +107,8 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
     const long long last = min(total_items, first + per_warp);
 
     if (first < last) {
-        // The unit holding the warp's first row: the last u with s_prefix[u] <= row (empty units share
-        // their prefix with the next one, so this skips them). Warp-uniform from here on.
-        int u = 0;
-        {
-            const int g = static_cast<int>(first / kSegs);
-            int lo = 0, hi = num_experts;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (s_prefix[mid] <= g) lo = mid;
-                else hi = mid - 1;
-            }
-            u = lo;
-        }
+        // The unit holding the warp's first row. Warp-uniform from here on.
+        int u = prefix_segment(s_prefix, num_experts, static_cast<int>(first / kSegs));
         for (long long it = first; it < last; it += kBatch) {
             int4 raw[kBatch];
             uint8_t* slot[kBatch];

@@ -37,23 +37,6 @@ namespace deepep_cupy::low_latency {
 using namespace deepep;
 using namespace deepep::ll;
 
-__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// 8-byte read-only load (4 BF16 channels) for inputs nobody writes while the kernel runs.
-__device__ __forceinline__ uint2 ldg_v2(const void* p) {
-    uint2 v;
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint64_t ld_relaxed_sys_u64_route(const uint64_t* p) {
-    uint64_t v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ size_t partial_row_bytes(int hidden) { return static_cast<size_t>(hidden) * 4; }
 
 __device__ __forceinline__ uint64_t* partial_routes(uint8_t* recv, int num_ranks, int max_tokens, int hidden) {
@@ -96,14 +79,9 @@ __device__ __forceinline__ void build_row_table(const int* __restrict__ src_info
     __syncthreads();
     const int total = s_prefix[num_experts];
     for (int g = static_cast<int>(threadIdx.x); g < total; g += kThreads) {
-        int lo = 0, hi = num_experts;  // the last unit u with s_prefix[u] <= g
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (s_prefix[mid] <= g) lo = mid;
-            else hi = mid - 1;
-        }
-        const int le = lo / num_ranks, s = lo % num_ranks;
-        const int row = static_cast<int>(__ldg(layout_range + lo) >> 32) + (g - s_prefix[lo]);
+        const int u = prefix_segment(s_prefix, num_experts, g);
+        const int le = u / num_ranks, s = u % num_ranks;
+        const int row = static_cast<int>(__ldg(layout_range + u) >> 32) + (g - s_prefix[u]);
         const int t = __ldg(src_info + static_cast<size_t>(le) * slots + row);
         if (t < 0 || t >= max_tokens) continue;  // corrupt handle: the row answers nobody
         const int at = s * max_tokens + t;
@@ -122,7 +100,7 @@ __device__ __forceinline__ bool wait_route(const uint64_t* word, uint64_t seen, 
         return true;
     }
     for (uint32_t spin = 0;; ++spin) {
-        const uint64_t v = ld_relaxed_sys_u64_route(word);
+        const uint64_t v = ld_relaxed_sys_u64(word);
         if ((static_cast<uint32_t>(v) >> 16) == tag) {
             value = v;
             return true;
@@ -159,7 +137,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         return routes + (static_cast<size_t>(pair % num_ranks) * max_tokens + pair / num_ranks) * kTopk + lane;
     };
     int ahead_pair = first < last && lane < kTopk ? static_cast<int>(first / kSegs) : -1;
-    uint64_t ahead = ahead_pair >= 0 ? ld_relaxed_sys_u64_route(route_word(ahead_pair)) : 0;
+    uint64_t ahead = ahead_pair >= 0 ? ld_relaxed_sys_u64(route_word(ahead_pair)) : 0;
     build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
                                      s_rows);
 
@@ -182,7 +160,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             const int next = pair + 1;
             if (lane < kTopk && static_cast<long long>(next) * kSegs < last) {
                 ahead_pair = next;
-                ahead = ld_relaxed_sys_u64_route(route_word(next));
+                ahead = ld_relaxed_sys_u64(route_word(next));
             }
             if (s_mask[s] == 0 && lane < kTopk) {
                 uint64_t route = 0;

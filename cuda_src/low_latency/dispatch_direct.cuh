@@ -314,13 +314,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
     const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
     for (int item = first_grid_item(); item < total_items; item += total_warps) {
         const int g = item / kParts, part = item % kParts;
-        int lo = 0, hi = num_experts;  // the last u with s_pre[u] <= g (skips empty units)
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (s_pre[mid] <= g) lo = mid;
-            else hi = mid - 1;
-        }
-        const int u = lo, i = g - s_pre[u], le = u / num_ranks;
+        const int u = prefix_segment(s_pre, num_experts, g), i = g - s_pre[u], le = u / num_ranks;
         const int row = s_pre[u] - s_pre[le * num_ranks] + i;
         const uint8_t* msg = sym_recv + (static_cast<size_t>(u) * max_tokens + i) * kSlotBytes;
         const size_t out_row = static_cast<size_t>(le) * slab + row;

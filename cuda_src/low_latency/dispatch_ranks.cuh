@@ -242,13 +242,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     const int first_expert = rank * num_local;
     for (int item = first_grid_item(); item < total_items; item += total_warps) {
         const int g = item % num_msgs, part = item / num_msgs;
-        int lo = 0, hi = num_ranks - 1;  // the last source with s_msgs[src] <= g
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (s_msgs[mid] <= g) lo = mid;
-            else hi = mid - 1;
-        }
-        const int src = lo;
+        const int src = prefix_segment(s_msgs, num_ranks - 1, g);  // the last source with s_msgs[src] <= g
         const uint8_t* msg = sym_recv + (static_cast<size_t>(src) * max_tokens + (g - s_msgs[src])) * Msg::kBytes;
         const int4* s = reinterpret_cast<const int4*>(msg) + part * kPartInt4;
         const int n = min(kPartInt4, kRowInt4 - part * kPartInt4);

@@ -80,6 +80,9 @@ __device__ __forceinline__ void st_relaxed_gpu_u32(uint32_t* p, uint32_t v) {
 __device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ void st_release_gpu_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -92,6 +95,12 @@ __device__ __forceinline__ int4 ldg_v4(const void* p) {
     asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
+    return v;
+}
+// The same for 8 bytes (4 BF16 channels).
+__device__ __forceinline__ uint2 ldg_v2(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 
@@ -267,6 +276,18 @@ __device__ __forceinline__ void peer_timed_out(int* mask, int peer, bool shrink,
 // the load/store units of every SM busy instead of filling the first few SMs.
 __device__ __forceinline__ int first_grid_item() {
     return static_cast<int>(threadIdx.x / 32 * gridDim.x + blockIdx.x);
+}
+
+// The segment of a non-decreasing prefix (s_prefix[0] <= g) that holds item g: the last u in [0, n] with
+// s_prefix[u] <= g (empty segments share their prefix with the next one, so this skips them).
+__device__ __forceinline__ int prefix_segment(const int* s_prefix, int n, int g) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (s_prefix[mid] <= g) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
 }
 
 // Exclusive prefix, in thread order, of every thread's `value` over the block (s_warp_sum: one word per

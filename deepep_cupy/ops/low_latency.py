@@ -266,8 +266,7 @@ class LowLatencyEngine:
         """Whether a dispatch of these sizes sends one message per (token, rank): every rank reached by
         stores (as on every rank of an NVLink domain), not forced to puts or to per-expert rows, and the
         layout's tables fit."""
-        return (all(self.p2p_peers) and not self.force_rma and not self.per_expert
-                and layout.rank_messages_fit(topk, use_fp8))
+        return self._stores_everywhere() and layout.rank_messages_fit(topk, use_fp8)
 
     def rank_partials(self, layout: LowLatencyLayout, topk: int, use_logfmt: bool) -> bool:
         """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): BF16, every
@@ -275,8 +274,13 @@ class LowLatencyEngine:
         send's shared table fit, and a token is expected to pick enough experts of a rank it reaches
         (``LowLatencyLayout.partials_pay``) that one float32 row beats its BF16 rows. The same decision
         on every rank."""
-        return (not use_logfmt and all(self.p2p_peers) and not self.force_rma and not self.per_expert
-                and layout.partials_fit(topk) and layout.partials_pay(topk))
+        return (not use_logfmt and self._stores_everywhere() and layout.partials_fit(topk)
+                and layout.partials_pay(topk))
+
+    def _stores_everywhere(self) -> bool:
+        """Every rank reached by stores, and neither puts nor per-expert rows forced: the condition of the
+        per-rank formats (what the engine knows; the layout says whether they fit)."""
+        return all(self.p2p_peers) and not self.force_rma and not self.per_expert
 
     def next_buffer(self) -> int:
         b = self._idx
