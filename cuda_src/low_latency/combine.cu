@@ -22,7 +22,7 @@
 // path, units of the receive phase first turn put-with-signal counters into local ready flags (one unit
 // per global expert). See layout.cuh for the buffer layout and the protocol.
 // kPartials (the host's choice, the same on every rank): both phases send and add per-rank partial sums
-// instead (combine_partials.cuh).
+// instead (combine_partials.cuh), as float32 or, with LogFMT, as LogFMT-10 rows of the BF16-rounded sums.
 //
 // Top-k ids outside [-1, E) contribute nothing, like -1. Before waiting, the warps check every id once
 // over the grid and report a bad one as a value error (op kValueOpLowLatencyCombine; the first report
@@ -195,7 +195,6 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     static_assert(kTopk >= 1 && kTopk <= 32, "the combine waits for one expert per lane: top-k <= 32");
     static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
     static_assert(kRowBytes <= kSlotBytes, "row must fit a slot");
-    static_assert(!(kPartials && kLogfmt), "partial sums travel as float32");
 
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_sent[kGroups];
@@ -226,12 +225,13 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     if (kPartials && (phases & kPhaseSend)) {
         const uint32_t tag = seq_tag(s_seq[0]);
         publish_routes<kTopk, kThreads>(topk_idx, topk_weights, num_tokens, max_tokens, num_experts, num_ranks, rank,
-                                        kHidden, self_masked, s_mask, sym_recv, tag);
+                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, tag);
         unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
                               s_prefix, s_warp_sum);
-        send_partials<kHidden, kTopk, kThreads>(x, src_info, layout_range, max_tokens, num_experts, num_ranks, rank,
-                                                self_masked, s_mask, mask, s_prefix, s_table, &s_last, sym_tags,
-                                                sym_recv, seq_state + 4, tag, shrink != 0, deadline, err);
+        send_partials<kHidden, kTopk, kThreads, kLogfmt>(x, src_info, layout_range, max_tokens, num_experts, num_ranks,
+                                                         rank, self_masked, s_mask, mask, s_prefix, s_table, &s_last,
+                                                         sym_tags, sym_recv, seq_state + 4, tag, shrink != 0, deadline,
+                                                         err);
     } else if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
         // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
@@ -350,10 +350,10 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
         }
         if constexpr (kPartials) {
-            recv_partials<kHidden, kTopk, kThreads>(topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank,
-                                                    self_masked, s_mask, mask, s_arrived, sym_tags, sym_recv, out,
-                                                    wait_recv_cost_stats, tag_ahead, tag, t_start, shrink != 0,
-                                                    deadline, err);
+            recv_partials<kHidden, kTopk, kThreads, kLogfmt>(topk_idx, num_tokens, max_tokens, num_experts, num_ranks,
+                                                             rank, self_masked, s_mask, mask, s_arrived, sym_tags,
+                                                             sym_recv, out, wait_recv_cost_stats, tag_ahead, tag,
+                                                             t_start, shrink != 0, deadline, err);
             return;
         }
 

@@ -4,6 +4,9 @@
 // instead of one BF16 row per (token, expert): ~2x fewer bytes over the link, and the owner adds R
 // rows instead of K. The owner's sum is the same on every path (see the reference): per rank in rank
 // order, acc = acc + part, each part an fma chain over that rank's top-k entries in top-k order.
+// LogFMT: the part is rounded to BF16 and travels as LogFMT-10 (logfmt.cuh), which the owner decodes and
+// rounds to BF16 before adding: one LogFMT row per (token, rank) as well, so never more bytes than the
+// per-expert LogFMT rows, and R decodes per value instead of K (the decode is what bounds the owner).
 //
 // The weights live on the owner, so the send phase first publishes them: every rank writes, into the
 // receive region of every live destination d, one 8-byte route per (token, top-k entry) of its own
@@ -16,7 +19,7 @@
 // (source, token): s_count[s * T + t] and up to K entries (local expert << 16) | row. The grid's warps
 // then take contiguous ranges of (token, source, 256-channel segment) items; for a new token, lane k
 // waits for route k, finds the row of its expert, and the warp loads every row of the token (all in
-// flight) and writes the fma chain in top-k order as float32 to the owner, at row (rank * T + t) of
+// flight) and writes the fma chain in top-k order (float32 or LogFMT) to the owner, at row (rank * T + t) of
 // the owner's receive region. A token is written iff some route names an expert here, which is exactly
 // when the owner's own top-k names this rank, so both sides agree without a count.
 // Completion: the grid's completion count, then warp 0 of the last block writes one word per live
@@ -25,11 +28,12 @@
 // Owner side: one thread per source rank waits for its word; a warp per (token, 256-channel chunk)
 // then adds, in rank order, the rows of the ranks its top-k entries name (arrived and not masked).
 //
-// Layout inside the receive region of a half: float32 rows [R][T][H], then the routes [R][T][K]
-// (LowLatencyLayout.partials_fit checks that both fit).
+// Layout inside the receive region of a half: rows [R][T] (float32 [H], or H / 128 LogFMT blocks), then
+// the routes [R][T][K] (LowLatencyLayout.partials_fit checks that both fit).
 #pragma once
 
 #include "low_latency/layout.cuh"
+#include "low_latency/logfmt.cuh"
 #include "low_latency/rows.cuh"
 
 namespace deepep_cupy::low_latency {
@@ -37,17 +41,22 @@ namespace deepep_cupy::low_latency {
 using namespace deepep;
 using namespace deepep::ll;
 
-__device__ __forceinline__ size_t partial_row_bytes(int hidden) { return static_cast<size_t>(hidden) * 4; }
+// Bytes of one partial row on the wire: float32, or LogFMT-10 blocks of the BF16-rounded sum padded to 16
+// bytes (the encoder's 16-byte stores; 17 blocks are 2856 bytes).
+template <int kHidden, bool kLogfmt>
+constexpr size_t kPartialRowBytes =
+    kLogfmt ? (static_cast<size_t>(kHidden / kChannelsPerBlock) * kLogfmtBlockBytes + 15) / 16 * 16
+            : static_cast<size_t>(kHidden) * 4;
 
-__device__ __forceinline__ uint64_t* partial_routes(uint8_t* recv, int num_ranks, int max_tokens, int hidden) {
-    return reinterpret_cast<uint64_t*>(recv + static_cast<size_t>(num_ranks) * max_tokens * partial_row_bytes(hidden));
+__device__ __forceinline__ uint64_t* partial_routes(uint8_t* recv, int num_ranks, int max_tokens, size_t row_bytes) {
+    return reinterpret_cast<uint64_t*>(recv + static_cast<size_t>(num_ranks) * max_tokens * row_bytes);
 }
 
 // Every live destination gets the routes of all T token slots of this rank (grid-wide, one store each).
 template <int kTopk, int kThreads>
 __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
                                                int num_tokens, int max_tokens, int num_experts, int num_ranks,
-                                               int rank, int hidden, bool self_masked, const int* s_mask,
+                                               int rank, size_t row_bytes, bool self_masked, const int* s_mask,
                                                uint8_t* sym_recv, uint32_t tag) {
     if (self_masked) return;
     const int num_local = num_experts / num_ranks;
@@ -63,7 +72,7 @@ __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_
         const uint32_t low = (tag << 16) | (here ? static_cast<uint32_t>(id % num_local) + 1u : 0u);
         const float w = here ? __ldg(topk_weights + tk) : 0.0f;
         uint8_t* peer = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, d));
-        uint64_t* slot = partial_routes(peer, num_ranks, max_tokens, hidden) + static_cast<size_t>(rank) * per_rank + tk;
+        uint64_t* slot = partial_routes(peer, num_ranks, max_tokens, row_bytes) + static_cast<size_t>(rank) * per_rank + tk;
         st_relaxed_sys_u64(slot, (static_cast<uint64_t>(__float_as_uint(w)) << 32) | low);
     }
 }
@@ -110,7 +119,7 @@ __device__ __forceinline__ bool wait_route(const uint64_t* word, uint64_t seen, 
 }
 
 // Send phase of the partial-sum combine (after unit_prefix; see the top). Every thread calls it.
-template <int kHidden, int kTopk, int kThreads>
+template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_info, const int64_t* layout_range,
                                               int max_tokens, int num_experts, int num_ranks, int rank,
                                               bool self_masked, const int* s_mask, int* mask, const int* s_prefix,
@@ -118,13 +127,14 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
                                               uint32_t* done_counter, uint32_t tag, bool shrink,
                                               const Deadline& deadline, ErrorRecord* err) {
     constexpr int kBlockWarps = kThreads / 32;
-    constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 in, 32 bytes of float32 out per lane
+    constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 in per lane; one LogFMT wire segment
     constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    constexpr size_t kRowBytes = kPartialRowBytes<kHidden, kLogfmt>;
     const int lane = lane_id();
     const int slots = num_ranks * max_tokens;
     int* s_count = s_table;
     uint32_t* s_rows = reinterpret_cast<uint32_t*>(s_table + slots);
-    const uint64_t* routes = partial_routes(sym_recv, num_ranks, max_tokens, kHidden);
+    const uint64_t* routes = partial_routes(sym_recv, num_ranks, max_tokens, kRowBytes);
 
     const long long total_items = static_cast<long long>(slots) * kSegs;
     const long long total_warps = static_cast<long long>(gridDim.x) * kBlockWarps;
@@ -144,7 +154,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     int cur = -1;                  // the (token, source) pair whose routes the lanes hold
     int my_row = -1;               // lane k: its expert's row of x ([E_local * R * T] rows), -1 for none
     float my_w = 0.0f;
-    float* dst = nullptr;          // the owner's float32 row, null when nothing goes there
+    uint8_t* dst = nullptr;        // the owner's row, null when nothing goes there
     for (long long item = first; item < last; ++item) {
         // Items run token-major (t, s, segment), so every SM stores to every destination (source-major
         // items left the peer's rows to half of the grid).
@@ -184,16 +194,49 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             }
             dst = nullptr;
             if (__ballot_sync(kFullMask, named) != 0)
-                dst = reinterpret_cast<float*>(static_cast<uint8_t*>(nvshmem_ptr(sym_recv, s)) +
-                                               (static_cast<size_t>(rank) * max_tokens + t) *
-                                                   partial_row_bytes(kHidden));
+                dst = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, s)) +
+                      (static_cast<size_t>(rank) * max_tokens + t) * kRowBytes;
         }
         if (dst == nullptr) continue;  // uniform over the warp
+        const int seg = static_cast<int>(item % kSegs);
+        if constexpr (kLogfmt) {
+            // Lane i takes channels 8 i .. 8 i + 7 of the segment (the encoder's mapping; lanes 16..31 idle
+            // in a one-block last segment): the fma chain, rounded to BF16, leaves as one wire segment.
+            constexpr int kBlocks = kHidden / kChannelsPerBlock;
+            const int nb = min(2, kBlocks - 2 * seg), c = seg * kSeg + lane * 8;
+            const bool active = lane / 16 < nb;
+            int4 raw[kTopk];
+            uint32_t have = 0;
+#pragma unroll
+            for (int j = 0; j < kTopk; ++j) {
+                const int row = __shfl_sync(kFullMask, my_row, j);
+                raw[j] = make_int4(0, 0, 0, 0);
+                if (row >= 0 && active) {
+                    raw[j] = ldg_v4(x + static_cast<size_t>(row) * kHidden + c);
+                    have |= 1u << j;
+                }
+            }
+            float part[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) part[i] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kTopk; ++j) {
+                const float w = __shfl_sync(kFullMask, my_w, j);
+                if (((have >> j) & 1u) == 0) continue;
+                float v[8];
+                unpack_bf16x8(raw[j], v);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
+            }
+            logfmt_encode_segment(pack_bf16x8(part), nb, dst + seg * kLogfmtSegBytes, lane);
+            continue;
+        }
         // Lane i takes channels c0 .. c0 + 3 and c1 .. c1 + 3 of the segment, so that each of the warp's two
         // 16-byte float32 stores covers 512 contiguous bytes. With 32 bytes per lane in one place every store
         // instruction wrote half of each 32-byte sector; that version's items ended ~12 us later (measured
         // together with the routes read ahead; docs/low_latency_performance.md).
-        const int c0 = static_cast<int>(item % kSegs) * kSeg + lane * 4, c1 = c0 + kSeg / 2;
+        float* dst_f = reinterpret_cast<float*>(dst);
+        const int c0 = seg * kSeg + lane * 4, c1 = c0 + kSeg / 2;
         const bool a0 = c0 < kHidden, a1 = c1 < kHidden;
         uint2 lo[kTopk], hi[kTopk];
         uint32_t have = 0;  // bit j: entry j's row is loaded
@@ -223,10 +266,10 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
         }
         if (a0)
-            st_na_v4(reinterpret_cast<int4*>(dst + c0), make_int4(__float_as_int(part[0]), __float_as_int(part[1]),
+            st_na_v4(reinterpret_cast<int4*>(dst_f + c0), make_int4(__float_as_int(part[0]), __float_as_int(part[1]),
                                                                    __float_as_int(part[2]), __float_as_int(part[3])));
         if (a1)
-            st_na_v4(reinterpret_cast<int4*>(dst + c1), make_int4(__float_as_int(part[4]), __float_as_int(part[5]),
+            st_na_v4(reinterpret_cast<int4*>(dst_f + c1), make_int4(__float_as_int(part[4]), __float_as_int(part[5]),
                                                                    __float_as_int(part[6]), __float_as_int(part[7])));
     }
 
@@ -241,7 +284,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
 
 // Receive phase of the partial-sum combine (see the top). Every thread of every block calls it; the
 // top-k ids were checked by the caller. tag_ahead: word threadIdx.x of the tags, read before the prologue.
-template <int kHidden, int kTopk, int kThreads>
+template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
                                               int num_experts, int num_ranks, int rank, bool self_masked,
                                               const int* s_mask, int* mask, uint32_t* s_arrived,
@@ -252,6 +295,7 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
     constexpr int kChunk = 256;
     constexpr int kNumChunks = (kHidden + kChunk - 1) / kChunk;
     constexpr int kBatch = 4;  // ranks' rows in flight per warp
+    constexpr size_t kRowBytes = kPartialRowBytes<kHidden, kLogfmt>;
     const int lane = lane_id(), warp_in_block = static_cast<int>(threadIdx.x) / 32;
     const int num_local = num_experts / num_ranks;
 
@@ -301,6 +345,7 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
         for (int j0 = 0; j0 < named; j0 += kBatch) {
             int4 lo[kBatch], hi[kBatch];
+            LogfmtPiece piece[kLogfmt ? kBatch : 1];
             bool have[kBatch];
 #pragma unroll
             for (int j = 0; j < kBatch; ++j) {
@@ -308,23 +353,29 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
                 const int o = __shfl_sync(kFullMask, owner, at != 0 ? __ffs(at) - 1 : 0);
                 have[j] = at != 0 && col < kHidden;
                 if (have[j]) {
-                    const float* row = reinterpret_cast<const float*>(
-                        sym_recv + (static_cast<size_t>(o) * max_tokens + t) * partial_row_bytes(kHidden));
-                    lo[j] = ld_cg_v4(row + col);
-                    hi[j] = ld_cg_v4(row + col + 4);
+                    const uint8_t* row = sym_recv + (static_cast<size_t>(o) * max_tokens + t) * kRowBytes;
+                    if constexpr (kLogfmt) {
+                        piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
+                    } else {
+                        lo[j] = ld_cg_v4(reinterpret_cast<const float*>(row) + col);
+                        hi[j] = ld_cg_v4(reinterpret_cast<const float*>(row) + col + 4);
+                    }
                 }
             }
 #pragma unroll
             for (int j = 0; j < kBatch; ++j) {
                 if (!have[j]) continue;
-                acc[0] = __fadd_rn(acc[0], __int_as_float(lo[j].x));
-                acc[1] = __fadd_rn(acc[1], __int_as_float(lo[j].y));
-                acc[2] = __fadd_rn(acc[2], __int_as_float(lo[j].z));
-                acc[3] = __fadd_rn(acc[3], __int_as_float(lo[j].w));
-                acc[4] = __fadd_rn(acc[4], __int_as_float(hi[j].x));
-                acc[5] = __fadd_rn(acc[5], __int_as_float(hi[j].y));
-                acc[6] = __fadd_rn(acc[6], __int_as_float(hi[j].z));
-                acc[7] = __fadd_rn(acc[7], __int_as_float(hi[j].w));
+                float v[8];
+                if constexpr (kLogfmt) {
+                    logfmt_decode8(piece[j], v);
+                } else {
+                    v[0] = __int_as_float(lo[j].x), v[1] = __int_as_float(lo[j].y);
+                    v[2] = __int_as_float(lo[j].z), v[3] = __int_as_float(lo[j].w);
+                    v[4] = __int_as_float(hi[j].x), v[5] = __int_as_float(hi[j].y);
+                    v[6] = __int_as_float(hi[j].z), v[7] = __int_as_float(hi[j].w);
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
             }
         }
         if (col < kHidden) st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));

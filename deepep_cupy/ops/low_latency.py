@@ -101,7 +101,7 @@ def dispatch_spec(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool
 
 @functools.cache
 def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False) -> BuildSpec:
-    """Combine kernel for one shape; ``partials``: the per-rank partial-sum path (BF16 only)."""
+    """Combine kernel for one shape; ``partials``: the per-rank partial-sum path."""
     return BuildSpec.make("low_latency/combine.cu",
                           name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt, partials)],
                           nvshmem=True)
@@ -109,7 +109,8 @@ def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bo
 
 def representative_builds() -> list[BuildSpec]:
     """The benchmark shape (7168 hidden, top-8, 288 experts on 132 SMs) in every format, and small odd
-    shapes (hidden 128 and 2056, top-1 and top-32, one group per block and four)."""
+    shapes (hidden 128, 2056 and 2176 (a one-block last LogFMT segment), top-1 and top-32, one group per
+    block and four)."""
     w, g, _ = warp_split(288, 132)
     w1, g1, _ = warp_split(8, 132)
     w4, g4, _ = warp_split(1024, 132)
@@ -119,6 +120,8 @@ def representative_builds() -> list[BuildSpec]:
         combine_spec(7168, 8, w, g, False),
         combine_spec(7168, 8, w, g, False, True),
         combine_spec(7168, 8, w, g, True),
+        combine_spec(7168, 8, w, g, True, True),
+        combine_spec(2176, 8, w, g, True, True),
         dispatch_spec(128, 1, w1, g1, True),
         dispatch_spec(2056, 32, w4, g4, False),
         combine_spec(128, 32, w1, g1, True),
@@ -269,13 +272,13 @@ class LowLatencyEngine:
         return self._stores_everywhere() and layout.rank_messages_fit(topk, use_fp8)
 
     def rank_partials(self, layout: LowLatencyLayout, topk: int, use_logfmt: bool) -> bool:
-        """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): BF16, every
-        rank reached by stores, not forced to puts or per-expert rows, the layout's regions and the
-        send's shared table fit, and a token is expected to pick enough experts of a rank it reaches
-        (``LowLatencyLayout.partials_pay``) that one float32 row beats its BF16 rows. The same decision
-        on every rank."""
-        return (not use_logfmt and self._stores_everywhere() and layout.partials_fit(topk)
-                and layout.partials_pay(topk))
+        """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): every rank
+        reached by stores, not forced to puts or per-expert rows, the layout's regions and the send's
+        shared table fit, and a token is expected to pick enough experts of a rank it reaches
+        (``LowLatencyLayout.partials_pay``) that one partial row beats its per-expert rows. The same
+        decision on every rank."""
+        return (self._stores_everywhere() and layout.partials_fit(topk, use_logfmt)
+                and layout.partials_pay(topk, use_logfmt))
 
     def _stores_everywhere(self) -> bool:
         """Every rank reached by stores, and neither puts nor per-expert rows forced: the condition of the

@@ -14,9 +14,9 @@ are the same on every rank (which is what makes the addresses symmetric)::
               dispatch (RMA path only): [T] staged messages of 2H bytes.
 
 Where every rank is reached by stores and :meth:`LowLatencyLayout.partials_fit` / ``partials_pay``
-hold, a BF16 combine sends per-rank float32 partial sums (``cuda_src/low_latency/combine_partials.cuh``):
-the rows ``[R][T][H]`` float32 at the start of ``recv``, then 8-byte routes ``[R][T][K]``; the completion
-words are ``tags[source rank]``.
+hold, a combine sends per-rank partial sums (``cuda_src/low_latency/combine_partials.cuh``): the rows
+``[R][T]`` (float32 ``[H]``, or with LogFMT one LogFMT-10 row) at the start of ``recv``, then 8-byte
+routes ``[R][T][K]``; the completion words are ``tags[source rank]``.
 
 Where every rank is reached by stores, the dispatch sends one message per (token, destination rank)
 instead of one row per (token, expert) when :meth:`LowLatencyLayout.rank_messages_fit` (see
@@ -239,28 +239,37 @@ class LowLatencyLayout:
         (source, token)."""
         return 4 * self.num_ranks * self.num_max_dispatch_tokens_per_rank * (int(topk) + 1)
 
-    def partials_fit(self, topk: int) -> bool:
+    def partial_row_bytes(self, use_logfmt: bool) -> int:
+        """Bytes of one per-(token, rank) partial sum: float32, or LogFMT-10 of its BF16 rounding padded to
+        16 bytes (kPartialRowBytes in combine_partials.cuh)."""
+        return _align(combine_message_bytes(self.hidden, True), _ALIGN) if use_logfmt else 4 * self.hidden
+
+    def partials_fit(self, topk: int, use_logfmt: bool = False) -> bool:
         """Whether the per-rank partial-sum combine applies to these sizes (combine_partials.cuh): top-k
-        <= 32, the float32 rows ``[R][T][H]`` and the routes ``[R][T][K]`` (8 bytes each) fit the receive
-        region, a row of the send's table packs (local expert << 16) | row, a row of ``x`` has a 32-bit
-        index, and the table fits shared memory next to the kernel's own arrays."""
-        t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
+        <= 32, the rows ``[R][T]`` and the routes ``[R][T][K]`` (8 bytes each) fit the receive region, a
+        row of the send's table packs (local expert << 16) | row, a row of ``x`` has a 32-bit index, and
+        the table fits shared memory next to the kernel's own arrays."""
+        t, r, e = self.num_max_dispatch_tokens_per_rank, self.num_ranks, self.num_experts
+        row = self.partial_row_bytes(use_logfmt)
         return (0 < topk <= MAX_TOPK and r * t <= 1 << 16 and e // r < 1 << 16 and e * t < 1 << 31
-                and r * t * (4 * h + 8 * topk) <= self.recv_bytes and r <= self.tags_bytes // 4
+                and r * t * (row + 8 * topk) <= self.recv_bytes and r <= self.tags_bytes // 4
                 and self.partial_table_bytes(topk) <= MAX_PARTIAL_TABLE_BYTES)
 
-    def partials_pay(self, topk: int) -> bool:
-        """Whether one float32 row per (token, rank) is expected to carry at most two thirds of the bytes
-        of one BF16 row per (token, expert): with top-``k`` ids drawn uniformly without repeats, a token
-        reaches ``R * (1 - C(E - E_local, k) / C(E, k))`` ranks, and the partial path pays when it picks
-        at least 3 experts per rank reached (top-8 of 288: 4 on 2 ranks, 2.2 on 4, 1.5 on 8)."""
+    def partials_pay(self, topk: int, use_logfmt: bool = False) -> bool:
+        """Whether one partial row per (token, rank) is expected to carry at most two thirds of the bytes of
+        one row per (token, expert). With top-``k`` ids drawn uniformly without repeats, a token reaches
+        ``R * (1 - C(E - E_local, k) / C(E, k))`` ranks. A float32 partial is twice a BF16 row, so BF16
+        pays at 3 or more experts per rank reached (top-8 of 288: 4 on 2 ranks, 2.2 on 4, 1.5 on 8); a
+        LogFMT partial is as long as a LogFMT row, so LogFMT pays at 1.5 or more (and decodes R rows per
+        token instead of K)."""
         r, e = self.num_ranks, self.num_experts
         k = min(int(topk), e)
         miss = 1.0
         for i in range(k):  # C(E - E_local, k) / C(E, k), one factor per pick
             miss *= max(0.0, (e - e // r - i) / (e - i))
         reached = r * (1.0 - miss)
-        return reached > 0 and k / reached >= 3.0
+        ratio = self.partial_row_bytes(use_logfmt) / combine_message_bytes(self.hidden, use_logfmt)
+        return reached > 0 and 3.0 * ratio * reached <= 2.0 * k
 
     def fits(self, num_bytes: int) -> bool:
         return self.total_bytes <= int(num_bytes)

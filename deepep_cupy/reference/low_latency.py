@@ -170,17 +170,20 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
 
     ``x [E_local, R*T, H]`` bf16 holds, at the rows given by this rank's dispatch ``handle``, the expert
     outputs. Each owner returns, for every source ``s`` and local expert ``i``, the rows
-    ``layout_range[i, s]`` of ``x[i]`` (with ``use_logfmt`` each 128-channel block travels as LogFMT-10
-    and the receiver decodes it and rounds to bf16: ``quant.logfmt_roundtrip_bf16``).
+    ``layout_range[i, s]`` of ``x[i]``.
     On the source, per token ``t``: ``acc = 0``; for each rank ``o`` in rank order that holds a valid expert
     of ``t`` whose row came back, ``part = 0``, then for ``k = 0 .. K-1`` with such an expert ``e`` on
-    ``o``: ``part = fma(float32(row), topk_weights[t, k], part)`` (one rounding, ``quant.fma_f32``); then
-    ``acc = acc + part`` (float32). ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
+    ``o``: ``part = fma(float32(row), topk_weights[t, k], part)`` (one rounding, ``quant.fma_f32``); with
+    ``use_logfmt`` the part then becomes ``float32(logfmt_roundtrip_bf16(bf16(part)))`` (each 128-channel
+    block of the bf16-rounded part as LogFMT-10, decoded and rounded to bf16); then ``acc = acc + part``
+    (float32). ``combined_x[t] = bf16(acc)``. Returns bf16 ``[N, H]``.
 
     The sum is grouped by rank so that a rank may reduce its own experts' rows of a token before sending
-    them (one float32 row per token and rank instead of one bf16 row per expert); every BF16 path of the
-    kernels sums in this order, so all are bit-identical. With ``use_logfmt`` the kernels sum in top-k
-    order (the decoded values are approximate; results agree within LogFMT's tolerance).
+    them (one float32 or LogFMT row per token and rank instead of one row per expert): every BF16 path of
+    the kernels sums in this order, so all are bit-identical, and the LogFMT partial-sum path encodes
+    exactly these parts. Where LogFMT rows travel per (token, expert) instead (puts, or few experts per
+    rank), the kernels encode each expert's row and sum in top-k order: the result differs from this
+    definition within LogFMT's tolerance.
     """
     me, nranks = group.rank, group.size
     error = fields = None
@@ -205,15 +208,8 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
             src.append(np.asarray(src_info[i, b:b + c], dtype=np.int64))
             rows.append(x[i, b:b + c])
         rows = np.concatenate(rows, axis=0) if rows else np.zeros((0, hidden), dtype=x.dtype)
-        p = {"le": np.concatenate(le) if le else np.zeros(0, np.int64),
-             "src": np.concatenate(src) if src else np.zeros(0, np.int64)}
-        if use_logfmt:
-            n_rows = rows.shape[0]
-            blocks = rows.astype(np.float32).reshape(n_rows, hidden // quant.BLOCK, quant.BLOCK)
-            p["codes"], p["lo"], p["hi"] = quant.logfmt_encode(blocks)
-        else:
-            p["x"] = np.array(rows)
-        payloads.append(p)
+        payloads.append({"le": np.concatenate(le) if le else np.zeros(0, np.int64),
+                         "src": np.concatenate(src) if src else np.zeros(0, np.int64), "x": np.array(rows)})
     got = collective.alltoall(group, payloads, "low_latency_combine (data)")
 
     topk_idx = np.asarray(topk_idx, dtype=np.int64)
@@ -235,10 +231,7 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
         p = got[o]
         if masked[me] or masked[o] or p is None:
             continue
-        if use_logfmt:
-            rows = quant.logfmt_decode(p["codes"], p["lo"], p["hi"]).reshape(-1, hidden).astype(quant.BF16)
-        else:
-            rows = p["x"]
+        rows = p["x"]
         lookup[o, p["le"], p["src"]] = offset + np.arange(rows.shape[0])
         all_rows.append(rows.astype(np.float32))
         offset += rows.shape[0]
@@ -258,5 +251,7 @@ def combine(group, x, topk_idx, topk_weights, handle, *, use_logfmt: bool, maske
             if ok.any():
                 part[ok] = quant.fma_f32(all_rows[where[ok, k]], weights[ok, k][:, None], part[ok])
                 held |= ok
+        if use_logfmt and held.any():
+            part[held] = quant.logfmt_roundtrip_bf16(part[held].astype(quant.BF16)).astype(np.float32)
         acc[held] = acc[held] + part[held]
     return acc.astype(quant.BF16)

@@ -131,10 +131,19 @@ def test_partials_where_they_fit_and_pay():
     for r in (4, 8):
         assert LowLatencyLayout(128, 7168, r, 288).partials_fit(8)
         assert not LowLatencyLayout(128, 7168, r, 288).partials_pay(8)
-    # Top-1 never pays; one expert per rank leaves no room for float32 rows; top-k past 32 and tables past
-    # shared memory do not fit.
-    assert not layout.partials_pay(1)
+    # A LogFMT partial row is as long as one LogFMT expert row: it pays from 1.5 experts per rank reached,
+    # so on 2, 4 and 8 ranks; at 16 ranks (~1.3) it does not.
+    assert layout.partial_row_bytes(True) == 56 * LOGFMT_BLOCK_BYTES and layout.partial_row_bytes(False) == 4 * 7168
+    assert LowLatencyLayout(128, 2176, 2, 32).partial_row_bytes(True) == 17 * LOGFMT_BLOCK_BYTES + 8  # 16-byte rows
+    for r in (2, 4, 8):
+        assert LowLatencyLayout(128, 7168, r, 288).partials_fit(8, True)
+        assert LowLatencyLayout(128, 7168, r, 288).partials_pay(8, True)
+    assert not LowLatencyLayout(128, 7168, 16, 288).partials_pay(8, True)
+    # Top-1 never pays; one expert per rank leaves no room for float32 rows (LogFMT rows fit); top-k past
+    # 32 and tables past shared memory do not fit.
+    assert not layout.partials_pay(1) and not layout.partials_pay(1, True)
     assert not LowLatencyLayout(128, 7168, 2, 2).partials_fit(8)
+    assert LowLatencyLayout(128, 7168, 2, 2).partials_fit(8, True)
     assert not layout.partials_fit(33)
     assert not LowLatencyLayout(8192, 7168, 2, 288).partials_fit(8)
 
