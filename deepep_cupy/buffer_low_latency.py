@@ -102,12 +102,14 @@ class LowLatencyOps:
             topk_weights: `[num_tokens, num_topk]` float32.
             handle: from ``low_latency_dispatch``.
             use_logfmt: send a 10-bit logarithmic format per 128 channels (less traffic, ~1% error).
+                Where ranks pre-sum (below), the encoded values are each rank's part of the sum,
+                rounded to BF16, rather than each expert's row.
             zero_copy: ``x`` was already written into ``get_next_low_latency_combine_buffer(handle)``.
             async_finish, return_recv_hook: as for ``low_latency_dispatch``. Where a token picks several
-                experts per rank (BF16, every rank on NVLink; e.g. top-8 on 2 ranks) each rank first sums
-                its own experts' rows per token in float32 and sends one row per (token, rank); that send
-                needs the weights, so it waits until every peer's combine has started (every rank calls
-                the combine, as with any collective).
+                experts per rank (every rank on NVLink; e.g. top-8 of 288 on 2 ranks, and with LogFMT
+                also on 4 and 8) each rank first sums its own experts' rows per token in float32 and
+                sends one row per (token, rank); that send needs the weights, so it waits until every
+                peer's combine has started (every rank calls the combine, as with any collective).
             out: optional `[num_tokens, hidden]` bf16 output written in place and returned.
             combine_wait_recv_cost_stats: like ``dispatch_wait_recv_cost_stats``.
 
