@@ -198,58 +198,32 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
                       (static_cast<size_t>(rank) * max_tokens + t) * kRowBytes;
         }
         if (dst == nullptr) continue;  // uniform over the warp
+        // Each lane's 8 channels of the segment, per top-k entry. LogFMT: channels 8 i .. 8 i + 7 (the
+        // encoder's mapping; lanes 16..31 idle in a one-block last segment). Float32: c0 .. c0 + 3 and
+        // c1 .. c1 + 3, so that each of the warp's two 16-byte stores covers 512 contiguous bytes (with 32
+        // bytes per lane in one place every store instruction wrote half of each 32-byte sector, and the
+        // items ended ~12 us later; docs/low_latency_performance.md).
         const int seg = static_cast<int>(item % kSegs);
-        if constexpr (kLogfmt) {
-            // Lane i takes channels 8 i .. 8 i + 7 of the segment (the encoder's mapping; lanes 16..31 idle
-            // in a one-block last segment): the fma chain, rounded to BF16, leaves as one wire segment.
-            constexpr int kBlocks = kHidden / kChannelsPerBlock;
-            const int nb = min(2, kBlocks - 2 * seg), c = seg * kSeg + lane * 8;
-            const bool active = lane / 16 < nb;
-            int4 raw[kTopk];
-            uint32_t have = 0;
-#pragma unroll
-            for (int j = 0; j < kTopk; ++j) {
-                const int row = __shfl_sync(kFullMask, my_row, j);
-                raw[j] = make_int4(0, 0, 0, 0);
-                if (row >= 0 && active) {
-                    raw[j] = ldg_v4(x + static_cast<size_t>(row) * kHidden + c);
-                    have |= 1u << j;
-                }
-            }
-            float part[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) part[i] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < kTopk; ++j) {
-                const float w = __shfl_sync(kFullMask, my_w, j);
-                if (((have >> j) & 1u) == 0) continue;
-                float v[8];
-                unpack_bf16x8(raw[j], v);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
-            }
-            logfmt_encode_segment(pack_bf16x8(part), nb, dst + seg * kLogfmtSegBytes, lane);
-            continue;
-        }
-        // Lane i takes channels c0 .. c0 + 3 and c1 .. c1 + 3 of the segment, so that each of the warp's two
-        // 16-byte float32 stores covers 512 contiguous bytes. With 32 bytes per lane in one place every store
-        // instruction wrote half of each 32-byte sector; that version's items ended ~12 us later (measured
-        // together with the routes read ahead; docs/low_latency_performance.md).
-        float* dst_f = reinterpret_cast<float*>(dst);
-        const int c0 = seg * kSeg + lane * 4, c1 = c0 + kSeg / 2;
-        const bool a0 = c0 < kHidden, a1 = c1 < kHidden;
-        uint2 lo[kTopk], hi[kTopk];
-        uint32_t have = 0;  // bit j: entry j's row is loaded
+        constexpr int kBlocks = kHidden / kChannelsPerBlock;
+        const int nb = kLogfmt ? min(2, kBlocks - 2 * seg) : 0;
+        const int c0 = seg * kSeg + lane * (kLogfmt ? 8 : 4), c1 = c0 + kSeg / 2;
+        const bool a0 = kLogfmt ? lane / 16 < nb : c0 < kHidden, a1 = !kLogfmt && c1 < kHidden;
+        int4 raw[kTopk];
+        uint32_t have = 0;  // bit j: entry j's row is here
 #pragma unroll
         for (int j = 0; j < kTopk; ++j) {
             const int row = __shfl_sync(kFullMask, my_row, j);
-            lo[j] = hi[j] = make_uint2(0u, 0u);
-            if (row >= 0) {
-                const uint16_t* src = x + static_cast<size_t>(row) * kHidden;
-                if (a0) lo[j] = ldg_v2(src + c0);
-                if (a1) hi[j] = ldg_v2(src + c1);
-                have |= 1u << j;
+            raw[j] = make_int4(0, 0, 0, 0);
+            if (row < 0 || !(a0 || a1)) continue;
+            const uint16_t* src = x + static_cast<size_t>(row) * kHidden;
+            if constexpr (kLogfmt) {
+                raw[j] = ldg_v4(src + c0);
+            } else {
+                const uint2 lo = a0 ? ldg_v2(src + c0) : make_uint2(0u, 0u), hi = a1 ? ldg_v2(src + c1) : make_uint2(0u, 0u);
+                raw[j] = make_int4(static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(hi.x),
+                                   static_cast<int>(hi.y));
             }
+            have |= 1u << j;
         }
         float part[8];
 #pragma unroll
@@ -258,19 +232,23 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         for (int j = 0; j < kTopk; ++j) {
             const float w = __shfl_sync(kFullMask, my_w, j);
             if (((have >> j) & 1u) == 0) continue;
-            const float v[8] = {bf16_bits_to_float(lo[j].x & 0xffffu), bf16_bits_to_float(lo[j].x >> 16),
-                                bf16_bits_to_float(lo[j].y & 0xffffu), bf16_bits_to_float(lo[j].y >> 16),
-                                bf16_bits_to_float(hi[j].x & 0xffffu), bf16_bits_to_float(hi[j].x >> 16),
-                                bf16_bits_to_float(hi[j].y & 0xffffu), bf16_bits_to_float(hi[j].y >> 16)};
+            float v[8];
+            unpack_bf16x8(raw[j], v);
 #pragma unroll
             for (int i = 0; i < 8; ++i) part[i] = __fmaf_rn(v[i], w, part[i]);
         }
-        if (a0)
-            st_na_v4(reinterpret_cast<int4*>(dst_f + c0), make_int4(__float_as_int(part[0]), __float_as_int(part[1]),
-                                                                   __float_as_int(part[2]), __float_as_int(part[3])));
-        if (a1)
-            st_na_v4(reinterpret_cast<int4*>(dst_f + c1), make_int4(__float_as_int(part[4]), __float_as_int(part[5]),
-                                                                   __float_as_int(part[6]), __float_as_int(part[7])));
+        if constexpr (kLogfmt) {
+            // The fma chain, rounded to BF16, leaves as one wire segment.
+            logfmt_encode_segment(pack_bf16x8(part), nb, dst + seg * kLogfmtSegBytes, lane);
+        } else {
+            float* dst_f = reinterpret_cast<float*>(dst);
+            if (a0)
+                st_na_v4(reinterpret_cast<int4*>(dst_f + c0), make_int4(__float_as_int(part[0]), __float_as_int(part[1]),
+                                                                       __float_as_int(part[2]), __float_as_int(part[3])));
+            if (a1)
+                st_na_v4(reinterpret_cast<int4*>(dst_f + c1), make_int4(__float_as_int(part[4]), __float_as_int(part[5]),
+                                                                       __float_as_int(part[6]), __float_as_int(part[7])));
+        }
     }
 
     grid_completion(done_counter, s_last);
