@@ -25,7 +25,7 @@
 // Completion: the grid's completion count, then warp 0 of the last block writes one word per live
 // destination, tags[rank] = (tag << 16), after an acquire-release fence.
 //
-// Owner side: one thread per source rank waits for its word; a warp per (token, 256-channel chunk)
+// Owner side: one thread per source rank waits for its word; a warp per (token, 512-channel chunk)
 // then adds, in rank order, the rows of the ranks its top-k entries name (arrived and not masked).
 //
 // Layout inside the receive region of a half: rows [R][T] (float32 [H], or H / 128 LogFMT blocks), then
