@@ -194,8 +194,9 @@ class CombinePlan(_Plan):
         self.num_tokens, self.hidden = num_tokens, hidden
         self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
-        # Per-rank float32 partial sums where they pay and fit (combine_partials.cuh); the same decision on
-        # every rank, since an owner reads the format its sources write.
+        # Per-rank partial sums (float32, or LogFMT with use_logfmt) where they pay and fit
+        # (combine_partials.cuh); the same decision on every rank, since an owner reads the format its
+        # sources write.
         self.partials = engine.rank_partials(layout, topk, bool(use_logfmt))
         warps, groups, blocks, kernel, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt),
                                                           self.partials)
