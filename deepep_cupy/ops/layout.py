@@ -15,23 +15,37 @@ __all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "repr
 
 MAX_TOPK = 128
 _SOURCE = "layout.cu"
-_THREADS = 1024  # kThreads in layout.cu
-_EXPERTS_PER_BLOCK = 32  # kExpertsPerBlock in layout.cu
-_RANKS_PER_BLOCK = 32  # kRanksPerBlock in layout.cu
+_THREADS = 512  # kThreads in layout.cu
+_CLUSTER = 8  # blocks of the kernel's cluster on sm_90 (one block before it)
+#: The kernel counts experts, ranks and RDMA ranks in dynamic shared memory, one int32 each.
+MAX_COUNT_WORDS = 48 * 1024
 
 
 _kernel_name = kernel_names.layout_count_tokens
 
 
 @functools.cache
-def layout_spec(num_topk: int) -> BuildSpec:
-    """The build of the layout kernel for one top-k (the only compile-time parameter)."""
-    return BuildSpec.make(_SOURCE, name_expressions=[_kernel_name(num_topk)])
+def layout_spec(num_topk: int, cluster: int = _CLUSTER) -> BuildSpec:
+    """The build of the layout kernel for one top-k and cluster size (its compile-time parameters)."""
+    return BuildSpec.make(_SOURCE, name_expressions=[_kernel_name(num_topk, cluster)])
 
 
 def representative_builds() -> list[BuildSpec]:
-    """Instantiations compiled by the CPU test suite: odd/even top-k, scalar and vector load paths."""
-    return [layout_spec(k) for k in (1, 4, 8, 32)]
+    """Instantiations compiled by the CPU test suite: odd/even top-k, scalar and vector load paths, and the
+    one-block kernel of GPUs without clusters."""
+    return [layout_spec(k) for k in (1, 4, 8, 32)] + [layout_spec(8, 1)]
+
+
+def _cluster_for(frame) -> int:
+    """Blocks per launch: a cluster of 8 from sm_90 on, else one block (no plan has a frame in unit tests)."""
+    return _CLUSTER if frame is None else _device_cluster(frame.device_id)
+
+
+@functools.cache
+def _device_cluster(device_id: int) -> int:
+    from ..runtime.device import compute_capability
+
+    return _CLUSTER if compute_capability(device_id)[0] >= 9 else 1
 
 
 class LayoutPlan:
@@ -59,16 +73,20 @@ class LayoutPlan:
         self.num_tokens, self.num_experts, self.num_ranks = num_tokens, num_experts, num_ranks
         self.num_rdma_ranks = num_ranks // num_nvl_ranks
         self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
-        kernel = load(layout_spec(num_topk)).get_function(_kernel_name(num_topk))
-        num_expert_blocks = -(-num_experts // _EXPERTS_PER_BLOCK)
-        num_rank_blocks = -(-num_ranks // _RANKS_PER_BLOCK)
+        num_rdma_words = self.num_rdma_ranks if self.has_rdma else 0
+        count_words = num_experts + num_ranks + num_rdma_words
+        if count_words > MAX_COUNT_WORDS:
+            raise ValueError(f"num_experts + num_ranks ({num_experts} + {num_ranks}) is too large for the layout "
+                             f"kernel: at most {MAX_COUNT_WORDS - num_ranks - num_rdma_words} experts here")
+        cluster = _cluster_for(frame)
+        kernel = load(layout_spec(num_topk, cluster)).get_function(_kernel_name(num_topk, cluster))
         # The grid does not depend on num_tokens: with N = 0 the kernel still writes zero counts.
-        self.plan = LaunchPlan(kernel, num_expert_blocks + num_rank_blocks, _THREADS, [
+        self.plan = LaunchPlan(kernel, cluster, _THREADS, [
             ("topk_idx", "ptr", None), ("num_tokens", "i32", num_tokens), ("num_experts", "i32", num_experts),
             ("num_ranks", "i32", num_ranks), ("num_nvl_ranks", "i32", num_nvl_ranks if self.has_rdma else num_ranks),
-            ("num_expert_blocks", "i32", num_expert_blocks), ("num_tokens_per_expert", "ptr", None),
-            ("num_tokens_per_rank", "ptr", None), ("num_tokens_per_rdma_rank", "ptr", 0),
-            ("is_token_in_rank", "ptr", None), ("err", "ptr", errors.ptr), ("rank", "i32", rank)])
+            ("num_tokens_per_expert", "ptr", None), ("num_tokens_per_rank", "ptr", None),
+            ("num_tokens_per_rdma_rank", "ptr", 0), ("is_token_in_rank", "ptr", None), ("err", "ptr", errors.ptr),
+            ("rank", "i32", rank)], shared_mem=4 * count_words)
         self.slots = tuple(self.plan.slot(n) for n in ("topk_idx", "num_tokens_per_expert", "num_tokens_per_rank",
                                                         "num_tokens_per_rdma_rank", "is_token_in_rank"))
 

@@ -11,7 +11,7 @@ FAMILIES = {
     "low_latency": [K.ll_dispatch(7168, 8, 6, 4, True), K.ll_combine(7168, 8, 6, 4, False),
                     K.ll_stage(7168, True)],
     "intranode": [K.intranode_notify(8), K.intranode_dispatch(8, 16, 8), K.intranode_combine(8, 32, 2)],
-    "layout": [K.layout_count_tokens(8)],
+    "layout": [K.layout_count_tokens(8, 8)],
 }
 
 
@@ -25,7 +25,7 @@ def test_one_dispatch_and_one_combine_per_family():
 
 
 def test_helpers_do_not_look_like_dispatch_or_combine():
-    helpers = [K.ll_stage(2048, False), K.intranode_notify(2), K.layout_count_tokens(1)]
+    helpers = [K.ll_stage(2048, False), K.intranode_notify(2), K.layout_count_tokens(1, 1)]
     for name in helpers:
         assert "dispatch" not in name and "combine" not in name, name
 
