@@ -331,7 +331,7 @@ def device_handle_values(buffer, handle) -> None:
     no CUDA graph is being captured (the host copy waits for the device) and the handle is not one an op
     returned as it was (:class:`~deepep_cupy.plan_cache.OpHandle`: eager steps pay no wait for their own). Internode handles are left
     to their own checks. Raises ``ValueError`` naming the entry."""
-    if type(handle) is OpHandle or not check.values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
+    if isinstance(handle, OpHandle) or not check.values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
         return  # an op's own handle, unchanged: the kernels wrote it
     key = (id(handle), buffer.rank, buffer.group_size)
     if key in _CHECKED or _capturing(handle[0]):

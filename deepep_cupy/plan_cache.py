@@ -64,3 +64,9 @@ class OpHandle(tuple):
     """
 
     __slots__ = ()
+
+
+class LowLatencyHandle(OpHandle):
+    """A low-latency dispatch's handle, which also keeps the dispatch's row map (``row_map``: the inverse
+    of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/layout.cuh ``record_row``) for the
+    partial-sum combine. A tuple subclass cannot have slots, so the attribute lives in a ``__dict__``."""

@@ -166,6 +166,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     combine(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
             const int* __restrict__ src_info,         // [E_local, R*T]
             const int64_t* __restrict__ layout_range, // [E_local, R]
+            const int* __restrict__ row_map,          // [R*T, E_local] from the dispatch, or null (kPartials)
             const int64_t* __restrict__ topk_idx,     // [N, K]
             const float* __restrict__ topk_weights,   // [N, K]
             int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
@@ -226,9 +227,10 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         const uint32_t tag = seq_tag(s_seq[0]);
         publish_routes<kTopk, kThreads>(topk_idx, topk_weights, num_tokens, max_tokens, num_experts, num_ranks, rank,
                                         kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, tag);
-        unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
-                              s_prefix, s_warp_sum);
-        send_partials<kHidden, kTopk, kThreads, kLogfmt>(x, src_info, layout_range, max_tokens, num_experts, num_ranks,
+        if (row_map == nullptr)  // the send builds its row table from the prefix
+            unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
+                                  s_prefix, s_warp_sum);
+        send_partials<kHidden, kTopk, kThreads, kLogfmt>(x, src_info, layout_range, row_map, max_tokens, num_experts, num_ranks,
                                                          rank, self_masked, s_mask, mask, s_prefix, s_table, &s_last,
                                                          sym_tags, sym_recv, seq_state + 4, tag, shrink != 0, deadline,
                                                          err);

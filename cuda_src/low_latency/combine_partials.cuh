@@ -121,7 +121,7 @@ __device__ __forceinline__ bool wait_route(const uint64_t* word, uint64_t seen, 
 // Send phase of the partial-sum combine (after unit_prefix; see the top). Every thread calls it.
 template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_info, const int64_t* layout_range,
-                                              int max_tokens, int num_experts, int num_ranks, int rank,
+                                              const int* row_map, int max_tokens, int num_experts, int num_ranks, int rank,
                                               bool self_masked, const int* s_mask, int* mask, const int* s_prefix,
                                               int* s_table, int* s_last, uint32_t* sym_tags, uint8_t* sym_recv,
                                               uint32_t* done_counter, uint32_t tag, bool shrink,
@@ -148,12 +148,19 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     };
     int ahead_pair = first < last && lane < kTopk ? static_cast<int>(first / kSegs) : -1;
     uint64_t ahead = ahead_pair >= 0 ? ld_relaxed_sys_u64(route_word(ahead_pair)) : 0;
-    build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
-                                     s_rows);
+    if (row_map == nullptr)
+        build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
+                                         s_rows);
+    const int num_local = num_experts / num_ranks;
 
     int cur = -1;                  // the (token, source) pair whose routes the lanes hold
     int my_row = -1;               // lane k: its expert's row of x ([E_local * R * T] rows), -1 for none
     float my_w = 0.0f;
+    // With the dispatch's row map, lane k's row is checked against the handle (row in the (expert, source)
+    // range, source info = token) only after its loads are issued: what the row map holds and what the
+    // source info holds if the check fails.
+    int my_src_token = 0;
+    int64_t my_range = 0;
     uint8_t* dst = nullptr;        // the owner's row, null when nothing goes there
     for (long long item = first; item < last; ++item) {
         // Items run token-major (t, s, segment), so every SM stores to every destination (source-major
@@ -179,7 +186,16 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
                     if (le1 != 0) {
                         named = true;
                         my_w = __uint_as_float(static_cast<uint32_t>(route >> 32));
-                        const int n = min(s_count[st], kTopk);
+                        const int le = static_cast<int>(le1) - 1;
+                        if (row_map != nullptr) {
+                            const int row = le < num_local ? __ldg(row_map + static_cast<size_t>(st) * num_local + le) : -1;
+                            if (row >= 0 && row < slots) {
+                                my_row = le * slots + row;
+                                my_src_token = __ldg(src_info + my_row);
+                                my_range = __ldg(layout_range + le * num_ranks + s);
+                            }
+                        }
+                        const int n = row_map != nullptr ? 0 : min(s_count[st], kTopk);
                         for (int i = 0; i < n; ++i) {
                             const uint32_t r = s_rows[st * kTopk + i];
                             if ((r >> 16) == le1 - 1u) {
@@ -224,6 +240,13 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
                                    static_cast<int>(hi.y));
             }
             have |= 1u << j;
+        }
+        if (row_map != nullptr) {
+            // A row the handle does not give this (source, token) adds nothing, as a row missing from the table.
+            const int row = my_row - (my_row / slots) * slots, begin = static_cast<int>(my_range >> 32);
+            const bool wrong = my_row >= 0 && (my_src_token != t || row < begin ||
+                                               row - begin >= static_cast<int>(my_range & 0xffffffffll));
+            have &= ~__ballot_sync(kFullMask, wrong);
         }
         float part[8];
 #pragma unroll

@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
              int* out_scales_ue8m0,                // [E_local, ceil(H/512), R*T]
              int* out_count,                       // [E_local]
              int* out_src_info,                    // [E_local, R*T]
+             int* out_row_map,                     // [R*T, E_local] or null (layout.cuh: record_row)
              int64_t* out_layout_range,            // [E_local, R]
              int* cumulative_recv_stats,           // [E_local] or null
              int64_t* wait_recv_cost_stats,        // [R] or null
@@ -230,14 +231,14 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             dispatch_recv_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
                 sym_tags, rank_tags, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
-                out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
+                out_src_info, out_row_map, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
                 shrink != 0, seq_tag(s_seq[1]), tag_ahead, count_ahead, deadline, err);
         } else if (recv_direct && (phases & kPhaseRecv)) {
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the prefix array
             dispatch_recv_direct<kHidden, kFP8, kWarps * kGroups * 32>(
                 max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
                 s_warp_sum, sym_tags, sym_src_idx, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
-                out_src_info, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
+                out_src_info, out_row_map, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
                 shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
         }
     }
@@ -304,8 +305,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                                                   row, lane);
                 }
                 if (lane == 0) {
-                    out_src_info[static_cast<size_t>(le) * slab + row] =
-                        static_cast<int>(ld_cg_u32(sym_src_idx + u * max_tokens + i));
+                    record_row(out_src_info, out_row_map, le, row, src,
+                               static_cast<int>(ld_cg_u32(sym_src_idx + u * max_tokens + i)), max_tokens, num_ranks,
+                               num_local_experts);
                 }
             }
             if (gthread == 0) {

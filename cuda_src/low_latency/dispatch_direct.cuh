@@ -250,7 +250,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
     int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked, int* s_mask, int* s_pre,
     int* s_warp_sum, const uint32_t* sym_tags, const int* sym_src_idx, const uint8_t* sym_recv, int* mask,
     uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
-    int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
+    int* out_row_map, int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
     bool shrink, uint32_t tag, uint32_t tag_ahead, const Deadline& deadline, ErrorRecord* err) {
     constexpr int kBlockWarps = kThreads / 32;
     constexpr int kNumScales = kHidden / kChannelsPerBlock;
@@ -331,7 +331,9 @@ __device__ __forceinline__ void dispatch_recv_direct(
                                               lane);
             }
             if (lane == 0)
-                out_src_info[out_row] = static_cast<int>(ld_cg_u32(sym_src_idx + static_cast<size_t>(u) * max_tokens + i));
+                record_row(out_src_info, out_row_map, le, row, u % num_ranks,
+                           static_cast<int>(ld_cg_u32(sym_src_idx + static_cast<size_t>(u) * max_tokens + i)), max_tokens,
+                           num_ranks, num_local);
         }
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j)

@@ -148,7 +148,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, int* s_tab,
     const uint32_t* sym_counts, const uint32_t* sym_rank_tags, const uint8_t* sym_recv, int* mask,
     uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
-    int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
+    int* out_row_map, int64_t* out_layout_range, int* cumulative_recv_stats, int64_t* wait_recv_cost_stats, bool use_ue8m0,
     bool shrink, uint32_t tag, uint32_t tag_ahead, uint32_t count_ahead, const Deadline& deadline, ErrorRecord* err) {
     using Msg = RankMsg<kHidden, kTopk, kFP8>;
     constexpr int kBlockWarps = kThreads / 32;
@@ -277,7 +277,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
                 if (j * 32 + lane < n) st_na_v4(d + j * 32 + lane, r[j]);
             if (part == 0) {
                 if constexpr (kFP8) scales.store(use_ue8m0, out_scales, out_scales_ue8m0, e, slab, out_row, lane);
-                if (lane == 0) out_src_info[static_cast<size_t>(e) * slab + out_row] = t;
+                if (lane == 0) record_row(out_src_info, out_row_map, e, out_row, src, t, max_tokens, num_ranks, num_local);
             }
         }
     }

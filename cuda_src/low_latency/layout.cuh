@@ -290,6 +290,16 @@ __device__ __forceinline__ int prefix_segment(const int* s_prefix, int n, int g)
     return lo;
 }
 
+// The dispatch's record of a received row: its source token, in the handle's source info, and where
+// row_map is given, the inverse, row_map[(source * T + token) * E_local + local expert] = row, which the
+// partial-sum combine reads instead of rebuilding it from the source info (combine_partials.cuh).
+__device__ __forceinline__ void record_row(int* out_src_info, int* out_row_map, int le, int row, int src, int t,
+                                           int max_tokens, int num_ranks, int num_local) {
+    out_src_info[static_cast<size_t>(le) * num_ranks * max_tokens + row] = t;
+    if (out_row_map != nullptr && t >= 0 && t < max_tokens)
+        out_row_map[(static_cast<size_t>(src) * max_tokens + t) * num_local + le] = row;
+}
+
 // Exclusive prefix, in thread order, of every thread's `value` over the block (s_warp_sum: one word per
 // warp). Every thread of the block calls it (it holds a block barrier).
 __device__ __forceinline__ int block_exclusive_prefix(int value, int* s_warp_sum) {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
-from ..plan_cache import OpHandle
+from ..plan_cache import LowLatencyHandle
 from ..runtime.launch import LaunchPlan
 from ..runtime.streams import OpStreams
 from ..tensors import SmallOutputs
@@ -20,6 +20,8 @@ from .low_latency import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
 __all__ = ["DispatchPlan", "CombinePlan"]
 
 _BOTH = PHASE_SEND | PHASE_RECV
+
+
 
 
 class _Hook:
@@ -128,7 +130,8 @@ class DispatchPlan(_Plan):
                     ("sym_stage", "ptr", r["send"]), ("seq_state", "ptr", state["seq"]),
                     ("arrival_base", "ptr", state["base"]), ("mask", "ptr", state["mask"]),
                     ("out_x", "ptr", None), ("out_scales", "ptr", 0), ("out_scales_ue8m0", "ptr", 0),
-                    ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_layout_range", "ptr", None),
+                    ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_row_map", "ptr", None),
+                    ("out_layout_range", "ptr", None),
                     ("cumulative_recv_stats", "ptr", 0), ("wait_recv_cost_stats", "ptr", 0),
                     ("phases", "i32", _BOTH), ("staged", "i32", int(engine.staged)),
                     ("force_rma", "i32", int(engine.force_rma)), ("rank_msgs", "i32", int(self.rank_msgs)),
@@ -141,11 +144,13 @@ class DispatchPlan(_Plan):
                     ("x", "ptr", None), ("num_tokens", "i32", num_tokens), ("sym_stage", "ptr", r["send"]),
                     ("round_scale", "i32", int(round_scale))]))
         names = ("x", "topk_idx", "out_x", "out_scales", "out_scales_ue8m0", "out_count", "out_src_info",
-                 "out_layout_range", "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
+                 "out_row_map", "out_layout_range", "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
         self.num_scales = -(-hidden // 512) if self.use_ue8m0 else hidden // 128
-        # Counts, source info and layout ranges (and the scales) come from one allocation.
-        small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.e_local, self.num_ranks), I64)]
+        # Counts, source info, the row map (the inverse of the source info, which the partial-sum combine
+        # reads: layout.cuh record_row), layout ranges and the scales come from one allocation.
+        small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.slab, self.e_local), I32),
+                 ((self.e_local, self.num_ranks), I64)]
         if self.use_fp8:
             small.append(((self.e_local, self.num_scales, self.slab), I32 if self.use_ue8m0 else F32))
         self.small = SmallOutputs(small)
@@ -156,20 +161,21 @@ class DispatchPlan(_Plan):
         ptr = frame.ptr
         recv_x = frame.empty((e_local, slab, hidden), FP8 if self.use_fp8 else BF16)
         small = frame.empty_many(self.small)
-        count, src_info, layout_range = small[0], small[1], small[2]
+        count, src_info, row_map, layout_range = small[0], small[1], small[2], small[3]
         b = self.engine.next_buffer()
-        s_x, s_topk, s_out, s_scales, s_ue8m0, s_count, s_src, s_range, s_cum, s_wait, s_phases = self.slots[b]
+        s_x, s_topk, s_out, s_scales, s_ue8m0, s_count, s_src, s_map, s_range, s_cum, s_wait, s_phases = self.slots[b]
         x_ptr = ptr(x)
         s_x.value = x_ptr
         s_topk.value = ptr(topk_idx)
         s_out.value = ptr(recv_x)
         recv = recv_x
         if self.use_fp8:
-            scales = small[3]
+            scales = small[4]
             (s_ue8m0 if self.use_ue8m0 else s_scales).value = ptr(scales)
             recv = (recv_x, frame.transpose_last(scales))
         s_count.value = ptr(count)
         s_src.value = ptr(src_info)
+        s_map.value = ptr(row_map)
         s_range.value = ptr(layout_range)
         s_cum.value = 0 if cumulative_local_expert_recv_stats is None else ptr(cumulative_local_expert_recv_stats)
         s_wait.value = 0 if dispatch_wait_recv_cost_stats is None else \
@@ -179,7 +185,8 @@ class DispatchPlan(_Plan):
             stage.slot("x").value = x_ptr
             stage.launch(stream)
         hook = self._launch(self.plans[b], s_phases, stream)
-        handle = OpHandle((src_info, layout_range, self.t_max, hidden, self.num_experts))
+        handle = LowLatencyHandle((src_info, layout_range, self.t_max, hidden, self.num_experts))
+        handle.row_map = row_map
         keep = (x, topk_idx, recv, count, handle) if streams is not None else None
         return recv, count, handle, self._end(streams, keep), hook
 
@@ -208,7 +215,8 @@ class CombinePlan(_Plan):
         for b in (0, 1):
             r, state, common = self._common_args(b)
             args = [("x", "ptr", r["send"] if zero_copy else None), ("src_info", "ptr", None),
-                    ("layout_range", "ptr", None), ("topk_idx", "ptr", None), ("topk_weights", "ptr", None),
+                    ("layout_range", "ptr", None), ("row_map", "ptr", 0), ("topk_idx", "ptr", None),
+                    ("topk_weights", "ptr", None),
                     ("num_tokens", "i32", num_tokens), ("max_tokens", "i32", t_max), *common,
                     ("sym_tags", "ptr", r["tags"]), ("sym_arrivals", "ptr", r["arrivals"]),
                     ("sym_recv", "ptr", r["recv"]), ("sym_send", "ptr", r["send"]),
@@ -219,8 +227,9 @@ class CombinePlan(_Plan):
                     ("shrink", "i32", int(engine.enable_shrink)), ("timeout_ns", "i64", timeout_ns()),
                     ("err", "ptr", engine.errors.ptr)]
             self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args, shared_mem=shared))
-        names = ("x", "src_info", "layout_range", "topk_idx", "topk_weights", "out", "wait_recv_cost_stats",
-                 "phases")
+        names = ("x", "src_info", "layout_range", "row_map", "topk_idx", "topk_weights", "out",
+                 "wait_recv_cost_stats", "phases")
+
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
 
     def run(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
@@ -230,10 +239,13 @@ class CombinePlan(_Plan):
         if out is None:
             out = frame.empty((self.num_tokens, self.hidden), BF16)
         b = self.engine.next_buffer()
-        s_x, s_src, s_range, s_topk, s_w, s_out, s_wait, s_phases = self.slots[b]
+        s_x, s_src, s_range, s_map, s_topk, s_w, s_out, s_wait, s_phases = self.slots[b]
         if not self.zero_copy:
             s_x.value = ptr(x)
         s_src.value = ptr(handle[0])
+        # A handle the caller built or rebuilt has no row map: the kernel then rebuilds the rows from it.
+        row_map = getattr(handle, "row_map", None) if self.partials else None
+        s_map.value = 0 if row_map is None else ptr(row_map)
         s_range.value = ptr(handle[1])
         s_topk.value = ptr(topk_idx)
         s_w.value = ptr(topk_weights)

@@ -283,7 +283,10 @@ def combine_failures(ours, refs, *, logfmt, logfmt_exact=None, expert_out=None, 
 
 
 def run_round(env, fw, *, seed, t_max, hidden, num_experts, k, n=None, fp8=False, round_scale=False, ue8m0=False,
-              logfmt=False, logfmt_exact=None, hook=False, zero_copy=False, out=False, stats=False):
+              logfmt=False, logfmt_exact=None, hook=False, zero_copy=False, out=False, stats=False,
+              rebuild_handle=False):
+    """One dispatch + combine against the reference; ``rebuild_handle`` gives the combine the handle as a plain
+    tuple, as a caller that rebuilt it would (it then carries no row map from the dispatch)."""
     rank, size = env["rank"], env["size"]
     rng = np.random.default_rng(seed * 1000 + rank)
     if n is None:
@@ -295,6 +298,8 @@ def run_round(env, fw, *, seed, t_max, hidden, num_experts, k, n=None, fp8=False
     failures = dispatch_failures(ours, refs, fp8=fp8)
     e_local = num_experts // size
     expert_out = make_expert_out(rng, refs["count"], e_local, size * t_max, hidden)
+    if rebuild_handle:
+        handle = tuple(handle)
     got, want = combine_both(env, fw, expert_out, topk, weights, handle, r_handle, logfmt=logfmt,
                              zero_copy=zero_copy, hook=hook, out=out)
     failures += combine_failures(got, want, logfmt=logfmt, logfmt_exact=logfmt_exact)

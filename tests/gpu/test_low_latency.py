@@ -167,13 +167,29 @@ def test_rank_partials_are_used(env):
     assert engine.rank_partials(layout, K_BIG, True) == (nvlink and env["size"] <= 8)
 
 
+@pytest.mark.parametrize("logfmt", [False, True])
+def test_partials_from_a_rebuilt_handle(env, logfmt):
+    """A handle the caller rebuilt (a plain tuple) carries no row map from the dispatch: the partial-sum send
+    then rebuilds the rows from the source info. Both frameworks; the other tests use the row map."""
+    engine = env["buf"].runtime.low_latency
+    partials = engine.rank_partials(engine.make_layout(T_BIG, H_BIG, E_BIG), K_BIG, logfmt)
+    for fw in FRAMEWORKS:
+        failures, _, _ = run_round(env, fw, seed=23, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
+                                   logfmt=logfmt, logfmt_exact=0.99 if logfmt and partials else None,
+                                   rebuild_handle=True)
+        agree(failures)
+
+
 def test_partials_with_a_table_past_48_kib(env):
     """T=1024 at top-8 on 2 ranks: the partial-sum send's row table (~74 KB of dynamic shared memory) needs
-    the function's opt-in past 48 KiB."""
+    the function's opt-in past 48 KiB. The table is built for a rebuilt handle (no row map), and the row
+    map is used from the dispatch's own handle."""
     layout = env["buf"].runtime.low_latency.make_layout(1024, 2048, 32)
     assert layout.partial_table_bytes(8) > 48 * 1024
-    failures, _, _ = run_round(env, FRAMEWORKS[0], seed=21, t_max=1024, hidden=2048, num_experts=32, k=8)
-    agree(failures)
+    for rebuild in (True, False):
+        failures, _, _ = run_round(env, FRAMEWORKS[0], seed=21, t_max=1024, hidden=2048, num_experts=32, k=8,
+                                   rebuild_handle=rebuild)
+        agree(failures)
 
 
 def test_stats(env):
