@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
             uint32_t* sym_tags,                       // [E]
             uint64_t* sym_arrivals,                   // [E]
+            uint32_t* sym_done,                       // kPartials: [R][grid] block completion words (src_idx region)
             uint8_t* sym_recv,                        // [E][T] slots of 2H bytes
             uint8_t* sym_send,                        // [E_local][R*T] rows of 2H bytes
             uint32_t* seq_state,                      // [8]: [0..3] sequences, [4] send blocks done
@@ -214,8 +215,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool bail = !shrink;
 
     // Stage B's first tag words, read ahead of the prologue (thread i waits for expert i there), and the
-    // send's unit ranges.
-    const uint32_t tag_ahead = read_tag_ahead(phases, sym_tags, num_experts);
+    // send's unit ranges. The partial-sum path reads its sources' block words instead, and only in a launch
+    // that only receives (recv_partials' upfront case).
+    const uint32_t tag_ahead = kPartials ? read_tag_ahead((phases & kPhaseSend) ? 0 : phases, sym_done,
+                                                          num_ranks * static_cast<int>(gridDim.x))
+                                         : read_tag_ahead(phases, sym_tags, num_experts);
     const int64_t range_ahead =
         (phases & kPhaseSend) && static_cast<int>(threadIdx.x) < num_experts ? __ldg(layout_range + threadIdx.x) : 0;
     begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
@@ -231,9 +235,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
                                   s_prefix, s_warp_sum);
         send_partials<kHidden, kTopk, kThreads, kLogfmt>(x, src_info, layout_range, row_map, max_tokens, num_experts, num_ranks,
-                                                         rank, self_masked, s_mask, mask, s_prefix, s_table, &s_last,
-                                                         sym_tags, sym_recv, seq_state + 4, tag, shrink != 0, deadline,
-                                                         err);
+                                                         rank, self_masked, s_mask, mask, s_prefix, s_table, sym_done,
+                                                         sym_recv, tag, shrink != 0, deadline, err);
     } else if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
         // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
@@ -353,9 +356,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         }
         if constexpr (kPartials) {
             recv_partials<kHidden, kTopk, kThreads, kLogfmt>(topk_idx, num_tokens, max_tokens, num_experts, num_ranks,
-                                                             rank, self_masked, s_mask, mask, s_arrived, sym_tags,
-                                                             sym_recv, out, wait_recv_cost_stats, tag_ahead, tag,
-                                                             t_start, shrink != 0, deadline, err);
+                                                             rank, self_masked, s_mask, mask, sym_done, sym_recv, out,
+                                                             wait_recv_cost_stats, (phases & kPhaseSend) == 0,
+                                                             tag_ahead, s_arrived, tag, shrink != 0, deadline, err);
             return;
         }
 

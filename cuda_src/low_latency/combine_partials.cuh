@@ -15,18 +15,23 @@
 // launch's tag is complete and needs no fence or flag. Routes are written for all T token slots (none
 // past the owner's token count), so a reader never waits for a token the owner does not have.
 //
-// Expert side: every block builds, in dynamic shared memory, the rows the dispatch handle gives each
-// (source, token): s_count[s * T + t] and up to K entries (local expert << 16) | row. The grid's warps
-// then take contiguous ranges of (token, source, 256-channel segment) items; for a new token, lane k
-// waits for route k, finds the row of its expert, and the warp loads every row of the token (all in
+// Expert side: the row of each (source, token, local expert) comes from the row map the dispatch wrote
+// next to its handle (layout.cuh record_row), checked against the handle's source info and range; for a
+// handle the caller rebuilt (no row map) every block first builds, in dynamic shared memory, the rows
+// the handle gives each (source, token): s_count[s * T + t] and up to K entries (local expert << 16) |
+// row. The grid's warps take contiguous ranges of (token, source, 256-channel segment) items; for a new
+// token, lane k waits for route k, finds the row of its expert, and the warp loads every row of the token (all in
 // flight) and writes the fma chain in top-k order (float32 or LogFMT) to the owner, at row (rank * T + t) of
 // the owner's receive region. A token is written iff some route names an expert here, which is exactly
 // when the owner's own top-k names this rank, so both sides agree without a count.
-// Completion: the grid's completion count, then warp 0 of the last block writes one word per live
-// destination, tags[rank] = (tag << 16), after an acquire-release fence.
+// Completion per block: once its warps are done, every block fences and writes one word per live
+// destination, (tag << 16) | grid size, at the destination's sym_done[rank][block] (the start of the
+// source-index region, where the dispatch writes only token indices, never a tagged word).
 //
-// Owner side: one thread per source rank waits for its word; a warp per (token, 512-channel chunk)
-// then adds, in rank order, the rows of the ranks its top-k entries name (arrived and not masked).
+// Owner side: a warp per (token, 512-channel chunk); the first lane per rank its top-k entries name
+// waits for the words of that rank's blocks that wrote (token, owner) (PartialItems gives them), and the
+// warp adds, in rank order, the rows of the ranks that arrived and are not masked. So the reduction of a
+// token starts once its own rows are in, not once every block of every source is done.
 //
 // Layout inside the receive region of a half: rows [R][T] (float32 [H], or H / 128 LogFMT blocks), then
 // the routes [R][T][K] (LowLatencyLayout.partials_fit checks that both fit).
@@ -51,6 +56,23 @@ constexpr size_t kPartialRowBytes =
 __device__ __forceinline__ uint64_t* partial_routes(uint8_t* recv, int num_ranks, int max_tokens, size_t row_bytes) {
     return reinterpret_cast<uint64_t*>(recv + static_cast<size_t>(num_ranks) * max_tokens * row_bytes);
 }
+
+// How the send splits its items (token, source, segment) over the grid: every warp a contiguous range of
+// per_warp items, every block kBlockWarps such ranges. The owner uses the same split to learn which of a
+// source's blocks wrote its rows, so every rank must run the same grid (each block's completion word
+// carries the grid size, and an owner waiting for another one times out instead of reading early).
+// Item counts fit 32 bits: R * T <= 2^16 (LowLatencyLayout.partials_fit) and kSegs is small.
+template <int kHidden, int kThreads>
+struct PartialItems {
+    static constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 in per lane; one LogFMT wire segment
+    static constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    int total, per_warp;
+    __device__ __forceinline__ PartialItems(int num_ranks, int max_tokens)
+        : total(num_ranks * max_tokens * kSegs),
+          per_warp((total + static_cast<int>(gridDim.x) * (kThreads / 32) - 1) / (static_cast<int>(gridDim.x) * (kThreads / 32))) {}
+    // The block of the grid that sends `item`.
+    __device__ __forceinline__ int block_of(int item) const { return item / (per_warp * (kThreads / 32)); }
+};
 
 // Every live destination gets the routes of all T token slots of this rank (grid-wide, one store each).
 template <int kTopk, int kThreads>
@@ -123,12 +145,13 @@ template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_info, const int64_t* layout_range,
                                               const int* row_map, int max_tokens, int num_experts, int num_ranks, int rank,
                                               bool self_masked, const int* s_mask, int* mask, const int* s_prefix,
-                                              int* s_table, int* s_last, uint32_t* sym_tags, uint8_t* sym_recv,
-                                              uint32_t* done_counter, uint32_t tag, bool shrink,
+                                              int* s_table, uint32_t* sym_done, uint8_t* sym_recv, uint32_t tag,
+                                              bool shrink,
                                               const Deadline& deadline, ErrorRecord* err) {
     constexpr int kBlockWarps = kThreads / 32;
-    constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 in per lane; one LogFMT wire segment
-    constexpr int kSegs = (kHidden + kSeg - 1) / kSeg;
+    using Items = PartialItems<kHidden, kThreads>;
+    constexpr int kSeg = Items::kSeg;
+    constexpr int kSegs = Items::kSegs;
     constexpr size_t kRowBytes = kPartialRowBytes<kHidden, kLogfmt>;
     const int lane = lane_id();
     const int slots = num_ranks * max_tokens;
@@ -136,11 +159,9 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     uint32_t* s_rows = reinterpret_cast<uint32_t*>(s_table + slots);
     const uint64_t* routes = partial_routes(sym_recv, num_ranks, max_tokens, kRowBytes);
 
-    const long long total_items = static_cast<long long>(slots) * kSegs;
-    const long long total_warps = static_cast<long long>(gridDim.x) * kBlockWarps;
-    const long long per_warp = (total_items + total_warps - 1) / total_warps;
-    const long long first = (static_cast<long long>(blockIdx.x) * kBlockWarps + threadIdx.x / 32) * per_warp;
-    const long long last = self_masked ? 0 : min(total_items, first + per_warp);
+    const Items items(num_ranks, max_tokens);
+    const long long first = (static_cast<long long>(blockIdx.x) * kBlockWarps + threadIdx.x / 32) * items.per_warp;
+    const long long last = self_masked ? 0 : min(static_cast<long long>(items.total), first + items.per_warp);
     // Lane k's route of the next (token, source) pair is read one pair ahead (the first one before the
     // table is built), so its round trip overlaps other work; wait_route only polls when it was early.
     const auto route_word = [&](int pair) {
@@ -156,9 +177,8 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     int cur = -1;                  // the (token, source) pair whose routes the lanes hold
     int my_row = -1;               // lane k: its expert's row of x ([E_local * R * T] rows), -1 for none
     float my_w = 0.0f;
-    // With the dispatch's row map, lane k's row is checked against the handle (row in the (expert, source)
-    // range, source info = token) only after its loads are issued: what the row map holds and what the
-    // source info holds if the check fails.
+    // With the row map, lane k's row is checked against the handle (inside the (expert, source) range, and
+    // the source info names the token) after the row's loads are issued; these hold what the check reads.
     int my_src_token = 0;
     int64_t my_range = 0;
     uint8_t* dst = nullptr;        // the owner's row, null when nothing goes there
@@ -274,25 +294,53 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         }
     }
 
-    grid_completion(done_counter, s_last);
-    if (*s_last && threadIdx.x < 32 && !self_masked) {
-        fence_acq_rel_sys();
+    // Completion per block: the block barrier orders every thread's stores before thread 0's fence, which
+    // releases them (cumulativity, as in grid_completion), then the block's word, (tag << 16) | grid size,
+    // goes to every live destination at sym_done[rank * grid + block]. An owner waits for the blocks that
+    // wrote its token's rows only, so its reduction need not wait for the whole grid of every source.
+    __syncthreads();
+    if (threadIdx.x == 0 && !self_masked) fence_acq_rel_sys();
+    __syncthreads();
+    if (threadIdx.x < 32 && !self_masked) {
+        const uint32_t word = tag_word(tag, gridDim.x);
+        uint32_t* mine = sym_done + static_cast<size_t>(rank) * gridDim.x + blockIdx.x;
         for (int d = static_cast<int>(threadIdx.x); d < num_ranks; d += 32)
-            if (s_mask[d] == 0)
-                st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + rank, d)), tag_word(tag, 0u));
+            if (s_mask[d] == 0) st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(mine, d)), word);
     }
 }
 
+// Waits for the completion words of blocks [b0, b1] of `source`'s grid (send_partials); false when one
+// of them timed out (the source is then marked) or carries another grid size.
+__device__ __forceinline__ bool wait_source_blocks(const uint32_t* sym_done, int source, int b0, int b1,
+                                                   uint32_t tag, int* mask, bool shrink, int rank,
+                                                   const Deadline& deadline, ErrorRecord* err) {
+    const uint32_t* words = sym_done + static_cast<size_t>(source) * gridDim.x;
+    for (int b = b0; b <= b1; ++b) {
+        // An acquire load first: a word already set (the common case by the time a warp gets here) then
+        // needs no system fence.
+        const int grid = wait_tag_seen(ld_acquire_sys_u32(words + b), words + b, tag, deadline, err, !shrink);
+        if (grid != static_cast<int>(gridDim.x & 0xffffu)) {
+            if (grid < 0) peer_timed_out(mask, source, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
+            else report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
+            return false;
+        }
+    }
+    return true;
+}
+
 // Receive phase of the partial-sum combine (see the top). Every thread of every block calls it; the
-// top-k ids were checked by the caller. tag_ahead: word threadIdx.x of the tags, read before the prologue.
+// top-k ids were checked by the caller. upfront: a launch that only receives (a receive hook), whose
+// sources are long done: every block first reads all the completion words (word threadIdx.x was read
+// ahead of the prologue: done_ahead) and keeps a bit per dead source in s_dead, so its warps need no
+// waits of their own (a wait per warp item cost the hook ~0.7-1 us). Otherwise every warp waits for the
+// blocks its token needs.
 template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
                                               int num_experts, int num_ranks, int rank, bool self_masked,
-                                              const int* s_mask, int* mask, uint32_t* s_arrived,
-                                              const uint32_t* sym_tags, const uint8_t* sym_recv, uint16_t* out,
-                                              int64_t* wait_recv_cost_stats, uint32_t tag_ahead, uint32_t tag,
-                                              uint64_t t_start, bool shrink, const Deadline& deadline,
-                                              ErrorRecord* err) {
+                                              const int* s_mask, int* mask, const uint32_t* sym_done,
+                                              const uint8_t* sym_recv, uint16_t* out, int64_t* wait_recv_cost_stats,
+                                              bool upfront, uint32_t done_ahead, uint32_t* s_dead, uint32_t tag,
+                                              bool shrink, const Deadline& deadline, ErrorRecord* err) {
     // A warp item is (token, 512 channels): lane i takes channels 8 i .. 8 i + 7 of each 256-channel half.
     // With 256-channel items the benchmark's 3584 items left 13% of the grid's 3168 warps two items in a
     // row, and the last block ended ~3 us after the median one.
@@ -303,40 +351,61 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
     constexpr size_t kRowBytes = kPartialRowBytes<kHidden, kLogfmt>;
     const int lane = lane_id(), warp_in_block = static_cast<int>(threadIdx.x) / 32;
     const int num_local = num_experts / num_ranks;
-
-    // One thread per source rank learns whether its rows are in.
-    for (int r0 = warp_in_block * 32; r0 < num_ranks; r0 += kThreads) {
-        const int r = r0 + lane;
-        bool ok = false;
-        if (r < num_ranks && !self_masked && s_mask[r] == 0 && ld_volatile(mask + r) == 0) {
-            const uint32_t seen = r == static_cast<int>(threadIdx.x) ? tag_ahead : 0u;
-            ok = wait_tag_seen(seen, sym_tags + r, tag, deadline, err, !shrink) >= 0;
-            if (!ok) peer_timed_out(mask, r, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
-            else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0)
-                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + r),
-                          static_cast<unsigned long long>(globaltimer() - t_start));
+    const PartialItems<kHidden, kThreads> items(num_ranks, max_tokens);
+    if (upfront) {
+        for (int i = static_cast<int>(threadIdx.x); i < (num_ranks + 31) / 32; i += kThreads) s_dead[i] = 0;
+        __syncthreads();
+        const int words = num_ranks * static_cast<int>(gridDim.x);
+        const uint64_t t0 = globaltimer();
+        for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) {
+            const int source = i / static_cast<int>(gridDim.x), b = i % static_cast<int>(gridDim.x);
+            if (self_masked || s_mask[source] != 0 || ld_volatile(mask + source) != 0) continue;
+            const int grid = wait_tag_seen(i == static_cast<int>(threadIdx.x) ? done_ahead : 0u, sym_done + i, tag,
+                                           deadline, err, !shrink);
+            if (grid != static_cast<int>(gridDim.x & 0xffffu)) {
+                if (grid < 0) peer_timed_out(mask, source, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
+                else report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
+                atomicOr(s_dead + source / 32, 1u << (source % 32));
+            } else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0 && b == static_cast<int>(gridDim.x) - 1) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
+                          static_cast<unsigned long long>(globaltimer() - t0));
+            }
         }
-        const uint32_t bits = __ballot_sync(kFullMask, ok);
-        if (lane == 0) s_arrived[r0 / 32] = bits;
+        __syncthreads();
     }
-    __syncthreads();
 
     const long long total_warps = static_cast<long long>(gridDim.x) * (kThreads / 32);
     const long long gwarp = static_cast<long long>(blockIdx.x) * (kThreads / 32) + warp_in_block;
     for (long long item = gwarp; item < static_cast<long long>(num_tokens) * kNumChunks; item += total_warps) {
         const int t = static_cast<int>(item / kNumChunks);
         const int col0 = static_cast<int>(item % kNumChunks) * kChunk + lane * 8;  // half h: col0 + 256 h
-        // Lane k: the rank of its expert, -1 for none. The ranks named, each once, in rank order.
+        // Lane k: the rank of its expert, -1 for none (or a masked rank). The ranks named, each once, in
+        // rank order; the first lane of each waits for the blocks of that rank that wrote (t, this rank),
+        // and a rank whose wait fails adds nothing.
         int owner = -1;
-        if (lane < kTopk) {
+        if (lane < kTopk && !self_masked) {
             const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
             if (id >= 0 && id < num_experts) {
                 const int o = static_cast<int>(id / num_local);
-                if ((s_arrived[o / 32] >> (o % 32)) & 1u) owner = o;
+                if (s_mask[o] == 0) owner = o;
             }
         }
         const uint32_t same = __match_any_sync(kFullMask, owner);
-        const bool first_of_rank = owner >= 0 && __ffs(same) - 1 == lane;
+        bool first_of_rank = owner >= 0 && __ffs(same) - 1 == lane;
+        if (first_of_rank && upfront) {
+            first_of_rank = ((s_dead[owner / 32] >> (owner % 32)) & 1u) == 0;
+        } else if (first_of_rank) {
+            const int pair = t * num_ranks + rank;  // in the source's item order
+            const uint64_t t0 = globaltimer();
+            first_of_rank = ld_volatile(mask + owner) == 0 &&
+                            wait_source_blocks(sym_done, owner, items.block_of(pair * items.kSegs),
+                                               items.block_of((pair + 1) * items.kSegs - 1), tag, mask, shrink, rank,
+                                               deadline, err);
+            if (first_of_rank && wait_recv_cost_stats != nullptr)
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
+                          static_cast<unsigned long long>(globaltimer() - t0));
+        }
+        __syncwarp();  // the rows of a rank are read by every lane, after its first lane's acquire
         const uint32_t firsts = __ballot_sync(kFullMask, first_of_rank);
         int pos = 0;  // ranks named before this lane's, in rank order
         for (uint32_t m = firsts; m != 0; m &= m - 1) {

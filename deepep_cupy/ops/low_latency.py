@@ -277,7 +277,7 @@ class LowLatencyEngine:
         shared table fit, and a token is expected to pick enough experts of a rank it reaches
         (``LowLatencyLayout.partials_pay``) that one partial row beats its per-expert rows. The same
         decision on every rank."""
-        return (self._stores_everywhere() and layout.partials_fit(topk, use_logfmt)
+        return (self._stores_everywhere() and layout.partials_fit(topk, use_logfmt, self.num_sms)
                 and layout.partials_pay(topk, use_logfmt))
 
     def _stores_everywhere(self) -> bool:

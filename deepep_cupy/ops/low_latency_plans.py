@@ -219,7 +219,7 @@ class CombinePlan(_Plan):
                     ("topk_weights", "ptr", None),
                     ("num_tokens", "i32", num_tokens), ("max_tokens", "i32", t_max), *common,
                     ("sym_tags", "ptr", r["tags"]), ("sym_arrivals", "ptr", r["arrivals"]),
-                    ("sym_recv", "ptr", r["recv"]), ("sym_send", "ptr", r["send"]),
+                    ("sym_done", "ptr", r["src_idx"]), ("sym_recv", "ptr", r["recv"]), ("sym_send", "ptr", r["send"]),
                     ("seq_state", "ptr", state["seq"]), ("arrival_base", "ptr", state["base"]),
                     ("ready", "ptr", state["ready"]), ("mask", "ptr", state["mask"]), ("out", "ptr", None),
                     ("wait_recv_cost_stats", "ptr", 0), ("phases", "i32", _BOTH),

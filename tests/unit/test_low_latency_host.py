@@ -146,6 +146,9 @@ def test_partials_where_they_fit_and_pay():
     assert LowLatencyLayout(128, 7168, 2, 2).partials_fit(8, True)
     assert not layout.partials_fit(33)
     assert not LowLatencyLayout(8192, 7168, 2, 288).partials_fit(8)
+    # Every block of a rank's grid leaves a completion word in the source-index region ([E, T] words).
+    assert LowLatencyLayout(1, 7168, 2, 288).partials_fit(8, True, grid=144)
+    assert not LowLatencyLayout(1, 7168, 2, 288).partials_fit(8, True, grid=145)
 
 
 @pytest.mark.parametrize("bad", [(0, 128, 2, 8), (8, 128, 2, 7), (8, 100, 2, 8), (8, 128, 0, 8)])
