@@ -69,7 +69,8 @@ struct PartialItems {
     int total, per_warp;
     __device__ __forceinline__ PartialItems(int num_ranks, int max_tokens)
         : total(num_ranks * max_tokens * kSegs),
-          per_warp((total + static_cast<int>(gridDim.x) * (kThreads / 32) - 1) / (static_cast<int>(gridDim.x) * (kThreads / 32))) {}
+          per_warp((total + static_cast<int>(gridDim.x) * (kThreads / 32) - 1) /
+                   (static_cast<int>(gridDim.x) * (kThreads / 32))) {}
     // The block of the grid that sends `item`.
     __device__ __forceinline__ int block_of(int item) const { return item / (per_warp * (kThreads / 32)); }
 };
@@ -376,97 +377,104 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
 
     const long long total_warps = static_cast<long long>(gridDim.x) * (kThreads / 32);
     const long long gwarp = static_cast<long long>(blockIdx.x) * (kThreads / 32) + warp_in_block;
-    for (long long item = gwarp; item < static_cast<long long>(num_tokens) * kNumChunks; item += total_warps) {
-        const int t = static_cast<int>(item / kNumChunks);
-        const int col0 = static_cast<int>(item % kNumChunks) * kChunk + lane * 8;  // half h: col0 + 256 h
-        // Lane k: the rank of its expert, -1 for none (or a masked rank). The ranks named, each once, in
-        // rank order; the first lane of each waits for the blocks of that rank that wrote (t, this rank),
-        // and a rank whose wait fails adds nothing.
-        int owner = -1;
-        if (lane < kTopk && !self_masked) {
-            const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
-            if (id >= 0 && id < num_experts) {
-                const int o = static_cast<int>(id / num_local);
-                if (s_mask[o] == 0) owner = o;
+    // The item loop is compiled twice: without the per-item waits, an upfront launch keeps its registers
+    // (with them, its reduction spilled and the receive hook took ~1 us longer).
+    const auto reduce_items = [&](auto waits) {
+        constexpr bool kWaits = decltype(waits)::value;
+        for (long long item = gwarp; item < static_cast<long long>(num_tokens) * kNumChunks; item += total_warps) {
+            const int t = static_cast<int>(item / kNumChunks);
+            const int col0 = static_cast<int>(item % kNumChunks) * kChunk + lane * 8;  // half h: col0 + 256 h
+            // Lane k: the rank of its expert, -1 for none (or a masked rank). The ranks named, each once, in
+            // rank order; the first lane of each waits for the blocks of that rank that wrote (t, this rank),
+            // and a rank whose wait fails adds nothing.
+            int owner = -1;
+            if (lane < kTopk && !self_masked) {
+                const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
+                if (id >= 0 && id < num_experts) {
+                    const int o = static_cast<int>(id / num_local);
+                    if (s_mask[o] == 0) owner = o;
+                }
             }
-        }
-        const uint32_t same = __match_any_sync(kFullMask, owner);
-        bool first_of_rank = owner >= 0 && __ffs(same) - 1 == lane;
-        if (first_of_rank && upfront) {
-            first_of_rank = ((s_dead[owner / 32] >> (owner % 32)) & 1u) == 0;
-        } else if (first_of_rank) {
-            const int pair = t * num_ranks + rank;  // in the source's item order
-            const uint64_t t0 = globaltimer();
-            first_of_rank = ld_volatile(mask + owner) == 0 &&
-                            wait_source_blocks(sym_done, owner, items.block_of(pair * items.kSegs),
-                                               items.block_of((pair + 1) * items.kSegs - 1), tag, mask, shrink, rank,
-                                               deadline, err);
-            if (first_of_rank && wait_recv_cost_stats != nullptr)
-                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
-                          static_cast<unsigned long long>(globaltimer() - t0));
-        }
-        __syncwarp();  // the rows of a rank are read by every lane, after its first lane's acquire
-        const uint32_t firsts = __ballot_sync(kFullMask, first_of_rank);
-        int pos = 0;  // ranks named before this lane's, in rank order
-        for (uint32_t m = firsts; m != 0; m &= m - 1) {
-            const int o = __shfl_sync(kFullMask, owner, __ffs(m) - 1);
-            if (o < owner) ++pos;
-        }
-        const int named = __popc(firsts);
+            const uint32_t same = __match_any_sync(kFullMask, owner);
+            bool first_of_rank = owner >= 0 && __ffs(same) - 1 == lane;
+            if (!kWaits && first_of_rank) {
+                first_of_rank = ((s_dead[owner / 32] >> (owner % 32)) & 1u) == 0;
+            } else if (kWaits && first_of_rank) {
+                const int pair = t * num_ranks + rank;  // in the source's item order
+                const uint64_t t0 = globaltimer();
+                first_of_rank = ld_volatile(mask + owner) == 0 &&
+                                wait_source_blocks(sym_done, owner, items.block_of(pair * items.kSegs),
+                                                   items.block_of((pair + 1) * items.kSegs - 1), tag, mask, shrink, rank,
+                                                   deadline, err);
+                if (first_of_rank && wait_recv_cost_stats != nullptr)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
+                              static_cast<unsigned long long>(globaltimer() - t0));
+            }
+            __syncwarp();  // the rows of a rank are read by every lane, after its first lane's acquire
+            const uint32_t firsts = __ballot_sync(kFullMask, first_of_rank);
+            int pos = 0;  // ranks named before this lane's, in rank order
+            for (uint32_t m = firsts; m != 0; m &= m - 1) {
+                const int o = __shfl_sync(kFullMask, owner, __ffs(m) - 1);
+                if (o < owner) ++pos;
+            }
+            const int named = __popc(firsts);
 
-        float acc[kHalves][8];
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[h][i] = 0.0f;
-        for (int j0 = 0; j0 < named; j0 += kBatch) {
-            int4 lo[kBatch][kHalves], hi[kBatch][kHalves];
-            LogfmtPiece piece[kLogfmt ? kBatch : 1][kHalves];
-            uint32_t have = 0;  // bit j * kHalves + h: rank j0 + j's half h is loaded
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-                const uint32_t at = __ballot_sync(kFullMask, first_of_rank && pos == j0 + j);
-                const int o = __shfl_sync(kFullMask, owner, at != 0 ? __ffs(at) - 1 : 0);
-                const uint8_t* row = sym_recv + (static_cast<size_t>(o) * max_tokens + t) * kRowBytes;
-#pragma unroll
-                for (int h = 0; h < kHalves; ++h) {
-                    const int col = col0 + 256 * h;
-                    if (at == 0 || col >= kHidden) continue;
-                    have |= 1u << (j * kHalves + h);
-                    if constexpr (kLogfmt) {
-                        piece[j][h] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
-                    } else {
-                        lo[j][h] = ld_cg_v4(reinterpret_cast<const float*>(row) + col);
-                        hi[j][h] = ld_cg_v4(reinterpret_cast<const float*>(row) + col + 4);
+            float acc[kHalves][8];
+    #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+    #pragma unroll
+                for (int i = 0; i < 8; ++i) acc[h][i] = 0.0f;
+            for (int j0 = 0; j0 < named; j0 += kBatch) {
+                int4 lo[kBatch][kHalves], hi[kBatch][kHalves];
+                LogfmtPiece piece[kLogfmt ? kBatch : 1][kHalves];
+                uint32_t have = 0;  // bit j * kHalves + h: rank j0 + j's half h is loaded
+    #pragma unroll
+                for (int j = 0; j < kBatch; ++j) {
+                    const uint32_t at = __ballot_sync(kFullMask, first_of_rank && pos == j0 + j);
+                    const int o = __shfl_sync(kFullMask, owner, at != 0 ? __ffs(at) - 1 : 0);
+                    const uint8_t* row = sym_recv + (static_cast<size_t>(o) * max_tokens + t) * kRowBytes;
+    #pragma unroll
+                    for (int h = 0; h < kHalves; ++h) {
+                        const int col = col0 + 256 * h;
+                        if (at == 0 || col >= kHidden) continue;
+                        have |= 1u << (j * kHalves + h);
+                        if constexpr (kLogfmt) {
+                            piece[j][h] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
+                        } else {
+                            lo[j][h] = ld_cg_v4(reinterpret_cast<const float*>(row) + col);
+                            hi[j][h] = ld_cg_v4(reinterpret_cast<const float*>(row) + col + 4);
+                        }
+                    }
+                }
+    #pragma unroll
+                for (int j = 0; j < kBatch; ++j) {
+    #pragma unroll
+                    for (int h = 0; h < kHalves; ++h) {
+                        if (((have >> (j * kHalves + h)) & 1u) == 0) continue;
+                        float v[8];
+                        if constexpr (kLogfmt) {
+                            logfmt_decode8(piece[j][h], v);
+                        } else {
+                            v[0] = __int_as_float(lo[j][h].x), v[1] = __int_as_float(lo[j][h].y);
+                            v[2] = __int_as_float(lo[j][h].z), v[3] = __int_as_float(lo[j][h].w);
+                            v[4] = __int_as_float(hi[j][h].x), v[5] = __int_as_float(hi[j][h].y);
+                            v[6] = __int_as_float(hi[j][h].z), v[7] = __int_as_float(hi[j][h].w);
+                        }
+    #pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[h][i] = __fadd_rn(acc[h][i], v[i]);
                     }
                 }
             }
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-#pragma unroll
-                for (int h = 0; h < kHalves; ++h) {
-                    if (((have >> (j * kHalves + h)) & 1u) == 0) continue;
-                    float v[8];
-                    if constexpr (kLogfmt) {
-                        logfmt_decode8(piece[j][h], v);
-                    } else {
-                        v[0] = __int_as_float(lo[j][h].x), v[1] = __int_as_float(lo[j][h].y);
-                        v[2] = __int_as_float(lo[j][h].z), v[3] = __int_as_float(lo[j][h].w);
-                        v[4] = __int_as_float(hi[j][h].x), v[5] = __int_as_float(hi[j][h].y);
-                        v[6] = __int_as_float(hi[j][h].z), v[7] = __int_as_float(hi[j][h].w);
-                    }
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[h][i] = __fadd_rn(acc[h][i], v[i]);
-                }
+    #pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                const int col = col0 + 256 * h;
+                if (col < kHidden)
+                    st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc[h]));
             }
         }
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-            const int col = col0 + 256 * h;
-            if (col < kHidden)
-                st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc[h]));
-        }
-    }
+    };
+    if (upfront) reduce_items(std::integral_constant<bool, false>{});
+    else reduce_items(std::integral_constant<bool, true>{});
 }
 
 }  // namespace deepep_cupy::low_latency
