@@ -20,9 +20,9 @@
 // handle the caller rebuilt (no row map) every block first builds, in dynamic shared memory, the rows
 // the handle gives each (source, token): s_count[s * T + t] and up to K entries (local expert << 16) |
 // row. The grid's warps take contiguous ranges of (token, source, 256-channel segment) items; for a new
-// token, lane k waits for route k, finds the row of its expert, and the warp loads every row of the token (all in
-// flight) and writes the fma chain in top-k order (float32 or LogFMT) to the owner, at row (rank * T + t) of
-// the owner's receive region. A token is written iff some route names an expert here, which is exactly
+// token, lane k waits for route k, finds the row of its expert, and the warp loads every row of the
+// token (all in flight) and writes the fma chain in top-k order (float32 or LogFMT) to the owner, at row
+// (rank * T + t) of the owner's receive region. A token is written iff some route names an expert here, which is exactly
 // when the owner's own top-k names this rank, so both sides agree without a count.
 // Completion per block: once its warps are done, every block fences and writes one word per live
 // destination, (tag << 16) | grid size, at the destination's sym_done[rank][block] (the start of the
@@ -141,14 +141,14 @@ __device__ __forceinline__ bool wait_route(const uint64_t* word, uint64_t seen, 
     }
 }
 
-// Send phase of the partial-sum combine (after unit_prefix; see the top). Every thread calls it.
+// Send phase of the partial-sum combine (see the top; after unit_prefix when there is no row map). Every
+// thread calls it.
 template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_info, const int64_t* layout_range,
                                               const int* row_map, int max_tokens, int num_experts, int num_ranks, int rank,
                                               bool self_masked, const int* s_mask, int* mask, const int* s_prefix,
                                               int* s_table, uint32_t* sym_done, uint8_t* sym_recv, uint32_t tag,
-                                              bool shrink,
-                                              const Deadline& deadline, ErrorRecord* err) {
+                                              bool shrink, const Deadline& deadline, ErrorRecord* err) {
     constexpr int kBlockWarps = kThreads / 32;
     using Items = PartialItems<kHidden, kThreads>;
     constexpr int kSeg = Items::kSeg;
@@ -360,17 +360,19 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
         const uint64_t t0 = globaltimer();
         for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) {
             const int source = i / static_cast<int>(gridDim.x), b = i % static_cast<int>(gridDim.x);
-            if (self_masked || s_mask[source] != 0 || ld_volatile(mask + source) != 0) continue;
-            const int grid = wait_tag_seen(i == static_cast<int>(threadIdx.x) ? done_ahead : 0u, sym_done + i, tag,
-                                           deadline, err, !shrink);
-            if (grid != static_cast<int>(gridDim.x & 0xffffu)) {
+            if (self_masked || s_mask[source] != 0) continue;  // not an owner in this launch's snapshot
+            bool dead = ld_volatile(mask + source) != 0;       // masked since the snapshot
+            if (!dead) {
+                const int grid = wait_tag_seen(i == static_cast<int>(threadIdx.x) ? done_ahead : 0u, sym_done + i,
+                                               tag, deadline, err, !shrink);
+                dead = grid != static_cast<int>(gridDim.x & 0xffffu);
                 if (grid < 0) peer_timed_out(mask, source, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
-                else report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
-                atomicOr(s_dead + source / 32, 1u << (source % 32));
-            } else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0 && b == static_cast<int>(gridDim.x) - 1) {
-                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
-                          static_cast<unsigned long long>(globaltimer() - t0));
+                else if (dead) report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
+                else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0 && b == static_cast<int>(gridDim.x) - 1)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
+                              static_cast<unsigned long long>(globaltimer() - t0));
             }
+            if (dead) atomicOr(s_dead + source / 32, 1u << (source % 32));
         }
         __syncthreads();
     }
