@@ -78,6 +78,33 @@ def test_low_latency_combine_block_matches_the_kernel(partials):
     assert plan.wait_offset == 8 * 2 * 1  # this rank's row of an [R, R] stats tensor
 
 
+@pytest.mark.parametrize("partials", [False, True])
+def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
+    """The partial-sum combine reads the row map a dispatch's handle carries; a handle rebuilt as a plain tuple
+    (or a combine without partial sums) passes none, and the kernel then uses the handle's source info."""
+    from deepep_cupy.plan_cache import LowLatencyHandle, OpHandle
+
+    engine, layout = _engine(not partials)
+    engine.kernels = lambda *a: (4, 2, 8, _Kernel, None)
+    engine.check_errors = lambda: None
+    engine.next_buffer = lambda: 0
+    ptrs = {}
+    frame = types.SimpleNamespace(ptr=lambda t: ptrs[id(t)], stream=lambda: 0, framework="cupy", device_id=0)
+    plan = lp.CombinePlan(engine, frame, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
+                          return_recv_hook=True, wait_stats_row=0, async_finish=False, comm_stream=0)
+    monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
+    src_info, layout_range, row_map, x, topk, weights, out = (object() for _ in range(7))
+    ptrs.update({id(o): 1000 * (i + 1) for i, o in enumerate((src_info, layout_range, row_map, x, topk, weights, out))})
+    handle = LowLatencyHandle((src_info, layout_range, 32, 2048, 16))
+    handle.row_map = row_map
+    assert isinstance(handle, OpHandle) and handle == (src_info, layout_range, 32, 2048, 16)
+    plan.run(x, topk, weights, handle, out=out)
+    assert plan.plans[0].value("row_map") == (ptrs[id(row_map)] if partials else 0)
+    assert plan.plans[0].value("src_info") == ptrs[id(src_info)]
+    plan.run(x, topk, weights, tuple(handle), out=out)
+    assert plan.plans[0].value("row_map") == 0
+
+
 def test_layout_block_matches_the_kernel(monkeypatch):
     from deepep_cupy.ops import layout
 
