@@ -310,8 +310,20 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     }
 }
 
-// Waits for the completion words of blocks [b0, b1] of `source`'s grid (send_partials); false when one
-// of them timed out (the source is then marked) or carries another grid size.
+// Waits for one completion word of `source` (send_partials; `seen`: the word read with acquire
+// semantics, as wait_tag_seen takes it); false when it timed out (the source is then marked) or carries
+// another grid size (reported).
+__device__ __forceinline__ bool wait_block_word(const uint32_t* word, uint32_t seen, int source, uint32_t tag,
+                                                int* mask, bool shrink, int rank, const Deadline& deadline,
+                                                ErrorRecord* err) {
+    const int grid = wait_tag_seen(seen, word, tag, deadline, err, !shrink);
+    if (grid == static_cast<int>(gridDim.x & 0xffffu)) return true;
+    if (grid < 0) peer_timed_out(mask, source, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
+    else report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
+    return false;
+}
+
+// Waits for the completion words of blocks [b0, b1] of `source`'s grid.
 __device__ __forceinline__ bool wait_source_blocks(const uint32_t* sym_done, int source, int b0, int b1,
                                                    uint32_t tag, int* mask, bool shrink, int rank,
                                                    const Deadline& deadline, ErrorRecord* err) {
@@ -319,12 +331,9 @@ __device__ __forceinline__ bool wait_source_blocks(const uint32_t* sym_done, int
     for (int b = b0; b <= b1; ++b) {
         // An acquire load first: a word already set (the common case by the time a warp gets here) then
         // needs no system fence.
-        const int grid = wait_tag_seen(ld_acquire_sys_u32(words + b), words + b, tag, deadline, err, !shrink);
-        if (grid != static_cast<int>(gridDim.x & 0xffffu)) {
-            if (grid < 0) peer_timed_out(mask, source, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
-            else report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
+        if (!wait_block_word(words + b, ld_acquire_sys_u32(words + b), source, tag, mask, shrink, rank, deadline,
+                             err))
             return false;
-        }
     }
     return true;
 }
@@ -361,18 +370,14 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
         for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) {
             const int source = i / static_cast<int>(gridDim.x), b = i % static_cast<int>(gridDim.x);
             if (self_masked || s_mask[source] != 0) continue;  // not an owner in this launch's snapshot
-            bool dead = ld_volatile(mask + source) != 0;       // masked since the snapshot
-            if (!dead) {
-                const int grid = wait_tag_seen(i == static_cast<int>(threadIdx.x) ? done_ahead : 0u, sym_done + i,
-                                               tag, deadline, err, !shrink);
-                dead = grid != static_cast<int>(gridDim.x & 0xffffu);
-                if (grid < 0) peer_timed_out(mask, source, shrink, err, kOpCombineRecv, rank, __LINE__, deadline);
-                else if (dead) report_timeout(err, kOpCombineRecv, rank, source, __LINE__, deadline.elapsed_ns());
-                else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0 && b == static_cast<int>(gridDim.x) - 1)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
-                              static_cast<unsigned long long>(globaltimer() - t0));
-            }
+            // Masked since the snapshot, or its word never came right: the source adds nothing.
+            const bool dead = ld_volatile(mask + source) != 0 ||
+                              !wait_block_word(sym_done + i, i == static_cast<int>(threadIdx.x) ? done_ahead : 0u,
+                                               source, tag, mask, shrink, rank, deadline, err);
             if (dead) atomicOr(s_dead + source / 32, 1u << (source % 32));
+            else if (wait_recv_cost_stats != nullptr && blockIdx.x == 0 && b == static_cast<int>(gridDim.x) - 1)
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + source),
+                          static_cast<unsigned long long>(globaltimer() - t0));
         }
         __syncthreads();
     }

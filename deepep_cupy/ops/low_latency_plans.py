@@ -22,8 +22,6 @@ __all__ = ["DispatchPlan", "CombinePlan"]
 _BOTH = PHASE_SEND | PHASE_RECV
 
 
-
-
 class _Hook:
     """Launches the receive phase of one call once; later calls do nothing. The argument block of the
     call's buffer half still holds the call's pointers: only the next call on the same half (which the
