@@ -114,6 +114,9 @@ class DispatchPlan(_Plan):
         # One message per (token, rank) where every rank is reached by stores and the tables fit
         # (dispatch_ranks.cuh); the same decision on every rank.
         self.rank_msgs = engine.rank_messages(layout, topk, self.use_fp8)
+        # The row map is written only where a combine of this shape sends partial sums (in either format):
+        # elsewhere nothing reads it.
+        self.row_map = engine.rank_partials(layout, topk, False) or engine.rank_partials(layout, topk, True)
         # Over stores the send phase splits (token, segment) items over the whole grid, and the receive
         # phase's units loop over the groups: one block per SM (all resident, as the waits need).
         if self.use_fp8 or self.rank_msgs:  # BF16 per-expert rows keep their own grid (dispatch.cu)
@@ -128,7 +131,7 @@ class DispatchPlan(_Plan):
                     ("sym_stage", "ptr", r["send"]), ("seq_state", "ptr", state["seq"]),
                     ("arrival_base", "ptr", state["base"]), ("mask", "ptr", state["mask"]),
                     ("out_x", "ptr", None), ("out_scales", "ptr", 0), ("out_scales_ue8m0", "ptr", 0),
-                    ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_row_map", "ptr", None),
+                    ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_row_map", "ptr", 0),
                     ("out_layout_range", "ptr", None),
                     ("cumulative_recv_stats", "ptr", 0), ("wait_recv_cost_stats", "ptr", 0),
                     ("phases", "i32", _BOTH), ("staged", "i32", int(engine.staged)),
@@ -145,12 +148,13 @@ class DispatchPlan(_Plan):
                  "out_row_map", "out_layout_range", "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
         self.num_scales = -(-hidden // 512) if self.use_ue8m0 else hidden // 128
-        # Counts, source info, the row map (the inverse of the source info, which the partial-sum combine
-        # reads: layout.cuh record_row), layout ranges and the scales come from one allocation.
-        small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.slab, self.e_local), I32),
-                 ((self.e_local, self.num_ranks), I64)]
+        # Counts, source info, layout ranges, the scales and the row map (the inverse of the source info,
+        # which the partial-sum combine reads: layout.cuh record_row) come from one allocation.
+        small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.e_local, self.num_ranks), I64)]
         if self.use_fp8:
             small.append(((self.e_local, self.num_scales, self.slab), I32 if self.use_ue8m0 else F32))
+        if self.row_map:
+            small.append(((self.slab, self.e_local), I32))
         self.small = SmallOutputs(small)
 
     def run(self, x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
@@ -159,7 +163,8 @@ class DispatchPlan(_Plan):
         ptr = frame.ptr
         recv_x = frame.empty((e_local, slab, hidden), FP8 if self.use_fp8 else BF16)
         small = frame.empty_many(self.small)
-        count, src_info, row_map, layout_range = small[0], small[1], small[2], small[3]
+        count, src_info, layout_range = small[0], small[1], small[2]
+        row_map = small[-1] if self.row_map else None
         b = self.engine.next_buffer()
         s_x, s_topk, s_out, s_scales, s_ue8m0, s_count, s_src, s_map, s_range, s_cum, s_wait, s_phases = self.slots[b]
         x_ptr = ptr(x)
@@ -168,12 +173,12 @@ class DispatchPlan(_Plan):
         s_out.value = ptr(recv_x)
         recv = recv_x
         if self.use_fp8:
-            scales = small[4]
+            scales = small[3]
             (s_ue8m0 if self.use_ue8m0 else s_scales).value = ptr(scales)
             recv = (recv_x, frame.transpose_last(scales))
         s_count.value = ptr(count)
         s_src.value = ptr(src_info)
-        s_map.value = ptr(row_map)
+        s_map.value = 0 if row_map is None else ptr(row_map)
         s_range.value = ptr(layout_range)
         s_cum.value = 0 if cumulative_local_expert_recv_stats is None else ptr(cumulative_local_expert_recv_stats)
         s_wait.value = 0 if dispatch_wait_recv_cost_stats is None else \
@@ -184,7 +189,7 @@ class DispatchPlan(_Plan):
             stage.launch(stream)
         hook = self._launch(self.plans[b], s_phases, stream)
         handle = LowLatencyHandle((src_info, layout_range, self.t_max, hidden, self.num_experts))
-        handle.row_map = row_map
+        handle.row_map = row_map  # None: a combine of this shape does not read it
         keep = (x, topk_idx, recv, count, handle) if streams is not None else None
         return recv, count, handle, self._end(streams, keep), hook
 

@@ -59,6 +59,9 @@ def test_low_latency_dispatch_block_matches_the_kernel(staged):
     assert plan.plans[0].names == _names(SRC / "low_latency" / "dispatch.cu", "dispatch")
     assert plan.plans[0].value("rank_msgs") == int(not staged)
     assert bool(plan.stages) == staged  # per-(token, rank) messages never read the staging area
+    # The row map (the last small output, after the FP8 scales) only where a combine of this shape sends
+    # partial sums (the fake engine's rank_partials says so unless staged).
+    assert plan.row_map == (not staged) and len(plan.small.parts) == (4 if staged else 5)
     if staged:
         assert plan.stages[0].names == _names(SRC / "low_latency" / "dispatch.cu", "stage")
 
