@@ -230,13 +230,13 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     if (kPartials && (phases & kPhaseSend)) {
         const uint32_t tag = seq_tag(s_seq[0]);
         publish_routes<kTopk, kThreads>(topk_idx, topk_weights, num_tokens, max_tokens, num_experts, num_ranks, rank,
-                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, tag);
+                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, s_seq[0]);
         if (row_map == nullptr)  // the send builds its row table from the prefix
             unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
                                   s_prefix, s_warp_sum);
         send_partials<kHidden, kTopk, kThreads, kLogfmt>(x, src_info, layout_range, row_map, max_tokens, num_experts, num_ranks,
                                                          rank, self_masked, s_mask, mask, s_prefix, s_table, sym_done,
-                                                         sym_recv, tag, shrink != 0, deadline, err);
+                                                         sym_recv, s_seq[0], tag, shrink != 0, deadline, err);
     } else if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
         // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend

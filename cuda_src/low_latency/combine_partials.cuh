@@ -9,11 +9,14 @@
 // per-expert LogFMT rows, and R decodes per value instead of K (the decode is what bounds the owner).
 //
 // The weights live on the owner, so the send phase first publishes them: every rank writes, into the
-// receive region of every live destination d, one 8-byte route per (token, top-k entry) of its own
-// tokens: low word (sequence tag << 16) | (local expert on d + 1, or 0 when the entry has no expert on
-// d), high word the float32 weight. One 8-byte store is single-copy atomic, so a route that carries the
-// launch's tag is complete and needs no fence or flag. Routes are written for all T token slots (none
-// past the owner's token count), so a reader never waits for a token the owner does not have.
+// receive region of every live destination d, one route per (token, top-k entry) of its own tokens: two
+// 8-byte words, each with the launch's full 32-bit sequence number in its low half, and in its high half
+// the local expert on d + 1 (0 when the entry has no expert on d), then the float32 weight. One 8-byte
+// store is single-copy atomic, so a route whose two words carry the launch's sequence number is complete
+// and needs no fence or flag. The receive region may hold any bytes of an earlier op on this half (a
+// dispatch's rows): a stale word passes for a new one only if its 32 low bits equal the sequence number,
+// and a route needs two. Routes are written for all T token slots (none past the owner's token count),
+// so a reader never waits for a token the owner does not have.
 //
 // Expert side: the row of each (source, token, local expert) comes from the row map the dispatch wrote
 // next to its handle (layout.cuh record_row), checked against the handle's source info and range; for a
@@ -34,7 +37,7 @@
 // token starts once its own rows are in, not once every block of every source is done.
 //
 // Layout inside the receive region of a half: rows [R][T] (float32 [H], or H / 128 LogFMT blocks), then
-// the routes [R][T][K] (LowLatencyLayout.partials_fit checks that both fit).
+// the routes [R][T][K] of 16 bytes (LowLatencyLayout.partials_fit checks that both fit).
 #pragma once
 
 #include "low_latency/layout.cuh"
@@ -53,8 +56,13 @@ constexpr size_t kPartialRowBytes =
     kLogfmt ? (static_cast<size_t>(kHidden / kChannelsPerBlock) * kLogfmtBlockBytes + 15) / 16 * 16
             : static_cast<size_t>(kHidden) * 4;
 
+// Routes [R][T][K], two words each, after the rows.
 __device__ __forceinline__ uint64_t* partial_routes(uint8_t* recv, int num_ranks, int max_tokens, size_t row_bytes) {
     return reinterpret_cast<uint64_t*>(recv + static_cast<size_t>(num_ranks) * max_tokens * row_bytes);
+}
+
+__device__ __forceinline__ uint64_t route_word(uint32_t seq, uint32_t high) {
+    return (static_cast<uint64_t>(high) << 32) | seq;
 }
 
 // How the send splits its items (token, source, segment) over the grid: every warp a contiguous range of
@@ -80,7 +88,7 @@ template <int kTopk, int kThreads>
 __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
                                                int num_tokens, int max_tokens, int num_experts, int num_ranks,
                                                int rank, size_t row_bytes, bool self_masked, const int* s_mask,
-                                               uint8_t* sym_recv, uint32_t tag) {
+                                               uint8_t* sym_recv, uint32_t seq) {
     if (self_masked) return;
     const int num_local = num_experts / num_ranks;
     const long long per_rank = static_cast<long long>(max_tokens) * kTopk;
@@ -92,11 +100,13 @@ __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_
         const long long tk = i % per_rank;  // t * K + k
         const int64_t id = tk < static_cast<long long>(num_tokens) * kTopk ? __ldg(topk_idx + tk) : -1;
         const bool here = id >= 0 && id < num_experts && static_cast<int>(id / num_local) == d;
-        const uint32_t low = (tag << 16) | (here ? static_cast<uint32_t>(id % num_local) + 1u : 0u);
+        const uint32_t le1 = here ? static_cast<uint32_t>(id % num_local) + 1u : 0u;
         const float w = here ? __ldg(topk_weights + tk) : 0.0f;
         uint8_t* peer = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, d));
-        uint64_t* slot = partial_routes(peer, num_ranks, max_tokens, row_bytes) + static_cast<size_t>(rank) * per_rank + tk;
-        st_relaxed_sys_u64(slot, (static_cast<uint64_t>(__float_as_uint(w)) << 32) | low);
+        uint64_t* slot =
+            partial_routes(peer, num_ranks, max_tokens, row_bytes) + 2 * (static_cast<size_t>(rank) * per_rank + tk);
+        st_relaxed_sys_u64(slot, route_word(seq, le1));
+        st_relaxed_sys_u64(slot + 1, route_word(seq, __float_as_uint(w)));
     }
 }
 
@@ -123,21 +133,19 @@ __device__ __forceinline__ void build_row_table(const int* __restrict__ src_info
     __syncthreads();
 }
 
-// Spin until a route carries `tag` (`seen`: the word read ahead, used when it already does); false on
-// timeout (or a reported one, when bail_on_report).
-__device__ __forceinline__ bool wait_route(const uint64_t* word, uint64_t seen, uint32_t tag, uint64_t& value,
-                                           const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
-    if ((static_cast<uint32_t>(seen) >> 16) == tag) {
-        value = seen;
-        return true;
-    }
+// Spin until both words of a route carry `seq` (`seen`: the words read ahead, used when they already do);
+// le1 and w get its expert + 1 and weight; false on timeout (or a reported one, when bail_on_report).
+__device__ __forceinline__ bool wait_route(const uint64_t* words, ulonglong2 seen, uint32_t seq, uint32_t& le1,
+                                           float& w, const Deadline& deadline, const ErrorRecord* err,
+                                           bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        const uint64_t v = ld_relaxed_sys_u64(word);
-        if ((static_cast<uint32_t>(v) >> 16) == tag) {
-            value = v;
+        if (static_cast<uint32_t>(seen.x) == seq && static_cast<uint32_t>(seen.y) == seq) {
+            le1 = static_cast<uint32_t>(seen.x >> 32);
+            w = __uint_as_float(static_cast<uint32_t>(seen.y >> 32));
             return true;
         }
-        if (!poll_pause(spin, deadline, err, bail_on_report)) return false;
+        if (spin > 0 && !poll_pause(spin, deadline, err, bail_on_report)) return false;
+        seen = make_ulonglong2(ld_relaxed_sys_u64(words), ld_relaxed_sys_u64(words + 1));
     }
 }
 
@@ -147,8 +155,8 @@ template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_info, const int64_t* layout_range,
                                               const int* row_map, int max_tokens, int num_experts, int num_ranks, int rank,
                                               bool self_masked, const int* s_mask, int* mask, const int* s_prefix,
-                                              int* s_table, uint32_t* sym_done, uint8_t* sym_recv, uint32_t tag,
-                                              bool shrink, const Deadline& deadline, ErrorRecord* err) {
+                                              int* s_table, uint32_t* sym_done, uint8_t* sym_recv, uint32_t seq,
+                                              uint32_t tag, bool shrink, const Deadline& deadline, ErrorRecord* err) {
     constexpr int kBlockWarps = kThreads / 32;
     using Items = PartialItems<kHidden, kThreads>;
     constexpr int kSeg = Items::kSeg;
@@ -165,11 +173,15 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     const long long last = self_masked ? 0 : min(static_cast<long long>(items.total), first + items.per_warp);
     // Lane k's route of the next (token, source) pair is read one pair ahead (the first one before the
     // table is built), so its round trip overlaps other work; wait_route only polls when it was early.
-    const auto route_word = [&](int pair) {
-        return routes + (static_cast<size_t>(pair % num_ranks) * max_tokens + pair / num_ranks) * kTopk + lane;
+    const auto route_of = [&](int pair) {
+        return routes + 2 * ((static_cast<size_t>(pair % num_ranks) * max_tokens + pair / num_ranks) * kTopk + lane);
+    };
+    const auto read_route = [&](int pair) {
+        const uint64_t* words = route_of(pair);
+        return make_ulonglong2(ld_relaxed_sys_u64(words), ld_relaxed_sys_u64(words + 1));
     };
     int ahead_pair = first < last && lane < kTopk ? static_cast<int>(first / kSegs) : -1;
-    uint64_t ahead = ahead_pair >= 0 ? ld_relaxed_sys_u64(route_word(ahead_pair)) : 0;
+    ulonglong2 ahead = ahead_pair >= 0 ? read_route(ahead_pair) : make_ulonglong2(0, 0);
     if (row_map == nullptr)
         build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
                                          s_rows);
@@ -194,19 +206,20 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             my_row = -1;
             my_w = 0.0f;
             bool named = false;
-            const uint64_t seen = ahead_pair == pair ? ahead : 0;
+            // Sequence numbers start at 1, so a zero pair never matches.
+            const ulonglong2 seen = ahead_pair == pair ? ahead : make_ulonglong2(0, 0);
             const int next = pair + 1;
             if (lane < kTopk && static_cast<long long>(next) * kSegs < last) {
                 ahead_pair = next;
-                ahead = ld_relaxed_sys_u64(route_word(next));
+                ahead = read_route(next);
             }
             if (s_mask[s] == 0 && lane < kTopk) {
-                uint64_t route = 0;
-                if (wait_route(route_word(pair), seen, tag, route, deadline, err, !shrink)) {
-                    const uint32_t le1 = static_cast<uint32_t>(route) & 0xffffu;
+                uint32_t le1 = 0;
+                float w = 0.0f;
+                if (wait_route(route_of(pair), seen, seq, le1, w, deadline, err, !shrink)) {
                     if (le1 != 0) {
                         named = true;
-                        my_w = __uint_as_float(static_cast<uint32_t>(route >> 32));
+                        my_w = w;
                         const int le = static_cast<int>(le1) - 1;
                         if (row_map != nullptr) {
                             const int row = le < num_local ? __ldg(row_map + static_cast<size_t>(st) * num_local + le) : -1;

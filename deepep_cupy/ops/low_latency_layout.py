@@ -15,7 +15,7 @@ are the same on every rank (which is what makes the addresses symmetric)::
 
 Where every rank is reached by stores and :meth:`LowLatencyLayout.partials_fit` / ``partials_pay``
 hold, a combine sends per-rank partial sums (``cuda_src/low_latency/combine_partials.cuh``): the rows
-``[R][T]`` (float32 ``[H]``, or with LogFMT one LogFMT-10 row) at the start of ``recv``, then 8-byte
+``[R][T]`` (float32 ``[H]``, or with LogFMT one LogFMT-10 row) at the start of ``recv``, then 16-byte
 routes ``[R][T][K]``; each block of a source's grid leaves a completion word at the start of ``src_idx``,
 ``[R][grid]`` uint32 (the dispatch writes only token indices there, which never look like a tag).
 
@@ -247,14 +247,14 @@ class LowLatencyLayout:
 
     def partials_fit(self, topk: int, use_logfmt: bool = False, grid: int = 1) -> bool:
         """Whether the per-rank partial-sum combine applies to these sizes (combine_partials.cuh): top-k
-        <= 32, the rows ``[R][T]`` and the routes ``[R][T][K]`` (8 bytes each) fit the receive region,
+        <= 32, the rows ``[R][T]`` and the routes ``[R][T][K]`` (16 bytes each) fit the receive region,
         the completion words of ``grid`` blocks per rank fit the source-index region, a row of the send's
         table packs (local expert << 16) | row, a row of ``x`` has a 32-bit index, and the table fits
         shared memory next to the kernel's own arrays."""
         t, r, e = self.num_max_dispatch_tokens_per_rank, self.num_ranks, self.num_experts
         row = self.partial_row_bytes(use_logfmt)
         return (0 < topk <= MAX_TOPK and r * t <= 1 << 16 and e // r < 1 << 16 and e * t < 1 << 31
-                and r * t * (row + 8 * topk) <= self.recv_bytes and 4 * r * int(grid) <= self.src_idx_bytes
+                and r * t * (row + 16 * topk) <= self.recv_bytes and 4 * r * int(grid) <= self.src_idx_bytes
                 and self.partial_table_bytes(topk) <= MAX_PARTIAL_TABLE_BYTES)
 
     def partials_pay(self, topk: int, use_logfmt: bool = False) -> bool:

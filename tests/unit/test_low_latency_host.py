@@ -126,7 +126,7 @@ def test_partials_where_they_fit_and_pay():
     # 8 ranks a token picks ~2.2 and ~1.5 experts per rank reached, so BF16 rows per expert stay.
     layout = LowLatencyLayout(128, 7168, 2, 288)
     assert layout.partials_fit(8) and layout.partials_pay(8)
-    assert 2 * 128 * (4 * 7168 + 8 * 8) <= layout.recv_bytes
+    assert 2 * 128 * (4 * 7168 + 16 * 8) <= layout.recv_bytes
     assert layout.partial_table_bytes(8) == 4 * 2 * 128 * 9
     for r in (4, 8):
         assert LowLatencyLayout(128, 7168, r, 288).partials_fit(8)
