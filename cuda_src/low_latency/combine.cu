@@ -214,12 +214,19 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const int slab = num_ranks * max_tokens;
     const bool bail = !shrink;
 
+    // A partial-sum launch that only receives reads its warp's first item's top-k ids ahead (issued first:
+    // the acquire below holds back later loads); in a receive hook they were a round trip after the prologue.
+    const int64_t item_id_raw = kPartials && (phases & kPhaseRecv) && !(phases & kPhaseSend)
+                                    ? first_item_id<kHidden, kTopk, kThreads>(topk_idx, num_tokens)
+                                    : -1;
     // Stage B's first tag words, read ahead of the prologue (thread i waits for expert i there), and the
     // send's unit ranges. The partial-sum path reads its sources' block words instead, and only in a launch
     // that only receives (recv_partials' upfront case).
     const uint32_t tag_ahead = kPartials ? read_tag_ahead((phases & kPhaseSend) ? 0 : phases, sym_done,
                                                           num_ranks * static_cast<int>(gridDim.x))
                                          : read_tag_ahead(phases, sym_tags, num_experts);
+    // (Narrowed after the acquire is issued: an id outside [0, E) selects nothing, like -1.)
+    const int item_id_ahead = item_id_raw >= 0 && item_id_raw < num_experts ? static_cast<int>(item_id_raw) : -1;
     const int64_t range_ahead =
         (phases & kPhaseSend) && static_cast<int>(threadIdx.x) < num_experts ? __ldg(layout_range + threadIdx.x) : 0;
     begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
@@ -230,7 +237,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     if (kPartials && (phases & kPhaseSend)) {
         const uint32_t tag = seq_tag(s_seq[0]);
         publish_routes<kTopk, kThreads>(topk_idx, topk_weights, num_tokens, max_tokens, num_experts, num_ranks, rank,
-                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, s_seq[0]);
+                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, s_seq[0],
+                                        err);
         if (row_map == nullptr)  // the send builds its row table from the prefix
             unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
                                   s_prefix, s_warp_sum);
@@ -345,8 +353,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         }
 
         // The top-k ids stage C will read, each checked once over the grid; a bad one is reported (stage C
-        // itself only drops bad ids, so its loop carries nothing more).
-        {
+        // itself only drops bad ids, so its loop carries nothing more). The partial-sum path checks them in
+        // its send phase (publish_routes).
+        if constexpr (!kPartials) {
             const long long stride = static_cast<long long>(gridDim.x) * kThreads;
             BadValue bad;
             for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
@@ -358,7 +367,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             recv_partials<kHidden, kTopk, kThreads, kLogfmt>(topk_idx, num_tokens, max_tokens, num_experts, num_ranks,
                                                              rank, self_masked, s_mask, mask, sym_done, sym_recv, out,
                                                              wait_recv_cost_stats, (phases & kPhaseSend) == 0,
-                                                             tag_ahead, s_arrived, tag, shrink != 0, deadline, err);
+                                                             tag_ahead, item_id_ahead, s_arrived, tag, shrink != 0,
+                                                             deadline, err);
             return;
         }
 

@@ -84,21 +84,24 @@ struct PartialItems {
 };
 
 // Every live destination gets the routes of all T token slots of this rank (grid-wide, one store each).
+// The ids are checked here, each once (those of destination 0), and a bad one is reported: the owner's
+// reduction only drops them, and a receive hook then needs no round trip of its own for the check.
 template <int kTopk, int kThreads>
 __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
                                                int num_tokens, int max_tokens, int num_experts, int num_ranks,
                                                int rank, size_t row_bytes, bool self_masked, const int* s_mask,
-                                               uint8_t* sym_recv, uint32_t seq) {
-    if (self_masked) return;
+                                               uint8_t* sym_recv, uint32_t seq, ErrorRecord* err) {
+    BadValue bad;
     const int num_local = num_experts / num_ranks;
     const long long per_rank = static_cast<long long>(max_tokens) * kTopk;
-    const long long total = per_rank * num_ranks;
+    const long long total = per_rank * (self_masked ? 1 : num_ranks);  // masked: the check only
     for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < total;
          i += static_cast<long long>(gridDim.x) * kThreads) {
         const int d = static_cast<int>(i / per_rank);
-        if (s_mask[d] != 0) continue;
         const long long tk = i % per_rank;  // t * K + k
         const int64_t id = tk < static_cast<long long>(num_tokens) * kTopk ? __ldg(topk_idx + tk) : -1;
+        if (d == 0) bad.check_expert_id(id, num_experts);
+        if (self_masked || s_mask[d] != 0) continue;
         const bool here = id >= 0 && id < num_experts && static_cast<int>(id / num_local) == d;
         const uint32_t le1 = here ? static_cast<uint32_t>(id % num_local) + 1u : 0u;
         const float w = here ? __ldg(topk_weights + tk) : 0.0f;
@@ -108,6 +111,7 @@ __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_
         st_relaxed_sys_u64(slot, route_word(seq, le1));
         st_relaxed_sys_u64(slot + 1, route_word(seq, __float_as_uint(w)));
     }
+    bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
 }
 
 // The handle's rows of every (source, token): s_count[R * T] and s_rows[R * T][K]. s_prefix holds the
@@ -351,24 +355,39 @@ __device__ __forceinline__ bool wait_source_blocks(const uint32_t* sym_done, int
     return true;
 }
 
+// Channels of one owner-side warp item (recv_partials): lane i takes channels 8 i .. 8 i + 7 of each half.
+constexpr int kRecvHalves = 2;
+constexpr int kRecvChunk = 256 * kRecvHalves;
+
+// Lane k's top-k id of the token of this warp's first owner-side item (-1 past the items or top-k), read
+// ahead of the prologue by a launch that only receives.
+template <int kHidden, int kTopk, int kThreads>
+__device__ __forceinline__ int64_t first_item_id(const int64_t* __restrict__ topk_idx, int num_tokens) {
+    constexpr int kNumChunks = (kHidden + kRecvChunk - 1) / kRecvChunk;
+    const int lane = lane_id();
+    const long long item = static_cast<long long>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+    if (lane >= kTopk || item >= static_cast<long long>(num_tokens) * kNumChunks) return -1;
+    return __ldg(topk_idx + static_cast<size_t>(item / kNumChunks) * kTopk + lane);
+}
+
 // Receive phase of the partial-sum combine (see the top). Every thread of every block calls it; the
 // top-k ids were checked by the caller. upfront: a launch that only receives (a receive hook), whose
 // sources are long done: every block first reads all the completion words (word threadIdx.x was read
 // ahead of the prologue: done_ahead) and keeps a bit per dead source in s_dead, so its warps need no
-// waits of their own (a wait per warp item cost the hook ~0.7-1 us). Otherwise every warp waits for the
-// blocks its token needs.
+// waits of their own (a wait per warp item cost the hook ~0.7-1 us), and each warp's first item has its
+// top-k ids from before the prologue (id_ahead). Otherwise every warp waits for the blocks its token needs.
 template <int kHidden, int kTopk, int kThreads, bool kLogfmt>
 __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
                                               int num_experts, int num_ranks, int rank, bool self_masked,
                                               const int* s_mask, int* mask, const uint32_t* sym_done,
                                               const uint8_t* sym_recv, uint16_t* out, int64_t* wait_recv_cost_stats,
-                                              bool upfront, uint32_t done_ahead, uint32_t* s_dead, uint32_t tag,
-                                              bool shrink, const Deadline& deadline, ErrorRecord* err) {
+                                              bool upfront, uint32_t done_ahead, int id_ahead, uint32_t* s_dead,
+                                              uint32_t tag, bool shrink, const Deadline& deadline, ErrorRecord* err) {
     // A warp item is (token, 512 channels): lane i takes channels 8 i .. 8 i + 7 of each 256-channel half.
     // With 256-channel items the benchmark's 3584 items left 13% of the grid's 3168 warps two items in a
     // row, and the last block ended ~3 us after the median one.
-    constexpr int kHalves = 2;
-    constexpr int kChunk = 256 * kHalves;
+    constexpr int kHalves = kRecvHalves;
+    constexpr int kChunk = kRecvChunk;
     constexpr int kNumChunks = (kHidden + kChunk - 1) / kChunk;
     constexpr int kBatch = 2;  // ranks per round: kBatch * kHalves rows' pieces in flight per lane
     constexpr size_t kRowBytes = kPartialRowBytes<kHidden, kLogfmt>;
@@ -409,7 +428,8 @@ __device__ __forceinline__ void recv_partials(const int64_t* __restrict__ topk_i
             // and a rank whose wait fails adds nothing.
             int owner = -1;
             if (lane < kTopk && !self_masked) {
-                const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
+                const int64_t id = !kWaits && item == gwarp ? id_ahead
+                                                             : __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
                 if (id >= 0 && id < num_experts) {
                     const int o = static_cast<int>(id / num_local);
                     if (s_mask[o] == 0) owner = o;

@@ -14,7 +14,7 @@
 //
 // Completion protocol (no flag is ever reset by the receiver):
 //   * Every op on a buffer half carries a sequence number S (1, 2, ...), counted on the device by each
-//     rank for each half and phase (next_sequence), so it is the same on every rank and CUDA-graph
+//     rank for each half and phase (claim_sequence), so it is the same on every rank and CUDA-graph
 //     replays keep counting. Its 16-bit tag (S - 1) % 65535 + 1 is never 0.
 //   * A sender finishes a slot by writing (tag << 16) | count into the receiver's tags[slot]. Over
 //     NVLink (nvshmem_ptr != nullptr) the rows are plain stores and the tag is a release store after a
@@ -122,17 +122,14 @@ __device__ __forceinline__ uint32_t seq_tag(uint32_t s) { return (s - 1u) % 6553
 
 __device__ __forceinline__ uint32_t tag_word(uint32_t tag, uint32_t payload) { return (tag << 16) | (payload & 0xffffu); }
 
-// Called by one thread of every block of a launch: returns counter + 1 to all of them and stores it
-// back once the last block has read it (the count of readers is reset at the same time), so the next
-// launch on the same stream sees the incremented value.
-__device__ __forceinline__ uint32_t next_sequence(uint32_t* counter, uint32_t* readers) {
-    const uint32_t s = ld_volatile_u32(counter) + 1u;
-    __threadfence();
-    const uint32_t before = atomicAdd(readers, 1u);
-    if (before == gridDim.x - 1) {
-        atomicExch(readers, 0u);
-        atomicExch(counter, s);
-    }
+// Sequence word of a (half, phase): bits 0-31 the sequence number of the last launch, bits 32-63 the
+// blocks of the running launch that have claimed it. Each block adds 1 << 32 with one atomic (its read
+// of the number and its count in one step: no load, fence and atomic in a row), and the last block
+// stores the next number with a count of 0, so the next launch on the stream sees it. `old`: what
+// the block's atomic returned; returns the launch's number.
+__device__ __forceinline__ uint32_t claim_sequence(unsigned long long* word, unsigned long long old) {
+    const uint32_t s = static_cast<uint32_t>(old) + 1u;
+    if ((old >> 32) == gridDim.x - 1) atomicExch(word, static_cast<unsigned long long>(s));
     return s;
 }
 
@@ -157,13 +154,20 @@ struct GroupCoords {
 // Prologue shared by the dispatch and combine kernels: claim this launch's sequence numbers for the
 // phases it runs (0 for a phase it skips) and snapshot the rank mask, so every warp of the block sees
 // one consistent view for the whole launch. Ends with a block barrier.
+// The block's last threads do it: the first ones may hold an acquire load issued ahead of the prologue
+// (read_tag_ahead), which holds back their later loads. Both phases' atomics are in flight at once.
 __device__ __forceinline__ void begin_launch(int phases, uint32_t* seq_state, const int* mask, int num_ranks,
                                              uint32_t* s_seq, int* s_mask) {
-    if (threadIdx.x == 0) {
-        s_seq[0] = (phases & kPhaseSend) ? next_sequence(seq_state + 0, seq_state + 1) : 0u;
-        s_seq[1] = (phases & kPhaseRecv) ? next_sequence(seq_state + 2, seq_state + 3) : 0u;
+    const int from_last = static_cast<int>(blockDim.x - 1u - threadIdx.x);
+    if (from_last == 0) {
+        unsigned long long* words = reinterpret_cast<unsigned long long*>(seq_state);  // [0] send, [1] receive
+        const bool send = (phases & kPhaseSend) != 0, recv = (phases & kPhaseRecv) != 0;
+        const unsigned long long send_old = send ? atomicAdd(words, 1ull << 32) : 0ull;
+        const unsigned long long recv_old = recv ? atomicAdd(words + 1, 1ull << 32) : 0ull;
+        s_seq[0] = send ? claim_sequence(words, send_old) : 0u;
+        s_seq[1] = recv ? claim_sequence(words + 1, recv_old) : 0u;
     }
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
+    for (int r = from_last; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
     __syncthreads();
 }
 

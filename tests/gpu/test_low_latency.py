@@ -192,6 +192,45 @@ def test_partials_with_a_table_past_48_kib(env):
         agree(failures)
 
 
+@pytest.mark.parametrize("logfmt,hook", [(False, False), (False, True), (True, True)])
+def test_combine_reports_a_bad_expert_id(env, logfmt, hook):
+    """A top-k id out of range given to the combine (the dispatch had valid ones) is found by the kernel, with
+    no host sync on the call, and raised by the next call as a ValueError naming topk_idx; the call after
+    that works. Fused and with a receive hook (at 2 ranks the partial-sum path, which checks the ids in its
+    send part)."""
+    buf, rank, size = env["buf"], env["rank"], env["size"]
+    fw = FRAMEWORKS[0]
+    rng = np.random.default_rng(41 + rank)
+    x = bf16(rng, (T_BIG, H_BIG))
+    topk, w = routing(rng, T_BIG, E_BIG, K_BIG)
+    _recv, count, handle, _e, _h = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_BIG, E_BIG,
+                                                            use_fp8=False)
+    sync()
+    expert_out = make_expert_out(rng, to_np(count), E_BIG // size, size * T_BIG, H_BIG)
+    bad = topk.copy()
+    bad[rng.integers(T_BIG), rng.integers(K_BIG)] = E_BIG + 7 * rank
+    _out, _ev, recv_hook = buf.low_latency_combine(to_dev(expert_out, fw, env), to_dev(bad, fw, env),
+                                                   to_dev(w, fw, env), handle, use_logfmt=logfmt,
+                                                   return_recv_hook=hook)
+    if hook:
+        recv_hook()
+    sync()
+    failures = []
+    try:
+        buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_BIG, E_BIG, use_fp8=False)
+        sync()
+        failures.append("no ValueError at the call after a combine with a bad expert id")
+    except ValueError as exc:
+        if "topk_idx" not in str(exc) or str(E_BIG + 7 * rank) not in str(exc):
+            failures.append(f"the error does not name topk_idx and the value: {exc}")
+    _recv, count, _handle, _e, _h = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_BIG, E_BIG,
+                                                             use_fp8=False)
+    sync()
+    if int(to_np(count).sum()) <= 0:
+        failures.append("the dispatch after the error received nothing")
+    agree(failures)
+
+
 def test_stats(env):
     failures, _, _ = run_round(env, FRAMEWORKS[0], seed=14, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
                                fp8=True, stats=True)
