@@ -71,7 +71,8 @@ class LaunchPlan:
             *[ctypes.addressof(self._slots[name]) for name in self.names])
         self._address = ctypes.addressof(self._array)
         self._fn = _function_address(kernel)
-        if self.shared_mem > _DEFAULT_SHARED_LIMIT:
+        # Static and dynamic shared memory together past 48 KiB need the opt-in for the dynamic part.
+        if self.shared_mem > 0 and self.shared_mem + _static_shared(self._fn) > _DEFAULT_SHARED_LIMIT:
             _allow_shared(self._fn, self.shared_mem, kernel)
 
     def slot(self, name: str):
@@ -138,8 +139,21 @@ def _raise_launch_error(err, kernel) -> None:
     raise RuntimeError(f"launching {name} failed: {detail} (CUresult {int(err)})")
 
 
-#: Dynamic shared memory a kernel may take without opting in (cuFuncSetAttribute above it).
+#: Shared memory (static and dynamic together) a kernel may take without opting in (cuFuncSetAttribute
+#: of its dynamic part above it).
 _DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def _static_shared(fn: int) -> int:
+    """Static shared memory bytes of the function at ``fn`` (0 where the driver cannot be loaded: then
+    nothing launches, and plans built without a GPU, as in the unit tests, need no opt-in)."""
+    try:
+        driver = _driver()
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        err, value = driver.cuFuncGetAttribute(attr, driver.CUfunction(fn))
+    except (ImportError, RuntimeError):  # no CUDA driver library on this machine
+        return 0
+    return int(value) if int(err) == 0 else 0
 
 
 def _allow_shared(fn: int, nbytes: int, kernel) -> None:

@@ -41,6 +41,7 @@ def captured(monkeypatch):
         return 0
 
     monkeypatch.setattr(launch, "_launch", fake)
+    monkeypatch.setattr(launch, "_static_shared", lambda fn: 0)
     return calls
 
 
@@ -82,20 +83,31 @@ def test_a_failed_launch_raises_with_the_kernel_name(monkeypatch):
 
 
 def test_large_dynamic_shared_memory_is_opted_into(monkeypatch):
-    """Past 48 KiB of dynamic shared memory the function must opt in (cuFuncSetAttribute), once, when the plan
-    is made; at or below it nothing is asked of the driver, and a refusal names the kernel."""
+    """Past 48 KiB of static and dynamic shared memory together the function must opt in for its dynamic
+    part (cuFuncSetAttribute), once, when the plan is made; at or below it nothing is asked of the driver,
+    and a refusal names the kernel."""
     import types
 
     calls = []
-    attrs = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max-dynamic-shared")
-    status = {"err": 0}
+    attrs = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max-dynamic-shared",
+                                  CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES="static-shared")
+    status = {"err": 0, "static": 0}
     fake = types.SimpleNamespace(CUfunction=lambda fn: ("CUfunction", fn), CUfunction_attribute=attrs,
-                                 cuFuncSetAttribute=lambda fn, attr, n: calls.append((fn, attr, n)) or (status["err"],))
+                                 cuFuncSetAttribute=lambda fn, attr, n: calls.append((fn, attr, n)) or (status["err"],),
+                                 cuFuncGetAttribute=lambda attr, fn: (0, status["static"] if attr == "static-shared"
+                                                                      else -1))
     monkeypatch.setattr(launch, "_driver", lambda: fake)
     launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=48 * 1024)
     assert calls == []
     launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=80 * 1024)
     assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 80 * 1024)]
+    calls.clear()
+    status["static"] = 40 * 1024  # 40 KiB static + 16 KiB dynamic
+    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
+    assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 16 * 1024)]
+    calls.clear()
+    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=8 * 1024)
+    assert calls == []
     status["err"] = 1
     with pytest.raises(RuntimeError, match="fake<1>"):
         launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=100 * 1024)
