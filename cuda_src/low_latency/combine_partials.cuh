@@ -137,6 +137,12 @@ __device__ __forceinline__ void build_row_table(const int* __restrict__ src_info
     __syncthreads();
 }
 
+// Both words of the route at `words` (relaxed: each 8-byte word is single-copy atomic and carries its own
+// sequence number).
+__device__ __forceinline__ ulonglong2 load_route(const uint64_t* words) {
+    return make_ulonglong2(ld_relaxed_sys_u64(words), ld_relaxed_sys_u64(words + 1));
+}
+
 // Spin until both words of a route carry `seq` (`seen`: the words read ahead, used when they already do);
 // le1 and w get its expert + 1 and weight; false on timeout (or a reported one, when bail_on_report).
 __device__ __forceinline__ bool wait_route(const uint64_t* words, ulonglong2 seen, uint32_t seq, uint32_t& le1,
@@ -149,7 +155,7 @@ __device__ __forceinline__ bool wait_route(const uint64_t* words, ulonglong2 see
             return true;
         }
         if (spin > 0 && !poll_pause(spin, deadline, err, bail_on_report)) return false;
-        seen = make_ulonglong2(ld_relaxed_sys_u64(words), ld_relaxed_sys_u64(words + 1));
+        seen = load_route(words);
     }
 }
 
@@ -180,12 +186,8 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
     const auto route_of = [&](int pair) {
         return routes + 2 * ((static_cast<size_t>(pair % num_ranks) * max_tokens + pair / num_ranks) * kTopk + lane);
     };
-    const auto read_route = [&](int pair) {
-        const uint64_t* words = route_of(pair);
-        return make_ulonglong2(ld_relaxed_sys_u64(words), ld_relaxed_sys_u64(words + 1));
-    };
     int ahead_pair = first < last && lane < kTopk ? static_cast<int>(first / kSegs) : -1;
-    ulonglong2 ahead = ahead_pair >= 0 ? read_route(ahead_pair) : make_ulonglong2(0, 0);
+    ulonglong2 ahead = ahead_pair >= 0 ? load_route(route_of(ahead_pair)) : make_ulonglong2(0, 0);
     if (row_map == nullptr)
         build_row_table<kTopk, kThreads>(src_info, layout_range, max_tokens, num_experts, num_ranks, s_prefix, s_count,
                                          s_rows);
@@ -215,7 +217,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             const int next = pair + 1;
             if (lane < kTopk && static_cast<long long>(next) * kSegs < last) {
                 ahead_pair = next;
-                ahead = read_route(next);
+                ahead = load_route(route_of(next));
             }
             if (s_mask[s] == 0 && lane < kTopk) {
                 uint32_t le1 = 0;

@@ -232,7 +232,6 @@ class CombinePlan(_Plan):
             self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args, shared_mem=shared))
         names = ("x", "src_info", "layout_range", "row_map", "topk_idx", "topk_weights", "out",
                  "wait_recv_cost_stats", "phases")
-
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
 
     def run(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
