@@ -40,164 +40,21 @@
 // wins). Only ids of tokens that go to some rank are read, so only those are checked here (the layout
 // kernel checks them all).
 
-#include "common/nvrtc_compat.cuh"
-#include "common/value_errors.cuh"
-#include "intranode/layout.cuh"
+#include "intranode/dispatch_direct.cuh"
+#include "intranode/dispatch_token.cuh"
 
 namespace deepep_intranode {
 
-struct DispatchArgs {
-    const int4* x;
-    const unsigned int* x_scales;
-    long long scale_token_stride, scale_block_stride;
-    int num_scales;
-    const long long* topk_idx;
-    const float* topk_weights;
-    int num_topk, num_local_experts;
-    const bool* is_token_in_rank;
-    int num_tokens, hidden_int4;
-    const int* rank_prefix_matrix;
-    const int* channel_prefix_matrix;
-    const int* recv_channel_prefix_matrix;
-    int4* recv_x;
-    unsigned int* recv_x_scales;
-    long long* recv_topk_idx;
-    float* recv_topk_weights;
-    int* recv_src_idx;
-    int* send_head;
-    int num_out_rows;
-    const long long* bases;
-    long long ring_offset, free_offset;
-    int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
-    int batch;
-    int* self_claims;
-    deepep::ErrorRecord* err;
-    int rank;
-    uint64_t seq;
-    int num_recv;
-};
-
-// ---- a token's scales and top-k entries ------------------------------------------------------------
-//
-// Everything a token carries besides its row is loaded into registers *before* the row is copied, so that
-// these loads are in flight together with the row's instead of following it one dependent round trip at a
-// time. That matters most for column-major FP8 scales (token stride 1): the scales of one token then lie
-// in num_scales different 128-byte lines. Lane l holds scale blocks l + 32 j (j < kScaleRegs, i.e. hidden
-// up to 8192 for FP8) and top-k entry l; anything beyond that (larger hidden, top-k above 32) is still
-// loaded where it is stored.
-constexpr int kScaleRegs = 2;
-
-struct TokenAux {
-    uint32_t scale[kScaleRegs];
-    long long expert;  // lane l < num_topk: expert id l of the token (-1 otherwise)
-    float weight;      // its weight (0 without weights)
-};
-
-__device__ __forceinline__ const unsigned int* token_scales(const DispatchArgs& a, int token) {
-    return a.x_scales + token * a.scale_token_stride;
-}
-
-// Sender side: from the user's inputs (read-only for the whole kernel). `with_topk`: load the top-k pair.
-__device__ __forceinline__ TokenAux load_aux(const DispatchArgs& a, int token, bool with_topk, int lane) {
-    TokenAux t;
-    const unsigned int* sc = token_scales(a, token);
-#pragma unroll
-    for (int j = 0; j < kScaleRegs; ++j) {
-        const int s = lane + 32 * j;
-        t.scale[j] = s < a.num_scales ? __ldg(sc + s * a.scale_block_stride) : 0u;
-    }
-    t.expert = -1;
-    t.weight = 0.0f;
-    if (with_topk && lane < a.num_topk) {
-        const long long k = static_cast<long long>(token) * a.num_topk + lane;
-        t.expert = __ldg(a.topk_idx + k);
-        if (a.topk_weights != nullptr) t.weight = __ldg(a.topk_weights + k);
-    }
-    return t;
-}
-
-__device__ __forceinline__ void store_scales(unsigned int* dst, const DispatchArgs& a, int token, const TokenAux& t,
-                                             int lane) {
-#pragma unroll
-    for (int j = 0; j < kScaleRegs; ++j)
-        if (lane + 32 * j < a.num_scales) dst[lane + 32 * j] = t.scale[j];
-    const unsigned int* sc = token_scales(a, token);
-    for (int s = lane + 32 * kScaleRegs; s < a.num_scales; s += 32) dst[s] = __ldg(sc + s * a.scale_block_stride);
-}
-
-// Calls put(j, expert id, weight) for every top-k entry of the token, lane j % 32 doing entry j.
-template <typename Put>
-__device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, const TokenAux& t, int lane, Put put) {
-    if (lane < a.num_topk) put(lane, t.expert, t.weight);
-    for (int j = lane + 32; j < a.num_topk; j += 32) {
-        const long long k = static_cast<long long>(token) * a.num_topk + j;
-        put(j, __ldg(a.topk_idx + k), a.topk_weights != nullptr ? __ldg(a.topk_weights + k) : 0.0f);
-    }
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// Asks L2 for the scales of tokens [t0, t1) (at most 32), a chunk ahead of their loads, so that the
-// first warp to load them does not wait for DRAM. Column-major: one run of 4 * (t1 - t0) bytes per scale
-// block (its first and last element cover it); row-major: one contiguous run. Other layouts: nothing.
-__device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, int t1, int lane) {
-    if (a.num_scales == 0 || t0 >= t1) return;
-    const unsigned int* first = token_scales(a, t0);
-    if (a.scale_token_stride == 1) {
-        for (int s = lane; s < a.num_scales; s += 32) {
-            prefetch_l2(first + s * a.scale_block_stride);
-            prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
-        }
-    } else if (a.scale_block_stride == 1) {
-        // From the 128-byte line of the first element to that of the last one.
-        const uintptr_t begin = reinterpret_cast<uintptr_t>(first);
-        const uintptr_t end = reinterpret_cast<uintptr_t>(first + (t1 - t0 - 1) * a.scale_token_stride + a.num_scales);
-        for (uintptr_t p = (begin & ~uintptr_t{127}) + 128u * lane; p < end; p += 32u * 128u)
-            prefetch_l2(reinterpret_cast<const void*>(p));
-    }
-}
-
-// Copies own token `token` into output row `row` (the self copy): row, scales, top-k ids made local (-1
-// for another rank's experts, weight 0) and the source index.
+// Copies own token `token` into output row `row` (the self copy).
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void copy_own_token(const DispatchArgs& a, int token, int row, deepep::BadValue& bad,
                                                int lane) {
-    const int rank = a.rank;
     if (row >= a.num_out_rows) {
-        if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, rank, rank, __LINE__, a.num_recv);
+        if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, a.rank, __LINE__, a.num_recv);
         return;
     }
-    const TokenAux aux = load_aux(a, token, a.recv_topk_idx != nullptr, lane);
-    warp_copy_nc<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4,
-                          a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
-    store_scales(a.recv_x_scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
-    if (a.recv_topk_idx != nullptr) {
-        const long long num_experts = static_cast<long long>(kNumRanks) * a.num_local_experts;
-        for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
-            bad.check_expert_id(e, num_experts);
-            const long long local = e - static_cast<long long>(rank) * a.num_local_experts;
-            const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
-            a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
-            if (a.recv_topk_weights != nullptr)
-                a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + j] = mine ? w : 0.0f;
-        });
-    }
-    if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = token;
-}
-
-// Bits of the tokens of [chunk, chunk + 32) (clipped at end) that go to rank dst.
-template <int kNumRanks>
-__device__ __forceinline__ unsigned int chunk_mask(const DispatchArgs& a, int chunk, int end, int dst, int lane) {
-    const int t = chunk + lane;
-    return __ballot_sync(kFullMask, t < end && a.is_token_in_rank[static_cast<long long>(t) * kNumRanks + dst]);
-}
-
-// Position of the n-th (from 0) set bit of mask.
-__device__ __forceinline__ int nth_set_bit(unsigned int mask, int n) {
-    for (int i = 0; i < n; ++i) mask &= mask - 1u;
-    return __ffs(mask) - 1;
+    const DestRows own{a.recv_x, a.recv_x_scales, a.recv_topk_idx, a.recv_topk_weights, a.recv_src_idx, a.num_out_rows};
+    copy_token<kNumRanks, kUnroll>(a, token, own, a.rank, row, bad, lane);
 }
 
 constexpr int kSelfRun = 2;  // own tokens per claim
@@ -451,6 +308,8 @@ namespace deepep_cupy::intranode {
 
 using namespace ::deepep_intranode;
 
+// pool_bases: set when this rank's outputs are in its output pool; the call then takes the direct mode of
+// dispatch_direct.cuh if every rank's are, else the ring mode above.
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
 dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
@@ -461,7 +320,8 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          const int* __restrict__ recv_channel_prefix_matrix, int4* __restrict__ recv_x,
          unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
          float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx, int* __restrict__ send_head,
-         int num_out_rows, int num_worst_tokens, const long long* __restrict__ bases, long long ring_offset,
+         int num_out_rows, int num_worst_tokens, const long long* __restrict__ bases,
+         const long long* __restrict__ pool_bases, long long done_offset, long long ring_offset,
          long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
          int publish_batch, int* __restrict__ self_claims, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
@@ -473,20 +333,24 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     const Ctrl ctrl = ctrl_of(my_base, R);
     const uint64_t seq = begin_kernel(ctrl);
     const WaitCtx wctx{err, timeout_ns, rank};
-    if (blockIdx.x == 0) announce_arrival(bases, R, rank, seq);
 
     const int num_recv = rank_prefix_matrix[(R - 1) * R + rank];
     const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
                          num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
                          channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
-                         recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, ring_offset, free_offset,
-                         slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset,
-                         num_channels, clamp_batch(publish_batch, cap), self_claims, err, rank, seq, num_recv};
+                         recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, pool_bases, done_offset,
+                         ring_offset, free_offset, slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset,
+                         slot_topk_weights_offset, num_channels, clamp_batch(publish_batch, cap), self_claims, err, rank,
+                         seq, num_recv};
+    if (blockIdx.x == 0) {
+        publish_dest<R>(a);
+        announce_arrival(bases, R, rank, seq);
+    }
 
-    if (!is_sender && num_worst_tokens > 0) {
-        // Padding rows of the index outputs (num_worst_tokens mode).
-        const long long stride = static_cast<long long>(num_channels) * blockDim.x;
-        const long long first = static_cast<long long>(c) * blockDim.x + threadIdx.x;
+    // Padding rows of the index outputs (num_worst_tokens mode), by every block.
+    if (num_worst_tokens > 0) {
+        const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+        const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
         const long long pad_begin = num_recv < num_out_rows ? num_recv : num_out_rows;
         for (long long row = pad_begin + first; row < num_out_rows; row += stride) {
             if (recv_src_idx != nullptr) recv_src_idx[row] = -1;
@@ -499,18 +363,28 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
             }
         }
     }
-    // Role of this warp: push to a peer or receive from one, then join the self copy; or start on the self copy
-    // (with a single rank every warp does).
-    const int self_in_block = is_sender ? num_self_warps : num_recv_self_warps;
-    bool ok = true;
-    if (warp >= self_in_block && R > 1) {
-        int g, gi, gs;
-        split_warps(warp - self_in_block, kNumWarps - self_in_block, R - 1, g, gi, gs);
-        const int peer = (rank + 1 + g) % R;
-        ok = is_sender ? dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane)
-                       : dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
+    __shared__ DirectShared<R> sh;
+    extern __shared__ unsigned int chunk_masks[];
+    const int mode = begin_dispatch<R, kNumWarps>(a, wctx, c, sh, chunk_masks);
+    if (mode == 1) {
+        // Peers drop the rows past num_out_rows; this rank reports them.
+        if (blockIdx.x == 0 && threadIdx.x == 0 && num_recv > num_out_rows)
+            deepep::report_timeout(err, kOpDispatchOverflow, rank, rank, __LINE__, num_recv);
+        dispatch_direct<R, kNumWarps, kUnroll>(a, wctx, c, sh, chunk_masks, self_claims + c);
+    } else if (mode == 0) {
+        // Role of this warp: push to a peer or receive from one, then join the self copy; or start on the
+        // self copy (with a single rank every warp does).
+        const int self_in_block = is_sender ? num_self_warps : num_recv_self_warps;
+        bool ok = true;
+        if (warp >= self_in_block && R > 1) {
+            int g, gi, gs;
+            split_warps(warp - self_in_block, kNumWarps - self_in_block, R - 1, g, gi, gs);
+            const int peer = (rank + 1 + g) % R;
+            ok = is_sender ? dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane)
+                           : dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
+        }
+        if (ok) dispatch_self<R, kUnroll>(a, c, lane);
     }
-    if (ok) dispatch_self<R, kUnroll>(a, c, lane);
     end_kernel(ctrl, seq, self_claims, num_channels);
 }
 

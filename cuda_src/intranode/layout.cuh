@@ -12,6 +12,8 @@
 //                          written into this buffer.
 //       local_seq          sequence number of the last communicating kernel of this rank (local only).
 //       done_count         blocks of the running kernel that have finished (local only, back to 0 at the end).
+//       dest[R]            8 words each: dest[s] = where rank s's outputs of its running direct dispatch are
+//                          (s writes it into every rank's buffer when that kernel begins; dispatch_direct.cuh).
 //   [ring_offset, ...)     per call: C * R rings, ring (c, s) holds what rank s sends to this rank in
 //                          channel c: `cap` slots of `slot_bytes`; slot 0 of ring (c, s) starts at
 //                          ring_offset + (c * R + s) * cap * slot_bytes.
@@ -70,6 +72,8 @@ struct Ctrl {
     __device__ __forceinline__ unsigned int* done_count() const {
         return reinterpret_cast<unsigned int*>(words + 2 * num_ranks + 1);
     }
+    // Direct dispatch: where rank src's outputs of its running kernel are (dispatch_direct.cuh).
+    __device__ __forceinline__ uint64_t* dest(int src) const { return words + 2 * num_ranks + 2 + 8 * src; }
 };
 
 __device__ __forceinline__ uint8_t* rank_base(const long long* bases, int r) {

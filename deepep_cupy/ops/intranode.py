@@ -156,8 +156,10 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
                   layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank, num_recv_self_warps=0,
-                  batch=1, self_claims=0) -> list[tuple[str, object]]:
-    """Arguments of dispatch_kernel, in order, with their parameter names."""
+                  batch=1, self_claims=0, pool_bases=None) -> list[tuple[str, object]]:
+    """Arguments of dispatch_kernel, in order, with their parameter names. ``pool_bases``: every rank's output
+    pool when this call's outputs are in this rank's (patched per call); the done words of the direct mode
+    follow the rings (``layout.end``)."""
     slot = layout.slot
     return [
         ("x", x),
@@ -184,6 +186,8 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("num_out_rows", np.int32(num_out_rows)),
         ("num_worst_tokens", np.int32(num_worst_tokens)),
         ("bases", bases),
+        ("pool_bases", _ptr(pool_bases)),
+        ("done_offset", np.int64(layout.end)),
         ("ring_offset", np.int64(layout.ring_offset)),
         ("free_offset", np.int64(layout.free_offset)),
         ("slot_bytes", np.int32(slot.slot_bytes)),
@@ -268,8 +272,10 @@ def publish_batch(send_tokens: int, cap: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def required_bytes(layout: L.BufferLayout, notify_end: int = 0) -> int:
-    return max(layout.end, notify_end)
+def required_bytes(layout: L.BufferLayout, notify_end: int = 0, *, dispatch: bool = False) -> int:
+    """NVL buffer bytes of a call; a dispatch also has its done words after the free words."""
+    end = layout.end + (8 * layout.num_ranks * 2 * layout.num_channels if dispatch else 0)
+    return max(end, notify_end)
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -282,6 +288,9 @@ class IntranodeEngine(EngineHealth):
         device_id: this rank's GPU.
         num_nvl_bytes: bytes of NVL buffer per rank (rounded up to the VMM granularity).
         use_fabric: share the buffer with fabric handles (multi-node NVLink) instead of file descriptors.
+        num_output_bytes: bytes of output pool per rank (None: ``$DEEPEP_CUPY_OUTPUT_POOL_BYTES``, default
+            1 GiB; 0: none). Dispatch outputs that fit are allocated there and peers write them in place
+            (deepep_cupy/runtime/output_pool.py); the smallest value of all ranks is used.
 
     Attributes (tuning, may be changed between ops; all ranks must use the same values):
         timeout_s: wait budget of the kernels.
@@ -290,6 +299,8 @@ class IntranodeEngine(EngineHealth):
         recv_self_warps: warps of a dispatch receiver block that copy local tokens (None:
             :func:`default_recv_self_warps`). The local copy is shared by both groups.
         publish_batch: tokens per flag publish (None: ``config.num_max_nvl_chunked_send_tokens``).
+        use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
+            False: always the ring mode with ordinary allocations.
 
     The handle (all CuPy, the same values as the reference backend's):
         0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
@@ -304,7 +315,7 @@ class IntranodeEngine(EngineHealth):
 
     #: Attributes plans are built from: changing one drops the plans made with the old value.
     TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
-              "recv_self_warps", "publish_batch")
+              "recv_self_warps", "publish_batch", "use_output_pool")
 
     def __setattr__(self, name, value) -> None:
         object.__setattr__(self, name, value)
@@ -313,10 +324,12 @@ class IntranodeEngine(EngineHealth):
             if listener is not None:
                 listener()
 
-    def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False) -> None:
+    def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False,
+                 num_output_bytes: int | None = None) -> None:
         import cupy
 
         from ..runtime.kernel_errors import KernelErrorRecord
+        from ..runtime.output_pool import OutputPool, default_pool_bytes
         from ..runtime.vmm import PeerMappedBuffer
 
         if group.size > L.MAX_RANKS:
@@ -334,6 +347,8 @@ class IntranodeEngine(EngineHealth):
         self.self_warps: int | None = None
         self.recv_self_warps: int | None = None
         self.publish_batch: int | None = None
+        self.use_output_pool = True
+        self.output_pool = None
         self._broken: str | None = None
         self._destroyed = False
         self._metas: dict = {}
@@ -351,8 +366,17 @@ class IntranodeEngine(EngineHealth):
                 # Per-channel work counters: runs of the dispatch's self copy and of the combine's reduction
                 # claimed so far (0 between kernels; at most one channel per 2 SMs, see _check_grid).
                 self.work_claims = cupy.zeros(max(1, self._num_device_sms // 2), dtype=cupy.int32)
+                # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
+                # means none anywhere).
+                pool_bytes = default_pool_bytes() if num_output_bytes is None else int(num_output_bytes)
+                pool_bytes = min(int(v) for v in group.allgather_object(pool_bytes)) if self.num_ranks > 1 else 0
+                if pool_bytes > 0:
+                    self.output_pool = OutputPool(group, self.device_id, pool_bytes, use_fabric=use_fabric)
                 group.barrier()
             except BaseException:
+                if self.output_pool is not None:
+                    self.output_pool.close()
+                    self.output_pool = None
                 self.buffer.close()
                 self.buffer = None
                 raise
@@ -445,7 +469,10 @@ class IntranodeEngine(EngineHealth):
             warnings.warn(f"deepep_cupy: an unreported kernel error was pending at destroy: {op}, rank "
                           f"{pending['rank']}, peer {pending['peer']}", RuntimeWarning, stacklevel=2)
         buffer, self.buffer = self.buffer, None
+        pool, self.output_pool = self.output_pool, None
         self.bases = self.work_claims = None
         self._metas = {}
+        if pool is not None:
+            pool.close()
         if buffer is not None:
             buffer.close()

@@ -5,10 +5,14 @@ use comes from here and is passed to them as an argument.
 
 Per rank, for ``R`` ranks and ``C`` channels::
 
-    [0, ctrl_bytes)                     control words (uint64): arrive[R], notify_flag[R], local_seq, done_count
+    [0, ctrl_bytes)                     control words (uint64): arrive[R], notify_flag[R], local_seq, done_count,
+                                        dest[R] (8 words each: where rank s's direct-dispatch outputs are)
     [ring_offset, free_offset)          C * R rings of ``cap`` slots of ``slot_bytes`` (ring (c, s) = from rank s)
     [free_offset, end)                  C * R * cap uint64 "slot free" words (word (c, d, k): from rank d)
     [ring_offset, ring_offset + R * notify_stride * 4)   notify records (notify kernel only; overlaps the rings)
+
+A dispatch also has R x 2C done words right after the free words (word (s, b): block b of rank s has
+written everything it sends; used by the direct mode, see ``cuda_src/intranode/dispatch_direct.cuh``).
 
 Dispatch slot: 16-byte header (uint64 flag, int32 source token), hidden bytes, scales (4 bytes each),
 top-k ids (int32), top-k weights (float32), each part starting 16-byte aligned. Combine slot: header,
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "HEADER_BYTES",
+    "MAX_DIRECT_SHARED",
     "MAX_RANKS",
     "SlotLayout",
     "BufferLayout",
@@ -29,6 +34,7 @@ __all__ = [
     "dispatch_slot",
     "combine_slot",
     "buffer_layout",
+    "direct_shared_bytes",
     "notify_layout",
     "channel_bounds",
     "split_warps",
@@ -36,6 +42,8 @@ __all__ = [
 
 HEADER_BYTES = 16
 MAX_RANKS = 8
+#: Most dynamic shared memory a dispatch block may use for its chunk masks (sm_90 allows 227 KiB).
+MAX_DIRECT_SHARED = 200 * 1024
 
 
 def align(value: int, alignment: int) -> int:
@@ -43,8 +51,9 @@ def align(value: int, alignment: int) -> int:
 
 
 def ctrl_bytes(num_ranks: int) -> int:
-    """Bytes of the fixed control area: 2R + 2 uint64 words, rounded up to 128 bytes."""
-    return align(8 * (2 * num_ranks + 2), 128)
+    """Bytes of the fixed control area: 2R + 2 uint64 words and R dest entries of 8 words, rounded up to 128
+    bytes."""
+    return align(8 * (2 * num_ranks + 2) + 64 * num_ranks, 128)
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,13 @@ def buffer_layout(num_ranks: int, num_channels: int, cap: int, slot: SlotLayout)
     free_offset = ring_offset + num_channels * num_ranks * cap * slot.slot_bytes
     end = free_offset + num_channels * num_ranks * cap * 8
     return BufferLayout(num_ranks, num_channels, cap, slot, ring_offset, free_offset, end)
+
+
+def direct_shared_bytes(num_ranks: int, num_tokens: int, num_channels: int) -> int:
+    """Dynamic shared memory of a direct dispatch block: a mask and a prefix count per 32-token chunk of
+    a channel and destination."""
+    per_channel = -(-num_tokens // num_channels)
+    return 8 * num_ranks * max(1, -(-per_channel // 32))
 
 
 def notify_layout(num_ranks: int, num_channels: int, num_local_experts: int) -> tuple[int, int, int]:

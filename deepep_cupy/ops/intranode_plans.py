@@ -32,6 +32,18 @@ from .kernel_names import intranode_combine, intranode_dispatch, intranode_notif
 __all__ = ["DispatchPlan", "CombinePlan"]
 
 _MEMCPY_D2H = 2
+_POOL_ALIGN = 256
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN
+
+
+def _capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.runtime.streamIsCapturing(stream) != 0
 
 
 def _launch_args(named) -> list:
@@ -151,7 +163,13 @@ class DispatchPlan(_Plan):
         notify_end = 0
         if not self.cached:
             notify_offset, notify_stride, notify_end = L.notify_layout(R, self.num_channels, num_local_experts)
-        engine._check_size("dispatch", required_bytes(layout, notify_end), config, hidden_bytes)
+        engine._check_size("dispatch", required_bytes(layout, notify_end, dispatch=True), config, hidden_bytes)
+        shared = L.direct_shared_bytes(R, num_tokens, self.num_channels)
+        if shared > L.MAX_DIRECT_SHARED:
+            raise ValueError(f"dispatch of {num_tokens} tokens over {self.num_channels} channels needs {shared} bytes "
+                             f"of shared memory per block (at most {L.MAX_DIRECT_SHARED}); use more SMs "
+                             "(config.num_sms) or fewer tokens per call")
+        self.pool = engine.output_pool if engine.use_output_pool else None
 
         warps, unroll = int(engine.dispatch_warps), int(engine.dispatch_unroll)
         self_warps, recv_self_warps = engine._self_warps(warps)
@@ -165,11 +183,11 @@ class DispatchPlan(_Plan):
             num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
             num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
             num_recv_self_warps=recv_self_warps, batch=engine._batch(config), self_claims=engine.work_claims.data.ptr)
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named))
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named), shared_mem=shared)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
-            "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows"))
+            "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows", "pool_bases"))
         self.notify = None
         if not self.cached:
             self._make_notify_meta(1 + num_local_experts)
@@ -192,7 +210,7 @@ class DispatchPlan(_Plan):
         engine, frame = self.engine, self.frame
         ptr, empty, R = frame.ptr, frame.empty, engine.num_ranks
         (s_x, s_scales, s_topk, s_w, s_in_rank, s_rank_prefix, s_chan, s_recv_chan, s_recv_x, s_recv_scales,
-         s_recv_topk, s_recv_w, s_src, s_head, s_rows) = self.slots
+         s_recv_topk, s_recv_w, s_src, s_head, s_rows, s_pool) = self.slots
         counts_list = None
         if self.cached:
             rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, _ = handle
@@ -212,7 +230,9 @@ class DispatchPlan(_Plan):
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
                 num_rows, counts_list = self._received_counts()
-        recv_x = empty((num_rows, self.hidden), self.x_key)
+        outs = self._pool_outputs(num_rows) if self.pool is not None else None
+        s_pool.value = 0 if outs is None else self.pool.bases.data.ptr
+        recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)
         s_x.value = ptr(x)
         s_recv_x.value = ptr(recv_x)
         s_in_rank.value = ptr(is_token_in_rank)
@@ -220,23 +240,17 @@ class DispatchPlan(_Plan):
         s_chan.value = ptr(channel_prefix)
         s_recv_chan.value = ptr(recv_channel_prefix)
         s_rows.value = num_rows
-        recv_scales = None
         if x_scales is not None:
-            recv_scales = empty((num_rows, *self.scales_shape), F32)
             s_scales.value = ptr(x_scales)
             s_recv_scales.value = ptr(recv_scales)
-        recv_topk_idx = recv_topk_weights = None
         if not self.cached:
-            recv_src_idx = empty((num_rows,), I32)
             send_head = empty((self.num_tokens, R), I32)
             s_src.value = ptr(recv_src_idx)
             s_head.value = ptr(send_head)
             if self.num_topk:
-                recv_topk_idx = empty((num_rows, self.num_topk), I64)
                 s_topk.value = ptr(topk_idx)
                 s_recv_topk.value = ptr(recv_topk_idx)
                 if self.has_weights:
-                    recv_topk_weights = empty((num_rows, self.num_topk), F32)
                     s_w.value = ptr(topk_weights)
                     s_recv_w.value = ptr(recv_topk_weights)
         self.plan.launch(self.comm_stream)
@@ -251,6 +265,51 @@ class DispatchPlan(_Plan):
         new_handle = OpHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
                                send_head))
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
+
+    def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
+        """``(shape, dtype)`` of recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights (None
+        for an output this call does not make)."""
+        scales = ((num_rows, *self.scales_shape), F32) if self.scales_shape is not None else None
+        src = topk = weights = None
+        if not self.cached:
+            src = ((num_rows,), I32)
+            if self.num_topk:
+                topk = ((num_rows, self.num_topk), I64)
+                if self.has_weights:
+                    weights = ((num_rows, self.num_topk), F32)
+        return [((num_rows, self.hidden), self.x_key), scales, src, topk, weights]
+
+    def _outputs(self, num_rows: int) -> list:
+        """The outputs as ordinary allocations of the caller's framework (the ring mode)."""
+        empty = self.frame.empty
+        return [None if p is None else empty(*p) for p in self._output_parts(num_rows)]
+
+    def _pool_outputs(self, num_rows: int) -> list | None:
+        """The outputs in the output pool, so that peers write them in place (the direct mode), or None
+        when the pool cannot hold them now or the caller's stream is being captured (a graph keeps writing
+        its outputs on every replay: those come from the framework's allocator, as a graph's memory pool
+        expects). Row data and scales share one block; the small outputs, which the handle keeps, another."""
+        if _capturing(self.comm_stream):
+            return None
+        parts = self._output_parts(num_rows)
+        groups = ((0, 1), (2, 3, 4))
+        out: list = [None] * len(parts)
+        for group in groups:
+            offsets, total = [], 0
+            for i in group:
+                offsets.append(total)
+                if parts[i] is not None:
+                    total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
+            if all(parts[i] is None for i in group):
+                continue
+            block = self.pool.alloc(total)
+            if block is None:
+                return None
+            wrap = self.frame.wrap
+            for i, off in zip(group, offsets, strict=True):
+                if parts[i] is not None:
+                    out[i] = wrap(block.ptr + off, parts[i][0], parts[i][1], owner=block)
+        return out
 
     def _received_counts(self) -> tuple[int, list[int]]:
         """Rows received and received tokens per local expert (waits for the notify kernel)."""

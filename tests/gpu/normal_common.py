@@ -65,7 +65,8 @@ def inputs(env, fw, rng, n, hidden, fp8, column_major):
 
 
 def poison(env, fw, nbytes_list):
-    """Fill pool blocks of the outputs' sizes with 0xAB so rows a kernel forgets to write show up."""
+    """Fill pool blocks of the outputs' sizes with 0xAB so rows a kernel forgets to write show up; the free
+    space of the Buffer's output pool too (direct-mode dispatch outputs come from there)."""
     import cupy
 
     from deepep_cupy.runtime.streams import current_stream
@@ -78,6 +79,26 @@ def poison(env, fw, nbytes_list):
                 b.fill(0xAB)
                 blocks.append(b)
         del blocks
+        pool = output_pool(env.get("buf"))
+        if pool is not None:
+            stream = cupy.cuda.get_current_stream().ptr
+            for start, end in pool.free_ranges():
+                cupy.cuda.runtime.memsetAsync(pool.base_ptr + start, 0xAB, end - start, stream)
+
+
+def output_pool(buf):
+    """The intranode output pool of a Buffer, or None."""
+    engine = getattr(getattr(buf, "runtime", None), "intranode", None)
+    return getattr(engine, "output_pool", None)
+
+
+def in_output_pool(buf, tensor) -> bool:
+    """Whether ``tensor``'s memory lies in the Buffer's output pool."""
+    pool = output_pool(buf)
+    if pool is None:
+        return False
+    p = tensor.data_ptr() if hasattr(tensor, "data_ptr") else tensor.data.ptr
+    return pool.base_ptr <= p < pool.base_ptr + pool.size
 
 
 def check_combine(ours, refs, num_tokens):

@@ -22,7 +22,9 @@ from normal_common import (
     check_combine,
     combine_round,
     frameworks,
+    in_output_pool,
     inputs,
+    output_pool,
     poison,
     routing,
     skip_unless_framework_holds,
@@ -108,8 +110,9 @@ def _check_dispatch(env, ours, refs, *, fp8, worst, with_topk=True):
 
 
 def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=False, worst=0, align=1,
-           only_rank0=False, bias=0, cached=True, recv=256):
-    """Layout, dispatch, cached dispatch, combine: everything compared with the reference."""
+           only_rank0=False, bias=0, cached=True, recv=256, in_pool=None):
+    """Layout, dispatch, cached dispatch, combine: everything compared with the reference. ``in_pool``: whether
+    the dispatch outputs must lie in the output pool (None: not checked)."""
     buf, ref = env["buf"], env["ref"]
     me, size = env["rank"], env["size"]
     topk, weights = routing(rng, n, num_experts, k, me, size, only_rank0)
@@ -127,6 +130,9 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
                         num_tokens_per_expert=r_expert, topk_idx=topk, topk_weights=weights, expert_alignment=align,
                         num_worst_tokens=worst_rows)
     num_recv = _check_dispatch(env, (recv, r_idx, r_w, counts, handle), refs, fp8=fp8, worst=worst_rows)
+    if in_pool is not None and (worst_rows or num_recv):
+        for t in (*(recv if fp8 else (recv,)), r_idx, r_w, handle[3]):
+            assert in_output_pool(env["buf"], t) == in_pool, "dispatch outputs are not where the mode puts them"
     if worst_rows:
         assert counts == []
 
@@ -157,13 +163,67 @@ SMALL = [
 ]
 
 
+@pytest.mark.parametrize("mode", ["direct", "ring"])
 @pytest.mark.parametrize("fw", frameworks())
 @pytest.mark.parametrize("n,hidden,experts,k,extra", SMALL)
-def test_small_shapes(env, fw, n, hidden, experts, k, extra):
+def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
+    """Both dispatch modes: outputs in the output pool, written in place by every rank (direct), or ordinary
+    allocations filled through the rings (ring)."""
     skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
     rng = np.random.default_rng([n, hidden, k, env["rank"]])
-    for _ in range(2):
-        _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+    engine = env["buf"].runtime.intranode
+    assert engine.output_pool is not None, "the default Buffer has no output pool"
+    engine.use_output_pool = mode == "direct"
+    try:
+        for _ in range(2):
+            _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
+    finally:
+        engine.use_output_pool = True
+
+
+def test_full_pool_on_one_rank_takes_the_ring_mode(env):
+    """Rank 0's pool cannot hold the outputs: it allocates them normally, and every rank takes the ring mode
+    for that call (the others' outputs are in their pools, filled by their own receivers); then direct again."""
+    fw = frameworks()[0]
+    pool = output_pool(env["buf"])
+    rng = np.random.default_rng([77, env["rank"]])
+    held = []
+    if env["rank"] == 0:
+        while (block := pool.alloc(1 << 20)) is not None:
+            held.append(block)
+        while (block := pool.alloc(256)) is not None:
+            held.append(block)
+    try:
+        for _ in range(2):
+            _round(env, fw, rng, n=700, hidden=4096, num_experts=32, k=4, in_pool=env["rank"] != 0)
+    finally:
+        held.clear()
+    _round(env, fw, rng, n=700, hidden=4096, num_experts=32, k=4, in_pool=True)
+
+
+def test_outputs_outlive_the_buffer(env):
+    """Dispatch outputs from the output pool stay valid after the Buffer is destroyed (the pool is unmapped
+    once the last of them is freed)."""
+    fw = frameworks()[0]
+    deepep_cupy = env["deepep_cupy"]
+    buf = deepep_cupy.Buffer(comm=COMM, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
+    me, size = env["rank"], env["size"]
+    rng = np.random.default_rng([78, me])
+    n, hidden, experts, k = 333, 2048, 16, 3
+    topk, weights = routing(rng, n, experts, k, me, size)
+    x_np = bf16(rng, (n, hidden))
+    x, topk_dev, w_dev = to_dev(x_np, fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    recv, idx, w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_dev,
+        topk_weights=w_dev, config=_cfg(env))
+    assert in_output_pool(buf, recv)
+    COMM.Barrier()
+    buf.destroy()
+    refs = env["ref"].dispatch(x_np, None, handle=None, num_tokens_per_rank=to_np(per_rank),
+                               is_token_in_rank=to_np(in_rank), num_tokens_per_expert=to_np(per_expert),
+                               topk_idx=topk, topk_weights=weights, expert_alignment=1, num_worst_tokens=0)
+    _check_dispatch(env, (recv, idx, w, counts, handle), refs, fp8=False, worst=0)
 
 
 def test_zero_tokens_on_one_rank(env):

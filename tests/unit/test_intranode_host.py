@@ -476,6 +476,100 @@ def _model_combine(ys, handles, C):
     return outs
 
 
+def _model_direct_dispatch(xs, in_ranks, topks, per_experts, C):
+    """The direct mode of dispatch_kernel (dispatch_direct.cuh): chunk masks and prefix counts per channel and
+    destination, items (chunk, destination, part) in claim order, each token written straight into its row of
+    the destination's outputs."""
+    R = len(xs)
+    rpm, cpms, _, metas = _model_notify(in_ranks, per_experts, C, 4)
+    El = per_experts[0].shape[0] // R
+    run, parts = 2, 16
+    outs = [{"x": np.full((metas[d][0],) + xs[d].shape[1:], -7, xs[d].dtype),
+             "src": np.full(metas[d][0], -9, np.int32),
+             "topk": np.full((metas[d][0], topks[d].shape[1]), -5, np.int64),
+             "send_head": np.full((xs[d].shape[0], R), -3, np.int32)} for d in range(R)]
+    written = [np.zeros(metas[d][0], bool) for d in range(R)]
+    for me in range(R):
+        n = xs[me].shape[0]
+        for c in range(C):
+            tb, te = L.channel_bounds(n, C, c)
+            chunks = -(-(te - tb) // 32)
+            mask = np.zeros((chunks, R), np.int64)
+            for j in range(chunks):
+                for lane in range(32):
+                    t = tb + 32 * j + lane
+                    for d in range(R):
+                        if t < te and in_ranks[me][t, d]:
+                            mask[j, d] |= 1 << lane
+            popc = np.vectorize(lambda m: bin(int(m)).count("1"))(mask) if chunks else mask
+            prefix = np.cumsum(popc, axis=0) - popc
+            sent_before = [cpms[me][d, c - 1] if c > 0 else 0 for d in range(R)]
+            row_base = [(rpm[me - 1, d] if me > 0 else 0) + sent_before[d] for d in range(R)]
+            for item in range(chunks * R * parts):
+                j, i, part = item // (R * parts), item // parts % R, item % parts
+                d = (me + 1 + i) % R
+                m, chunk = int(mask[j, d]), tb + 32 * j
+                bits_set = [b for b in range(32) if m >> b & 1]
+                if part == 0:
+                    for lane in range(32):
+                        if chunk + lane < te:
+                            before = sum(1 for b in bits_set if b < lane)
+                            outs[me]["send_head"][chunk + lane, d] = (
+                                sent_before[d] + prefix[j, d] + before if m >> lane & 1 else -1)
+                for k in range(part * run, min(len(bits_set), (part + 1) * run)):
+                    t, row = chunk + bits_set[k], row_base[d] + prefix[j, d] + k
+                    assert not written[d][row]
+                    written[d][row] = True
+                    local = topks[me][t] - d * El
+                    mine = (topks[me][t] >= 0) & (local >= 0) & (local < El)
+                    outs[d]["x"][row] = xs[me][t]
+                    outs[d]["src"][row] = t
+                    outs[d]["topk"][row] = np.where(mine, local, -1)
+    assert all(w.all() for w in written)
+    return outs
+
+
+@pytest.mark.parametrize("R,C,n_tokens", [(2, 3, 37), (3, 2, 0), (4, 5, 23), (2, 12, 1), (8, 4, 50), (2, 1, 100)])
+def test_direct_dispatch_model_matches_reference(R, C, n_tokens):
+    rng = np.random.default_rng(R * 1000 + C)
+    E, K, H = 8 * R, 3, 4
+    xs, in_ranks, topks, per_experts = [], [], [], []
+    for me in range(R):
+        n = n_tokens if me != 1 else max(0, n_tokens - 5)
+        topk = rng.integers(-1, E, size=(n, K)).astype(np.int64)
+        per_rank, _, per_expert, in_rank = normal.dispatch_layout(topk, E, R, R)
+        xs.append(rng.standard_normal((n, H)).astype(np.float32))
+        in_ranks.append(in_rank)
+        topks.append(topk)
+        per_experts.append(per_expert)
+    outs = _model_direct_dispatch(xs, in_ranks, topks, per_experts, C)
+
+    def ref_body(group):
+        me = group.rank
+        return normal.dispatch(group, xs[me], None, handle=None, is_token_in_rank=in_ranks[me],
+                               num_tokens_per_expert=per_experts[me], topk_idx=topks[me], topk_weights=None,
+                               expert_alignment=4, num_worst_tokens=0, num_channels=C)
+
+    refs = run_ranks(R, ref_body)
+    for me in range(R):
+        rx, _, rtopk, _, _, rhandle = refs[me]
+        np.testing.assert_array_equal(outs[me]["x"], rx)
+        np.testing.assert_array_equal(outs[me]["topk"], rtopk)
+        np.testing.assert_array_equal(outs[me]["src"], rhandle[3])
+        np.testing.assert_array_equal(outs[me]["send_head"], rhandle[5])
+
+
+def test_direct_shared_bytes_and_done_words():
+    assert L.direct_shared_bytes(2, 4096, 12) == 8 * 2 * 11
+    assert L.direct_shared_bytes(8, 0, 12) == 8 * 8
+    lay = L.buffer_layout(4, 12, 7, L.dispatch_slot(7168, 56, 8))
+    assert intranode.required_bytes(lay, dispatch=True) == lay.end + 8 * 4 * 24
+    assert intranode.required_bytes(lay) == lay.end
+    # The dest entries of layout.cuh (8 words per rank after 2R + 2 control words) fit in the control area.
+    for r in range(1, 9):
+        assert L.ctrl_bytes(r) >= 8 * (2 * r + 2 + 8 * r)
+
+
 @pytest.mark.parametrize("R,C,n_tokens,cap", [(2, 3, 37, 4), (3, 2, 0, 2), (4, 5, 23, 1), (2, 12, 1, 8),
                                               (8, 4, 50, 3)])
 def test_kernel_index_model_matches_reference(R, C, n_tokens, cap):

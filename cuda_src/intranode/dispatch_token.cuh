@@ -1,0 +1,171 @@
+// One token of the intranode dispatch: the kernel arguments both dispatch modes read, a token's scales and
+// top-k entries, and the warp that copies a token into one rank's outputs (cuda_src/intranode/dispatch.cu).
+#pragma once
+
+#include "common/nvrtc_compat.cuh"
+#include "common/value_errors.cuh"
+#include "intranode/layout.cuh"
+
+namespace deepep_intranode {
+
+struct DispatchArgs {
+    const int4* x;
+    const unsigned int* x_scales;
+    long long scale_token_stride, scale_block_stride;
+    int num_scales;
+    const long long* topk_idx;
+    const float* topk_weights;
+    int num_topk, num_local_experts;
+    const bool* is_token_in_rank;
+    int num_tokens, hidden_int4;
+    const int* rank_prefix_matrix;
+    const int* channel_prefix_matrix;
+    const int* recv_channel_prefix_matrix;
+    int4* recv_x;
+    unsigned int* recv_x_scales;
+    long long* recv_topk_idx;
+    float* recv_topk_weights;
+    int* recv_src_idx;
+    int* send_head;
+    int num_out_rows;
+    const long long* bases;
+    const long long* pool_bases;  // every rank's output pool when this rank's outputs are in its own, else nullptr
+    long long done_offset;        // direct mode: done words [source rank][block] in every NVL buffer
+    long long ring_offset, free_offset;
+    int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
+    int batch;
+    int* self_claims;
+    deepep::ErrorRecord* err;
+    int rank;
+    uint64_t seq;
+    int num_recv;
+};
+
+// ---- a token's scales and top-k entries ------------------------------------------------------------
+//
+// Everything a token carries besides its row is loaded into registers *before* the row is copied, so that
+// these loads are in flight together with the row's instead of following it one dependent round trip at a
+// time. That matters most for column-major FP8 scales (token stride 1): the scales of one token then lie
+// in num_scales different 128-byte lines. Lane l holds scale blocks l + 32 j (j < kScaleRegs, i.e. hidden
+// up to 8192 for FP8) and top-k entry l; anything beyond that (larger hidden, top-k above 32) is still
+// loaded where it is stored.
+constexpr int kScaleRegs = 2;
+
+struct TokenAux {
+    uint32_t scale[kScaleRegs];
+    long long expert;  // lane l < num_topk: expert id l of the token (-1 otherwise)
+    float weight;      // its weight (0 without weights)
+};
+
+__device__ __forceinline__ const unsigned int* token_scales(const DispatchArgs& a, int token) {
+    return a.x_scales + token * a.scale_token_stride;
+}
+
+// Sender side: from the user's inputs (read-only for the whole kernel). `with_topk`: load the top-k pair.
+__device__ __forceinline__ TokenAux load_aux(const DispatchArgs& a, int token, bool with_topk, int lane) {
+    TokenAux t;
+    const unsigned int* sc = token_scales(a, token);
+#pragma unroll
+    for (int j = 0; j < kScaleRegs; ++j) {
+        const int s = lane + 32 * j;
+        t.scale[j] = s < a.num_scales ? __ldg(sc + s * a.scale_block_stride) : 0u;
+    }
+    t.expert = -1;
+    t.weight = 0.0f;
+    if (with_topk && lane < a.num_topk) {
+        const long long k = static_cast<long long>(token) * a.num_topk + lane;
+        t.expert = __ldg(a.topk_idx + k);
+        if (a.topk_weights != nullptr) t.weight = __ldg(a.topk_weights + k);
+    }
+    return t;
+}
+
+__device__ __forceinline__ void store_scales(unsigned int* dst, const DispatchArgs& a, int token, const TokenAux& t,
+                                             int lane) {
+#pragma unroll
+    for (int j = 0; j < kScaleRegs; ++j)
+        if (lane + 32 * j < a.num_scales) dst[lane + 32 * j] = t.scale[j];
+    const unsigned int* sc = token_scales(a, token);
+    for (int s = lane + 32 * kScaleRegs; s < a.num_scales; s += 32) dst[s] = __ldg(sc + s * a.scale_block_stride);
+}
+
+// Calls put(j, expert id, weight) for every top-k entry of the token, lane j % 32 doing entry j.
+template <typename Put>
+__device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, const TokenAux& t, int lane, Put put) {
+    if (lane < a.num_topk) put(lane, t.expert, t.weight);
+    for (int j = lane + 32; j < a.num_topk; j += 32) {
+        const long long k = static_cast<long long>(token) * a.num_topk + j;
+        put(j, __ldg(a.topk_idx + k), a.topk_weights != nullptr ? __ldg(a.topk_weights + k) : 0.0f);
+    }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Asks L2 for the scales of tokens [t0, t1) (at most 32), a chunk ahead of their loads, so that the
+// first warp to load them does not wait for DRAM. Column-major: one run of 4 * (t1 - t0) bytes per scale
+// block (its first and last element cover it); row-major: one contiguous run. Other layouts: nothing.
+__device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, int t1, int lane) {
+    if (a.num_scales == 0 || t0 >= t1) return;
+    const unsigned int* first = token_scales(a, t0);
+    if (a.scale_token_stride == 1) {
+        for (int s = lane; s < a.num_scales; s += 32) {
+            prefetch_l2(first + s * a.scale_block_stride);
+            prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
+        }
+    } else if (a.scale_block_stride == 1) {
+        // From the 128-byte line of the first element to that of the last one.
+        const uintptr_t begin = reinterpret_cast<uintptr_t>(first);
+        const uintptr_t end = reinterpret_cast<uintptr_t>(first + (t1 - t0 - 1) * a.scale_token_stride + a.num_scales);
+        for (uintptr_t p = (begin & ~uintptr_t{127}) + 128u * lane; p < end; p += 32u * 128u)
+            prefetch_l2(reinterpret_cast<const void*>(p));
+    }
+}
+
+// One rank's outputs of a dispatch (a peer's, in direct mode, as mapped here).
+struct DestRows {
+    int4* x;
+    unsigned int* scales;
+    long long* topk_idx;  // nullptr: no top-k outputs (cached mode)
+    float* topk_weights;
+    int* src_idx;
+    int num_rows;
+};
+
+// Copies `token` into row `row` of rank dst's outputs: row, scales, top-k ids made local to dst (-1 for
+// another rank's experts, weight 0) and the source index. Bad ids are noted in `bad`.
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
+                                           deepep::BadValue& bad, int lane) {
+    const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
+    warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
+                          a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
+    store_scales(d.scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
+    if (d.topk_idx != nullptr) {
+        const long long num_experts = static_cast<long long>(kNumRanks) * a.num_local_experts;
+        for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
+            bad.check_expert_id(e, num_experts);
+            const long long local = e - static_cast<long long>(dst) * a.num_local_experts;
+            const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
+            d.topk_idx[static_cast<long long>(row) * a.num_topk + j] = mine ? local : -1;
+            if (d.topk_weights != nullptr) d.topk_weights[static_cast<long long>(row) * a.num_topk + j] = mine ? w : 0.0f;
+        });
+    }
+    if (lane == 0 && d.src_idx != nullptr) d.src_idx[row] = token;
+}
+
+// Bits of the tokens of [chunk, chunk + 32) (clipped at end) that go to rank dst.
+template <int kNumRanks>
+__device__ __forceinline__ unsigned int chunk_mask(const DispatchArgs& a, int chunk, int end, int dst, int lane) {
+    const int t = chunk + lane;
+    return __ballot_sync(kFullMask, t < end && a.is_token_in_rank[static_cast<long long>(t) * kNumRanks + dst]);
+}
+
+// Position of the n-th (from 0) set bit of mask.
+__device__ __forceinline__ int nth_set_bit(unsigned int mask, int n) {
+    for (int i = 0; i < n; ++i) mask &= mask - 1u;
+    return __ffs(mask) - 1;
+}
+
+}  // namespace deepep_intranode
