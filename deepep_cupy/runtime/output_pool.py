@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import sys
 import threading
 
 __all__ = ["OutputPool", "PoolBlock", "default_pool_bytes"]
@@ -144,5 +145,6 @@ class OutputPool(Allocator):
 
     def _unmap(self) -> None:
         buffer, self.buffer = self.buffer, None
-        if buffer is not None:
+        # At interpreter exit the process's mappings go with it (and the driver bindings may be gone).
+        if buffer is not None and not sys.is_finalizing():
             buffer.close()
