@@ -292,23 +292,21 @@ class DispatchPlan(_Plan):
         if _capturing(self.comm_stream):
             return None
         parts = self._output_parts(num_rows)
-        groups = ((0, 1), (2, 3, 4))
         out: list = [None] * len(parts)
-        for group in groups:
-            offsets, total = [], 0
+        for group in ((0, 1), (2, 3, 4)):
+            placed, total = [], 0
             for i in group:
-                offsets.append(total)
                 if parts[i] is not None:
+                    placed.append((i, total))
                     total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
-            if all(parts[i] is None for i in group):
+            if not placed:
                 continue
             block = self.pool.alloc(total)
             if block is None:
                 return None
             wrap = self.frame.wrap
-            for i, off in zip(group, offsets, strict=True):
-                if parts[i] is not None:
-                    out[i] = wrap(block.ptr + off, parts[i][0], parts[i][1], owner=block)
+            for i, off in placed:
+                out[i] = wrap(block.ptr + off, parts[i][0], parts[i][1], owner=block)
         return out
 
     def _received_counts(self) -> tuple[int, list[int]]:

@@ -507,7 +507,7 @@ def _model_direct_dispatch(xs, in_ranks, topks, per_experts, C):
             row_base = [(rpm[me - 1, d] if me > 0 else 0) + sent_before[d] for d in range(R)]
             for item in range(chunks * R * parts):
                 j, i, part = item // (R * parts), item // parts % R, item % parts
-                d = (me + 1 + i) % R
+                d = (me + i) % R
                 m, chunk = int(mask[j, d]), tb + 32 * j
                 bits_set = [b for b in range(32) if m >> b & 1]
                 if part == 0:
