@@ -39,13 +39,6 @@ def _align(nbytes: int) -> int:
     return (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN
 
 
-def _capturing(stream: int) -> bool:
-    """Whether ``stream`` is being captured into a CUDA graph."""
-    import cupy
-
-    return cupy.cuda.runtime.streamIsCapturing(stream) != 0
-
-
 def _launch_args(named) -> list:
     """``(name, value)`` pairs of the argument builders -> LaunchPlan arguments. Integers stand for
     pointers (patched per call), NumPy scalars keep their width, arrays give their address."""
@@ -170,6 +163,12 @@ class DispatchPlan(_Plan):
                              f"of shared memory per block (at most {L.MAX_DIRECT_SHARED}); use more SMs "
                              "(config.num_sms) or fewer tokens per call")
         self.pool = engine.output_pool if engine.use_output_pool else None
+        self.pool_bases = self.pool.bases.data.ptr if self.pool is not None else 0
+        self._pool_layouts: dict = {}
+        if self.pool is not None:
+            import cupy
+
+            self._capture_status = cupy.cuda.runtime.streamIsCapturing  # 0: the stream is not being captured
 
         warps, unroll = int(engine.dispatch_warps), int(engine.dispatch_unroll)
         self_warps, recv_self_warps = engine._self_warps(warps)
@@ -231,7 +230,7 @@ class DispatchPlan(_Plan):
             else:
                 num_rows, counts_list = self._received_counts()
         outs = self._pool_outputs(num_rows) if self.pool is not None else None
-        s_pool.value = 0 if outs is None else self.pool.bases.data.ptr
+        s_pool.value = 0 if outs is None else self.pool_bases
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)
         s_x.value = ptr(x)
         s_recv_x.value = ptr(recv_x)
@@ -284,29 +283,40 @@ class DispatchPlan(_Plan):
         empty = self.frame.empty
         return [None if p is None else empty(*p) for p in self._output_parts(num_rows)]
 
+    def _pool_layout(self, num_rows: int) -> list:
+        """Per pool block: ``(bytes, [(output index, byte offset, shape, dtype), ...])``. Row data and scales
+        share one block; the small outputs, which the handle keeps, another. Kept per row count (a cached
+        plan has one), so a call only allocates and wraps."""
+        layout = self._pool_layouts.get(num_rows)
+        if layout is None:
+            parts = self._output_parts(num_rows)
+            layout = []
+            for group in ((0, 1), (2, 3, 4)):
+                placed, total = [], 0
+                for i in group:
+                    if parts[i] is not None:
+                        placed.append((i, total, *parts[i]))
+                        total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
+                if placed:
+                    layout.append((total, placed))
+            self._pool_layouts[num_rows] = layout
+        return layout
+
     def _pool_outputs(self, num_rows: int) -> list | None:
         """The outputs in the output pool, so that peers write them in place (the direct mode), or None
         when the pool cannot hold them now or the caller's stream is being captured (a graph keeps writing
         its outputs on every replay: those come from the framework's allocator, as a graph's memory pool
-        expects). Row data and scales share one block; the small outputs, which the handle keeps, another."""
-        if _capturing(self.comm_stream):
+        expects)."""
+        if self._capture_status(self.comm_stream):
             return None
-        parts = self._output_parts(num_rows)
-        out: list = [None] * len(parts)
-        for group in ((0, 1), (2, 3, 4)):
-            placed, total = [], 0
-            for i in group:
-                if parts[i] is not None:
-                    placed.append((i, total))
-                    total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
-            if not placed:
-                continue
-            block = self.pool.alloc(total)
+        out: list = [None] * 5
+        wrap, alloc = self.frame.wrap, self.pool.alloc
+        for total, placed in self._pool_layout(num_rows):
+            block = alloc(total)
             if block is None:
                 return None
-            wrap = self.frame.wrap
-            for i, off in placed:
-                out[i] = wrap(block.ptr + off, parts[i][0], parts[i][1], owner=block)
+            for i, offset, shape, dtype in placed:
+                out[i] = wrap(block.ptr + offset, shape, dtype, owner=block)
         return out
 
     def _received_counts(self) -> tuple[int, list[int]]:
