@@ -289,8 +289,8 @@ class IntranodeEngine(EngineHealth):
         num_nvl_bytes: bytes of NVL buffer per rank (rounded up to the VMM granularity).
         use_fabric: share the buffer with fabric handles (multi-node NVLink) instead of file descriptors.
         num_output_bytes: bytes of output pool per rank (None: ``$DEEPEP_CUPY_OUTPUT_POOL_BYTES``, default
-            1 GiB; 0: none). Dispatch outputs that fit are allocated there and peers write them in place
-            (deepep_cupy/runtime/output_pool.py); the smallest value of all ranks is used.
+            1 GiB up to 2 ranks, 0 above; 0: none). Dispatch outputs that fit are allocated there and peers
+            write them in place (deepep_cupy/runtime/output_pool.py); the smallest value of all ranks is used.
 
     Attributes (tuning, may be changed between ops; all ranks must use the same values):
         timeout_s: wait budget of the kernels.
@@ -368,7 +368,7 @@ class IntranodeEngine(EngineHealth):
                 self.work_claims = cupy.zeros(max(1, self._num_device_sms // 2), dtype=cupy.int32)
                 # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
                 # means none anywhere).
-                pool_bytes = default_pool_bytes() if num_output_bytes is None else int(num_output_bytes)
+                pool_bytes = default_pool_bytes(self.num_ranks) if num_output_bytes is None else int(num_output_bytes)
                 pool_bytes = min(int(v) for v in group.allgather_object(pool_bytes)) if self.num_ranks > 1 else 0
                 if pool_bytes > 0:
                     self.output_pool = OutputPool(group, self.device_id, pool_bytes, use_fabric=use_fabric)

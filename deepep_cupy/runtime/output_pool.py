@@ -25,13 +25,16 @@ __all__ = ["OutputPool", "PoolBlock", "default_pool_bytes"]
 ALIGN = 256
 _ENV = "DEEPEP_CUPY_OUTPUT_POOL_BYTES"
 DEFAULT_BYTES = 1 << 30
+MAX_DEFAULT_RANKS = 2
 
 
-def default_pool_bytes() -> int:
-    """``$DEEPEP_CUPY_OUTPUT_POOL_BYTES`` (0 turns the direct mode off), default 1 GiB per rank."""
+def default_pool_bytes(num_ranks: int = 2) -> int:
+    """``$DEEPEP_CUPY_OUTPUT_POOL_BYTES`` (0 turns the direct mode off). Unset: 1 GiB per rank up to
+    ``MAX_DEFAULT_RANKS`` ranks, where the direct mode has been run on GPUs, else 0 (set the variable to
+    use it with more ranks)."""
     raw = os.environ.get(_ENV, "").strip()
     if not raw:
-        return DEFAULT_BYTES
+        return DEFAULT_BYTES if num_ranks <= MAX_DEFAULT_RANKS else 0
     try:
         value = int(float(raw))
     except ValueError:

@@ -37,6 +37,8 @@ pytestmark = MULTI_RANK_GPU
 NUM_SMS = 24
 NVL_BYTES = int(1e9)
 TEST_TIMEOUT_S = 30.0
+# Both dispatch modes are tested at every rank count (by default the output pool exists up to 2 ranks only).
+os.environ.setdefault("DEEPEP_CUPY_OUTPUT_POOL_BYTES", str(1 << 30))
 
 
 # ------------------------------------------------------------------------------------------- fixtures
