@@ -1,5 +1,9 @@
 // Intranode dispatch, step 2: move the tokens.
 //
+// Two modes, picked per call on the GPUs (every rank sees every rank's dest entry): the direct mode of
+// dispatch_direct.cuh when every rank's outputs are in its output pool (each token written straight into
+// its row at every destination), else the ring mode described here.
+//
 // Grid: 2 * C blocks; block 2c sends channel c, block 2c + 1 receives channel c. Channel c is the token
 // range [c * ceil(N/C), ...) of every rank.
 //

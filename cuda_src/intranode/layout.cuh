@@ -19,6 +19,8 @@
 //                          ring_offset + (c * R + s) * cap * slot_bytes.
 //   [free_offset, ...)     per call: C * R * cap uint64 "slot free" words; word (c, d, k) is written by
 //                          rank d's receiver when slot k of ring (c, me) in d's buffer may be reused.
+//   [done_offset, ...)     dispatch only, right after the free words: R * 2C uint64 done words; word (s, b)
+//                          is written by block b of rank s when all it sends is written (direct mode).
 //   notify area            the notify kernel uses the start of the ring region for the counts each
 //                          source sends: R records of notify_stride ints.
 //

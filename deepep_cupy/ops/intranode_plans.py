@@ -299,6 +299,8 @@ class DispatchPlan(_Plan):
                         total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
                 if placed:
                     layout.append((total, placed))
+            if len(self._pool_layouts) >= 64:  # a dispatch without handle sees a new row count per call
+                self._pool_layouts.clear()
             self._pool_layouts[num_rows] = layout
         return layout
 
