@@ -11,7 +11,9 @@ Each op is swept in stages (coordinate descent, to keep the run short): first th
 shapes (warps per block, 16-byte loads in flight per lane) at default runtime knobs, then, at the best
 shape, the runtime knobs: for dispatch the warps that copy local tokens in the sender / receiver block
 times the publish batch (``num_max_nvl_chunked_send_tokens``), then the ring capacity
-(``num_max_nvl_chunked_recv_tokens``); for combine capacity times batch. The TOP best points of every
+(``num_max_nvl_chunked_recv_tokens``), all in the ring mode (with an output pool the dispatch takes the
+direct mode, which has none of these knobs: the shapes are swept in it, and rows "(cached, ring mode)" give
+the ring mode at the defaults in the same run); for combine capacity times batch. The TOP best points of every
 stage are printed; the row keeps the best point, the engine defaults' time (``default_us``) and the old
 protocol (one release per token, 24 warps, unroll 4, half the sender block on local tokens:
 ``old_protocol_us``) measured in the same run.
@@ -58,6 +60,7 @@ def _restore_defaults(engine) -> None:
     engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
+    engine.use_output_pool = True
 
 
 def _slowest(comm, us: float) -> float:
@@ -154,8 +157,9 @@ def run(comm, args) -> list[dict]:
         dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
         dcfg.num_sms = ccfg.num_sms = num_sms
 
-        def dispatch_defaults_us(data, data_scales):
+        def dispatch_defaults_us(data, data_scales, ring=False):
             _restore_defaults(engine)
+            engine.use_output_pool = not ring
             return timed(lambda: direct_dispatch(engine,
                 data, data_scales, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
@@ -167,9 +171,10 @@ def run(comm, args) -> list[dict]:
                                                 config=ccfg, stream=stream))
 
         def sweep_dispatch(data, data_scales, nbytes, name):
-            def point(warps, unroll, ss, rs, recv, send):
+            def point(warps, unroll, ss, rs, recv, send, ring=False):
                 engine.dispatch_warps, engine.dispatch_unroll = warps, unroll
                 engine.self_warps, engine.recv_self_warps = ss, rs
+                engine.use_output_pool = not ring
                 cfg = Config(num_sms, send, recv)
 
                 def op():
@@ -178,35 +183,47 @@ def run(comm, args) -> list[dict]:
                                     topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=cfg,
                                     stream=stream)
 
-                return (timed(op), (warps, unroll, ss, rs, recv, send))
+                return (timed(op), (warps, unroll, ss, rs, recv, send, ring))
 
             def desc(k):
-                w, u, ss, rs, recv, send = k
+                w, u, ss, rs, recv, send, ring = k
+                if not ring and engine.output_pool is not None:
+                    return f"direct mode, warps {w}, unroll {u}"
                 split = "default" if ss is None else f"{ss}+{rs}"
-                return f"recv {recv}, send {send}, warps {w}, unroll {u}, self warps {split}"
+                return f"ring mode, recv {recv}, send {send}, warps {w}, unroll {u}, self warps {split}"
 
             # Reference: the old best shape and split with one release per token (send 1).
-            ref = point(24, 4, 12, 0, 512, 1)
-            # Stage 1: compile-time shapes at the default local split and the stage-1 chunking.
+            ref = point(24, 4, 12, 0, 512, 1, ring=True)
+            # Stage 1: compile-time shapes in the default mode (direct when there is an output pool).
             s1 = [point(w, u, *_default_split(w), STAGE1_RECV, STAGE1_SEND) for w, u in DISPATCH_SHAPES]
             report(name + " shapes", [(us, desc(k)) for us, k in s1], nbytes)
             w, u = min(s1, key=lambda p: p[0])[1][:2]
-            # Stage 2: local split x publish batch at the best shape; stage 3: ring capacity.
-            s2 = [point(w, u, ss, rs, STAGE1_RECV, send) for ss, rs in splits(w) for send in SEND_TOKENS]
-            report(name + " split x batch", [(us, desc(k)) for us, k in s2], nbytes)
-            _, _, ss, rs, _, send = min(s2, key=lambda p: p[0])[1]
-            s3 = [point(w, u, ss, rs, recv, send) for recv in RECV_TOKENS]
+            # The ring mode's knobs at that shape: local split x publish batch, then the ring capacity.
+            s2 = [point(w, u, ss, rs, STAGE1_RECV, send, ring=True) for ss, rs in splits(w) for send in SEND_TOKENS]
+            report(name + " ring mode, split x batch", [(us, desc(k)) for us, k in s2], nbytes)
+            _, _, ss, rs, _, send, _ = min(s2, key=lambda p: p[0])[1]
+            s3 = [point(w, u, ss, rs, recv, send, ring=True) for recv in RECV_TOKENS]
             everything = [(us, desc(k)) for us, k in s1 + s2 + s3]
             best = report(name + " capacity", everything, nbytes)
             _restore_defaults(engine)
             rows.append(row(name, best[0], nbytes, num_sms, best=best[1], old_protocol_us=round(ref[0], 2),
                             default_us=round(dispatch_defaults_us(data, data_scales), 2)))
 
+        def add_ring_rows():
+            """The ring mode at the defaults, same run (the dispatch's mode when there is no output pool)."""
+            if engine.output_pool is None:
+                return
+            for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),
+                                                    (x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)")):
+                rows.append(row(name.replace("(cached)", "(cached, ring mode)"),
+                                dispatch_defaults_us(data, data_scales, ring=True), nbytes, num_sms, best="defaults"))
+
         if getattr(args, "quick", False):
             for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),
                                                     (x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)"),
                                                     (x_fp8, scales_rows, fp8_bytes, FP8_ROW_MAJOR)):
                 rows.append(row(name, dispatch_defaults_us(data, data_scales), nbytes, num_sms, best="defaults"))
+            add_ring_rows()
             rows.append(row("intranode combine BF16", combine_defaults_us(), bf16_bytes, num_sms, best="defaults"))
             engine.check_errors(stream)
             return rows
@@ -215,6 +232,7 @@ def run(comm, args) -> list[dict]:
         sweep_dispatch(x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)")
         # Row-major scales at the defaults only: compare with the column-major row's default_us.
         rows.append(row(FP8_ROW_MAJOR, dispatch_defaults_us(x_fp8, scales_rows), fp8_bytes, num_sms, best="defaults"))
+        add_ring_rows()
 
         # Combine the received rows (plus their weights), swept the same way.
         def combine_point(warps, unroll, recv, send):
