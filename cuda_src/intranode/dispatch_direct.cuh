@@ -136,7 +136,8 @@ __device__ __forceinline__ void build_masks(const DispatchArgs& a, int t_begin, 
     }
 }
 
-// Shared state of a dispatch block: every rank's outputs and the channel's chunk masks.
+// Shared state of a dispatch block: every rank's outputs, where channel c's rows start at each rank and the
+// call's mode (the chunk masks live in dynamic shared memory).
 template <int kNumRanks>
 struct DirectShared {
     DestRows dests[kNumRanks];
@@ -167,8 +168,7 @@ __device__ __forceinline__ int begin_dispatch(const DispatchArgs& a, const WaitC
 // a wait timed out (reported).
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCtx& wctx, int c,
-                                                const DirectShared<kNumRanks>& sh, const unsigned int* mask,
-                                                int* claim) {
+                                             const DirectShared<kNumRanks>& sh, const unsigned int* mask, int* claim) {
     constexpr int R = kNumRanks;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int t_begin, t_end;

@@ -14,6 +14,7 @@ from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
 from ..plan_cache import OpHandle, config_key, handle_meta, lookup, store
 from ..runtime.launch import LaunchPlan
+from ..runtime.output_pool import ALIGN as POOL_ALIGN
 from ..runtime.streams import OpStreams
 from ..tensors import frame_for, meta
 from . import intranode_layout as L
@@ -32,11 +33,6 @@ from .kernel_names import intranode_combine, intranode_dispatch, intranode_notif
 __all__ = ["DispatchPlan", "CombinePlan"]
 
 _MEMCPY_D2H = 2
-_POOL_ALIGN = 256
-
-
-def _align(nbytes: int) -> int:
-    return (nbytes + _POOL_ALIGN - 1) // _POOL_ALIGN * _POOL_ALIGN
 
 
 def _launch_args(named) -> list:
@@ -296,7 +292,7 @@ class DispatchPlan(_Plan):
                 for i in group:
                     if parts[i] is not None:
                         placed.append((i, total, *parts[i]))
-                        total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
+                        total += L.align(int(np.prod(parts[i][0])) * parts[i][1].itemsize, POOL_ALIGN)
                 if placed:
                     layout.append((total, placed))
             if len(self._pool_layouts) >= 64:  # a dispatch without handle sees a new row count per call

@@ -47,7 +47,7 @@ def default_pool_bytes(num_ranks: int = 2) -> int:
 class PoolBlock:
     """``nbytes`` at ``offset`` of a pool; freed when this object is."""
 
-    __slots__ = ("pool", "offset", "nbytes", "ptr", "__weakref__")
+    __slots__ = ("pool", "offset", "nbytes", "ptr")
 
     def __init__(self, pool: Allocator, offset: int, nbytes: int, ptr: int) -> None:
         self.pool, self.offset, self.nbytes, self.ptr = pool, offset, nbytes, ptr
