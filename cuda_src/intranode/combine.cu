@@ -28,49 +28,9 @@
 // is always some warp's current run, and the flags it waits for only need slots freed by smaller runs.
 
 #include "common/nvrtc_compat.cuh"
+#include "intranode/combine_sum.cuh"
 #include "intranode/layout.cuh"
 
-namespace deepep_intranode {
-
-__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-
-// float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-__device__ __forceinline__ unsigned int f32_to_bf16_rn(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return u >> 16;
-}
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
-    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
-                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        acc[2 * k] += bf16_lo(w[k]);
-        acc[2 * k + 1] += bf16_hi(w[k]);
-    }
-}
-
-__device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
-    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
-                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        out[2 * k] = bf16_lo(w[k]);
-        out[2 * k + 1] = bf16_hi(w[k]);
-    }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
-    unsigned int w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = f32_to_bf16_rn(acc[2 * k]) | (f32_to_bf16_rn(acc[2 * k + 1]) << 16);
-    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
-}
-
-}  // namespace deepep_intranode
 
 namespace deepep_cupy::intranode {
 
@@ -154,7 +114,6 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         const uint8_t* lr_ring = my_base + ring_offset + static_cast<long long>(c * R + lr) * ring_bytes;
         const long long self_base = (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
                                     recv_channel_prefix_matrix[rank * num_channels + c];
-        const bool has_bias = bias_0 != nullptr || bias_1 != nullptr;
 
         int* claim = run_claims + c;
         int run = 0;
@@ -208,101 +167,20 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                     }
                 }
 
-                // Hidden: lane-strided 16-byte words, kUnroll per lane per step.
-                const long long out_row = static_cast<long long>(t) * hidden_int4;
-                for (int base = 0; base < hidden_int4; base += 32 * kUnroll) {
-                    if constexpr (R <= 2) {
-                        // Few ranks: every rank's loads of the step are issued before any is summed (more
-                        // bytes in flight), and one accumulator of 8 floats is live at a time.
-                        int4 v[R][kUnroll];
-#pragma unroll
-                        for (int r = 0; r < R; ++r) {
-                            if (rows[r] == nullptr) continue;
-#pragma unroll
-                            for (int u = 0; u < kUnroll; ++u) {
-                                const int j = base + u * 32 + lane;
-                                if (j < hidden_int4)
-                                    v[r][u] = (r == rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
-                            }
-                        }
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int j = base + u * 32 + lane;
-                            if (j >= hidden_int4) continue;
-                            float acc[8];
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                            if (has_bias) {
-                                // acc = b0 + b1, a missing bias being +0 (the reference's exact float32 order).
-                                float b[8];
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                                if (bias_0 != nullptr) load_bf16x8(acc, deepep::ld_nc_v4(bias_0 + out_row + j));
-                                if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
-                            }
-#pragma unroll
-                            for (int r = 0; r < R; ++r)
-                                if (rows[r] != nullptr) add_bf16x8(acc, v[r][u]);
-                            deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
-                        }
-                    } else {
-                        float acc[kUnroll][8];
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int j = base + u * 32 + lane;
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-                            if (j < hidden_int4 && has_bias) {
-                                float b[8];
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                                if (bias_0 != nullptr) load_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + out_row + j));
-                                if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) acc[u][e] = acc[u][e] + b[e];
-                            }
-                        }
-#pragma unroll
-                        for (int r = 0; r < R; ++r) {
-                            if (rows[r] == nullptr) continue;
-                            int4 v[kUnroll];
-#pragma unroll
-                            for (int u = 0; u < kUnroll; ++u) {
-                                const int j = base + u * 32 + lane;
-                                if (j < hidden_int4)
-                                    v[u] = (r == rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
-                            }
-#pragma unroll
-                            for (int u = 0; u < kUnroll; ++u) {
-                                const int j = base + u * 32 + lane;
-                                if (j < hidden_int4) add_bf16x8(acc[u], v[u]);
-                            }
-                        }
-#pragma unroll
-                        for (int u = 0; u < kUnroll; ++u) {
-                            const int j = base + u * 32 + lane;
-                            if (j < hidden_int4) deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
-                        }
-                    }
-                }
+                sum_token<R, kUnroll>(rows, rank, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
+                                      combined_x, lane);
                 if (combined_topk_weights != nullptr) {
-                    for (int j = lane; j < num_topk; j += 32) {
-                        float acc = 0.0f;
+                    const float* w[R];
 #pragma unroll
-                        for (int r = 0; r < R; ++r) {
-                            if (rows[r] == nullptr) continue;
-                            if (r == rank) {
-                                acc += topk_weights[self_row * num_topk + j];
-                            } else {
-                                const float* w = reinterpret_cast<const float*>(
-                                    reinterpret_cast<const uint8_t*>(rows[r]) - 16 + slot_topk_weights_offset);
-                                acc += ld_cg_f32(w + j);
-                            }
-                        }
-                        combined_topk_weights[static_cast<long long>(t) * num_topk + j] = acc;
+                    for (int r = 0; r < R; ++r) {
+                        w[r] = nullptr;
+                        if (rows[r] == nullptr) continue;
+                        w[r] = r == rank ? topk_weights + self_row * num_topk
+                                         : reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[r]) -
+                                                                          16 + slot_topk_weights_offset);
                     }
+                    sum_weights<R>(w, rank, num_topk, combined_topk_weights + static_cast<long long>(t) * num_topk,
+                                   lane);
                 }
             }
             // All reads of the run's slots are done: one fence, then hand back the ones the senders will reuse.

@@ -14,6 +14,10 @@
 //       done_count         blocks of the running kernel that have finished (local only, back to 0 at the end).
 //       dest[R]            8 words each: dest[s] = where rank s's outputs of its running direct dispatch are
 //                          (s writes it into every rank's buffer when that kernel begins; dispatch_direct.cuh).
+//       copy_flag[R]       combine copy mode: copy_flag[s] = (copy sequence << 20) | chunks of rows rank s has
+//                          copied into this rank's staging area (written by s's copy stream; combine_copy.cu).
+//       copy_done[R]       combine copy mode: copy_done[s] = sequence number of the latest combine kernel in
+//                          which rank s has read all the rows this rank copied to it.
 //   [ring_offset, ...)     per call: C * R rings, ring (c, s) holds what rank s sends to this rank in
 //                          channel c: `cap` slots of `slot_bytes`; slot 0 of ring (c, s) starts at
 //                          ring_offset + (c * R + s) * cap * slot_bytes.
@@ -58,6 +62,8 @@ enum OpCode : int {
     kOpCombineArrive = 7,
     kOpCombineSlot = 8,
     kOpCombineRecv = 9,
+    kOpCombineCopyRecv = 10,
+    kOpCombineCopyDone = 11,
 };
 
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -76,6 +82,9 @@ struct Ctrl {
     }
     // Direct dispatch: where rank src's outputs of its running kernel are (dispatch_direct.cuh).
     __device__ __forceinline__ uint64_t* dest(int src) const { return words + 2 * num_ranks + 2 + 8 * src; }
+    // Combine copy mode (combine_copy.cu).
+    __device__ __forceinline__ uint64_t* copy_flag(int src) const { return words + 10 * num_ranks + 2 + src; }
+    __device__ __forceinline__ uint64_t* copy_done(int src) const { return words + 11 * num_ranks + 2 + src; }
 };
 
 __device__ __forceinline__ uint8_t* rank_base(const long long* bases, int r) {

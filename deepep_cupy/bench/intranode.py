@@ -13,7 +13,8 @@ shape, the runtime knobs: for dispatch the warps that copy local tokens in the s
 times the publish batch (``num_max_nvl_chunked_send_tokens``), then the ring capacity
 (``num_max_nvl_chunked_recv_tokens``), all in the ring mode (with an output pool the dispatch takes the
 direct mode, which has none of these knobs: the shapes are swept in it, and rows "(cached, ring mode)" give
-the ring mode at the defaults in the same run); for combine capacity times batch. The TOP best points of every
+the ring mode at the defaults in the same run); for combine the copy mode's shapes times chunk sizes, then the
+ring mode's shapes and capacity times batch (row "(ring mode)": the ring mode at the defaults). The TOP best points of every
 stage are printed; the row keeps the best point, the engine defaults' time (``default_us``) and the old
 protocol (one release per token, 24 warps, unroll 4, half the sender block on local tokens:
 ``old_protocol_us``) measured in the same run.
@@ -21,6 +22,7 @@ protocol (one release per token, 24 warps, unroll 4, half the sender block on lo
 
 from __future__ import annotations
 
+from ..ops.intranode_copy import DEFAULT_CHUNK_ROWS
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -34,6 +36,7 @@ SEND_TOKENS = (1, 4, 8, 16, 32)
 # Compile-time shapes (warps, loads in flight per lane). Each costs one NVRTC compile (~0.5-2 s).
 DISPATCH_SHAPES = ((24, 8), (24, 4), (24, 7), (16, 8), (16, 14), (32, 4))
 COMBINE_SHAPES = ((16, 8), (24, 4), (24, 2), (16, 4), (32, 2))
+COPY_CHUNK_ROWS = (128, 256, 512, 1024, 4096)
 # Local-copy warps (sender block, receiver block) as fractions of W (rounded; at least 1 in total).
 SELF_SPLITS = ((0.5, 0.0), (0.25, 0.25), (0.25, 0.0), (0.125, 0.125), (0.0, 0.25), (0.0, 0.5), (0.125, 0.375))
 # Points sampled in the first stage (shape sweep) and default runtime knobs there.
@@ -60,7 +63,8 @@ def _restore_defaults(engine) -> None:
     engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
-    engine.use_output_pool = True
+    engine.use_output_pool = engine.use_copy_combine = True
+    engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 
 def _slowest(comm, us: float) -> float:
@@ -165,8 +169,9 @@ def run(comm, args) -> list[dict]:
                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
                 num_worst_tokens=0, config=dcfg, stream=stream))
 
-        def combine_defaults_us():
+        def combine_defaults_us(ring=False):
             _restore_defaults(engine)
+            engine.use_copy_combine = not ring
             return timed(lambda: direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
                                                 config=ccfg, stream=stream))
 
@@ -218,6 +223,12 @@ def run(comm, args) -> list[dict]:
                 rows.append(row(name.replace("(cached)", "(cached, ring mode)"),
                                 dispatch_defaults_us(data, data_scales, ring=True), nbytes, num_sms, best="defaults"))
 
+        def add_combine_ring_row():
+            """The combine's ring mode at the defaults, same run (its mode without the copy mode's counts)."""
+            if engine.output_pool is not None and engine.copy_supported:
+                rows.append(row("intranode combine BF16 (ring mode)", combine_defaults_us(ring=True), bf16_bytes,
+                                num_sms, best="defaults"))
+
         if getattr(args, "quick", False):
             for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),
                                                     (x_fp8, scales, fp8_bytes, "intranode dispatch FP8 (cached)"),
@@ -225,6 +236,7 @@ def run(comm, args) -> list[dict]:
                 rows.append(row(name, dispatch_defaults_us(data, data_scales), nbytes, num_sms, best="defaults"))
             add_ring_rows()
             rows.append(row("intranode combine BF16", combine_defaults_us(), bf16_bytes, num_sms, best="defaults"))
+            add_combine_ring_row()
             engine.check_errors(stream)
             return rows
 
@@ -234,27 +246,37 @@ def run(comm, args) -> list[dict]:
         rows.append(row(FP8_ROW_MAJOR, dispatch_defaults_us(x_fp8, scales_rows), fp8_bytes, num_sms, best="defaults"))
         add_ring_rows()
 
-        # Combine the received rows (plus their weights), swept the same way.
-        def combine_point(warps, unroll, recv, send):
+        # Combine the received rows (plus their weights): the copy mode's block shapes and chunk sizes, then
+        # the ring mode's knobs, swept the same way as the dispatch's.
+        def combine_point(warps, unroll, recv, send, chunk=None):
             engine.combine_warps, engine.combine_unroll = warps, unroll
+            engine.use_copy_combine = chunk is not None
+            engine.copy_chunk_rows = chunk or DEFAULT_CHUNK_ROWS
             cfg = Config(num_sms, send, recv)
 
             def op():
                 direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
                                stream=stream)
 
-            return (timed(op), f"recv {recv}, send {send}, warps {warps}, unroll {unroll}", (warps, unroll))
+            what = (f"copy mode, chunk {chunk} rows" if chunk else f"ring mode, recv {recv}, send {send}")
+            return (timed(op), f"{what}, warps {warps}, unroll {unroll}", (warps, unroll))
 
         name = "intranode combine BF16"
         ref = combine_point(32, 1, 512, 1) if num_ranks <= 2 else combine_point(24, 2, 512, 1)
+        c0 = []
+        if engine.output_pool is not None and engine.copy_supported:
+            c0 = [combine_point(w, u, STAGE1_RECV, STAGE1_SEND, chunk) for w, u in COMBINE_SHAPES
+                  for chunk in COPY_CHUNK_ROWS]
+            report(name + " copy mode", [p[:2] for p in c0], bf16_bytes)
         c1 = [combine_point(w, u, STAGE1_RECV, STAGE1_SEND) for w, u in COMBINE_SHAPES]
-        report(name + " shapes", [p[:2] for p in c1], bf16_bytes)
+        report(name + " ring mode, shapes", [p[:2] for p in c1], bf16_bytes)
         w, u = min(c1, key=lambda p: p[0])[2]
         c2 = [combine_point(w, u, recv, send) for recv in RECV_TOKENS for send in SEND_TOKENS]
-        best = report(name + " capacity x batch", [p[:2] for p in c1 + c2], bf16_bytes)
+        best = report(name + " capacity x batch", [p[:2] for p in c0 + c1 + c2], bf16_bytes)
         _restore_defaults(engine)
         rows.append(row(name, best[0], bf16_bytes, num_sms, best=best[1], old_protocol_us=round(ref[0], 2),
                         default_us=round(combine_defaults_us(), 2)))
+        add_combine_ring_row()
         engine.check_errors(stream)
         if rank == 0:
             for r in rows:

@@ -32,6 +32,7 @@ from ..runtime.kernel_errors import timeout_seconds
 from . import intranode_layout as L
 from . import kernel_names
 from .engine_health import EngineHealth
+from .intranode_copy import DEFAULT_CHUNK_ROWS
 
 __all__ = [
     "IntranodeEngine",
@@ -72,6 +73,7 @@ def default_combine_shape(num_ranks: int) -> tuple[int, int]:
 OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = 1, 2
 OP_DISPATCH_ARRIVE, OP_DISPATCH_SLOT, OP_DISPATCH_RECV, OP_DISPATCH_OVERFLOW = 3, 4, 5, 6
 OP_COMBINE_ARRIVE, OP_COMBINE_SLOT, OP_COMBINE_RECV = 7, 8, 9
+OP_COMBINE_COPY_RECV, OP_COMBINE_COPY_DONE = 10, 11
 OP_NAMES = {
     OP_NOTIFY_ARRIVE: "dispatch (notify: waiting for the peer to start the same dispatch)",
     OP_NOTIFY_COUNTS: "dispatch (notify: waiting for the peer's token counts)",
@@ -82,6 +84,8 @@ OP_NAMES = {
     OP_COMBINE_ARRIVE: "combine (sender: waiting for the peer to start the same combine)",
     OP_COMBINE_SLOT: "combine (sender: waiting for the peer to free a ring slot)",
     OP_COMBINE_RECV: "combine (receiver: waiting for rows from the peer)",
+    OP_COMBINE_COPY_RECV: "combine (copy mode: waiting for the peer's copies of rows)",
+    OP_COMBINE_COPY_DONE: "combine (copy mode: waiting for the peer to finish reading its rows)",
 }
 
 _NULL = np.uint64(0)
@@ -115,9 +119,13 @@ def combine_spec(num_ranks: int, warps: int | None = None, unroll: int | None = 
 
 def representative_builds() -> list[BuildSpec]:
     """The instantiations shipped by default: 1, 2, 4 and 8 ranks with the default block shapes."""
+    from .intranode_copy import combine_copy_spec
+
     out = []
     for r in (1, 2, 4, 8):
         out += [notify_spec(r), dispatch_spec(r), combine_spec(r)]
+        if r > 1:
+            out.append(combine_copy_spec(r, *default_combine_shape(r)))
     return out
 
 
@@ -278,6 +286,18 @@ def required_bytes(layout: L.BufferLayout, notify_end: int = 0, *, dispatch: boo
     return max(end, notify_end)
 
 
+def _stream_writes_supported(device_id: int) -> bool:
+    """Whether the device runs 64-bit stream memory writes (the copy mode's flags)."""
+    try:
+        from cuda.bindings import driver
+
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+        err, value = driver.cuDeviceGetAttribute(attr, device_id)
+        return int(err) == 0 and bool(value)
+    except Exception:  # noqa: BLE001 - no driver: the copy mode is off
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------- engine
 class IntranodeEngine(EngineHealth):
     """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
@@ -301,6 +321,9 @@ class IntranodeEngine(EngineHealth):
         publish_batch: tokens per flag publish (None: ``config.num_max_nvl_chunked_send_tokens``).
         use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
             False: always the ring mode with ordinary allocations.
+        use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
+            deepep_cupy/ops/intranode_copy.py); False: always the ring mode.
+        copy_chunk_rows: rows per copy (and per flag) of the copy mode.
 
     The handle (all CuPy, the same values as the reference backend's):
         0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
@@ -315,7 +338,7 @@ class IntranodeEngine(EngineHealth):
 
     #: Attributes plans are built from: changing one drops the plans made with the old value.
     TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
-              "recv_self_warps", "publish_batch", "use_output_pool")
+              "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows")
 
     def __setattr__(self, name, value) -> None:
         object.__setattr__(self, name, value)
@@ -348,6 +371,11 @@ class IntranodeEngine(EngineHealth):
         self.recv_self_warps: int | None = None
         self.publish_batch: int | None = None
         self.use_output_pool = True
+        self.use_copy_combine = True
+        self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
+        self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
+        self.copy_supported = False
+        self._copy_stream = None
         self.output_pool = None
         self._broken: str | None = None
         self._destroyed = False
@@ -369,7 +397,10 @@ class IntranodeEngine(EngineHealth):
                 # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
                 # means none anywhere).
                 pool_bytes = default_pool_bytes(self.num_ranks) if num_output_bytes is None else int(num_output_bytes)
-                pool_bytes = min(int(v) for v in group.allgather_object(pool_bytes)) if self.num_ranks > 1 else 0
+                mine = (pool_bytes, _stream_writes_supported(self.device_id))
+                every = group.allgather_object(mine) if self.num_ranks > 1 else [(0, False)]
+                pool_bytes = min(int(v[0]) for v in every)
+                self.copy_supported = all(v[1] for v in every)
                 if pool_bytes > 0:
                     self.output_pool = OutputPool(group, self.device_id, pool_bytes, use_fabric=use_fabric)
                 group.barrier()
@@ -385,6 +416,15 @@ class IntranodeEngine(EngineHealth):
     @property
     def timeout_ns(self) -> int:
         return max(1, int(self.timeout_s * 1e9))
+
+    def copy_stream(self) -> int:
+        """The side stream of the combine's copy mode (created on first use)."""
+        if self._copy_stream is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                self._copy_stream = cupy.cuda.Stream(non_blocking=True)
+        return self._copy_stream.ptr
 
     def local_buffer_view(self) -> tuple[int, int]:
         """``(pointer, bytes)`` of this rank's NVL buffer."""
@@ -471,6 +511,7 @@ class IntranodeEngine(EngineHealth):
         buffer, self.buffer = self.buffer, None
         pool, self.output_pool = self.output_pool, None
         self.bases = self.work_claims = None
+        self._copy_stream = None
         self._metas = {}
         if pool is not None:
             pool.close()

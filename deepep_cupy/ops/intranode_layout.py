@@ -6,7 +6,8 @@ use comes from here and is passed to them as an argument.
 Per rank, for ``R`` ranks and ``C`` channels::
 
     [0, ctrl_bytes)                     control words (uint64): arrive[R], notify_flag[R], local_seq, done_count,
-                                        dest[R] (8 words each: where rank s's direct-dispatch outputs are)
+                                        dest[R] (8 words each: where rank s's direct-dispatch outputs are),
+                                        copy_flag[R], copy_done[R] (the combine's copy mode)
     [ring_offset, free_offset)          C * R rings of ``cap`` slots of ``slot_bytes`` (ring (c, s) = from rank s)
     [free_offset, end)                  C * R * cap uint64 "slot free" words (word (c, d, k): from rank d)
     [ring_offset, ring_offset + R * notify_stride * 4)   notify records (notify kernel only; overlaps the rings)
@@ -31,6 +32,7 @@ __all__ = [
     "BufferLayout",
     "align",
     "ctrl_bytes",
+    "copy_flag_offset",
     "dispatch_slot",
     "combine_slot",
     "buffer_layout",
@@ -51,9 +53,14 @@ def align(value: int, alignment: int) -> int:
 
 
 def ctrl_bytes(num_ranks: int) -> int:
-    """Bytes of the fixed control area: 2R + 2 uint64 words and R dest entries of 8 words, rounded up to 128
-    bytes."""
-    return align(8 * (2 * num_ranks + 2) + 64 * num_ranks, 128)
+    """Bytes of the fixed control area: 2R + 2 uint64 words, R dest entries of 8 words, then the copy mode's
+    R copy flags and R copy-done words of the combine, rounded up to 128 bytes."""
+    return align(8 * (2 * num_ranks + 2) + 64 * num_ranks + 16 * num_ranks, 128)
+
+
+def copy_flag_offset(num_ranks: int, src: int) -> int:
+    """Byte offset of ``copy_flag[src]`` in a rank's control words (``Ctrl::copy_flag`` in layout.cuh)."""
+    return 8 * (10 * num_ranks + 2 + src)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..event import EventOverlap
 from ..interop import BF16, F32, FP8, I32, I64
-from ..plan_cache import OpHandle, config_key, handle_meta, lookup, store
+from ..plan_cache import config_key, handle_meta, lookup, store
 from ..runtime.launch import LaunchPlan
 from ..runtime.output_pool import ALIGN as POOL_ALIGN
 from ..runtime.streams import OpStreams
@@ -28,6 +28,7 @@ from .intranode import (
     notify_spec,
     required_bytes,
 )
+from .intranode_copy import CopyCombine, IntranodeHandle
 from .kernel_names import intranode_combine, intranode_dispatch, intranode_notify
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -94,14 +95,21 @@ class _Plan:
             stream = cupy.cuda.ExternalStream(self.comm_stream, engine.device_id)
             self.meta = engine._meta_buffer(size, stream)
             self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+            R = engine.num_ranks
+            self.host_rank_prefix = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * R * R), dtype=np.int32,
+                                                  count=R * R).reshape(R, R)
 
-    def _read_notify_meta(self) -> np.ndarray:
-        """The one host wait of a dispatch: the notify kernel's totals, read into pinned memory."""
+    def _read_notify_meta(self, rank_prefix_ptr: int = 0) -> np.ndarray:
+        """The one host wait of a dispatch: the notify kernel's totals (and the rank prefix matrix at
+        ``rank_prefix_ptr`` into ``host_rank_prefix``), read into pinned memory."""
         import cupy
 
         host = self.host_meta
         rt = cupy.cuda.runtime
         rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
+        if rank_prefix_ptr:
+            matrix = self.host_rank_prefix
+            rt.memcpyAsync(matrix.ctypes.data, rank_prefix_ptr, matrix.nbytes, _MEMCPY_D2H, self.comm_stream)
         rt.streamSynchronize(self.comm_stream)
         self.engine._raise_recorded()
         return host
@@ -221,10 +229,12 @@ class DispatchPlan(_Plan):
             n_chan.value = ptr(channel_prefix)
             n_recv_chan.value = ptr(recv_channel_prefix)
             self.notify.launch(self.comm_stream)
+            counts = None
             if self.num_worst_tokens > 0:
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
-                num_rows, counts_list = self._received_counts()
+                num_rows, counts_list = self._received_counts(ptr(rank_prefix))
+                counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
         outs = self._pool_outputs(num_rows) if self.pool is not None else None
         s_pool.value = 0 if outs is None else self.pool_bases
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)
@@ -257,8 +267,8 @@ class DispatchPlan(_Plan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
-        new_handle = OpHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
-                               send_head))
+        new_handle = IntranodeHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
+                                      is_token_in_rank, send_head), counts)
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
@@ -317,9 +327,10 @@ class DispatchPlan(_Plan):
                 out[i] = wrap(block.ptr + offset, shape, dtype, owner=block)
         return out
 
-    def _received_counts(self) -> tuple[int, list[int]]:
-        """Rows received and received tokens per local expert (waits for the notify kernel)."""
-        host = self._read_notify_meta()
+    def _received_counts(self, rank_prefix_ptr: int) -> tuple[int, list[int]]:
+        """Rows received and received tokens per local expert (waits for the notify kernel; reads the rank
+        prefix matrix too, for the combine's copy mode)."""
+        host = self._read_notify_meta(rank_prefix_ptr)
         return int(host[0]), [int(v) for v in host[1:]]
 
 
@@ -356,14 +367,38 @@ class CombinePlan(_Plan):
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
+        self.copy = None
+        if engine.use_copy_combine and engine.copy_supported and engine.output_pool is not None and R > 1:
+            import cupy
+
+            self.copy = CopyCombine(engine, hidden=hidden, num_tokens=self.num_tokens, num_topk=self.num_topk,
+                                    num_channels=self.num_channels, comm_stream=comm_stream)
+            self._capture_status = cupy.cuda.runtime.streamIsCapturing  # 0: the stream is not being captured
+
+    def _copy_mode(self, handle):
+        """The copy mode's prepared schedule for this call, or None for the ring mode (see intranode_copy)."""
+        counts = getattr(handle, "counts", None)
+        if counts is None or self._capture_status(self.comm_stream):
+            return None
+        return self.copy.prepare(counts)
 
     def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):
         streams = self._begin(previous_event)
         frame = self.frame
         ptr = frame.ptr
-        s_x, s_w, s_b0, s_b1, s_rank, s_chan, s_recv_chan, s_head, s_out, s_out_w = self.slots
         combined = frame.empty((self.num_tokens, self.hidden), BF16)
         combined_w = frame.empty((self.num_tokens, self.num_topk), F32) if self.has_weights else None
+        prepared = self._copy_mode(handle) if self.copy is not None else None
+        if prepared is not None:
+            self.copy.run(prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr)
+        else:
+            self._run_ring(x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr)
+        event = streams.finish()
+        keep = (x, handle, topk_weights, bias_0, bias_1, combined, combined_w) if event is not None else None
+        return combined, combined_w, EventOverlap(event, keep)
+
+    def _run_ring(self, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr) -> None:
+        s_x, s_w, s_b0, s_b1, s_rank, s_chan, s_recv_chan, s_head, s_out, s_out_w = self.slots
         s_x.value = ptr(x)
         s_rank.value = ptr(handle[0])
         s_chan.value = ptr(handle[1])
@@ -376,9 +411,6 @@ class CombinePlan(_Plan):
             s_w.value = ptr(topk_weights)
             s_out_w.value = ptr(combined_w)
         self.plan.launch(self.comm_stream)
-        event = streams.finish()
-        keep = (x, handle, topk_weights, bias_0, bias_1, combined, combined_w) if event is not None else None
-        return combined, combined_w, EventOverlap(event, keep)
 
 
 # ---------------------------------------------------------------------------------------------------- direct

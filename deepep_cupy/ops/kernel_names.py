@@ -31,6 +31,7 @@ __all__ = [
     "internode_dispatch",
     "internode_notify",
     "intranode_combine",
+    "intranode_combine_copy",
     "intranode_dispatch",
     "intranode_notify",
     "layout_count_tokens",
@@ -99,6 +100,12 @@ def intranode_dispatch(num_ranks: int, warps: int, unroll: int) -> str:
 def intranode_combine(num_ranks: int, warps: int, unroll: int) -> str:
     """``deepep_cupy::intranode::combine<R, W, U>`` (``cuda_src/intranode/combine.cu``)."""
     return f"deepep_cupy::intranode::combine<{_ints(num_ranks, warps, unroll)}>"
+
+
+def intranode_combine_copy(num_ranks: int, warps: int, unroll: int) -> str:
+    """``deepep_cupy::intranode::combine_copy<R, W, U>``: the sums of the combine's copy mode
+    (``cuda_src/intranode/combine_copy.cu``)."""
+    return f"deepep_cupy::intranode::combine_copy<{_ints(num_ranks, warps, unroll)}>"
 
 
 # ---------------------------------------------------------------------------------------- internode

@@ -26,6 +26,9 @@ ALIGN = 256
 _ENV = "DEEPEP_CUPY_OUTPUT_POOL_BYTES"
 DEFAULT_BYTES = 1 << 30
 MAX_DEFAULT_RANKS = 2
+#: The staging area of the combine's copy mode takes this fraction of the pool (1 GiB: 256 MiB, which holds
+#: 18724 rows of 7168 bf16 from one peer).
+STAGING_FRACTION = 4
 
 
 def default_pool_bytes(num_ranks: int = 2) -> int:
@@ -114,7 +117,11 @@ class Allocator:
 
 
 class OutputPool(Allocator):
-    """The pool of one rank: ``size`` bytes per rank mapped into every rank (collective to create)."""
+    """The pool of one rank: ``size`` bytes per rank mapped into every rank (collective to create).
+
+    The last ``size // STAGING_FRACTION`` bytes are not allocated from: they are the staging area of the
+    combine's copy mode (``staging_ptrs[r]``: rank r's, as mapped here; deepep_cupy/ops/intranode_copy.py).
+    """
 
     def __init__(self, group, device_id: int, size: int, *, use_fabric: bool = False) -> None:
         import cupy
@@ -124,7 +131,10 @@ class OutputPool(Allocator):
 
         self.buffer = PeerMappedBuffer(group, device_id, size, use_fabric=use_fabric)
         self._closing = False
-        super().__init__(self.buffer.size, self.buffer.local_ptr)
+        self.staging_bytes = self.buffer.size // STAGING_FRACTION // ALIGN * ALIGN
+        staging_offset = self.buffer.size - self.staging_bytes
+        self.staging_ptrs = [int(p) + staging_offset for p in self.buffer.peer_ptrs]
+        super().__init__(staging_offset, self.buffer.local_ptr)
         try:
             with cupy.cuda.Device(device_id):
                 # Every rank's pool as mapped here, for the kernels.

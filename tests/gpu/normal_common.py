@@ -130,9 +130,25 @@ def cached_dispatch_round(env, fw, rng, *, handle, ref_handle, n, hidden, fp8, c
     return new_handle
 
 
-def combine_round(env, fw, rng, *, handle, ref_handle, n, hidden, k, rows, bias, cfg):
+def poison_staging(env):
+    """Fill this rank's staging area of the combine's copy mode with 0xAB, then wait for every rank to have
+    done the same (peers copy into it as soon as they start their combine)."""
+    import cupy
+    from gpu_common import COMM
+
+    pool = output_pool(env.get("buf"))
+    if pool is None or not getattr(pool, "staging_bytes", 0):
+        return
+    with cupy.cuda.Device(env["dev"]):
+        cupy.cuda.runtime.memset(pool.staging_ptrs[env["rank"]], 0xAB, pool.staging_bytes)
+        cupy.cuda.Device(env["dev"]).synchronize()
+    COMM.Barrier()
+
+
+def combine_round(env, fw, rng, *, handle, ref_handle, n, hidden, k, rows, bias, cfg, copy_mode=None):
     """Combine fresh "expert outputs" for every received row (padding rows included), weights and ``bias``
-    (0, 1 or 2 bias tensors), compared with the reference."""
+    (0, 1 or 2 bias tensors), compared with the reference. ``copy_mode``: whether the intranode combine must
+    take its copy mode (None: not checked)."""
     buf, ref = env["buf"], env["ref"]
     y_np = bf16(rng, (rows, hidden), scale=1.0 + env["rank"])
     yw_np = rng.random((rows, k), dtype=np.float32)
@@ -144,6 +160,11 @@ def combine_round(env, fw, rng, *, handle, ref_handle, n, hidden, k, rows, bias,
     elif bias == 2:
         bias_dev = (to_dev(b0, fw, env), to_dev(b1, fw, env))
     poison(env, fw, [n * hidden * 2, n * k * 4])
-    combined = buf.combine(to_dev(y_np, fw, env), handle, topk_weights=to_dev(yw_np, fw, env), bias=bias_dev,
-                           config=cfg)
+    y_dev, yw_dev = to_dev(y_np, fw, env), to_dev(yw_np, fw, env)
+    poison_staging(env)
+    engine = getattr(getattr(buf, "runtime", None), "intranode", None)
+    copies = getattr(engine, "copy_seq", 0)
+    combined = buf.combine(y_dev, handle, topk_weights=yw_dev, bias=bias_dev, config=cfg)
+    if copy_mode is not None:
+        assert (getattr(engine, "copy_seq", 0) > copies) == copy_mode, "the combine did not take the expected mode"
     check_combine(combined[:2], ref.combine(y_np, ref_handle, topk_weights=yw_np, bias_0=b0, bias_1=b1), n)

@@ -141,8 +141,10 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     if cached:
         cached_dispatch_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, fp8=fp8,
                               column_major=column_major, align=align, num_recv=num_recv, cfg=cfg)
+    # The combine's copy mode needs the counts the dispatch read back (none with num_worst_tokens).
+    copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.use_copy_combine and not worst_rows)
     combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
-                  rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=cfg)
+                  rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=cfg, copy_mode=copy_mode)
     return num_recv
 
 
@@ -170,17 +172,19 @@ SMALL = [
 @pytest.mark.parametrize("n,hidden,experts,k,extra", SMALL)
 def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
     """Both dispatch modes: outputs in the output pool, written in place by every rank (direct), or ordinary
-    allocations filled through the rings (ring)."""
+    allocations filled through the rings (ring). The combine takes its copy mode with the first (when the
+    handle has the counts) and its ring mode with the second."""
     skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
     rng = np.random.default_rng([n, hidden, k, env["rank"]])
     engine = env["buf"].runtime.intranode
     assert engine.output_pool is not None, "the default Buffer has no output pool"
-    engine.use_output_pool = mode == "direct"
+    assert engine.copy_supported, "the GPUs do not run 64-bit stream writes: no copy-mode combine"
+    engine.use_output_pool = engine.use_copy_combine = mode == "direct"
     try:
         for _ in range(2):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
-        engine.use_output_pool = True
+        engine.use_output_pool = engine.use_copy_combine = True
 
 
 def test_full_pool_on_one_rank_takes_the_ring_mode(env):
@@ -241,7 +245,7 @@ def test_deepep_workload(env, fp8):
     rng = np.random.default_rng([4096, int(fp8), env["rank"]])
     for _ in range(2 if fp8 else 3):
         _round(env, frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=fp8, column_major=fp8,
-               bias=1, recv=512)
+               bias=1, recv=512, in_pool=True)
 
 
 def test_repeatable_hashes(env):
@@ -378,3 +382,40 @@ def test_timeout_reports_and_recovers(env):
     buf.destroy()
     env["buf"] = buf = _new_buffer(env["deepep_cupy"])
     _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k)
+
+
+def test_copy_combine_timeout_reports_and_recovers(env):
+    """Rank 1 skips a copy-mode combine: rank 0's kernel gives up waiting for rank 1's copies and the error
+    names the op, rank 0 and peer 1; a new Buffer works."""
+    import time
+
+    from deepep_cupy.errors import DeepEPTimeoutError
+
+    fw = frameworks()[0]
+    buf = env["buf"]
+    me = env["rank"]
+    rng = np.random.default_rng([32, me])
+    n, hidden, experts, k = 64, 2048, 16, 2
+    topk, weights = routing(rng, n, experts, k, me, env["size"])
+    x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    recv, _, recv_w, _, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_dev, topk_weights=w_dev, config=_cfg(env))
+    engine = buf.runtime.intranode
+    engine.timeout_s = 2.0
+    COMM.Barrier()
+    if me != 1:
+        t0 = time.time()
+        copies = engine.copy_seq
+        with pytest.raises(DeepEPTimeoutError) as info:
+            buf.combine(recv, handle, topk_weights=recv_w, config=_cfg(env))
+            engine.check_errors()
+        assert engine.copy_seq == copies + 1, "the combine did not take the copy mode"
+        assert time.time() - t0 < 60
+        text = str(info.value)
+        assert "combine (copy mode" in text and f"rank {me}" in text and "peer 1" in text, text
+    COMM.Barrier()
+    buf.destroy()
+    env["buf"] = buf = _new_buffer(env["deepep_cupy"])
+    _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=True)

@@ -248,9 +248,12 @@ def test_direct_shared_bytes_and_done_words():
     lay = L.buffer_layout(4, 12, 7, L.dispatch_slot(7168, 56, 8))
     assert intranode.required_bytes(lay, dispatch=True) == lay.end + 8 * 4 * 24
     assert intranode.required_bytes(lay) == lay.end
-    # The dest entries of layout.cuh (8 words per rank after 2R + 2 control words) fit in the control area.
+    # The dest entries of layout.cuh (8 words per rank after 2R + 2 control words), then the copy flags and
+    # copy-done words (R each), fit in the control area.
     for r in range(1, 9):
-        assert L.ctrl_bytes(r) >= 8 * (2 * r + 2 + 8 * r)
+        assert L.ctrl_bytes(r) >= 8 * (2 * r + 2 + 8 * r + 2 * r)
+        assert L.copy_flag_offset(r, 0) == 8 * (2 * r + 2 + 8 * r)
+        assert L.copy_flag_offset(r, r - 1) + 8 + 8 * r <= L.ctrl_bytes(r)
 
 
 @pytest.mark.parametrize("R,C,n_tokens,cap", [(2, 3, 37, 4), (3, 2, 0, 2), (4, 5, 23, 1), (2, 12, 1, 8),

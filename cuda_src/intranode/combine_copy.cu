@@ -1,0 +1,141 @@
+// Intranode combine, copy mode: the rows go home through the copy engines; this kernel only sums them.
+//
+// Why: the ring mode spends SM time on every row twice (a push over NVLink into the home's ring, then the
+// home's read of the ring) and splits the SMs between pushing and summing. In the copy mode the rows this
+// rank received from home h are one contiguous block of x (rows rank_prefix_matrix[h - 1][me] onwards),
+// so they go back with plain device-to-device copies that the copy engines run at link speed while all the
+// SMs sum what has arrived.
+//
+// Before this kernel, on a side stream (deepep_cupy/ops/intranode_copy.py), every rank p copies, for every
+// home h != p, that block (its top-k weights first) into h's staging area, slot of source p, in chunks of
+// chunk_rows rows; after chunk k a stream write stores (copy_seq << 20) | (k + 1) into copy_flag[p] of h's
+// control words (the write is fenced after the copy).
+//
+// Staging area of home h (a fixed region of h's output pool, mapped into every rank): the row slots of
+// the sources in rank order (h itself has none), then, at weights_offset, their weights slots in the same
+// order. Source q's slot starts after the rows h sent to every source q' < q, q' != h.
+//
+// Grid: any number of blocks. Warps take tokens one at a time, in token order, from a counter (claims[0],
+// back to 0 at the end): tokens whose rows arrived first are summed first, and every warp helps with the
+// last chunk. For token t, lane r < R reads send_head[t][r] (its row among those rank r received from this
+// rank, -1 if none) and, for a peer, waits until copy_flag[r] covers that row's chunk. Rows: this rank's
+// from x, peers' from their staging slots; sums as in the ring mode (combine_sum.cuh).
+//
+// End: the last block to finish stores copy_done[me] = seq into every peer's control words and waits for
+// the same from every peer. A peer queues its next copies into this rank's staging area after its own
+// kernel, which ends only once this rank has stored copy_done, i.e. read every row of this call.
+
+#include "common/nvrtc_compat.cuh"
+#include "intranode/combine_sum.cuh"
+#include "intranode/layout.cuh"
+
+namespace deepep_cupy::intranode {
+
+using namespace ::deepep_intranode;
+
+constexpr int kCopyChunkBits = 20;
+
+template <int kNumRanks, int kNumWarps, int kUnroll>
+__global__ void __launch_bounds__(kNumWarps * 32, 1)
+combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
+             const int4* __restrict__ bias_0, const int4* __restrict__ bias_1, const int* __restrict__ rank_prefix_matrix,
+             const int* __restrict__ send_head, int num_tokens, int hidden_int4, int4* __restrict__ combined_x,
+             float* __restrict__ combined_topk_weights, const long long* __restrict__ bases,
+             const uint8_t* __restrict__ staging, long long weights_offset, unsigned long long copy_seq,
+             int chunk_rows, int* __restrict__ claims, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+    constexpr int R = kNumRanks;
+    const int lane = threadIdx.x % 32;
+    uint8_t* my_base = rank_base(bases, rank);
+    const Ctrl ctrl = ctrl_of(my_base, R);
+    const uint64_t seq = begin_kernel(ctrl);
+    const WaitCtx wctx{err, timeout_ns, rank};
+    if (blockIdx.x == 0) announce_arrival(bases, R, rank, seq);
+
+    // Lane r < R: the first row of rank r's rows for this rank. A peer's is in its staging slot (rows this
+    // rank sent to every source before it); this rank's own is in x (rows received from ranks before it).
+    long long first_row = 0;
+    if (lane < R) {
+        if (lane == rank) {
+            first_row = rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0;
+        } else {
+            for (int q = 0; q < lane; ++q) {
+                if (q == rank) continue;
+                first_row += rank_prefix_matrix[rank * R + q] - (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + q] : 0);
+            }
+        }
+    }
+    const uint64_t* my_flag = lane < R && lane != rank ? ctrl.copy_flag(lane) : nullptr;
+    uint64_t seen = 0;  // this lane's latest copy_flag value (chunks only ever complete)
+    const int4* staging_rows = reinterpret_cast<const int4*>(staging);
+    const float* staging_weights = reinterpret_cast<const float*>(staging + weights_offset);
+
+    bool ok = true;
+    int t = 0;
+    if (lane == 0) t = atomicAdd(claims, 1);
+    t = __shfl_sync(kFullMask, t, 0);
+    while (t < num_tokens) {
+        int next = 0;
+        if (lane == 0) next = atomicAdd(claims, 1);  // read at the end of this token: its latency is hidden
+        const int pos = lane < R ? send_head[static_cast<long long>(t) * R + lane] : -1;
+        if (my_flag != nullptr && pos >= 0) {
+            const uint64_t want = (static_cast<uint64_t>(copy_seq) << kCopyChunkBits) |
+                                  static_cast<uint64_t>(pos / chunk_rows + 1);
+            uint64_t start = 0;
+            for (unsigned int spin = 1; seen < want; ++spin) {
+                seen = deepep::ld_acquire_sys(my_flag);
+                if ((spin & 63u) == 0 && seen < want && wait_expired(spin, start, wctx, kOpCombineCopyRecv, lane,
+                                                                     __LINE__)) {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        if (!__all_sync(kFullMask, ok)) break;
+
+        const int4* rows[R];
+        const float* weights[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int p = __shfl_sync(kFullMask, pos, r);
+            const long long row = __shfl_sync(kFullMask, first_row, r) + p;
+            rows[r] = nullptr;
+            weights[r] = nullptr;
+            if (p < 0) continue;
+            if (r == rank) {
+                rows[r] = x + row * hidden_int4;
+                weights[r] = topk_weights + row * num_topk;
+            } else {
+                rows[r] = staging_rows + row * hidden_int4;
+                weights[r] = staging_weights + row * num_topk;
+            }
+        }
+        sum_token<R, kUnroll>(rows, rank, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
+                              combined_x, lane);
+        if (combined_topk_weights != nullptr)
+            sum_weights<R>(weights, rank, num_topk, combined_topk_weights + static_cast<long long>(t) * num_topk, lane);
+        t = __shfl_sync(kFullMask, next, 0);
+    }
+
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned int old = atomicAdd(ctrl.done_count(), 1u);
+        if (old + 1 == gridDim.x) {
+            // Every block has read its rows: tell the peers, then wait until they have read theirs.
+            for (int r = 0; r < R; ++r)
+                if (r != rank) deepep::st_release_sys(ctrl_of(rank_base(bases, r), R).copy_done(rank), seq);
+            for (int r = 0; r < R; ++r) {
+                if (r == rank) continue;
+                if (!thread_wait(ctrl.copy_done(r), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineCopyDone,
+                                 r, __LINE__))
+                    break;
+            }
+            *ctrl.done_count() = 0;
+            claims[0] = 0;
+            *reinterpret_cast<volatile unsigned long long*>(ctrl.local_seq()) = static_cast<unsigned long long>(seq);
+            __threadfence();
+        }
+    }
+}
+
+}  // namespace deepep_cupy::intranode

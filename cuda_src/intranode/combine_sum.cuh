@@ -1,0 +1,151 @@
+// The summation of the intranode combine, shared by its ring mode (combine.cu) and its copy mode
+// (combine_copy.cu): one token's rows, one per rank that received the token, summed in float32 in rank
+// order after the biases (acc = bias_0 + bias_1, a missing bias being +0: the reference's exact order)
+// and rounded to bf16 (nearest even) once. The same for the top-k weights, without bias.
+#pragma once
+
+#include "intranode/layout.cuh"
+
+namespace deepep_intranode {
+
+__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+
+// float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ unsigned int f32_to_bf16_rn(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
+                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        acc[2 * k] += bf16_lo(w[k]);
+        acc[2 * k + 1] += bf16_hi(w[k]);
+    }
+}
+
+__device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
+    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
+                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        out[2 * k] = bf16_lo(w[k]);
+        out[2 * k + 1] = bf16_hi(w[k]);
+    }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+    unsigned int w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = f32_to_bf16_rn(acc[2 * k]) | (f32_to_bf16_rn(acc[2 * k + 1]) << 16);
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+}
+
+// Row of token t: rows[r] is rank r's row (nullptr: rank r did not get the token); this rank's own row is
+// read through the non-coherent path (the caller's input), peers' rows from L2 (peers or copies wrote them).
+template <int R, int kUnroll>
+__device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self_rank, const int4* __restrict__ bias_0,
+                                          const int4* __restrict__ bias_1, long long out_row, int hidden_int4,
+                                          int4* __restrict__ combined_x, int lane) {
+    const bool has_bias = bias_0 != nullptr || bias_1 != nullptr;
+    // Hidden: lane-strided 16-byte words, kUnroll per lane per step.
+    for (int base = 0; base < hidden_int4; base += 32 * kUnroll) {
+        if constexpr (R <= 2) {
+            // Few ranks: every rank's loads of the step are issued before any is summed (more
+            // bytes in flight), and one accumulator of 8 floats is live at a time.
+            int4 v[R][kUnroll];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (rows[r] == nullptr) continue;
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int j = base + u * 32 + lane;
+                    if (j < hidden_int4)
+                        v[r][u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int j = base + u * 32 + lane;
+                if (j >= hidden_int4) continue;
+                float acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                if (has_bias) {
+                    // acc = b0 + b1, a missing bias being +0 (the reference's exact float32 order).
+                    float b[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+                    if (bias_0 != nullptr) load_bf16x8(acc, deepep::ld_nc_v4(bias_0 + out_row + j));
+                    if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (rows[r] != nullptr) add_bf16x8(acc, v[r][u]);
+                deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
+            }
+        } else {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int j = base + u * 32 + lane;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+                if (j < hidden_int4 && has_bias) {
+                    float b[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+                    if (bias_0 != nullptr) load_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + out_row + j));
+                    if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[u][e] = acc[u][e] + b[e];
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (rows[r] == nullptr) continue;
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int j = base + u * 32 + lane;
+                    if (j < hidden_int4)
+                        v[u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int j = base + u * 32 + lane;
+                    if (j < hidden_int4) add_bf16x8(acc[u], v[u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int j = base + u * 32 + lane;
+                if (j < hidden_int4) deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
+            }
+        }
+    }
+}
+
+// Top-k weights of one token: w[r] is rank r's weights row (nullptr: none).
+template <int R>
+__device__ __forceinline__ void sum_weights(const float* const (&w)[R], int self_rank, int num_topk,
+                                            float* __restrict__ out, int lane) {
+    for (int j = lane; j < num_topk; j += 32) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (w[r] == nullptr) continue;
+            acc += r == self_rank ? w[r][j] : ld_cg_f32(w[r] + j);
+        }
+        out[j] = acc;
+    }
+}
+
+}  // namespace deepep_intranode

@@ -1,0 +1,220 @@
+"""Copy mode of the intranode combine: rows go home through the copy engines, a kernel sums them.
+
+The rows a rank received from home ``h`` in the dispatch are one contiguous block of the combine's input,
+so instead of pushing them row by row from the SMs (the ring mode), a side stream copies each block into
+``h``'s staging area (a fixed region at the end of ``h``'s output pool, mapped into every rank) in chunks
+of ``chunk_rows`` rows, and after each chunk stores a flag into ``h``'s control words. The kernel
+(``cuda_src/intranode/combine_copy.cu``) runs at the same time on the communication stream and sums each
+token as soon as the chunks holding its rows have landed.
+
+Every rank must know every block's size on the host to issue the copies, which the dispatch that made the
+handle read back with its one host wait (:attr:`IntranodeHandle.counts`). A combine takes the ring mode
+when it does not have them (a handle from a dispatch with ``num_worst_tokens``, or one a caller rebuilt),
+when some home's staging area is too small, or while its stream is being captured (a replayed graph would
+repeat the flags' sequence numbers). All ranks decide from the same counts, so they take the same mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..jit import BuildSpec
+from ..plan_cache import OpHandle
+from . import intranode_layout as L
+from .kernel_names import intranode_combine_copy
+
+__all__ = ["IntranodeHandle", "home_counts", "staging_layout", "copy_schedule", "CopyCombine", "combine_copy_spec"]
+
+CHUNK_BITS = 20  # kCopyChunkBits of combine_copy.cu: flag = (copy sequence << CHUNK_BITS) | chunks done
+DEFAULT_CHUNK_ROWS = 512
+STAGING_ALIGN = 256
+_MEMCPY_DEFAULT = 4
+_DISABLE_TIMING = 0x2
+
+
+class IntranodeHandle(OpHandle):
+    """An intranode dispatch's handle, which also keeps the received counts the dispatch read back
+    (``counts``: the rank prefix matrix as nested tuples of ints, or None), for the copy-mode combine."""
+
+    def __new__(cls, entries, counts=None):
+        self = super().__new__(cls, entries)
+        self.counts = counts
+        return self
+
+
+@functools.cache
+def combine_copy_spec(num_ranks: int, warps: int, unroll: int) -> BuildSpec:
+    return BuildSpec.make("intranode/combine_copy.cu",
+                          name_expressions=[intranode_combine_copy(num_ranks, warps, unroll)])
+
+
+def home_counts(rank_prefix) -> list[list[int]]:
+    """``cnt[h][q]``: rows rank ``q`` received from home ``h`` (what ``q`` sends back to ``h`` in a combine),
+    from the rank prefix matrix (``[i][r]`` = rows rank ``r`` receives from ranks ``0..i``)."""
+    R = len(rank_prefix)
+    return [[int(rank_prefix[h][q]) - (int(rank_prefix[h - 1][q]) if h > 0 else 0) for q in range(R)]
+            for h in range(R)]
+
+
+def staging_layout(cnt, home: int, hidden_bytes: int, num_topk: int) -> tuple[list[int], int, int]:
+    """Staging area of ``home``: ``(first row of every source's slot (0 for the home itself), byte offset of
+    the weights slots, bytes used)``."""
+    first, rows = [], 0
+    for q in range(len(cnt)):
+        first.append(rows if q != home else 0)
+        if q != home:
+            rows += cnt[home][q]
+    weights_offset = L.align(rows * hidden_bytes, STAGING_ALIGN)
+    return first, weights_offset, weights_offset + rows * num_topk * 4
+
+
+def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int):
+    """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
+    row of x, rows, chunk index)]`` with ``kind`` "w" (the block's top-k weights, all at once, first) or "x"
+    (a chunk of rows, followed by its flag); chunks go round-robin over the homes so that all progress."""
+    R = len(cnt)
+    homes = [(me + i) % R for i in range(1, R)]
+    out, chunks = [], {}
+    for h in homes:
+        first, weights_offset, _ = staging_layout(cnt, h, hidden_bytes, num_topk)
+        src = sum(cnt[q][me] for q in range(h))  # rows me received from ranks before h
+        n = cnt[h][me]
+        if n and num_topk:
+            out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, -1))
+        chunks[h] = [(h, "x", (first[me] + k) * hidden_bytes, src + k, min(chunk_rows, n - k), k // chunk_rows)
+                     for k in range(0, n, chunk_rows)]
+    for k in range(max((len(c) for c in chunks.values()), default=0)):
+        out += [chunks[h][k] for h in homes if k < len(chunks[h])]
+    return out
+
+
+def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int, chunk_rows: int) -> bool:
+    """True when every home's staging area holds what it receives and no block has more chunks than
+    the flag counts."""
+    R = len(cnt)
+    limit = (1 << CHUNK_BITS) - 1
+    for h in range(R):
+        if staging_layout(cnt, h, hidden_bytes, num_topk)[2] > staging_bytes:
+            return False
+        if any((cnt[h][q] + chunk_rows - 1) // chunk_rows > limit for q in range(R)):
+            return False
+    return True
+
+
+def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
+                      hidden_int4, combined_x, combined_topk_weights, bases, staging, weights_offset, copy_seq,
+                      chunk_rows, claims, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+    """Arguments of combine_copy, in order, with their parameter names (integers: pointers)."""
+    return [
+        ("x", x), ("topk_weights", topk_weights), ("num_topk", np.int32(num_topk)), ("bias_0", bias_0),
+        ("bias_1", bias_1), ("rank_prefix_matrix", rank_prefix_matrix), ("send_head", send_head),
+        ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)), ("combined_x", combined_x),
+        ("combined_topk_weights", combined_topk_weights), ("bases", bases), ("staging", staging),
+        ("weights_offset", np.int64(weights_offset)), ("copy_seq", np.uint64(copy_seq)),
+        ("chunk_rows", np.int32(chunk_rows)), ("claims", claims), ("err", np.uint64(err_ptr)),
+        ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
+    ]
+
+
+class CopyCombine:
+    """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode_plans.CombinePlan` (same shapes)."""
+
+    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int,
+                 comm_stream: int) -> None:
+        import cupy
+
+        from ..runtime.launch import LaunchPlan
+        from .intranode_plans import _launch_args
+
+        self.engine, self.comm_stream = engine, comm_stream
+        self.hidden_bytes, self.num_topk = hidden * 2, num_topk
+        self.chunk_rows = int(engine.copy_chunk_rows)
+        if self.chunk_rows <= 0:
+            raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
+        pool = engine.output_pool
+        self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
+        R, me = engine.num_ranks, engine.rank
+        self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
+        warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
+        kernel = engine._kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
+        named = combine_copy_args(
+            x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
+            num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
+            bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
+            chunk_rows=self.chunk_rows, claims=engine.work_claims.data.ptr, err_ptr=engine.errors.ptr,
+            timeout_ns=engine.timeout_ns, rank=me)
+        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named))
+        self.slots = tuple(self.plan.slot(n) for n in (
+            "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
+            "combined_topk_weights", "weights_offset", "copy_seq"))
+        rt = cupy.cuda.runtime
+        self._rt = rt
+        self.events = (rt.eventCreateWithFlags(_DISABLE_TIMING), rt.eventCreateWithFlags(_DISABLE_TIMING))
+        self.side = engine.copy_stream()
+        from cuda.bindings import driver
+
+        self._write = driver.cuStreamWriteValue64
+        self._side_handle = driver.CUstream(self.side)
+        self._counts = self._prepared = None
+
+    def prepare(self, counts):
+        """The schedule and this rank's weights offset for ``counts``, or None when the copy mode does not
+        fit them (the last counts' result is kept: a cached dispatch loop reuses one handle)."""
+        if counts is self._counts:
+            return self._prepared
+        cnt = home_counts(counts)
+        me = self.engine.rank
+        prepared = None
+        if fits(cnt, self.hidden_bytes, self.num_topk, self.staging_bytes, self.chunk_rows):
+            prepared = (copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows),
+                        staging_layout(cnt, me, self.hidden_bytes, self.num_topk)[1])
+        self._counts, self._prepared = counts, prepared
+        return prepared
+
+    def run(self, prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr) -> None:
+        """Queue the copies on the side stream and the sums on the communication stream; the communication
+        stream then waits for the copies (they read ``x``)."""
+        engine, rt, comm, side = self.engine, self._rt, self.comm_stream, self.side
+        schedule, weights_offset = prepared
+        engine.copy_seq += 1
+        seq = engine.copy_seq
+        start, end = self.events
+        rt.eventRecord(start, comm)
+        rt.streamWaitEvent(side, start, 0)
+        xp = ptr(x)
+        wp = ptr(topk_weights) if topk_weights is not None else 0
+        hb, wb = self.hidden_bytes, self.num_topk * 4
+        staging, flags, write, copy = self.staging_ptrs, self.flag_ptrs, self._write, rt.memcpyAsync
+        side_handle = self._side_handle
+        for home, kind, dst, src, n, k in schedule:
+            if kind == "w":
+                if wp:
+                    copy(staging[home] + dst, wp + src * wb, n * wb, _MEMCPY_DEFAULT, side)
+                continue
+            copy(staging[home] + dst, xp + src * hb, n * hb, _MEMCPY_DEFAULT, side)
+            err, = write(side_handle, flags[home], (seq << CHUNK_BITS) | (k + 1), 0)
+            if int(err):
+                raise RuntimeError(f"combine (copy mode): cuStreamWriteValue64 failed with {err!r}")
+        s_x, s_w, s_b0, s_b1, s_rank, s_head, s_out, s_out_w, s_woff, s_seq = self.slots
+        s_x.value = xp
+        s_w.value = wp
+        s_b0.value = 0 if bias_0 is None else ptr(bias_0)
+        s_b1.value = 0 if bias_1 is None else ptr(bias_1)
+        s_rank.value = ptr(handle[0])
+        s_head.value = ptr(handle[5])
+        s_out.value = ptr(combined)
+        s_out_w.value = 0 if combined_w is None else ptr(combined_w)
+        s_woff.value = weights_offset
+        s_seq.value = seq
+        self.plan.launch(comm)
+        rt.eventRecord(end, side)
+        rt.streamWaitEvent(comm, end, 0)
+
+    def __del__(self) -> None:
+        for event in getattr(self, "events", ()):
+            try:
+                self._rt.eventDestroy(event)
+            except Exception:
+                pass  # interpreter shutdown

@@ -1,0 +1,128 @@
+"""The combine's copy mode on the CPU: a NumPy model of the copies (deepep_cupy/ops/intranode_copy.py) and of
+the sums (cuda_src/intranode/combine_copy.cu) against the reference combine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _thread_group import run_ranks
+from test_intranode_model import _model_inputs, _reference_dispatch
+
+from deepep_cupy.ops import intranode_copy as CC
+from deepep_cupy.reference import normal
+
+
+def _model_copy_combine(ys, ws, handles, chunk_rows):
+    """Every rank runs its copy schedule into byte arrays standing for the homes' staging areas (poisoned
+    first), counting the chunks each flag reports; then every home sums as the kernel does, reading only rows
+    whose chunk the flag covers."""
+    R = len(ys)
+    counts = handles[0][0]
+    cnt = CC.home_counts(counts)
+    row_bytes, K = ys[0].shape[1] * 4, ws[0].shape[1]
+    used = [CC.staging_layout(cnt, h, row_bytes, K)[2] for h in range(R)]
+    staging = [np.full(max(used[h], 1), 0xEE, np.uint8) for h in range(R)]
+    flags = np.zeros((R, R), np.int64)  # flags[h][p]: chunks of p's rows landed at h
+    for p in range(R):
+        np.testing.assert_array_equal(handles[p][0], counts)  # every rank has the same matrix
+        last = {}
+        for h, kind, dst, src, n, k in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows):
+            data = (ys[p] if kind == "x" else ws[p])[src:src + n].tobytes()
+            assert dst + len(data) <= used[h] and src + n <= ys[p].shape[0]
+            staging[h][dst:dst + len(data)] = np.frombuffer(data, np.uint8)
+            if kind == "x":
+                assert k == last.get(h, -1) + 1  # chunks of one home in order
+                last[h] = k
+                flags[h][p] = k + 1
+        for h in range(R):
+            want = -(-cnt[h][p] // chunk_rows) if h != p else 0
+            assert flags[h][p] == want
+    outs, out_ws = [], []
+    for me in range(R):
+        rpm, send_head = handles[me][0], handles[me][5]
+        first, weights_offset, _ = CC.staging_layout(cnt, me, row_bytes, K)
+        rows = staging[me][: weights_offset].view(np.float32).reshape(-1, ys[me].shape[1]) if weights_offset else None
+        wrows = staging[me][weights_offset: used[me]].view(np.float32).reshape(-1, K)
+        self_base = rpm[me - 1, me] if me > 0 else 0
+        n = send_head.shape[0]
+        out = np.zeros((n, ys[me].shape[1]), np.float32)
+        out_w = np.zeros((n, K), np.float32)
+        for t in range(n):
+            for r in range(R):
+                pos = send_head[t, r]
+                if pos < 0:
+                    continue
+                if r == me:
+                    out[t] += ys[me][self_base + pos]
+                    out_w[t] += ws[me][self_base + pos]
+                else:
+                    assert pos // chunk_rows < flags[me][r]
+                    out[t] += rows[first[r] + pos]
+                    out_w[t] += wrows[first[r] + pos]
+        outs.append(out)
+        out_ws.append(out_w)
+    return outs, out_ws
+
+
+@pytest.mark.parametrize("R,C,n_tokens,chunk_rows", [(2, 3, 37, 4), (3, 2, 0, 1), (4, 5, 23, 3), (2, 12, 1, 512),
+                                                     (8, 4, 50, 7), (2, 1, 100, 16)])
+def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows):
+    rng = np.random.default_rng(R * 10 + chunk_rows)
+    xs, in_ranks, topks, per_experts = _model_inputs(rng, R, n_tokens, skew=True, H=8)
+    refs = _reference_dispatch(xs, in_ranks, topks, per_experts, C)
+    handles = [refs[me][5] for me in range(R)]
+    ys = [rng.standard_normal(refs[me][0].shape).astype(np.float32) for me in range(R)]
+    ws = [rng.standard_normal((refs[me][0].shape[0], 3)).astype(np.float32) for me in range(R)]
+    combined, combined_w = _model_copy_combine(ys, ws, handles, chunk_rows)
+
+    def ref_combine(group):
+        me = group.rank
+        return normal.combine(group, ys[me], refs[me][5], topk_weights=ws[me], bias_0=None, bias_1=None)
+
+    ref = run_ranks(R, ref_combine)
+    for me in range(R):
+        np.testing.assert_array_equal(combined[me], ref[me][0])
+        np.testing.assert_array_equal(combined_w[me], ref[me][1])
+
+
+def test_staging_layout_and_fit():
+    rpm = np.array([[5, 7, 0], [9, 7, 4], [9, 10, 6]])  # [i][r]: rows rank r receives from ranks 0..i
+    cnt = CC.home_counts(rpm)
+    assert cnt == [[5, 7, 0], [4, 0, 4], [0, 3, 2]]
+    first, weights_offset, used = CC.staging_layout(cnt, 0, 32, 2)
+    assert first == [0, 0, 7] and weights_offset == 256 and used == 256 + 7 * 8
+    first, weights_offset, used = CC.staging_layout(cnt, 1, 32, 0)
+    assert first == [0, 0, 4] and used == weights_offset == 256
+    assert CC.fits(cnt, 32, 2, 320, 4)  # home 1: 8 rows of 32 bytes, then 8 x 2 weights
+    assert not CC.fits(cnt, 32, 2, 319, 4)
+    # Rank 2's copies: home 0 gets nothing (rank 2 received no row from it), home 1 four rows (x rows 0-3,
+    # after home 1's rows from rank 0 in its staging area); weights first.
+    sched = CC.copy_schedule(cnt, 2, 32, 2, 2)
+    assert sched == [(1, "w", 256 + 4 * 8, 0, 4, -1), (1, "x", 4 * 32, 0, 2, 0), (1, "x", 6 * 32, 2, 2, 1)]
+    # Round robin over the homes: rank 1 sends 3 rows to home 2 and 7 to home 0 (x rows 0-6, then 7-9).
+    sched = CC.copy_schedule(cnt, 1, 32, 0, 2)
+    assert [(h, k) for h, kind, _, _, _, k in sched] == [(2, 0), (0, 0), (2, 1), (0, 1), (0, 2), (0, 3)]
+    assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 9, 2, 4, 6]
+
+
+def test_handle_keeps_counts_and_is_a_tuple():
+    h = CC.IntranodeHandle((1, 2, 3), ((1, 2), (3, 4)))
+    assert h == (1, 2, 3) and isinstance(h, tuple) and h.counts == ((1, 2), (3, 4))
+    assert CC.IntranodeHandle((1,)).counts is None
+
+
+def test_combine_copy_args_match_kernel_signature():
+    from test_intranode_host import CUDA_SRC, _kernel_params
+
+    params = _kernel_params(CUDA_SRC / "combine_copy.cu", "combine_copy")
+    packed = CC.combine_copy_args(
+        x=1, topk_weights=2, num_topk=8, bias_0=0, bias_1=0, rank_prefix_matrix=3, send_head=4, num_tokens=4096,
+        hidden_int4=896, combined_x=5, combined_topk_weights=6, bases=7, staging=8, weights_offset=1 << 33,
+        copy_seq=1 << 40, chunk_rows=512, claims=9, err_ptr=10, timeout_ns=1, rank=1)
+    assert [n for _, n in params] == [n for n, _ in packed]
+    kinds = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
+    for (ctype, name), (_, value) in zip(params, packed, strict=True):
+        if "*" in ctype:
+            assert isinstance(value, (int, np.uint64)), (name, type(value))
+        else:
+            assert isinstance(value, kinds[ctype]), (name, ctype, type(value))
