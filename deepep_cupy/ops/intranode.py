@@ -125,7 +125,7 @@ def representative_builds() -> list[BuildSpec]:
     for r in (1, 2, 4, 8):
         out += [notify_spec(r), dispatch_spec(r), combine_spec(r)]
         if r > 1:
-            out.append(combine_copy_spec(r, *default_combine_shape(r)))
+            out.append(combine_copy_spec(r, default_combine_shape(r)[0]))
     return out
 
 

@@ -44,10 +44,18 @@ class IntranodeHandle(OpHandle):
         return self
 
 
+MAX_STAGES = 8  # kMaxCopyStages of combine_copy.cu
+
+
 @functools.cache
-def combine_copy_spec(num_ranks: int, warps: int, unroll: int) -> BuildSpec:
-    return BuildSpec.make("intranode/combine_copy.cu",
-                          name_expressions=[intranode_combine_copy(num_ranks, warps, unroll)])
+def combine_copy_spec(num_ranks: int, warps: int) -> BuildSpec:
+    return BuildSpec.make("intranode/combine_copy.cu", name_expressions=[intranode_combine_copy(num_ranks, warps)])
+
+
+def num_stages(num_ranks: int, hidden_bytes: int, bias: bool = False) -> int:
+    """Shared-memory stages of combine_copy (each holds one row per rank, and two bias rows with a bias); 0: a
+    stage does not fit."""
+    return min(MAX_STAGES, L.MAX_DIRECT_SHARED // ((num_ranks + (2 if bias else 0)) * hidden_bytes))
 
 
 def home_counts(rank_prefix) -> list[list[int]]:
@@ -105,7 +113,7 @@ def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int, chunk_rows: 
 
 def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
                       hidden_int4, combined_x, combined_topk_weights, bases, staging, weights_offset, copy_seq,
-                      chunk_rows, claims, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+                      chunk_rows, num_stages, claims, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
     """Arguments of combine_copy, in order, with their parameter names (integers: pointers)."""
     return [
         ("x", x), ("topk_weights", topk_weights), ("num_topk", np.int32(num_topk)), ("bias_0", bias_0),
@@ -113,7 +121,7 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
         ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)), ("combined_x", combined_x),
         ("combined_topk_weights", combined_topk_weights), ("bases", bases), ("staging", staging),
         ("weights_offset", np.int64(weights_offset)), ("copy_seq", np.uint64(copy_seq)),
-        ("chunk_rows", np.int32(chunk_rows)), ("claims", claims), ("err", np.uint64(err_ptr)),
+        ("chunk_rows", np.int32(chunk_rows)), ("num_stages", np.int32(num_stages)), ("claims", claims), ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
     ]
 
@@ -121,7 +129,7 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
 class CopyCombine:
     """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode_plans.CombinePlan` (same shapes)."""
 
-    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int,
+    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int, bias: bool,
                  comm_stream: int) -> None:
         import cupy
 
@@ -137,15 +145,17 @@ class CopyCombine:
         self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
-        warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
-        kernel = engine._kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
+        warps = max(2, int(engine.combine_warps))
+        kernel = engine._kernel(combine_copy_spec(R, warps), intranode_combine_copy(R, warps))
+        stages = num_stages(R, self.hidden_bytes, bias)
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
-            chunk_rows=self.chunk_rows, claims=engine.work_claims.data.ptr, err_ptr=engine.errors.ptr,
+            chunk_rows=self.chunk_rows, num_stages=stages, claims=engine.work_claims.data.ptr, err_ptr=engine.errors.ptr,
             timeout_ns=engine.timeout_ns, rank=me)
-        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named))
+        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named),
+                               shared_mem=stages * (R + (2 if bias else 0)) * self.hidden_bytes)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
             "combined_topk_weights", "weights_offset", "copy_seq"))
