@@ -1,5 +1,5 @@
 // The summation of the intranode combine, shared by its ring mode (combine.cu) and its copy mode
-// (combine_copy.cu, from shared memory): one token's rows, one per rank that received the token, summed in float32 in rank
+// (combine_copy.cu): one token's rows, one per rank that received the token, summed in float32 in rank
 // order after the biases (acc = bias_0 + bias_1, a missing bias being +0: the reference's exact order)
 // and rounded to bf16 (nearest even) once. The same for the top-k weights, without bias.
 #pragma once
@@ -130,32 +130,6 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                 if (j < hidden_int4) deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
             }
         }
-    }
-}
-
-// Same sum for a token whose rows and biases are in shared memory (the copy mode's stages): threads tid,
-// tid + n, ... of the block each sum 16-byte words of the row.
-template <int R>
-__device__ __forceinline__ void sum_staged_token(const int4* const (&rows)[R], const int4* bias_0, const int4* bias_1,
-                                                 long long out_row, int hidden_int4, int4* __restrict__ combined_x,
-                                                 int tid, int num_threads) {
-    for (int j = tid; j < hidden_int4; j += num_threads) {
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-        if (bias_0 != nullptr || bias_1 != nullptr) {
-            float b[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-            if (bias_0 != nullptr) load_bf16x8(acc, bias_0[j]);
-            if (bias_1 != nullptr) load_bf16x8(b, bias_1[j]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (rows[r] != nullptr) add_bf16x8(acc, rows[r][j]);
-        deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
     }
 }
 

@@ -125,7 +125,7 @@ def representative_builds() -> list[BuildSpec]:
     for r in (1, 2, 4, 8):
         out += [notify_spec(r), dispatch_spec(r), combine_spec(r)]
         if r > 1:
-            out.append(combine_copy_spec(r, default_combine_shape(r)[0]))
+            out.append(combine_copy_spec(r, *default_combine_shape(r)))
     return out
 
 
@@ -375,7 +375,7 @@ class IntranodeEngine(EngineHealth):
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         self.copy_supported = False
-        self._copy_stream = None
+        self._copy_streams = None
         self.output_pool = None
         self._broken: str | None = None
         self._destroyed = False
@@ -417,14 +417,14 @@ class IntranodeEngine(EngineHealth):
     def timeout_ns(self) -> int:
         return max(1, int(self.timeout_s * 1e9))
 
-    def copy_stream(self) -> int:
-        """The side stream of the combine's copy mode (created on first use)."""
-        if self._copy_stream is None:
+    def copy_stream(self, index: int) -> int:
+        """Side stream ``index`` of the combine's copy mode (0: copies, 1: their flags; created on first use)."""
+        if self._copy_streams is None:
             import cupy
 
             with cupy.cuda.Device(self.device_id):
-                self._copy_stream = cupy.cuda.Stream(non_blocking=True)
-        return self._copy_stream.ptr
+                self._copy_streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True))
+        return self._copy_streams[index].ptr
 
     def local_buffer_view(self) -> tuple[int, int]:
         """``(pointer, bytes)`` of this rank's NVL buffer."""
@@ -511,7 +511,7 @@ class IntranodeEngine(EngineHealth):
         buffer, self.buffer = self.buffer, None
         pool, self.output_pool = self.output_pool, None
         self.bases = self.work_claims = None
-        self._copy_stream = None
+        self._copy_streams = None
         self._metas = {}
         if pool is not None:
             pool.close()

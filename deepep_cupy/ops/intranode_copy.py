@@ -3,9 +3,9 @@
 The rows a rank received from home ``h`` in the dispatch are one contiguous block of the combine's input,
 so instead of pushing them row by row from the SMs (the ring mode), a side stream copies each block into
 ``h``'s staging area (a fixed region at the end of ``h``'s output pool, mapped into every rank) in chunks
-of ``chunk_rows`` rows, and after each chunk stores a flag into ``h``'s control words. The kernel
-(``cuda_src/intranode/combine_copy.cu``) runs at the same time on the communication stream and sums each
-token as soon as the chunks holding its rows have landed.
+of ``chunk_rows`` rows, and after each chunk a second side stream stores a flag into ``h``'s control
+words. The kernel (``cuda_src/intranode/combine_copy.cu``) runs at the same time on the communication
+stream and sums each token as soon as the chunks holding its rows have landed.
 
 Every rank must know every block's size on the host to issue the copies, which the dispatch that made the
 handle read back with its one host wait (:attr:`IntranodeHandle.counts`). A combine takes the ring mode
@@ -44,18 +44,10 @@ class IntranodeHandle(OpHandle):
         return self
 
 
-MAX_STAGES = 8  # kMaxCopyStages of combine_copy.cu
-
-
 @functools.cache
-def combine_copy_spec(num_ranks: int, warps: int) -> BuildSpec:
-    return BuildSpec.make("intranode/combine_copy.cu", name_expressions=[intranode_combine_copy(num_ranks, warps)])
-
-
-def num_stages(num_ranks: int, hidden_bytes: int, bias: bool = False) -> int:
-    """Shared-memory stages of combine_copy (each holds one row per rank, and two bias rows with a bias); 0: a
-    stage does not fit."""
-    return min(MAX_STAGES, L.MAX_DIRECT_SHARED // ((num_ranks + (2 if bias else 0)) * hidden_bytes))
+def combine_copy_spec(num_ranks: int, warps: int, unroll: int) -> BuildSpec:
+    return BuildSpec.make("intranode/combine_copy.cu",
+                          name_expressions=[intranode_combine_copy(num_ranks, warps, unroll)])
 
 
 def home_counts(rank_prefix) -> list[list[int]]:
@@ -113,7 +105,7 @@ def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int, chunk_rows: 
 
 def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
                       hidden_int4, combined_x, combined_topk_weights, bases, staging, weights_offset, copy_seq,
-                      chunk_rows, num_stages, claims, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+                      chunk_rows, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
     """Arguments of combine_copy, in order, with their parameter names (integers: pointers)."""
     return [
         ("x", x), ("topk_weights", topk_weights), ("num_topk", np.int32(num_topk)), ("bias_0", bias_0),
@@ -121,7 +113,7 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
         ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)), ("combined_x", combined_x),
         ("combined_topk_weights", combined_topk_weights), ("bases", bases), ("staging", staging),
         ("weights_offset", np.int64(weights_offset)), ("copy_seq", np.uint64(copy_seq)),
-        ("chunk_rows", np.int32(chunk_rows)), ("num_stages", np.int32(num_stages)), ("claims", claims), ("err", np.uint64(err_ptr)),
+        ("chunk_rows", np.int32(chunk_rows)), ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
     ]
 
@@ -129,7 +121,7 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
 class CopyCombine:
     """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode_plans.CombinePlan` (same shapes)."""
 
-    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int, bias: bool,
+    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int,
                  comm_stream: int) -> None:
         import cupy
 
@@ -145,28 +137,27 @@ class CopyCombine:
         self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
-        warps = max(2, int(engine.combine_warps))
-        kernel = engine._kernel(combine_copy_spec(R, warps), intranode_combine_copy(R, warps))
-        stages = num_stages(R, self.hidden_bytes, bias)
+        warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
+        kernel = engine._kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
-            chunk_rows=self.chunk_rows, num_stages=stages, claims=engine.work_claims.data.ptr, err_ptr=engine.errors.ptr,
+            chunk_rows=self.chunk_rows, err_ptr=engine.errors.ptr,
             timeout_ns=engine.timeout_ns, rank=me)
-        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named),
-                               shared_mem=stages * (R + (2 if bias else 0)) * self.hidden_bytes)
+        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
             "combined_topk_weights", "weights_offset", "copy_seq"))
         rt = cupy.cuda.runtime
         self._rt = rt
-        self.events = (rt.eventCreateWithFlags(_DISABLE_TIMING), rt.eventCreateWithFlags(_DISABLE_TIMING))
-        self.side = engine.copy_stream()
+        # start, copies done, flags done; then one per chunk (made as schedules need them).
+        self.events = [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(3)]
+        self.side, self.flag_side = engine.copy_stream(0), engine.copy_stream(1)
         from cuda.bindings import driver
 
         self._write = driver.cuStreamWriteValue64
-        self._side_handle = driver.CUstream(self.side)
+        self._flag_handle = driver.CUstream(self.flag_side)
         self._counts = self._prepared = None
 
     def prepare(self, counts):
@@ -186,25 +177,31 @@ class CopyCombine:
     def run(self, prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr) -> None:
         """Queue the copies on the side stream and the sums on the communication stream; the communication
         stream then waits for the copies (they read ``x``)."""
-        engine, rt, comm, side = self.engine, self._rt, self.comm_stream, self.side
+        engine, rt, comm, side, flag_side = self.engine, self._rt, self.comm_stream, self.side, self.flag_side
         schedule, weights_offset = prepared
         engine.copy_seq += 1
         seq = engine.copy_seq
-        start, end = self.events
-        rt.eventRecord(start, comm)
-        rt.streamWaitEvent(side, start, 0)
+        events = self.events
+        while len(events) < 3 + len(schedule):
+            events.append(rt.eventCreateWithFlags(_DISABLE_TIMING))
+        rt.eventRecord(events[0], comm)
+        rt.streamWaitEvent(side, events[0], 0)
         xp = ptr(x)
         wp = ptr(topk_weights) if topk_weights is not None else 0
         hb, wb = self.hidden_bytes, self.num_topk * 4
         staging, flags, write, copy = self.staging_ptrs, self.flag_ptrs, self._write, rt.memcpyAsync
-        side_handle = self._side_handle
-        for home, kind, dst, src, n, k in schedule:
+        record, wait, flag_handle = rt.eventRecord, rt.streamWaitEvent, self._flag_handle
+        # The flags go on a second stream, each after an event that follows its chunk: a flag write on the
+        # copy stream itself would hold the next copy until the write is done (~3 us per chunk).
+        for i, (home, kind, dst, src, n, k) in enumerate(schedule):
             if kind == "w":
                 if wp:
                     copy(staging[home] + dst, wp + src * wb, n * wb, _MEMCPY_DEFAULT, side)
                 continue
             copy(staging[home] + dst, xp + src * hb, n * hb, _MEMCPY_DEFAULT, side)
-            err, = write(side_handle, flags[home], (seq << CHUNK_BITS) | (k + 1), 0)
+            record(events[3 + i], side)
+            wait(flag_side, events[3 + i], 0)
+            err, = write(flag_handle, flags[home], (seq << CHUNK_BITS) | (k + 1), 0)
             if int(err):
                 raise RuntimeError(f"combine (copy mode): cuStreamWriteValue64 failed with {err!r}")
         s_x, s_w, s_b0, s_b1, s_rank, s_head, s_out, s_out_w, s_woff, s_seq = self.slots
@@ -219,8 +216,10 @@ class CopyCombine:
         s_woff.value = weights_offset
         s_seq.value = seq
         self.plan.launch(comm)
-        rt.eventRecord(end, side)
-        rt.streamWaitEvent(comm, end, 0)
+        record(events[1], side)
+        wait(comm, events[1], 0)
+        record(events[2], flag_side)
+        wait(comm, events[2], 0)
 
     def __del__(self) -> None:
         for event in getattr(self, "events", ()):

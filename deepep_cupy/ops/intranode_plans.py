@@ -29,7 +29,6 @@ from .intranode import (
     required_bytes,
 )
 from .intranode_copy import CopyCombine, IntranodeHandle
-from .intranode_copy import num_stages as copy_stages
 from .kernel_names import intranode_combine, intranode_dispatch, intranode_notify
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -369,13 +368,11 @@ class CombinePlan(_Plan):
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
         self.copy = None
-        if (engine.use_copy_combine and engine.copy_supported and engine.output_pool is not None and R > 1
-                and copy_stages(R, hidden_bytes, bias_0 is not None or bias_1 is not None) > 0):
+        if engine.use_copy_combine and engine.copy_supported and engine.output_pool is not None and R > 1:
             import cupy
 
             self.copy = CopyCombine(engine, hidden=hidden, num_tokens=self.num_tokens, num_topk=self.num_topk,
-                                    num_channels=self.num_channels, bias=bias_0 is not None or bias_1 is not None,
-                                    comm_stream=comm_stream)
+                                    num_channels=self.num_channels, comm_stream=comm_stream)
             self._capture_status = cupy.cuda.runtime.streamIsCapturing  # 0: the stream is not being captured
 
     def _copy_mode(self, handle):

@@ -102,10 +102,10 @@ def intranode_combine(num_ranks: int, warps: int, unroll: int) -> str:
     return f"deepep_cupy::intranode::combine<{_ints(num_ranks, warps, unroll)}>"
 
 
-def intranode_combine_copy(num_ranks: int, warps: int) -> str:
-    """``deepep_cupy::intranode::combine_copy<R, W>``: the sums of the combine's copy mode
+def intranode_combine_copy(num_ranks: int, warps: int, unroll: int) -> str:
+    """``deepep_cupy::intranode::combine_copy<R, W, U>``: the sums of the combine's copy mode
     (``cuda_src/intranode/combine_copy.cu``)."""
-    return f"deepep_cupy::intranode::combine_copy<{_ints(num_ranks, warps)}>"
+    return f"deepep_cupy::intranode::combine_copy<{_ints(num_ranks, warps, unroll)}>"
 
 
 # ---------------------------------------------------------------------------------------- internode

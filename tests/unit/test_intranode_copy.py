@@ -105,13 +105,6 @@ def test_staging_layout_and_fit():
     assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 9, 2, 4, 6]
 
 
-def test_num_stages():
-    assert CC.num_stages(2, 7168 * 2) == 7
-    assert CC.num_stages(1, 16) == CC.MAX_STAGES
-    assert CC.num_stages(8, 7168 * 2) == 1 and CC.num_stages(2, 7168 * 2, bias=True) == 3
-    assert CC.num_stages(8, 16384 * 2) == 0  # the combine takes the ring mode
-
-
 def test_handle_keeps_counts_and_is_a_tuple():
     h = CC.IntranodeHandle((1, 2, 3), ((1, 2), (3, 4)))
     assert h == (1, 2, 3) and isinstance(h, tuple) and h.counts == ((1, 2), (3, 4))
@@ -125,7 +118,7 @@ def test_combine_copy_args_match_kernel_signature():
     packed = CC.combine_copy_args(
         x=1, topk_weights=2, num_topk=8, bias_0=0, bias_1=0, rank_prefix_matrix=3, send_head=4, num_tokens=4096,
         hidden_int4=896, combined_x=5, combined_topk_weights=6, bases=7, staging=8, weights_offset=1 << 33,
-        copy_seq=1 << 40, chunk_rows=512, num_stages=7, claims=9, err_ptr=10, timeout_ns=1, rank=1)
+        copy_seq=1 << 40, chunk_rows=512, err_ptr=10, timeout_ns=1, rank=1)
     assert [n for _, n in params] == [n for n, _ in packed]
     kinds = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
     for (ctype, name), (_, value) in zip(params, packed, strict=True):
