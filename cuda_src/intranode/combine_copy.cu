@@ -7,9 +7,10 @@
 // SMs sum what has arrived.
 //
 // Before this kernel, on a side stream (deepep_cupy/ops/intranode_copy.py), every rank p copies, for every
-// home h != p, that block (its top-k weights first) into h's staging area, slot of source p, in chunks of
-// chunk_rows rows; after chunk k, a stream write on a second stream (ordered after the chunk by an event)
-// stores (copy_seq << 20) | (k + 1) into copy_flag[p] of h's control words (the write is fenced).
+// home h != p, that block (its top-k weights first) into h's staging area, slot of source p, in chunks;
+// after each chunk, a stream write on a second stream (ordered after the chunk by an event) stores
+// (copy_seq << 32) | (rows of the block copied so far) into copy_flag[p] of h's control words (the write
+// is fenced).
 
 // Staging area of home h (a fixed region of h's output pool, mapped into every rank): the row slots of
 // the sources in rank order (h itself has none), then, at weights_offset, their weights slots in the same
@@ -19,7 +20,7 @@
 // move through the tokens in order together, so tokens whose rows arrived first are summed first and every
 // warp helps with the last chunk; each warp's next token is known ahead, so its send_head row is loaded one
 // token early. For token t, lane r < R reads send_head[t][r] (its row among those rank r received from this
-// rank, -1 if none) and, for a peer, waits until copy_flag[r] covers that row's chunk. Rows: this rank's
+// rank, -1 if none) and, for a peer, waits until copy_flag[r] counts that row as copied. Rows: this rank's
 // from x, peers' from their staging slots; sums as in the ring mode (combine_sum.cuh); the top-k weights are
 // loaded before the row's sum and added after it, so their latency hides behind it.
 //
@@ -35,7 +36,7 @@ namespace deepep_cupy::intranode {
 
 using namespace ::deepep_intranode;
 
-constexpr int kCopyChunkBits = 20;
+constexpr int kCopyRowBits = 32;
 
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
@@ -44,7 +45,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
              const int* __restrict__ send_head, int num_tokens, int hidden_int4, int4* __restrict__ combined_x,
              float* __restrict__ combined_topk_weights, const long long* __restrict__ bases,
              const uint8_t* __restrict__ staging, long long weights_offset, unsigned long long copy_seq,
-             int chunk_rows, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+             deepep::ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int lane = threadIdx.x % 32;
     uint8_t* my_base = rank_base(bases, rank);
@@ -81,8 +82,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
         const int next = t + num_warps;
         next_pos = lane < R && next < num_tokens ? send_head[static_cast<long long>(next) * R + lane] : -1;
         if (my_flag != nullptr && pos >= 0) {
-            const uint64_t want = (static_cast<uint64_t>(copy_seq) << kCopyChunkBits) |
-                                  static_cast<uint64_t>(pos / chunk_rows + 1);
+            const uint64_t want = (static_cast<uint64_t>(copy_seq) << kCopyRowBits) | static_cast<uint64_t>(pos + 1);
             uint64_t start = 0;
             for (unsigned int spin = 1; seen < want; ++spin) {
                 seen = deepep::ld_acquire_sys(my_flag);
@@ -110,7 +110,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
             weights[r] = (r == rank ? topk_weights : staging_weights) + row * num_topk;
             if (with_weights && lane < num_topk) w[r] = r == rank ? weights[r][lane] : ld_cg_f32(weights[r] + lane);
         }
-        sum_token<R, kUnroll>(rows, rank, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
+        sum_token<R, kUnroll, true>(rows, rank, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
                               combined_x, lane);
         if (with_weights) {
             float* out = combined_topk_weights + static_cast<long long>(t) * num_topk;

@@ -46,9 +46,16 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
+template <bool kStaged>
+__device__ __forceinline__ int4 peer_load(const int4* p) {
+    if constexpr (kStaged) return deepep::ld_na_v4(p);
+    return ld_cg_v4(p);
+}
+
 // Row of token t: rows[r] is rank r's row (nullptr: rank r did not get the token); this rank's own row is
-// read through the non-coherent path (the caller's input), peers' rows from L2 (peers or copies wrote them).
-template <int R, int kUnroll>
+// read through the non-coherent path (the caller's input), peers' rows from L2 (peers or copies wrote them;
+// kStaged: rows the copy engines wrote before a flag the caller acquired, read with 256-byte L2 requests).
+template <int R, int kUnroll, bool kStaged = false>
 __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self_rank, const int4* __restrict__ bias_0,
                                           const int4* __restrict__ bias_1, long long out_row, int hidden_int4,
                                           int4* __restrict__ combined_x, int lane) {
@@ -66,7 +73,7 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = base + u * 32 + lane;
                     if (j < hidden_int4)
-                        v[r][u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
+                        v[r][u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
                 }
             }
 #pragma unroll
@@ -116,7 +123,7 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = base + u * 32 + lane;
                     if (j < hidden_int4)
-                        v[u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : ld_cg_v4(rows[r] + j);
+                        v[u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
                 }
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {

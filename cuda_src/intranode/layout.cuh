@@ -14,8 +14,8 @@
 //       done_count         blocks of the running kernel that have finished (local only, back to 0 at the end).
 //       dest[R]            8 words each: dest[s] = where rank s's outputs of its running direct dispatch are
 //                          (s writes it into every rank's buffer when that kernel begins; dispatch_direct.cuh).
-//       copy_flag[R]       combine copy mode: copy_flag[s] = (copy sequence << 20) | chunks of rows rank s has
-//                          copied into this rank's staging area (written by s's copy stream; combine_copy.cu).
+//       copy_flag[R]       combine copy mode: copy_flag[s] = (copy sequence << 32) | rows rank s has copied
+//                          into this rank's staging area so far (written by s's copy streams; combine_copy.cu).
 //       copy_done[R]       combine copy mode: copy_done[s] = sequence number of the latest combine kernel in
 //                          which rank s has read all the rows this rank copied to it.
 //   [ring_offset, ...)     per call: C * R rings, ring (c, s) holds what rank s sends to this rank in

@@ -3,8 +3,8 @@
 The rows a rank received from home ``h`` in the dispatch are one contiguous block of the combine's input,
 so instead of pushing them row by row from the SMs (the ring mode), a side stream copies each block into
 ``h``'s staging area (a fixed region at the end of ``h``'s output pool, mapped into every rank) in chunks
-of ``chunk_rows`` rows, and after each chunk a second side stream stores a flag into ``h``'s control
-words. The kernel (``cuda_src/intranode/combine_copy.cu``) runs at the same time on the communication
+(:func:`chunk_sizes`), and after each chunk a second side stream stores into ``h``'s control words how
+many of the block's rows have landed. The kernel (``cuda_src/intranode/combine_copy.cu``) runs at the same time on the communication
 stream and sums each token as soon as the chunks holding its rows have landed.
 
 Every rank must know every block's size on the host to issue the copies, which the dispatch that made the
@@ -25,9 +25,9 @@ from ..plan_cache import OpHandle
 from . import intranode_layout as L
 from .kernel_names import intranode_combine_copy
 
-__all__ = ["IntranodeHandle", "home_counts", "staging_layout", "copy_schedule", "CopyCombine", "combine_copy_spec"]
+__all__ = ["IntranodeHandle", "chunk_sizes", "home_counts", "staging_layout", "copy_schedule", "CopyCombine", "combine_copy_spec"]
 
-CHUNK_BITS = 20  # kCopyChunkBits of combine_copy.cu: flag = (copy sequence << CHUNK_BITS) | chunks done
+ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 DEFAULT_CHUNK_ROWS = 512
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
@@ -70,10 +70,24 @@ def staging_layout(cnt, home: int, hidden_bytes: int, num_topk: int) -> tuple[li
     return first, weights_offset, weights_offset + rows * num_topk * 4
 
 
+def chunk_sizes(n: int, chunk_rows: int) -> list[int]:
+    """Rows per copy of an ``n``-row block: ``chunk_rows`` each, tapered to a quarter and a half of it at both
+    ends. Each copy costs a few microseconds of its own, so chunks are large in the middle; small first
+    chunks let the sums start early and small last ones leave little to sum after the last lands."""
+    if n <= 0:
+        return []
+    q, h = max(1, chunk_rows // 4), max(1, chunk_rows // 2)
+    if n <= 2 * (q + h):
+        return [min(q, n - k) for k in range(0, n, q)]
+    middle = n - 2 * (q + h)
+    return [q, h] + [chunk_rows] * (middle // chunk_rows) + ([middle % chunk_rows] if middle % chunk_rows else []) + [h, q]
+
+
 def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
-    row of x, rows, chunk index)]`` with ``kind`` "w" (the block's top-k weights, all at once, first) or "x"
-    (a chunk of rows, followed by its flag); chunks go round-robin over the homes so that all progress."""
+    row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
+    weights, all at once, first) or "x" (a chunk of rows, followed by its flag); chunks go round-robin over
+    the homes so that all progress."""
     R = len(cnt)
     homes = [(me + i) % R for i in range(1, R)]
     out, chunks = [], {}
@@ -82,30 +96,24 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
         src = sum(cnt[q][me] for q in range(h))  # rows me received from ranks before h
         n = cnt[h][me]
         if n and num_topk:
-            out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, -1))
-        chunks[h] = [(h, "x", (first[me] + k) * hidden_bytes, src + k, min(chunk_rows, n - k), k // chunk_rows)
-                     for k in range(0, n, chunk_rows)]
+            out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, 0))
+        chunks[h], done = [], 0
+        for size in chunk_sizes(n, chunk_rows):
+            chunks[h].append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
+            done += size
     for k in range(max((len(c) for c in chunks.values()), default=0)):
         out += [chunks[h][k] for h in homes if k < len(chunks[h])]
     return out
 
 
-def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int, chunk_rows: int) -> bool:
-    """True when every home's staging area holds what it receives and no block has more chunks than
-    the flag counts."""
-    R = len(cnt)
-    limit = (1 << CHUNK_BITS) - 1
-    for h in range(R):
-        if staging_layout(cnt, h, hidden_bytes, num_topk)[2] > staging_bytes:
-            return False
-        if any((cnt[h][q] + chunk_rows - 1) // chunk_rows > limit for q in range(R)):
-            return False
-    return True
+def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int) -> bool:
+    """True when every home's staging area holds what it receives."""
+    return all(staging_layout(cnt, h, hidden_bytes, num_topk)[2] <= staging_bytes for h in range(len(cnt)))
 
 
 def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
                       hidden_int4, combined_x, combined_topk_weights, bases, staging, weights_offset, copy_seq,
-                      chunk_rows, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
+                      err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
     """Arguments of combine_copy, in order, with their parameter names (integers: pointers)."""
     return [
         ("x", x), ("topk_weights", topk_weights), ("num_topk", np.int32(num_topk)), ("bias_0", bias_0),
@@ -113,7 +121,7 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
         ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)), ("combined_x", combined_x),
         ("combined_topk_weights", combined_topk_weights), ("bases", bases), ("staging", staging),
         ("weights_offset", np.int64(weights_offset)), ("copy_seq", np.uint64(copy_seq)),
-        ("chunk_rows", np.int32(chunk_rows)), ("err", np.uint64(err_ptr)),
+        ("err", np.uint64(err_ptr)),
         ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
     ]
 
@@ -143,8 +151,7 @@ class CopyCombine:
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
-            chunk_rows=self.chunk_rows, err_ptr=engine.errors.ptr,
-            timeout_ns=engine.timeout_ns, rank=me)
+            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
         self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
@@ -168,7 +175,7 @@ class CopyCombine:
         cnt = home_counts(counts)
         me = self.engine.rank
         prepared = None
-        if fits(cnt, self.hidden_bytes, self.num_topk, self.staging_bytes, self.chunk_rows):
+        if fits(cnt, self.hidden_bytes, self.num_topk, self.staging_bytes):
             prepared = (copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows),
                         staging_layout(cnt, me, self.hidden_bytes, self.num_topk)[1])
         self._counts, self._prepared = counts, prepared
@@ -193,7 +200,7 @@ class CopyCombine:
         record, wait, flag_handle = rt.eventRecord, rt.streamWaitEvent, self._flag_handle
         # The flags go on a second stream, each after an event that follows its chunk: a flag write on the
         # copy stream itself would hold the next copy until the write is done (~3 us per chunk).
-        for i, (home, kind, dst, src, n, k) in enumerate(schedule):
+        for i, (home, kind, dst, src, n, done) in enumerate(schedule):
             if kind == "w":
                 if wp:
                     copy(staging[home] + dst, wp + src * wb, n * wb, _MEMCPY_DEFAULT, side)
@@ -201,7 +208,7 @@ class CopyCombine:
             copy(staging[home] + dst, xp + src * hb, n * hb, _MEMCPY_DEFAULT, side)
             record(events[3 + i], side)
             wait(flag_side, events[3 + i], 0)
-            err, = write(flag_handle, flags[home], (seq << CHUNK_BITS) | (k + 1), 0)
+            err, = write(flag_handle, flags[home], (seq << ROW_BITS) | done, 0)
             if int(err):
                 raise RuntimeError(f"combine (copy mode): cuStreamWriteValue64 failed with {err!r}")
         s_x, s_w, s_b0, s_b1, s_rank, s_head, s_out, s_out_w, s_woff, s_seq = self.slots

@@ -26,17 +26,16 @@ def _model_copy_combine(ys, ws, handles, chunk_rows):
     for p in range(R):
         np.testing.assert_array_equal(handles[p][0], counts)  # every rank has the same matrix
         last = {}
-        for h, kind, dst, src, n, k in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows):
+        for h, kind, dst, src, n, done in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows):
             data = (ys[p] if kind == "x" else ws[p])[src:src + n].tobytes()
             assert dst + len(data) <= used[h] and src + n <= ys[p].shape[0]
             staging[h][dst:dst + len(data)] = np.frombuffer(data, np.uint8)
             if kind == "x":
-                assert k == last.get(h, -1) + 1  # chunks of one home in order
-                last[h] = k
-                flags[h][p] = k + 1
+                assert n > 0 and done == last.get(h, 0) + n  # chunks of one home in order, none empty
+                last[h] = done
+                flags[h][p] = done
         for h in range(R):
-            want = -(-cnt[h][p] // chunk_rows) if h != p else 0
-            assert flags[h][p] == want
+            assert flags[h][p] == (cnt[h][p] if h != p else 0)
     outs, out_ws = [], []
     for me in range(R):
         rpm, send_head = handles[me][0], handles[me][5]
@@ -56,7 +55,7 @@ def _model_copy_combine(ys, ws, handles, chunk_rows):
                     out[t] += ys[me][self_base + pos]
                     out_w[t] += ws[me][self_base + pos]
                 else:
-                    assert pos // chunk_rows < flags[me][r]
+                    assert pos < flags[me][r]
                     out[t] += rows[first[r] + pos]
                     out_w[t] += wrows[first[r] + pos]
         outs.append(out)
@@ -93,16 +92,28 @@ def test_staging_layout_and_fit():
     assert first == [0, 0, 7] and weights_offset == 256 and used == 256 + 7 * 8
     first, weights_offset, used = CC.staging_layout(cnt, 1, 32, 0)
     assert first == [0, 0, 4] and used == weights_offset == 256
-    assert CC.fits(cnt, 32, 2, 320, 4)  # home 1: 8 rows of 32 bytes, then 8 x 2 weights
-    assert not CC.fits(cnt, 32, 2, 319, 4)
+    assert CC.fits(cnt, 32, 2, 320)  # home 1: 8 rows of 32 bytes, then 8 x 2 weights
+    assert not CC.fits(cnt, 32, 2, 319)
     # Rank 2's copies: home 0 gets nothing (rank 2 received no row from it), home 1 four rows (x rows 0-3,
     # after home 1's rows from rank 0 in its staging area); weights first.
-    sched = CC.copy_schedule(cnt, 2, 32, 2, 2)
-    assert sched == [(1, "w", 256 + 4 * 8, 0, 4, -1), (1, "x", 4 * 32, 0, 2, 0), (1, "x", 6 * 32, 2, 2, 1)]
+    sched = CC.copy_schedule(cnt, 2, 32, 2, 8)  # chunks of 2 and 2 (a quarter of 8)
+    assert sched == [(1, "w", 256 + 4 * 8, 0, 4, 0), (1, "x", 4 * 32, 0, 2, 2), (1, "x", 6 * 32, 2, 2, 4)]
     # Round robin over the homes: rank 1 sends 3 rows to home 2 and 7 to home 0 (x rows 0-6, then 7-9).
-    sched = CC.copy_schedule(cnt, 1, 32, 0, 2)
-    assert [(h, k) for h, kind, _, _, _, k in sched] == [(2, 0), (0, 0), (2, 1), (0, 1), (0, 2), (0, 3)]
+    sched = CC.copy_schedule(cnt, 1, 32, 0, 8)
+    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 2), (0, 2), (2, 3), (0, 4), (0, 6), (0, 7)]
     assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 9, 2, 4, 6]
+
+
+def test_chunk_sizes_taper_at_both_ends():
+    assert CC.chunk_sizes(0, 512) == []
+    assert CC.chunk_sizes(4078, 512) == [128, 256] + [512] * 6 + [238, 256, 128]
+    assert CC.chunk_sizes(4078, 1024) == [256, 512, 1024, 1024, 494, 512, 256]
+    assert CC.chunk_sizes(700, 512) == [128] * 5 + [60]
+    assert CC.chunk_sizes(5, 1) == [1] * 5
+    for n in range(0, 3000, 37):
+        for c in (1, 3, 64, 512):
+            sizes = CC.chunk_sizes(n, c)
+            assert sum(sizes) == n and all(s > 0 for s in sizes)
 
 
 def test_handle_keeps_counts_and_is_a_tuple():
@@ -118,7 +129,7 @@ def test_combine_copy_args_match_kernel_signature():
     packed = CC.combine_copy_args(
         x=1, topk_weights=2, num_topk=8, bias_0=0, bias_1=0, rank_prefix_matrix=3, send_head=4, num_tokens=4096,
         hidden_int4=896, combined_x=5, combined_topk_weights=6, bases=7, staging=8, weights_offset=1 << 33,
-        copy_seq=1 << 40, chunk_rows=512, err_ptr=10, timeout_ns=1, rank=1)
+        copy_seq=1 << 40, err_ptr=10, timeout_ns=1, rank=1)
     assert [n for _, n in params] == [n for n, _ in packed]
     kinds = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
     for (ctype, name), (_, value) in zip(params, packed, strict=True):
