@@ -72,13 +72,16 @@ def staging_layout(cnt, home: int, hidden_bytes: int, num_topk: int) -> tuple[li
 
 def chunk_sizes(n: int, chunk_rows: int) -> list[int]:
     """Rows per copy of an ``n``-row block: ``chunk_rows`` each, tapered to a quarter and a half of it at both
-    ends. Each copy costs a few microseconds of its own, so chunks are large in the middle; small first
-    chunks let the sums start early and small last ones leave little to sum after the last lands."""
+    ends (a block of at most ``chunk_rows`` rows is one copy, one of at most 1.5 ``chunk_rows`` two). Each copy
+    costs a few microseconds of its own, so chunks are large in the middle; small first chunks let the sums
+    start early and small last ones leave little to sum after the last lands."""
     if n <= 0:
         return []
     q, h = max(1, chunk_rows // 4), max(1, chunk_rows // 2)
+    if n <= chunk_rows:
+        return [n]
     if n <= 2 * (q + h):
-        return [min(q, n - k) for k in range(0, n, q)]
+        return [n // 2, n - n // 2]
     middle = n - 2 * (q + h)
     return [q, h] + [chunk_rows] * (middle // chunk_rows) + ([middle % chunk_rows] if middle % chunk_rows else []) + [h, q]
 

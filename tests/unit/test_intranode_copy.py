@@ -96,19 +96,21 @@ def test_staging_layout_and_fit():
     assert not CC.fits(cnt, 32, 2, 319)
     # Rank 2's copies: home 0 gets nothing (rank 2 received no row from it), home 1 four rows (x rows 0-3,
     # after home 1's rows from rank 0 in its staging area); weights first.
-    sched = CC.copy_schedule(cnt, 2, 32, 2, 8)  # chunks of 2 and 2 (a quarter of 8)
+    sched = CC.copy_schedule(cnt, 2, 32, 2, 2)  # 4 rows in chunks of 2
     assert sched == [(1, "w", 256 + 4 * 8, 0, 4, 0), (1, "x", 4 * 32, 0, 2, 2), (1, "x", 6 * 32, 2, 2, 4)]
-    # Round robin over the homes: rank 1 sends 3 rows to home 2 and 7 to home 0 (x rows 0-6, then 7-9).
-    sched = CC.copy_schedule(cnt, 1, 32, 0, 8)
-    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 2), (0, 2), (2, 3), (0, 4), (0, 6), (0, 7)]
-    assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 9, 2, 4, 6]
+    # Round robin over the homes: rank 1 sends 3 rows to home 2 (x rows 7-9, chunks 1 + 2) and 7 to home 0
+    # (x rows 0-6, chunks 1, 1, 2, 1, 1, 1).
+    sched = CC.copy_schedule(cnt, 1, 32, 0, 2)
+    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 1), (0, 1), (2, 3), (0, 2), (0, 4), (0, 5), (0, 6),
+                                                               (0, 7)]
+    assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 8, 1, 2, 4, 5, 6]
 
 
 def test_chunk_sizes_taper_at_both_ends():
     assert CC.chunk_sizes(0, 512) == []
     assert CC.chunk_sizes(4078, 512) == [128, 256] + [512] * 6 + [238, 256, 128]
     assert CC.chunk_sizes(4078, 1024) == [256, 512, 1024, 1024, 494, 512, 256]
-    assert CC.chunk_sizes(700, 512) == [128] * 5 + [60]
+    assert CC.chunk_sizes(700, 512) == [350, 350] and CC.chunk_sizes(512, 512) == [512]
     assert CC.chunk_sizes(5, 1) == [1] * 5
     for n in range(0, 3000, 37):
         for c in (1, 3, 64, 512):
