@@ -28,7 +28,9 @@ from .kernel_names import intranode_combine_copy
 __all__ = ["IntranodeHandle", "chunk_sizes", "home_counts", "staging_layout", "copy_schedule", "CopyCombine", "combine_copy_spec"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
-DEFAULT_CHUNK_ROWS = 512
+# 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
+# 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call).
+DEFAULT_CHUNK_ROWS = 1024
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
 _DISABLE_TIMING = 0x2
