@@ -170,8 +170,6 @@ __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
 }
 
 
-// L2-only loads (`ld.global.cg`) for data that peers write while the kernel runs: a copy cached in L1
-// from an earlier use of the same address must never be returned.
 // Coherent 16-byte load that skips L1 and asks L2 for the whole 256-byte block around it (rows another
 // agent wrote before a flag the caller has acquired, read once).
 __device__ __forceinline__ int4 ld_na_v4(const int4* p) {
@@ -182,6 +180,8 @@ __device__ __forceinline__ int4 ld_na_v4(const int4* p) {
     return v;
 }
 
+// L2-only loads (`ld.global.cg`) for data that peers write while the kernel runs: a copy cached in L1
+// from an earlier use of the same address must never be returned.
 __device__ __forceinline__ int4 ld_cg_v4(const void* p) {
     int4 v;
     asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"

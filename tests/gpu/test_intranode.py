@@ -354,68 +354,63 @@ def test_cuda_graph_worst_tokens(env, monkeypatch):
     buf.runtime.intranode.check_errors()
 
 
-def test_timeout_reports_and_recovers(env):
-    """Rank 1 skips a dispatch: rank 0 raises DeepEPTimeoutError within the budget; a new Buffer works."""
-    import time
-
-    from deepep_cupy.errors import DeepEPTimeoutError
-
-    fw = frameworks()[0]
-    buf = env["buf"]
-    me = env["rank"]
-    rng = np.random.default_rng([31, me])
+def _small_call(env, seed):
+    """A small dispatch's inputs on this rank: ``(fw, buf, rank, rng, n, hidden, experts, k, x, layout kwargs)``."""
+    fw, buf, me = frameworks()[0], env["buf"], env["rank"]
+    rng = np.random.default_rng([seed, me])
     n, hidden, experts, k = 64, 2048, 16, 2
     topk, weights = routing(rng, n, experts, k, me, env["size"])
     x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_dev, topk_weights=w_dev)
+    return fw, buf, me, rng, n, hidden, experts, k, x, layout
+
+
+def _times_out_then_recovers(env, small, call, what, **round_kw):
+    """Every rank but 1 runs ``call()``: it must raise DeepEPTimeoutError within the budget, naming ``what``,
+    the rank and peer 1. Then a new Buffer works."""
+    import time
+
+    from deepep_cupy.errors import DeepEPTimeoutError
+
+    fw, buf, me, rng, n, hidden, experts, k, _, _ = small
     buf.runtime.intranode.timeout_s = 2.0
     COMM.Barrier()
     if me != 1:
         t0 = time.time()
         with pytest.raises(DeepEPTimeoutError) as info:
-            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                         topk_idx=topk_dev, topk_weights=w_dev, config=_cfg(env))
+            call()
         assert time.time() - t0 < 60
         text = str(info.value)
-        assert "dispatch" in text and f"rank {me}" in text and "peer 1" in text, text
+        assert what in text and f"rank {me}" in text and "peer 1" in text, text
     COMM.Barrier()
     buf.destroy()
-    env["buf"] = buf = _new_buffer(env["deepep_cupy"])
-    _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k)
+    env["buf"] = _new_buffer(env["deepep_cupy"])
+    _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, **round_kw)
+
+
+def test_timeout_reports_and_recovers(env):
+    """Rank 1 skips a dispatch: rank 0 raises DeepEPTimeoutError within the budget; a new Buffer works."""
+    small = _small_call(env, 31)
+    buf, x, layout = small[1], small[8], small[9]
+    _times_out_then_recovers(env, small, lambda: buf.dispatch(x, **layout, config=_cfg(env)), "dispatch")
 
 
 def test_copy_combine_timeout_reports_and_recovers(env):
     """Rank 1 skips a copy-mode combine: rank 0's kernel gives up waiting for rank 1's copies and the error
     names the op, rank 0 and peer 1; a new Buffer works."""
-    import time
-
-    from deepep_cupy.errors import DeepEPTimeoutError
-
-    fw = frameworks()[0]
-    buf = env["buf"]
-    me = env["rank"]
-    rng = np.random.default_rng([32, me])
-    n, hidden, experts, k = 64, 2048, 16, 2
-    topk, weights = routing(rng, n, experts, k, me, env["size"])
-    x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
-    recv, _, recv_w, _, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_dev, topk_weights=w_dev, config=_cfg(env))
+    small = _small_call(env, 32)
+    buf, x, layout = small[1], small[8], small[9]
+    recv, _, recv_w, _, handle, _ = buf.dispatch(x, **layout, config=_cfg(env))
     engine = buf.runtime.intranode
-    engine.timeout_s = 2.0
-    COMM.Barrier()
-    if me != 1:
-        t0 = time.time()
+
+    def combine():
         copies = engine.copy_seq
-        with pytest.raises(DeepEPTimeoutError) as info:
+        try:
             buf.combine(recv, handle, topk_weights=recv_w, config=_cfg(env))
             engine.check_errors()
-        assert engine.copy_seq == copies + 1, "the combine did not take the copy mode"
-        assert time.time() - t0 < 60
-        text = str(info.value)
-        assert "combine (copy mode" in text and f"rank {me}" in text and "peer 1" in text, text
-    COMM.Barrier()
-    buf.destroy()
-    env["buf"] = buf = _new_buffer(env["deepep_cupy"])
-    _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=True)
+        finally:
+            assert engine.copy_seq == copies + 1, "the combine did not take the copy mode"
+
+    _times_out_then_recovers(env, small, combine, "combine (copy mode", in_pool=True)
