@@ -11,7 +11,7 @@
 // after each chunk, a stream write on a second stream (ordered after the chunk by an event) stores
 // (copy_seq << 32) | (rows of the block copied so far) into copy_flag[p] of h's control words (the write
 // is fenced).
-
+//
 // Staging area of home h (a fixed region of h's output pool, mapped into every rank): the row slots of
 // the sources in rank order (h itself has none), then, at weights_offset, their weights slots in the same
 // order. Source q's slot starts after the rows h sent to every source q' < q, q' != h.

@@ -32,7 +32,7 @@ from ..runtime.kernel_errors import timeout_seconds
 from . import intranode_layout as L
 from . import kernel_names
 from .engine_health import EngineHealth
-from .intranode_copy import DEFAULT_CHUNK_ROWS
+from .intranode_copy import DEFAULT_CHUNK_ROWS, stream_writes_supported
 
 __all__ = [
     "IntranodeEngine",
@@ -286,18 +286,6 @@ def required_bytes(layout: L.BufferLayout, notify_end: int = 0, *, dispatch: boo
     return max(end, notify_end)
 
 
-def _stream_writes_supported(device_id: int) -> bool:
-    """Whether the device runs 64-bit stream memory writes (the copy mode's flags)."""
-    try:
-        from cuda.bindings import driver
-
-        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-        err, value = driver.cuDeviceGetAttribute(attr, device_id)
-        return int(err) == 0 and bool(value)
-    except Exception:  # noqa: BLE001 - no driver: the copy mode is off
-        return False
-
-
 # ---------------------------------------------------------------------------------------------------- engine
 class IntranodeEngine(EngineHealth):
     """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
@@ -397,7 +385,7 @@ class IntranodeEngine(EngineHealth):
                 # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
                 # means none anywhere).
                 pool_bytes = default_pool_bytes(self.num_ranks) if num_output_bytes is None else int(num_output_bytes)
-                mine = (pool_bytes, _stream_writes_supported(self.device_id))
+                mine = (pool_bytes, stream_writes_supported(self.device_id))
                 every = group.allgather_object(mine) if self.num_ranks > 1 else [(0, False)]
                 pool_bytes = min(int(v[0]) for v in every)
                 self.copy_supported = all(v[1] for v in every)

@@ -25,7 +25,7 @@ from ..plan_cache import OpHandle
 from . import intranode_layout as L
 from .kernel_names import intranode_combine_copy
 
-__all__ = ["IntranodeHandle", "chunk_sizes", "home_counts", "staging_layout", "copy_schedule", "CopyCombine", "combine_copy_spec"]
+__all__ = ["IntranodeHandle", "chunk_sizes", "home_counts", "stream_writes_supported", "staging_layout", "copy_schedule", "CopyCombine", "combine_copy_spec"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
@@ -50,6 +50,18 @@ class IntranodeHandle(OpHandle):
 def combine_copy_spec(num_ranks: int, warps: int, unroll: int) -> BuildSpec:
     return BuildSpec.make("intranode/combine_copy.cu",
                           name_expressions=[intranode_combine_copy(num_ranks, warps, unroll)])
+
+
+def stream_writes_supported(device_id: int) -> bool:
+    """Whether the device runs 64-bit stream memory writes (the copy mode's flags)."""
+    try:
+        from cuda.bindings import driver
+
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+        err, value = driver.cuDeviceGetAttribute(attr, device_id)
+        return int(err) == 0 and bool(value)
+    except Exception:  # noqa: BLE001 - no driver: the copy mode is off
+        return False
 
 
 def home_counts(rank_prefix) -> list[list[int]]:
