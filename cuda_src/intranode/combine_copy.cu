@@ -131,25 +131,17 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
         t = next;
     }
 
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned int old = atomicAdd(ctrl.done_count(), 1u);
-        if (old + 1 == gridDim.x) {
-            // Every block has read its rows: tell the peers, then wait until they have read theirs.
-            for (int r = 0; r < R; ++r)
-                if (r != rank) deepep::st_release_sys(ctrl_of(rank_base(bases, r), R).copy_done(rank), seq);
-            for (int r = 0; r < R; ++r) {
-                if (r == rank) continue;
-                if (!thread_wait(ctrl.copy_done(r), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineCopyDone,
-                                 r, __LINE__))
-                    break;
-            }
-            *ctrl.done_count() = 0;
-            *reinterpret_cast<volatile unsigned long long*>(ctrl.local_seq()) = static_cast<unsigned long long>(seq);
-            __threadfence();
+    // Every block has read its rows: the last one tells the peers, then waits until they have read theirs.
+    end_kernel(ctrl, seq, nullptr, 0, [&] {
+        for (int r = 0; r < R; ++r)
+            if (r != rank) deepep::st_release_sys(ctrl_of(rank_base(bases, r), R).copy_done(rank), seq);
+        for (int r = 0; r < R; ++r) {
+            if (r == rank) continue;
+            if (!thread_wait(ctrl.copy_done(r), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineCopyDone, r,
+                             __LINE__))
+                break;
         }
-    }
+    });
 }
 
 }  // namespace deepep_cupy::intranode

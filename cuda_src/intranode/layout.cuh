@@ -109,12 +109,16 @@ __device__ __forceinline__ uint64_t begin_kernel(const Ctrl& ctrl) {
 }
 
 // `counters` (n ints, optional): per-kernel work counters, back to 0 for the next kernel once every block is done.
-__device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq, int* counters = nullptr, int n = 0) {
+// `on_last` runs on thread 0 of the last block to finish, before the kernel's sequence number is published
+// (a kernel that must hear from its peers before it ends waits there).
+template <typename OnLast>
+__device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq, int* counters, int n, OnLast on_last) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         const unsigned int old = atomicAdd(ctrl.done_count(), 1u);
         if (old + 1 == gridDim.x) {
+            on_last();
             // Every block has read local_seq already (they all passed begin_kernel before counting).
             *ctrl.done_count() = 0;
             for (int i = 0; i < n; ++i) counters[i] = 0;
@@ -122,6 +126,10 @@ __device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq, int* 
             __threadfence();
         }
     }
+}
+
+__device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq, int* counters = nullptr, int n = 0) {
+    end_kernel(ctrl, seq, counters, n, [] {});
 }
 
 // Tell every rank (self included) that this rank has started the kernel with sequence number seq.

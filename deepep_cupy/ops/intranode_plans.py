@@ -74,8 +74,12 @@ def _scale_strides(x_scales, num_tokens: int) -> tuple[int, int, int]:
 
 class _Plan:
     def __init__(self, engine, frame, comm_stream: int, async_finish: bool) -> None:
+        import cupy
+
         self.engine, self.frame = engine, frame
         self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
+        # 0 while the stream is not being captured; bound once, as the direct and copy modes check every call.
+        self._capture_status = cupy.cuda.runtime.streamIsCapturing
 
     def _begin(self, previous_event) -> OpStreams:
         engine = self.engine
@@ -169,10 +173,6 @@ class DispatchPlan(_Plan):
         self.pool = engine.output_pool if engine.use_output_pool else None
         self.pool_bases = self.pool.bases.data.ptr if self.pool is not None else 0
         self._pool_layouts: dict = {}
-        if self.pool is not None:
-            import cupy
-
-            self._capture_status = cupy.cuda.runtime.streamIsCapturing  # 0: the stream is not being captured
 
         warps, unroll = int(engine.dispatch_warps), int(engine.dispatch_unroll)
         self_warps, recv_self_warps = engine._self_warps(warps)
@@ -369,11 +369,8 @@ class CombinePlan(_Plan):
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
         self.copy = None
         if engine.use_copy_combine and engine.copy_supported and engine.output_pool is not None and R > 1:
-            import cupy
-
             self.copy = CopyCombine(engine, hidden=hidden, num_tokens=self.num_tokens, num_topk=self.num_topk,
                                     num_channels=self.num_channels, comm_stream=comm_stream)
-            self._capture_status = cupy.cuda.runtime.streamIsCapturing  # 0: the stream is not being captured
 
     def _copy_mode(self, handle):
         """The copy mode's prepared schedule for this call, or None for the ring mode (see intranode_copy)."""

@@ -45,6 +45,15 @@ def _model_notify(all_in_rank, all_per_expert, C, alignment):
     return rpm, cpms, rcpms, metas
 
 
+def _channel_rows(rpm, rcpm, src, me, c, C):
+    """``(first row, count)`` of the rows rank ``me`` received from ``src`` in channel ``c`` (``rcpm``: me's
+    recv_channel_prefix_matrix): where the dispatch's receiver writes them and the combine's sender reads them."""
+    src_begin = rpm[src - 1, me] if src > 0 else 0
+    ch_begin = rcpm[src, c]
+    ch_end = rcpm[src, c + 1] if c + 1 < C else rpm[src, me] - src_begin
+    return src_begin + ch_begin, ch_end - ch_begin
+
+
 def _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, warps, self_warps, alignment):
     R = len(xs)
     rpm, cpms, rcpms, metas = _model_notify(in_ranks, per_experts, C, alignment)
@@ -89,16 +98,13 @@ def _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, warps, self_warps,
             for src in range(R):
                 if src == me:
                     continue
-                src_begin = rpm[src - 1, me] if src > 0 else 0
-                src_end = rpm[src, me]
-                ch_begin = rcpms[me][src, c]
-                ch_end = rcpms[me][src, c + 1] if c + 1 < C else src_end - src_begin
+                first, n = _channel_rows(rpm, rcpms[me], src, me, c, C)
                 ring = rings.get((me, c, src), {})
-                assert sorted(ring) == list(range(ch_end - ch_begin))
-                for idx in range(ch_end - ch_begin):
+                assert sorted(ring) == list(range(n))
+                for idx in range(n):
                     slot, data, t, topk = ring[idx]
                     assert slot == idx % cap
-                    row = src_begin + ch_begin + idx
+                    row = first + idx
                     outs[me]["x"][row] = data
                     outs[me]["src"][row] = t
                     outs[me]["topk"][row] = topk
@@ -116,12 +122,9 @@ def _model_combine(ys, handles, C):
             for dst in range(R):
                 if dst == me:
                     continue
-                dst_begin = rpm[dst - 1, me] if dst > 0 else 0
-                dst_end = rpm[dst, me]
-                ch_begin = rcpm[dst, c]
-                ch_end = rcpm[dst, c + 1] if c + 1 < C else dst_end - dst_begin
-                for idx in range(ch_end - ch_begin):
-                    rings[(dst, c, me, idx)] = ys[me][dst_begin + ch_begin + idx]
+                first, n = _channel_rows(rpm, rcpm, dst, me, c, C)
+                for idx in range(n):
+                    rings[(dst, c, me, idx)] = ys[me][first + idx]
     outs = []
     for me in range(R):  # receiver blocks
         rpm, cpm, rcpm, _, in_rank, send_head = handles[me]
