@@ -161,7 +161,7 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
     }
 }
 
-template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt, bool kPartials>
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt, bool kPartials, int kPhases>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     combine(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
             const int* __restrict__ src_info,         // [E_local, R*T]
@@ -197,6 +197,10 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     static_assert(kTopk >= 1 && kTopk <= 32, "the combine waits for one expert per lane: top-k <= 32");
     static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
     static_assert(kRowBytes <= kSlotBytes, "row must fit a slot");
+    static_assert(kPhases >= 1 && kPhases <= (kPhaseSend | kPhaseRecv), "kPhases: a mask of phases");
+    // Phases outside kPhases are compiled out: a hook's parts run kernels that hold only their own
+    // phase's code (kernel_names.LL_SEND, LL_RECV).
+    phases &= kPhases;
 
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_sent[kGroups];

@@ -32,7 +32,9 @@ using namespace deepep::ll;
 namespace deepep_cupy::low_latency {
 
 // Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.
-template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8>
+// kPhases: the phases compiled in (kernel_names.LL_*); kRankMsgsOnly: only the per-rank message format is
+// compiled in (a hook's receive part, where the host chose that format: less code to fetch per launch).
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8, int kPhases, bool kRankMsgsOnly>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     dispatch(const uint16_t* __restrict__ x,       // [N, H] bf16 bits
              const int64_t* __restrict__ topk_idx, // [N, K]
@@ -65,6 +67,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     static_assert(kHidden % 8 == 0, "hidden must be a multiple of 8");
     static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
     static_assert(kMsgBytes <= kSlotBytes, "message must fit a slot");
+    static_assert(kPhases >= 1 && kPhases <= (kPhaseSend | kPhaseRecv), "kPhases: a mask of phases");
+    phases &= kPhases;  // as in combine.cu: the other phase's code is compiled out
 
     __shared__ uint32_t s_chunks[kGroups][kMaxTokenChunks];
     __shared__ int s_mask[kMaxRanks];
@@ -88,7 +92,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     // against 74 us at 128 x 7168).
     // One message per (token, destination rank) when the host chose that format (rank_msgs: the same
     // decision on every rank; see dispatch_ranks.cuh).
-    const bool ranks = kTopk <= 32 && rank_msgs != 0;
+    static_assert(!kRankMsgsOnly || kTopk <= 32, "per-rank messages need top-k <= 32");
+    const bool ranks = kTopk <= 32 && (kRankMsgsOnly || rank_msgs != 0);
     uint32_t* rank_tags = reinterpret_cast<uint32_t*>(sym_arrivals);
     const bool fits = kFP8 && kTopk <= 32 && !force_rma && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
     constexpr int kIdsAhead = 2;

@@ -19,6 +19,9 @@ waited. :data:`VALUE_OP_ARGS` names the operation and the argument for each code
 from __future__ import annotations
 
 __all__ = [
+    "LL_BOTH",
+    "LL_RECV",
+    "LL_SEND",
     "RECORD_KIND_TIMEOUT",
     "RECORD_KIND_VALUE_ERROR",
     "VALUE_OP_ARGS",
@@ -70,9 +73,17 @@ def _ints(*values: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- low latency
-def ll_dispatch(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool) -> str:
-    """``deepep_cupy::low_latency::dispatch<H, K, W, G, fp8>`` (``cuda_src/low_latency/dispatch.cu``)."""
-    return f"deepep_cupy::low_latency::dispatch<{_ints(hidden, topk, warps, groups)}, {_flag(use_fp8)}>"
+#: ``kPhases`` of the low-latency kernels: both phases in one launch (no hook), or a hook's send part and
+#: its receive part, each compiled without the other phase's code.
+LL_BOTH, LL_SEND, LL_RECV = 3, 1, 2
+
+
+def ll_dispatch(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, phases: int = LL_BOTH,
+                rank_msgs_only: bool = False) -> str:
+    """``deepep_cupy::low_latency::dispatch<H, K, W, G, fp8, phases, rank_msgs_only>``
+    (``cuda_src/low_latency/dispatch.cu``)."""
+    return (f"deepep_cupy::low_latency::dispatch<{_ints(hidden, topk, warps, groups)}, {_flag(use_fp8)}, "
+            f"{_ints(phases)}, {_flag(rank_msgs_only)}>")
 
 
 def ll_stage(hidden: int, use_fp8: bool) -> str:
@@ -80,10 +91,12 @@ def ll_stage(hidden: int, use_fp8: bool) -> str:
     return f"deepep_cupy::low_latency::stage<{_ints(hidden)}, {_flag(use_fp8)}>"
 
 
-def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False) -> str:
-    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt, partials>`` (``cuda_src/low_latency/combine.cu``)."""
+def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False,
+               phases: int = LL_BOTH) -> str:
+    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt, partials, phases>``
+    (``cuda_src/low_latency/combine.cu``)."""
     return (f"deepep_cupy::low_latency::combine<{_ints(hidden, topk, warps, groups)}, {_flag(use_logfmt)}, "
-            f"{_flag(partials)}>")
+            f"{_flag(partials)}, {_ints(phases)}>")
 
 
 # ---------------------------------------------------------------------------------------- intranode

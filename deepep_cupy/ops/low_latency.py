@@ -50,7 +50,9 @@ __all__ = [
     "LowLatencyEngine",
     "OP_NAMES",
     "combine_spec",
+    "dispatch_kernel_names",
     "dispatch_spec",
+    "kernel_phases",
     "representative_builds",
     "timeout_ns",
     "warp_split",
@@ -90,20 +92,41 @@ stage_kernel_name = kernel_names.ll_stage
 combine_kernel_name = kernel_names.ll_combine
 
 
+def kernel_phases(hook: bool) -> tuple[int, ...]:
+    """The ``kPhases`` a plan launches: both phases at once, or with a receive hook the send part, then
+    the receive part, each a kernel holding only its own phase's code (fewer instructions to fetch in a
+    launch that only receives)."""
+    return (kernel_names.LL_SEND, kernel_names.LL_RECV) if hook else (kernel_names.LL_BOTH,)
+
+
+def dispatch_kernel_names(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, hook: bool = False,
+                          rank_msgs: bool = False) -> list[str]:
+    """The dispatch kernels a plan launches, in ``kernel_phases(hook)`` order; a hook's receive part holds
+    only the per-rank message path where the host chose that format (``rank_msgs``)."""
+    return [dispatch_kernel_name(hidden, topk, warps, groups, use_fp8, p,
+                                 rank_msgs and p == kernel_names.LL_RECV) for p in kernel_phases(hook)]
+
+
 @functools.cache
-def dispatch_spec(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool) -> BuildSpec:
-    """Dispatch kernel and its staging kernel for one shape (one module)."""
+def dispatch_spec(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, hook: bool = False,
+                  rank_msgs: bool = False) -> BuildSpec:
+    """Dispatch kernels (both phases, or a hook's two parts) and the staging kernel for one shape (one
+    module)."""
     return BuildSpec.make("low_latency/dispatch.cu",
-                          name_expressions=[dispatch_kernel_name(hidden, topk, warps, groups, use_fp8),
+                          name_expressions=[*dispatch_kernel_names(hidden, topk, warps, groups, use_fp8, hook,
+                                                                   rank_msgs),
                                             stage_kernel_name(hidden, use_fp8)],
                           nvshmem=True)
 
 
 @functools.cache
-def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False) -> BuildSpec:
-    """Combine kernel for one shape; ``partials``: the per-rank partial-sum path."""
+def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False,
+                 hook: bool = False) -> BuildSpec:
+    """Combine kernels for one shape (both phases, or a hook's two parts); ``partials``: the per-rank
+    partial-sum path."""
     return BuildSpec.make("low_latency/combine.cu",
-                          name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt, partials)],
+                          name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt, partials, p)
+                                            for p in kernel_phases(hook)],
                           nvshmem=True)
 
 
@@ -116,7 +139,10 @@ def representative_builds() -> list[BuildSpec]:
     w4, g4, _ = warp_split(1024, 132)
     return [
         dispatch_spec(7168, 8, w, g, True),
+        dispatch_spec(7168, 8, w, g, True, hook=True, rank_msgs=True),
         dispatch_spec(7168, 8, w, g, False),
+        combine_spec(7168, 8, w, g, False, True, hook=True),
+        combine_spec(7168, 8, w, g, True, True, hook=True),
         combine_spec(7168, 8, w, g, False),
         combine_spec(7168, 8, w, g, False, True),
         combine_spec(7168, 8, w, g, True),
@@ -290,23 +316,27 @@ class LowLatencyEngine:
         self._idx ^= 1
         return b
 
-    def kernels(self, op: str, hidden: int, topk: int, num_experts: int, flag: bool, partials: bool = False):
-        """``(warps, groups, blocks, kernel, stage kernel or None)`` of ``op`` for these sizes, looked up
+    def kernels(self, op: str, hidden: int, topk: int, num_experts: int, flag: bool, partials: bool = False,
+                hook: bool = False):
+        """``(warps, groups, blocks, kernels, stage kernel or None)`` of ``op`` for these sizes, looked up
         once per shape (``flag``: FP8 for the dispatch, LogFMT for the combine; ``partials``: the
-        combine's per-rank partial-sum path)."""
-        key = (op, hidden, topk, num_experts, flag, partials, self.num_sms)
+        combine's per-rank partial-sum path, or the dispatch's per-rank message format).
+        ``kernels``: one per entry of ``kernel_phases(hook)``."""
+        key = (op, hidden, topk, num_experts, flag, partials, hook, self.num_sms)
         found = self._kernel_cache.get(key)
         if found is None:
             warps, groups, blocks = warp_split(num_experts, self.num_sms)
             if op == "dispatch":
-                module = load(dispatch_spec(hidden, topk, warps, groups, flag))
-                kernel = module.get_function(dispatch_kernel_name(hidden, topk, warps, groups, flag))
+                module = load(dispatch_spec(hidden, topk, warps, groups, flag, hook, partials))
+                kernels = tuple(map(module.get_function,
+                                    dispatch_kernel_names(hidden, topk, warps, groups, flag, hook, partials)))
                 stage = module.get_function(stage_kernel_name(hidden, flag))
             else:
-                kernel = load(combine_spec(hidden, topk, warps, groups, flag, partials)).get_function(
-                    combine_kernel_name(hidden, topk, warps, groups, flag, partials))
+                module = load(combine_spec(hidden, topk, warps, groups, flag, partials, hook))
+                kernels = tuple(module.get_function(combine_kernel_name(hidden, topk, warps, groups, flag, partials, p))
+                                for p in kernel_phases(hook))
                 stage = None
-            found = self._kernel_cache[key] = (warps, groups, blocks, kernel, stage)
+            found = self._kernel_cache[key] = (warps, groups, blocks, kernels, stage)
         return found
 
     def _clean_all(self) -> None:

@@ -24,8 +24,9 @@ _BOTH = PHASE_SEND | PHASE_RECV
 
 class _Hook:
     """Launches the receive phase of one call once; later calls do nothing. The argument block of the
-    call's buffer half still holds the call's pointers: only the next call on the same half (which the
-    two-results rule forbids before the hook ran) would change them."""
+    call's buffer half (shared by the half's send and receive plans) still holds the call's pointers:
+    only the next call on the same half (which the two-results rule forbids before the hook ran) would
+    change them."""
 
     __slots__ = ("_plan", "_stream")
 
@@ -65,12 +66,21 @@ class _Plan:
         streams = OpStreams(self.comm_stream, compute, self.frame.framework, self.frame.device_id, None, True)
         return self.comm_stream, streams
 
-    def _launch(self, plan: LaunchPlan, phases, stream: int):
-        """Launch both phases, or with a receive hook only the send phase; return the hook or None."""
+    def _half_plan(self, kernels, blocks: int, threads: int, args: list, shared_mem: int = 0) -> LaunchPlan:
+        """Half plan(s) from the kernels of ``kernel_phases(self.hook)``: the launch plan, and with a hook
+        the receive part's plan over the same argument block (kept in ``self.recv_plans``)."""
+        plan = LaunchPlan(kernels[0], blocks, threads, args, shared_mem=shared_mem)
+        self.recv_plans.append(plan.with_kernel(kernels[1]) if self.hook else None)
+        return plan
+
+    def _launch(self, b: int, phases, stream: int):
+        """Launch half ``b``'s both phases, or with a receive hook only the send phase; return the hook
+        or None. (The kernels hold only their phases' code; the ``phases`` argument says the same.)"""
+        plan = self.plans[b]
         if self.hook:
             phases.value = PHASE_SEND
             plan.launch(stream)
-            return _Hook(plan, stream)
+            return _Hook(self.recv_plans[b], stream)
         phases.value = _BOTH
         plan.launch(stream)
         return None
@@ -110,10 +120,11 @@ class DispatchPlan(_Plan):
         self.slab = engine.num_ranks * t_max
         # Byte offset of this rank's row in a [R, R] wait-stats tensor (0 for a [R] one).
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
-        warps, groups, blocks, kernel, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8)
         # One message per (token, rank) where every rank is reached by stores and the tables fit
         # (dispatch_ranks.cuh); the same decision on every rank.
         self.rank_msgs = engine.rank_messages(layout, topk, self.use_fp8)
+        warps, groups, blocks, kernels, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8,
+                                                               self.rank_msgs, hook=self.hook)
         # The row map is written only where a combine of this shape sends partial sums (in either format):
         # elsewhere nothing reads it.
         self.row_map = engine.rank_partials(layout, topk, False) or engine.rank_partials(layout, topk, True)
@@ -121,7 +132,7 @@ class DispatchPlan(_Plan):
         # phase's units loop over the groups: one block per SM (all resident, as the waits need).
         if self.use_fp8 or self.rank_msgs:  # BF16 per-expert rows keep their own grid (dispatch.cu)
             blocks = max(blocks, engine.num_sms)
-        self.plans, self.stages = [], []
+        self.plans, self.recv_plans, self.stages = [], [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
             args = [("x", "ptr", None), ("topk_idx", "ptr", None), ("num_tokens", "i32", num_tokens),
@@ -138,7 +149,7 @@ class DispatchPlan(_Plan):
                     ("force_rma", "i32", int(engine.force_rma)), ("rank_msgs", "i32", int(self.rank_msgs)),
                     ("round_scale", "i32", int(round_scale)), ("use_ue8m0", "i32", int(self.use_ue8m0)), ("shrink", "i32", int(engine.enable_shrink)),
                     ("timeout_ns", "i64", timeout_ns()), ("err", "ptr", engine.errors.ptr)]
-            self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args))
+            self.plans.append(self._half_plan(kernels, blocks, warps * groups * 32, args))
             if engine.staged and not self.rank_msgs and num_tokens > 0:
                 stage_blocks = max(1, min(-(-num_tokens // (STAGE_THREADS // 32)), engine.num_sms))
                 self.stages.append(LaunchPlan(stage, stage_blocks, STAGE_THREADS, [
@@ -187,7 +198,7 @@ class DispatchPlan(_Plan):
             stage = self.stages[b]
             stage.slot("x").value = x_ptr
             stage.launch(stream)
-        hook = self._launch(self.plans[b], s_phases, stream)
+        hook = self._launch(b, s_phases, stream)
         handle = LowLatencyHandle((src_info, layout_range, self.t_max, hidden, self.num_experts))
         handle.row_map = row_map  # None: a combine of this shape does not read it
         keep = (x, topk_idx, recv, count, handle) if streams is not None else None
@@ -208,13 +219,13 @@ class CombinePlan(_Plan):
         # (combine_partials.cuh); the same decision on every rank, since an owner reads the format its
         # sources write.
         self.partials = engine.rank_partials(layout, topk, bool(use_logfmt))
-        warps, groups, blocks, kernel, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt),
-                                                          self.partials)
+        warps, groups, blocks, kernels, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt),
+                                                           self.partials, hook=self.hook)
         # Every phase loops over the grid's groups or warps, so the grid may cover all SMs (one block each,
         # all resident): the LogFMT encode is compute-bound and the reduction gains warps.
         blocks = max(blocks, engine.num_sms)
         shared = layout.partial_table_bytes(topk) if self.partials else 0
-        self.plans = []
+        self.plans, self.recv_plans = [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
             args = [("x", "ptr", r["send"] if zero_copy else None), ("src_info", "ptr", None),
@@ -229,7 +240,7 @@ class CombinePlan(_Plan):
                     ("zero_copy", "i32", int(zero_copy)), ("force_rma", "i32", int(engine.force_rma)),
                     ("shrink", "i32", int(engine.enable_shrink)), ("timeout_ns", "i64", timeout_ns()),
                     ("err", "ptr", engine.errors.ptr)]
-            self.plans.append(LaunchPlan(kernel, blocks, warps * groups * 32, args, shared_mem=shared))
+            self.plans.append(self._half_plan(kernels, blocks, warps * groups * 32, args, shared_mem=shared))
         names = ("x", "src_info", "layout_range", "row_map", "topk_idx", "topk_weights", "out",
                  "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
@@ -254,6 +265,6 @@ class CombinePlan(_Plan):
         s_out.value = ptr(out)
         s_wait.value = 0 if combine_wait_recv_cost_stats is None else \
             ptr(combine_wait_recv_cost_stats) + self.wait_offset
-        hook = self._launch(self.plans[b], s_phases, stream)
+        hook = self._launch(b, s_phases, stream)
         keep = (x, topk_idx, topk_weights, handle, out) if streams is not None else None
         return out, self._end(streams, keep), hook

@@ -75,6 +75,18 @@ class LaunchPlan:
         if self.shared_mem > 0 and self.shared_mem + _static_shared(self._fn) > _DEFAULT_SHARED_LIMIT:
             _allow_shared(self._fn, self.shared_mem, kernel)
 
+    def with_kernel(self, kernel) -> "LaunchPlan":
+        """A plan launching ``kernel`` (same parameter list) with this plan's shape and argument block:
+        a patch to either plan's slots is seen by both."""
+        other = object.__new__(LaunchPlan)
+        for name in LaunchPlan.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.kernel = kernel
+        other._fn = _function_address(kernel)
+        if other.shared_mem > 0 and other.shared_mem + _static_shared(other._fn) > _DEFAULT_SHARED_LIMIT:
+            _allow_shared(other._fn, other.shared_mem, kernel)
+        return other
+
     def slot(self, name: str):
         """The ctypes scalar behind argument ``name`` (set ``.value`` to patch it)."""
         return self._slots[name]

@@ -24,6 +24,14 @@ class _Kernel:
             ptr = 1
 
 
+class _RecvKernel:
+    name = "fake receive part"
+
+    class raw:  # noqa: N801
+        class kernel:  # noqa: N801
+            ptr = 2
+
+
 def _engine(staged: bool):
     layout = LowLatencyLayout(32, 2048, 2, 16)
     return types.SimpleNamespace(
@@ -31,7 +39,8 @@ def _engine(staged: bool):
         staged=staged, force_rma=False, enable_shrink=False, num_sms=132,
         state_ptrs=({"seq": 1, "base": 2, "ready": 3, "mask": 4},) * 2,
         region_addresses=lambda _: ({n: 100 + i for i, n in enumerate(REGIONS)},) * 2,
-        kernels=lambda *a: (4, 2, 8, _Kernel, _Kernel), use_layout=lambda _: None,
+        kernels=lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel) if k.get("hook") else (_Kernel,), _Kernel),
+        use_layout=lambda _: None,
         rank_messages=lambda *a: not staged, rank_partials=lambda *a: not staged), layout
 
 
@@ -70,12 +79,12 @@ def test_low_latency_dispatch_block_matches_the_kernel(staged):
 def test_low_latency_combine_block_matches_the_kernel(partials):
     engine, layout = _engine(not partials)
     asked = []
-    engine.kernels = lambda *a: asked.append(a) or (4, 2, 8, _Kernel, None)
+    engine.kernels = lambda *a, **k: asked.append((a, k)) or (4, 2, 8, (_Kernel, _RecvKernel), None)
     plan = lp.CombinePlan(engine, None, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
                           return_recv_hook=True, wait_stats_row=1, async_finish=False, comm_stream=0)
     assert plan.plans[1].names == _names(SRC / "low_latency" / "combine.cu", "combine")
     # The partial-sum path is its own kernel, with its row table in dynamic shared memory.
-    assert asked == [("combine", 2048, 4, 16, False, partials)]
+    assert asked == [(("combine", 2048, 4, 16, False, partials), {"hook": True})]
     assert plan.plans[1].shared_mem == (layout.partial_table_bytes(4) if partials else 0)
     assert plan.plans[1].value("x") == 100 + REGIONS.index("send")  # zero-copy sends from the send area
     assert plan.wait_offset == 8 * 2 * 1  # this rank's row of an [R, R] stats tensor
@@ -88,7 +97,7 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     from deepep_cupy.plan_cache import LowLatencyHandle, OpHandle
 
     engine, layout = _engine(not partials)
-    engine.kernels = lambda *a: (4, 2, 8, _Kernel, None)
+    engine.kernels = lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel), None)
     engine.check_errors = lambda: None
     engine.next_buffer = lambda: 0
     ptrs = {}
@@ -106,6 +115,51 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     assert plan.plans[0].value("src_info") == ptrs[id(src_info)]
     plan.run(x, topk, weights, tuple(handle), out=out)
     assert plan.plans[0].value("row_map") == 0
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hook):
+    """With a receive hook the send part launches the send-only kernel and the hook the receive-only one,
+    both over the half's one argument block (the call's pointers); without, one kernel does both."""
+    engine, layout = _engine(False)
+    engine.check_errors = lambda: None
+    engine.next_buffer = lambda: 1
+    frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
+                                  empty=lambda *a: object(), empty_many=lambda parts: [object()] * 5,
+                                  transpose_last=lambda t: t)
+    launched = []
+    monkeypatch.setattr(lp.LaunchPlan, "launch",
+                        lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
+    plan = lp.DispatchPlan(engine, frame, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+                           use_ue8m0=False, return_recv_hook=hook, wait_stats_row=0, async_finish=False,
+                           comm_stream=0)
+    *_, recv_hook = plan.run(object(), object())
+    if not hook:
+        assert recv_hook is None and launched == [(_Kernel, 7, lp.PHASE_SEND | lp.PHASE_RECV)]
+        return
+    assert launched == [(_Kernel, 7, lp.PHASE_SEND)]
+    assert plan.recv_plans[1].value("out_x") == plan.plans[1].value("out_x") == 4096
+    plan.plans[1].set(out_x=8192)  # one block: a patch to either plan is seen by both
+    assert plan.recv_plans[1].value("out_x") == 8192
+    recv_hook()
+    recv_hook()  # a second call does nothing
+    assert launched[1:] == [(_RecvKernel, 7, lp.PHASE_RECV)]
+
+
+def test_hook_kernels_hold_only_their_phase():
+    """A hook's parts are kernels compiled with only their own phase (``kPhases``), and the receive part with
+    only the per-rank message path where the host chose that format; without a hook one kernel has both."""
+    from deepep_cupy.ops import low_latency as ll
+
+    assert ll.dispatch_kernel_names(7168, 8, 8, 3, True) == ["deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 3, false>"]
+    assert ll.dispatch_kernel_names(7168, 8, 8, 3, True, hook=True, rank_msgs=True) == [
+        "deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 1, false>",
+        "deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 2, true>"]
+    assert ll.dispatch_kernel_names(7168, 8, 8, 3, False, hook=True)[1].endswith("false, 2, false>")
+    names = ll.combine_spec(7168, 8, 8, 3, True, True, hook=True).name_expressions
+    assert [n.rsplit(", ", 1)[1] for n in names] == ["1>", "2>"]
+    assert ll.dispatch_spec(7168, 8, 8, 3, True, hook=True, rank_msgs=True).name_expressions[-1] == \
+        ll.stage_kernel_name(7168, True)
 
 
 def test_layout_block_matches_the_kernel(monkeypatch):
