@@ -39,6 +39,7 @@ struct DispatchArgs {
     int rank;
     uint64_t seq;
     int num_recv;
+    int own_rows_copied;  // this rank's own rows reach recv_x through the copy engines (intranode_own.py)
 };
 
 // ---- a token's scales and top-k entries ------------------------------------------------------------
@@ -134,13 +135,15 @@ struct DestRows {
 };
 
 // Copies `token` into row `row` of rank dst's outputs: row, scales, top-k ids made local to dst (-1 for
-// another rank's experts, weight 0) and the source index. Bad ids are noted in `bad`.
+// another rank's experts, weight 0) and the source index. Bad ids are noted in `bad`. An own token's row is
+// left out when the host copies the own rows with the copy engines (a.own_rows_copied), in either mode.
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
                                            deepep::BadValue& bad, int lane) {
     const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
-    warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
-                          a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
+    if (dst != a.rank || !a.own_rows_copied)
+        warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
+                              a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
     store_scales(d.scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
     if (d.topk_idx != nullptr) {
         const long long num_experts = static_cast<long long>(kNumRanks) * a.num_local_experts;

@@ -63,7 +63,7 @@ def _restore_defaults(engine) -> None:
     engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
-    engine.use_output_pool = engine.use_copy_combine = True
+    engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = True
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 
@@ -161,9 +161,10 @@ def run(comm, args) -> list[dict]:
         dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
         dcfg.num_sms = ccfg.num_sms = num_sms
 
-        def dispatch_defaults_us(data, data_scales, ring=False):
+        def dispatch_defaults_us(data, data_scales, ring=False, own_copies=True):
             _restore_defaults(engine)
             engine.use_output_pool = not ring
+            engine.use_own_row_copies = own_copies
             return timed(lambda: direct_dispatch(engine,
                 data, data_scales, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
@@ -215,7 +216,10 @@ def run(comm, args) -> list[dict]:
                             default_us=round(dispatch_defaults_us(data, data_scales), 2)))
 
         def add_ring_rows():
-            """The ring mode at the defaults, same run (the dispatch's mode when there is no output pool)."""
+            """The ring mode at the defaults, same run (the dispatch's mode when there is no output pool); and
+            BF16 with the own rows copied by the SMs instead of the copy engines."""
+            rows.append(row("intranode dispatch BF16 (cached, own rows on SMs)",
+                            dispatch_defaults_us(x_bf16, None, own_copies=False), bf16_bytes, num_sms, best="defaults"))
             if engine.output_pool is None:
                 return
             for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),

@@ -33,6 +33,7 @@ from . import intranode_layout as L
 from . import kernel_names
 from .engine_health import EngineHealth
 from .intranode_copy import DEFAULT_CHUNK_ROWS, stream_writes_supported
+from .intranode_own import MIN_ROWS as OWN_MIN_ROWS
 
 __all__ = [
     "IntranodeEngine",
@@ -193,6 +194,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("send_head", _ptr(send_head)),
         ("num_out_rows", np.int32(num_out_rows)),
         ("num_worst_tokens", np.int32(num_worst_tokens)),
+        ("own_rows_copied", np.int32(0)),
         ("bases", bases),
         ("pool_bases", _ptr(pool_bases)),
         ("done_offset", np.int64(layout.end)),
@@ -312,6 +314,9 @@ class IntranodeEngine(EngineHealth):
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
             deepep_cupy/ops/intranode_copy.py); False: always the ring mode.
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
+        use_own_row_copies: let a cached BF16 dispatch copy this rank's own rows with the copy engines
+            (deepep_cupy/ops/intranode_own.py); False: the SMs copy them.
+        own_copy_min_rows: fewest own rows for which it does (default ``intranode_own.MIN_ROWS``).
 
     The handle (all CuPy, the same values as the reference backend's):
         0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
@@ -326,7 +331,8 @@ class IntranodeEngine(EngineHealth):
 
     #: Attributes plans are built from: changing one drops the plans made with the old value.
     TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
-              "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows")
+              "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows",
+              "use_own_row_copies")
 
     def __setattr__(self, name, value) -> None:
         object.__setattr__(self, name, value)
@@ -362,6 +368,9 @@ class IntranodeEngine(EngineHealth):
         self.use_copy_combine = True
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
+        self.use_own_row_copies = True
+        self.own_copy_min_rows = OWN_MIN_ROWS
+        self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False
         self._copy_streams = None
         self.output_pool = None

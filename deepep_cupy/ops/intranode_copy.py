@@ -38,12 +38,15 @@ _DISABLE_TIMING = 0x2
 
 
 class IntranodeHandle(OpHandle):
-    """An intranode dispatch's handle, which also keeps the received counts the dispatch read back
-    (``counts``: the rank prefix matrix as nested tuples of ints, or None), for the copy-mode combine."""
+    """An intranode dispatch's handle, which also keeps what the dispatch read back in its host wait:
+    ``counts`` (the rank prefix matrix as nested tuples of ints, or None), for the copy-mode combine, and
+    ``own_tokens`` (this rank's column of ``is_token_in_rank``, a NumPy bool array, or None), for the own-row
+    copies of a cached dispatch (intranode_own.py)."""
 
-    def __new__(cls, entries, counts=None):
+    def __new__(cls, entries, counts=None, own_tokens=None):
         self = super().__new__(cls, entries)
         self.counts = counts
+        self.own_tokens = own_tokens
         return self
 
 

@@ -29,6 +29,7 @@ from .intranode import (
     required_bytes,
 )
 from .intranode_copy import CopyCombine, IntranodeHandle
+from .intranode_own import OwnRowCopies
 from .kernel_names import intranode_combine, intranode_dispatch, intranode_notify
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -102,10 +103,13 @@ class _Plan:
             R = engine.num_ranks
             self.host_rank_prefix = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * R * R), dtype=np.int32,
                                                   count=R * R).reshape(R, R)
+            n = max(1, self.num_tokens * R)
+            self.host_in_rank = np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.bool_, count=n)
 
-    def _read_notify_meta(self, rank_prefix_ptr: int = 0) -> np.ndarray:
+    def _read_notify_meta(self, rank_prefix_ptr: int = 0, in_rank_ptr: int = 0) -> np.ndarray:
         """The one host wait of a dispatch: the notify kernel's totals (and the rank prefix matrix at
-        ``rank_prefix_ptr`` into ``host_rank_prefix``), read into pinned memory."""
+        ``rank_prefix_ptr`` into ``host_rank_prefix``, ``is_token_in_rank`` at ``in_rank_ptr`` into
+        ``host_in_rank``), read into pinned memory."""
         import cupy
 
         host = self.host_meta
@@ -114,6 +118,9 @@ class _Plan:
         if rank_prefix_ptr:
             matrix = self.host_rank_prefix
             rt.memcpyAsync(matrix.ctypes.data, rank_prefix_ptr, matrix.nbytes, _MEMCPY_D2H, self.comm_stream)
+        if in_rank_ptr and self.num_tokens:
+            rt.memcpyAsync(self.host_in_rank.ctypes.data, in_rank_ptr, self.num_tokens * self.engine.num_ranks,
+                           _MEMCPY_D2H, self.comm_stream)
         rt.streamSynchronize(self.comm_stream)
         self.engine._raise_recorded()
         return host
@@ -190,7 +197,9 @@ class DispatchPlan(_Plan):
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
-            "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows", "pool_bases"))
+            "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows", "pool_bases", "own_rows_copied"))
+        # BF16 rows of a cached dispatch: this rank's own rows may go through the copy engines.
+        self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached and x_scales is None else None
         self.notify = None
         if not self.cached:
             self._make_notify_meta(1 + num_local_experts)
@@ -213,7 +222,7 @@ class DispatchPlan(_Plan):
         engine, frame = self.engine, self.frame
         ptr, empty, R = frame.ptr, frame.empty, engine.num_ranks
         (s_x, s_scales, s_topk, s_w, s_in_rank, s_rank_prefix, s_chan, s_recv_chan, s_recv_x, s_recv_scales,
-         s_recv_topk, s_recv_w, s_src, s_head, s_rows, s_pool) = self.slots
+         s_recv_topk, s_recv_w, s_src, s_head, s_rows, s_pool, s_own) = self.slots
         counts_list = None
         if self.cached:
             rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, _ = handle
@@ -229,12 +238,13 @@ class DispatchPlan(_Plan):
             n_chan.value = ptr(channel_prefix)
             n_recv_chan.value = ptr(recv_channel_prefix)
             self.notify.launch(self.comm_stream)
-            counts = None
+            counts = own_tokens = None
             if self.num_worst_tokens > 0:
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
-                num_rows, counts_list = self._received_counts(ptr(rank_prefix))
+                num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank))
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
+                own_tokens = self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, engine.rank].copy()
         outs = self._pool_outputs(num_rows) if self.pool is not None else None
         s_pool.value = 0 if outs is None else self.pool_bases
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)
@@ -258,7 +268,13 @@ class DispatchPlan(_Plan):
                 if self.has_weights:
                     s_w.value = ptr(topk_weights)
                     s_recv_w.value = ptr(recv_topk_weights)
+        own = self._own_rows(handle, x_scales) if self.cached else None
+        s_own.value = own is not None
+        if own is not None:
+            self.own.start(own, ptr(x), ptr(recv_x))
         self.plan.launch(self.comm_stream)
+        if own is not None:
+            self.own.finish()
         event = streams.finish()
         # With async_finish the communication stream still uses these after the call returns: the event
         # keeps them alive until the caller is done with it (as DeepEP's EventOverlap does).
@@ -268,7 +284,7 @@ class DispatchPlan(_Plan):
         if self.cached:
             return recv, None, None, None, None, event
         new_handle = IntranodeHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                                      is_token_in_rank, send_head), counts)
+                                      is_token_in_rank, send_head), counts, own_tokens)
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
@@ -327,11 +343,18 @@ class DispatchPlan(_Plan):
                 out[i] = wrap(block.ptr + offset, shape, dtype, owner=block)
         return out
 
-    def _received_counts(self, rank_prefix_ptr: int) -> tuple[int, list[int]]:
+    def _received_counts(self, rank_prefix_ptr: int, in_rank_ptr: int) -> tuple[int, list[int]]:
         """Rows received and received tokens per local expert (waits for the notify kernel; reads the rank
-        prefix matrix too, for the combine's copy mode)."""
-        host = self._read_notify_meta(rank_prefix_ptr)
+        prefix matrix too, for the combine's copy mode, and ``is_token_in_rank`` for the own-row copies)."""
+        host = self._read_notify_meta(rank_prefix_ptr, in_rank_ptr)
         return int(host[0]), [int(v) for v in host[1:]]
+
+    def _own_rows(self, handle, x_scales):
+        """``OwnRowCopies.runs`` of ``handle`` when this call's own rows go through the copy engines: BF16, the
+        engine lets them, and the stream is not being captured (a graph keeps the kernel's own copies)."""
+        if self.own is None or not self.engine.use_own_row_copies or self._capture_status(self.comm_stream):
+            return None
+        return self.own.runs(handle)
 
 
 class CombinePlan(_Plan):

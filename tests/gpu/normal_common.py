@@ -114,11 +114,18 @@ def check_combine(ours, refs, num_tokens):
     assert cx.shape[0] == num_tokens
 
 
-def cached_dispatch_round(env, fw, rng, *, handle, ref_handle, n, hidden, fp8, column_major, align, num_recv, cfg):
-    """A cached dispatch of fresh tokens with ``handle``, compared with the reference's on ``ref_handle``."""
+def cached_dispatch_round(env, fw, rng, *, handle, ref_handle, n, hidden, fp8, column_major, align, num_recv, cfg,
+                          own_copies=None):
+    """A cached dispatch of fresh tokens with ``handle``, compared with the reference's on ``ref_handle``.
+    ``own_copies``: whether this rank's own rows must go through the copy engines (None: not checked)."""
     buf, ref = env["buf"], env["ref"]
     x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
+    poison(env, fw, [num_recv * hidden * (1 if fp8 else 2), num_recv * hidden // 32])
+    engine = getattr(getattr(buf, "runtime", None), "intranode", None)
+    before = getattr(engine, "own_copies", 0)
     recv, idx, w, counts, new_handle, _ = buf.dispatch(x_dev, handle=handle, config=cfg)
+    if own_copies is not None:
+        assert (getattr(engine, "own_copies", 0) > before) == own_copies, "own rows did not take the expected path"
     assert idx is None and w is None and counts is None
     want = ref.dispatch(x_np, s_np, handle=ref_handle, num_tokens_per_rank=None, is_token_in_rank=None,
                         num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=align,

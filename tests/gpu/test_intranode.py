@@ -30,6 +30,9 @@ from normal_common import (
     skip_unless_framework_holds,
 )
 
+from deepep_cupy.ops.intranode_own import MAX_RUNS as OWN_MAX_RUNS
+from deepep_cupy.ops.intranode_own import MIN_ROWS as OWN_MIN_ROWS
+from deepep_cupy.ops.intranode_own import own_runs
 from deepep_cupy.runtime.device import gpu_count
 
 pytestmark = MULTI_RANK_GPU
@@ -139,8 +142,15 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         assert counts == []
 
     if cached:
+        own_copies = None
+        if in_pool is not None:  # the cached dispatch's own rows: copy engines or SMs (intranode_own.py)
+            engine = env["buf"].runtime.intranode
+            runs = own_runs(r_in[:, me])
+            own_copies = (engine.use_own_row_copies and not fp8 and not worst_rows and len(runs) <= OWN_MAX_RUNS
+                          and sum(b - a for a, b in runs) >= engine.own_copy_min_rows)
         cached_dispatch_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, fp8=fp8,
-                              column_major=column_major, align=align, num_recv=num_recv, cfg=cfg)
+                              column_major=column_major, align=align, num_recv=num_recv, cfg=cfg,
+                              own_copies=own_copies)
     # The combine's copy mode needs the counts the dispatch read back (none with num_worst_tokens).
     copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.use_copy_combine and not worst_rows)
     combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
@@ -179,12 +189,14 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
     engine = env["buf"].runtime.intranode
     assert engine.output_pool is not None, "the default Buffer has no output pool"
     assert engine.copy_supported, "the GPUs do not run 64-bit stream writes: no copy-mode combine"
-    engine.use_output_pool = engine.use_copy_combine = mode == "direct"
+    engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = mode == "direct"
+    engine.own_copy_min_rows = 1  # small shapes too: own rows by the copy engines with the first, SMs with the second
     try:
         for _ in range(2):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
-        engine.use_output_pool = engine.use_copy_combine = True
+        engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = True
+        engine.own_copy_min_rows = OWN_MIN_ROWS
 
 
 def test_full_pool_on_one_rank_takes_the_ring_mode(env):

@@ -1,0 +1,94 @@
+"""Own rows of a cached BF16 intranode dispatch through the copy engines.
+
+The rows a rank keeps for itself (its tokens routed to its own experts) form one block of ``recv_x`` (rows
+``rank_prefix_matrix[me - 1][me]`` onwards), filled from a few runs of consecutive tokens of ``x``: with 2
+ranks almost every token goes to both, so 4096 tokens make ~13 runs. A side stream copies those runs with
+plain device-to-device copies while the kernel's SMs push the peers' rows over NVLink; the kernel
+(``own_rows_copied``) then leaves own rows out, in either mode. 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs,
+same runs: 198-202 us against 208-213 us with the SMs copying own rows too. FP8 rows (half the bytes, plus
+scales the copy engines cannot transpose) were slower that way (124-129 against 118-122 us), so they stay
+on the SMs.
+
+The runs need ``is_token_in_rank`` on the host: a dispatch without a handle reads this rank's column back
+in its one host wait, together with the counts (:attr:`IntranodeHandle.own_tokens`), and the runs are
+computed once per handle, at its first cached dispatch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
+
+#: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
+MIN_ROWS = 1024
+#: More runs than this stay on the SMs (each run is a copy to issue).
+MAX_RUNS = 64
+_MEMCPY_DEFAULT = 4
+_DISABLE_TIMING = 0x2
+
+
+def own_runs(own_tokens: np.ndarray) -> list[tuple[int, int]]:
+    """``[(first token, end token), ...]``: the runs of consecutive True entries of ``own_tokens``."""
+    own = np.asarray(own_tokens, dtype=bool)
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], own, [False])).astype(np.int8)))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+class OwnRowCopies:
+    """The own-row copies of one cached dispatch plan (BF16 rows of ``row_bytes``)."""
+
+    def __init__(self, engine, row_bytes: int, comm_stream: int) -> None:
+        import cupy
+
+        self.engine, self.row_bytes, self.comm_stream = engine, int(row_bytes), comm_stream
+        rt = cupy.cuda.runtime
+        self._rt = rt
+        self.events = [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(2)]
+
+    def runs(self, handle) -> tuple[int, list[tuple[int, int]]] | None:
+        """``(first own row of recv_x, runs of x)`` for ``handle``, or None when the SMs keep the own rows
+        (a handle without what the dispatch read back, too few rows, too many runs). Kept on the handle."""
+        found = getattr(handle, "own_runs", None)
+        if found is not None:
+            return found or None
+        own = getattr(handle, "own_tokens", None)
+        counts = getattr(handle, "counts", None)
+        result = ()
+        if own is not None and counts is not None:
+            me = self.engine.rank
+            runs = own_runs(own)
+            rows = sum(b - a for a, b in runs)
+            if rows >= self.engine.own_copy_min_rows and len(runs) <= MAX_RUNS:
+                result = (int(counts[me - 1][me]) if me > 0 else 0, runs)
+        try:
+            handle.own_runs = result
+        except AttributeError:
+            pass  # a plain tuple: computed again next time
+        return result or None
+
+    def start(self, prepared, x_ptr: int, recv_ptr: int) -> None:
+        """Queue the copies on the side stream after the communication stream's work so far."""
+        first_row, runs = prepared
+        rt, side, hb = self._rt, self.engine.copy_stream(0), self.row_bytes
+        rt.eventRecord(self.events[0], self.comm_stream)
+        rt.streamWaitEvent(side, self.events[0], 0)
+        dst = recv_ptr + first_row * hb
+        copy = rt.memcpyAsync
+        for a, b in runs:
+            copy(dst, x_ptr + a * hb, (b - a) * hb, _MEMCPY_DEFAULT, side)
+            dst += (b - a) * hb
+        self.engine.own_copies += 1
+
+    def finish(self) -> None:
+        """The communication stream waits for the copies (call after the kernel's launch)."""
+        rt = self._rt
+        rt.eventRecord(self.events[1], self.engine.copy_stream(0))
+        rt.streamWaitEvent(self.comm_stream, self.events[1], 0)
+
+    def __del__(self) -> None:
+        for event in getattr(self, "events", ()):
+            try:
+                self._rt.eventDestroy(event)
+            except Exception:
+                pass  # interpreter shutdown
