@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .intranode_copy import destroy_events
+
 __all__ = ["MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
 
 #: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
@@ -87,8 +89,4 @@ class OwnRowCopies:
         rt.streamWaitEvent(self.comm_stream, self.events[1], 0)
 
     def __del__(self) -> None:
-        for event in getattr(self, "events", ()):
-            try:
-                self._rt.eventDestroy(event)
-            except Exception:
-                pass  # interpreter shutdown
+        destroy_events(self)

@@ -75,7 +75,7 @@ class LaunchPlan:
         if self.shared_mem > 0 and self.shared_mem + _static_shared(self._fn) > _DEFAULT_SHARED_LIMIT:
             _allow_shared(self._fn, self.shared_mem, kernel)
 
-    def with_kernel(self, kernel) -> "LaunchPlan":
+    def with_kernel(self, kernel) -> LaunchPlan:
         """A plan launching ``kernel`` (same parameter list) with this plan's shape and argument block:
         a patch to either plan's slots is seen by both."""
         other = object.__new__(LaunchPlan)
