@@ -90,9 +90,9 @@ class _Plan:
         return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
                          self.async_finish)
 
-    def _make_notify_meta(self, size: int) -> None:
+    def _make_notify_meta(self, size: int, in_rank_bytes: int = 0) -> None:
         """Where a dispatch's notify kernel leaves its totals: the engine's persistent device words and a
-        pinned host copy of them."""
+        pinned host copy of them (and room for ``in_rank_bytes`` of ``is_token_in_rank``)."""
         import cupy
 
         engine = self.engine
@@ -103,7 +103,7 @@ class _Plan:
             R = engine.num_ranks
             self.host_rank_prefix = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * R * R), dtype=np.int32,
                                                   count=R * R).reshape(R, R)
-            n = max(1, self.num_tokens * R)
+            n = max(1, in_rank_bytes)
             self.host_in_rank = np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.bool_, count=n)
 
     def _read_notify_meta(self, rank_prefix_ptr: int = 0, in_rank_ptr: int = 0) -> np.ndarray:
@@ -119,8 +119,8 @@ class _Plan:
             matrix = self.host_rank_prefix
             rt.memcpyAsync(matrix.ctypes.data, rank_prefix_ptr, matrix.nbytes, _MEMCPY_D2H, self.comm_stream)
         if in_rank_ptr and self.num_tokens:
-            rt.memcpyAsync(self.host_in_rank.ctypes.data, in_rank_ptr, self.num_tokens * self.engine.num_ranks,
-                           _MEMCPY_D2H, self.comm_stream)
+            rt.memcpyAsync(self.host_in_rank.ctypes.data, in_rank_ptr, self.host_in_rank.nbytes, _MEMCPY_D2H,
+                           self.comm_stream)
         rt.streamSynchronize(self.comm_stream)
         self.engine._raise_recorded()
         return host
@@ -202,7 +202,7 @@ class DispatchPlan(_Plan):
         self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached and x_scales is None else None
         self.notify = None
         if not self.cached:
-            self._make_notify_meta(1 + num_local_experts)
+            self._make_notify_meta(1 + num_local_experts, num_tokens * R)
             notify = engine._kernel(notify_spec(R), intranode_notify(R))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=num_tokens, num_channels=self.num_channels, num_tokens_per_expert=0,
