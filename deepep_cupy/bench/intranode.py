@@ -63,7 +63,8 @@ def _restore_defaults(engine) -> None:
     engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
-    engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = True
+    engine.use_output_pool = engine.use_copy_combine = True
+    engine.use_own_row_copies = engine.num_ranks <= 2
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 
@@ -161,10 +162,11 @@ def run(comm, args) -> list[dict]:
         dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
         dcfg.num_sms = ccfg.num_sms = num_sms
 
-        def dispatch_defaults_us(data, data_scales, ring=False, own_copies=True):
+        def dispatch_defaults_us(data, data_scales, ring=False, own_copies=None):
             _restore_defaults(engine)
             engine.use_output_pool = not ring
-            engine.use_own_row_copies = own_copies
+            if own_copies is not None:
+                engine.use_own_row_copies = own_copies
             return timed(lambda: direct_dispatch(engine,
                 data, data_scales, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,

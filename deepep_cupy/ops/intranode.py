@@ -315,7 +315,7 @@ class IntranodeEngine(EngineHealth):
             deepep_cupy/ops/intranode_copy.py); False: always the ring mode.
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
         use_own_row_copies: let a cached BF16 dispatch copy this rank's own rows with the copy engines
-            (deepep_cupy/ops/intranode_own.py); False: the SMs copy them.
+            (deepep_cupy/ops/intranode_own.py; default on up to 2 ranks); False: the SMs copy them.
         own_copy_min_rows: fewest own rows for which it does (default ``intranode_own.MIN_ROWS``).
 
     The handle (all CuPy, the same values as the reference backend's):
@@ -368,7 +368,8 @@ class IntranodeEngine(EngineHealth):
         self.use_copy_combine = True
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
-        self.use_own_row_copies = True
+        # Measured at 2 ranks only (like the output pool's default); tests turn it on at any size.
+        self.use_own_row_copies = self.num_ranks <= 2
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False

@@ -195,7 +195,8 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
         for _ in range(2):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
-        engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = True
+        engine.use_output_pool = engine.use_copy_combine = True
+        engine.use_own_row_copies = engine.num_ranks <= 2
         engine.own_copy_min_rows = OWN_MIN_ROWS
 
 

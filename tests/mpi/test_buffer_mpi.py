@@ -98,11 +98,11 @@ def test_torch_group_matches_mpi():
     assert buf.rank == rank and buf.group_size == size
     tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     with_torch = _round_trip(buf, tx, torch.from_numpy(idx), torch.from_numpy(w), num_experts)
-    for a, b in zip(with_mpi, with_torch):
+    for a, b in zip(with_mpi, with_torch, strict=True):
         if isinstance(a, list):
             assert a == b
         elif isinstance(a, tuple):
-            for ha, hb in zip(a, b):
+            for ha, hb in zip(a, b, strict=True):
                 np.testing.assert_array_equal(np.asarray(ha), hb.numpy())
         else:
             assert isinstance(b, torch.Tensor)

@@ -174,7 +174,7 @@ def test_internode_num_worst_tokens():
     flat = _run(_buffer(SIZE), x, topk, w)
     runs = {nvl: _run(_buffer(nvl), x, topk, w, worst=worst) for nvl in DOMAINS}
     num_recv = flat["recv_x"].shape[0]
-    for nvl, got in runs.items():
+    for got in runs.values():
         h = got["handle"]
         assert got["lst"] == [] and got["recv_x"].shape[0] == worst and got["cached"].shape[0] == worst
         assert h[7].shape == (worst, 8) and h[-4][-1] == num_recv

@@ -171,7 +171,7 @@ def test_round_trip_leaves_inputs_untouched(num_ranks):
         combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
         visits = in_rank.sum(axis=1).astype(np.float32)
         np.testing.assert_array_equal(combined.astype(np.float32), x.astype(np.float32) * visits[:, None])
-        for a, b in zip(keep, (x, idx, w)):
+        for a, b in zip(keep, (x, idx, w), strict=True):
             np.testing.assert_array_equal(a, b)
         return True
 

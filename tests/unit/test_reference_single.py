@@ -187,7 +187,7 @@ def test_dispatch_cached_alignment_and_inputs_untouched(num_ranks):
                            num_worst_tokens=0)
         np.testing.assert_array_equal(again[0].astype(np.float32), recv_x.astype(np.float32))
         assert again[1] is None and again[2] is None and again[3] is None
-        for a, c in zip((x, topk, w), copies):
+        for a, c in zip((x, topk, w), copies, strict=True):
             np.testing.assert_array_equal(a, c)
         return True
 
