@@ -5,9 +5,9 @@ The rows a rank keeps for itself (its tokens routed to its own experts) form one
 ranks almost every token goes to both, so 4096 tokens make ~13 runs. A side stream copies those runs with
 plain device-to-device copies while the kernel's SMs push the peers' rows over NVLink; the kernel
 (``own_rows_copied``) then leaves own rows out, in either mode. 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs,
-same runs: 198-202 us against 208-213 us with the SMs copying own rows too. FP8 rows (half the bytes, plus
-scales the copy engines cannot transpose) were slower that way (124-129 against 118-122 us), so they stay
-on the SMs.
+same runs (a prototype of this path): 198-209 us against 208-214 us with the SMs copying own rows too.
+FP8 rows (half the bytes, plus scales the copy engines cannot transpose) were slower that way (124-129
+against 118-122 us), so they stay on the SMs.
 
 The runs need ``is_token_in_rank`` on the host: a dispatch without a handle reads this rank's column back
 in its one host wait, together with the counts (:attr:`IntranodeHandle.own_tokens`), and the runs are
