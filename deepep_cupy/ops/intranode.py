@@ -416,7 +416,8 @@ class IntranodeEngine(EngineHealth):
         return max(1, int(self.timeout_s * 1e9))
 
     def copy_stream(self, index: int) -> int:
-        """Side stream ``index`` of the combine's copy mode (0: copies, 1: their flags; created on first use)."""
+        """Side stream ``index`` for copy-engine work (0: copies, of the combine's copy mode or a dispatch's own
+        rows; 1: the copy mode's flags; created on first use)."""
         if self._copy_streams is None:
             import cupy
 

@@ -50,24 +50,21 @@ class OwnRowCopies:
 
     def runs(self, handle) -> tuple[int, list[tuple[int, int]]] | None:
         """``(first own row of recv_x, runs of x)`` for ``handle``, or None when the SMs keep the own rows
-        (a handle without what the dispatch read back, too few rows, too many runs). Kept on the handle."""
+        (a handle without what the dispatch read back, fewer than ``own_copy_min_rows`` rows, more than
+        :data:`MAX_RUNS` runs). The runs are computed once and kept on the handle."""
         found = getattr(handle, "own_runs", None)
-        if found is not None:
-            return found or None
-        own = getattr(handle, "own_tokens", None)
-        counts = getattr(handle, "counts", None)
-        result = ()
-        if own is not None and counts is not None:
+        if found is None:
+            own = getattr(handle, "own_tokens", None)
+            counts = getattr(handle, "counts", None)
+            if own is None or counts is None:
+                return None
             me = self.engine.rank
             runs = own_runs(own)
-            rows = sum(b - a for a, b in runs)
-            if rows >= self.engine.own_copy_min_rows and len(runs) <= MAX_RUNS:
-                result = (int(counts[me - 1][me]) if me > 0 else 0, runs)
-        try:
-            handle.own_runs = result
-        except AttributeError:
-            pass  # a plain tuple: computed again next time
-        return result or None
+            found = handle.own_runs = (int(counts[me - 1][me]) if me > 0 else 0, runs, sum(b - a for a, b in runs))
+        first_row, runs, rows = found
+        if rows < self.engine.own_copy_min_rows or len(runs) > MAX_RUNS:
+            return None
+        return first_row, runs
 
     def start(self, prepared, x_ptr: int, recv_ptr: int) -> None:
         """Queue the copies on the side stream after the communication stream's work so far."""

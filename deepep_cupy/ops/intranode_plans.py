@@ -242,9 +242,12 @@ class DispatchPlan(_Plan):
             if self.num_worst_tokens > 0:
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
-                num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank))
+                # is_token_in_rank comes back too where a cached dispatch may copy own rows (intranode_own).
+                own = engine.use_own_row_copies
+                num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank) if own else 0)
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
-                own_tokens = self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, engine.rank].copy()
+                if own:
+                    own_tokens = self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, engine.rank].copy()
         outs = self._pool_outputs(num_rows) if self.pool is not None else None
         s_pool.value = 0 if outs is None else self.pool_bases
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)

@@ -326,16 +326,15 @@ class LowLatencyEngine:
         found = self._kernel_cache.get(key)
         if found is None:
             warps, groups, blocks = warp_split(num_experts, self.num_sms)
+            # The modules' names: the kernels in kernel_phases(hook) order, then the dispatch's staging kernel.
             if op == "dispatch":
-                module = load(dispatch_spec(hidden, topk, warps, groups, flag, hook, partials))
-                kernels = tuple(map(module.get_function,
-                                    dispatch_kernel_names(hidden, topk, warps, groups, flag, hook, partials)))
-                stage = module.get_function(stage_kernel_name(hidden, flag))
+                spec = dispatch_spec(hidden, topk, warps, groups, flag, hook, partials)
             else:
-                module = load(combine_spec(hidden, topk, warps, groups, flag, partials, hook))
-                kernels = tuple(module.get_function(combine_kernel_name(hidden, topk, warps, groups, flag, partials, p))
-                                for p in kernel_phases(hook))
-                stage = None
+                spec = combine_spec(hidden, topk, warps, groups, flag, partials, hook)
+            module = load(spec)
+            names = spec.name_expressions
+            kernels = tuple(map(module.get_function, names[:len(kernel_phases(hook))]))
+            stage = module.get_function(names[-1]) if op == "dispatch" else None
             found = self._kernel_cache[key] = (warps, groups, blocks, kernels, stage)
         return found
 

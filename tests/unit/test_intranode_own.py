@@ -56,3 +56,6 @@ def test_runs_are_kept_on_the_handle():
     first = _copies(1).runs(handle)
     handle.own_tokens = None  # a second call does not look at the column again
     assert _copies(1).runs(handle) == first == (8, [(0, 8)])
+    # The threshold is the engine's at each call, not the one of the first call.
+    assert _copies(1, min_rows=9).runs(handle) is None
+    assert _copies(1, min_rows=8).runs(handle) == first
