@@ -21,6 +21,7 @@
 // op overwrites slots the other has not read yet. RDMA rings are those of the dispatch with the same
 // writer and reader pairs; units are slots only (no meta record).
 
+#include "common/bf16.cuh"
 #include "common/nvshmem_includes.cuh"
 #include "internode/layout.cuh"
 
@@ -54,30 +55,8 @@ struct CombineArgs {
     int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores
 };
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
-    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
-                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        acc[2 * k] += __uint_as_float(w[k] << 16);
-        acc[2 * k + 1] += __uint_as_float(w[k] & 0xffff0000u);
-    }
-}
-
-// float -> bf16 bits, nearest even; a NaN stays a quiet NaN.
-__device__ __forceinline__ unsigned int to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return u >> 16;
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
-    unsigned int w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = to_bf16(acc[2 * k]) | (to_bf16(acc[2 * k + 1]) << 16);
-    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
-}
+using deepep::add_bf16x8;
+using deepep::pack_bf16x8;
 
 // dst = one rounding of (bias_0 + bias_1 + the N rows of src that are not null), in that order, over `n`
 // int4 of bf16. Each lane keeps U loads per source in flight (one at a time leaves a warp latency-bound).

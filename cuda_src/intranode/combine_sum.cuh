@@ -4,30 +4,15 @@
 // and rounded to bf16 (nearest even) once. The same for the top-k weights, without bias.
 #pragma once
 
+#include "common/bf16.cuh"
 #include "intranode/layout.cuh"
 
 namespace deepep_intranode {
 
-__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-
-// float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-__device__ __forceinline__ unsigned int f32_to_bf16_rn(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return u >> 16;
-}
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
-    const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
-                               static_cast<unsigned int>(v.z), static_cast<unsigned int>(v.w)};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        acc[2 * k] += bf16_lo(w[k]);
-        acc[2 * k + 1] += bf16_hi(w[k]);
-    }
-}
+using deepep::add_bf16x8;
+using deepep::bf16_hi;
+using deepep::bf16_lo;
+using deepep::pack_bf16x8;
 
 __device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
     const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
@@ -37,13 +22,6 @@ __device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
         out[2 * k] = bf16_lo(w[k]);
         out[2 * k + 1] = bf16_hi(w[k]);
     }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
-    unsigned int w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = f32_to_bf16_rn(acc[2 * k]) | (f32_to_bf16_rn(acc[2 * k + 1]) << 16);
-    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
 template <bool kStaged>
