@@ -300,7 +300,8 @@ def ll_handle_values(h, num_ranks: int) -> None:
     begin, count = layout_range >> 32, layout_range & 0xFFFFFFFF
     if (begin < 0).any() or (count > t).any() or (begin + count > slab).any():
         raise _bad("handle[1] (layout_range)", f"has row ranges outside [0, {slab}) or longer than T={t}")
-    order = np.argsort(begin, axis=1, kind="stable")
+    # By begin, then count: an empty range may share its begin with the range that follows it.
+    order = np.argsort(begin * (slab + 1) + count, axis=1, kind="stable")
     b, n = np.take_along_axis(begin, order, 1), np.take_along_axis(count, order, 1)
     if (b[:, 1:] < b[:, :-1] + n[:, :-1]).any():
         raise _bad("handle[1] (layout_range)", "has overlapping row ranges within a local expert")

@@ -62,6 +62,19 @@ def test_a_low_latency_handle_dispatch_made_passes():
     checks.ll_handle_values(ll_handle(), R)
 
 
+def test_an_empty_range_may_share_its_begin_with_the_next():
+    # Rank 1 of 3: its own group first (1 row), then rank 2's (empty, at row 1), then rank 0's (2 rows at
+    # row 1): the empty range shares its begin with a range of a lower rank index.
+    t, e_local, ranks = 4, 1, 3
+    src = np.full((e_local, ranks * t), -1, np.int32)
+    src[0, :3] = [3, 0, 2]
+    ranges = np.array([[(1 << 32) | 2, (0 << 32) | 1, (1 << 32) | 0]], np.int64)
+    checks.ll_handle_values([src, ranges, t, 128, e_local * ranks], ranks)
+    ranges[0, 2] = (1 << 32) | 1  # no longer empty: it overlaps rank 0's rows
+    with pytest.raises(ValueError, match=r"handle\[1\] \(layout_range\)"):
+        checks.ll_handle_values([src, ranges, t, 128, e_local * ranks], ranks)
+
+
 @pytest.mark.parametrize("corrupt,named", [
     (lambda h: h[0].__setitem__((1, 2), 4), r"handle\[0\] \(src_info\)"),
     (lambda h: h[0].__setitem__((0, 0), -1), r"handle\[0\] \(src_info\)"),
