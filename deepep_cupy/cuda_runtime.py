@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .runtime.device import current_device_id
 from .runtime.group import Agreement, CommGroup
-from .runtime.streams import current_stream_ptr
+from .runtime.streams import current_stream_ptr, external_stream
 from .tensors import frame_for
 
 __all__ = ["CudaRuntime"]
@@ -251,10 +251,9 @@ class CudaRuntime:
         return engine.combine_buffer_view(self.frame(handle[0]), layout, engine.peek_next_buffer())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        import cupy
 
         engine = self._engine("low_latency")
-        stream = cupy.cuda.ExternalStream(current_stream_ptr(None, self.device_id), self.device_id)
+        stream = external_stream(current_stream_ptr(None, self.device_id), self.device_id)
         engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=stream)
 
     def low_latency_update_mask_buffer(self, rank, mask):

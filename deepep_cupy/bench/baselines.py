@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..runtime.streams import external_stream
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -40,9 +41,8 @@ def naive_ep(comm, num_tokens=4096, hidden=7168, num_experts=256, num_topk=8) ->
     in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device="cuda")
     in_rank.scatter_(1, topk_idx // experts_per_rank, True)
     stream = torch.cuda.current_stream()
-    import cupy
 
-    cstream = cupy.cuda.ExternalStream(stream.cuda_stream)
+    cstream = external_stream(stream.cuda_stream, stream.device.index)
     state = {}
 
     def dispatch():

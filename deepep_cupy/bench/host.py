@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from ..runtime.streams import external_stream
 from .timing import format_table, park, row
 
 __all__ = ["run"]
@@ -251,10 +252,9 @@ def _frameworks() -> tuple[list[str], dict[str, str]]:
 
 
 def _torch_stream():
-    import cupy
     import torch
 
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+    return external_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
 
 
 def run(comm, args) -> list[dict]:

@@ -15,7 +15,7 @@ from ..interop import BF16, F32, FP8, I32, I64
 from ..plan_cache import config_key, handle_meta, lookup, store
 from ..runtime.launch import LaunchPlan
 from ..runtime.output_pool import ALIGN as POOL_ALIGN
-from ..runtime.streams import OpStreams
+from ..runtime.streams import OpStreams, external_stream
 from ..tensors import frame_for, meta
 from . import intranode_layout as L
 from .intranode import (
@@ -97,7 +97,7 @@ class _Plan:
 
         engine = self.engine
         with cupy.cuda.Device(engine.device_id):
-            stream = cupy.cuda.ExternalStream(self.comm_stream, engine.device_id)
+            stream = external_stream(self.comm_stream, engine.device_id)
             self.meta = engine._meta_buffer(size, stream)
             self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
             R = engine.num_ranks

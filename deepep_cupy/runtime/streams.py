@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["current_stream", "current_stream_ptr", "DeviceEvent", "OpStreams"]
+__all__ = ["current_stream", "current_stream_ptr", "external_stream", "DeviceEvent", "OpStreams"]
 
 _DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 
@@ -32,12 +32,35 @@ def current_stream_ptr(framework: str | None, device_id: int) -> int:
     return cupy.cuda.get_current_stream(device_id).ptr
 
 
-def current_stream(framework: str | None, device_id: int):
-    """The caller's current stream as a CuPy stream object (for code that wants one)."""
+class _StreamHandle:
+    """A raw ``cudaStream_t`` presented through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def external_stream(ptr: int, device_id: int):
+    """A CuPy stream object over the stream handle ``ptr`` of device ``device_id``, not owned by CuPy.
+
+    CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external``, which takes a stream-protocol
+    object and leaves the device unknown (the callers here use it inside ``cupy.cuda.Device(device_id)``);
+    CuPy 13 has only ``ExternalStream``."""
     import cupy
 
-    ptr = current_stream_ptr(framework, device_id)
-    return cupy.cuda.ExternalStream(ptr, device_id)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(int(ptr), int(device_id))
+    return from_external(_StreamHandle(ptr))
+
+
+def current_stream(framework: str | None, device_id: int):
+    """The caller's current stream as a CuPy stream object (for code that wants one)."""
+    return external_stream(current_stream_ptr(framework, device_id), device_id)
 
 
 class DeviceEvent:

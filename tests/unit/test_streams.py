@@ -1,0 +1,33 @@
+"""CuPy stream objects over raw stream handles: no deprecated CuPy API on CuPy 14, the handle kept as
+given, and CuPy 13's ExternalStream where Stream.from_external does not exist (no GPU needed: CuPy only
+wraps the handle)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from deepep_cupy.runtime import streams
+
+cupy = pytest.importorskip("cupy")
+
+
+def test_wraps_the_handle_without_deprecated_api():
+    if not hasattr(cupy.cuda.Stream, "from_external"):
+        pytest.skip("this CuPy has no Stream.from_external (CuPy < 14)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = streams.external_stream(0x7F00_1234_5670, 0)
+    assert isinstance(s, cupy.cuda.Stream) and s.ptr == 0x7F00_1234_5670
+
+
+def test_falls_back_to_external_stream_on_older_cupy(monkeypatch):
+    made = []
+
+    class Old:  # CuPy 13: no from_external
+        pass
+
+    monkeypatch.setattr(cupy.cuda, "Stream", Old)
+    monkeypatch.setattr(cupy.cuda, "ExternalStream", lambda ptr, dev: made.append((ptr, dev)) or "stream")
+    assert streams.external_stream(42, 3) == "stream" and made == [(42, 3)]
