@@ -62,7 +62,9 @@ class LowLatencyOps:
             recv_x: `[num_local_experts, num_ranks * T, hidden]` bf16, or with FP8 a tuple of the e4m3 data
                 and scales `[num_local_experts, num_ranks * T, hidden // 128]` float32 (UE8M0: int32,
                 `hidden // 512`), scales column-major in their last two dimensions. Rows of each expert are
-                grouped by source rank in rank order, in source token order within a source.
+                grouped by source rank, this rank's own group first and then the other ranks cyclically
+                (``rank + 1, ..., rank - 1``), in source token order within a source; ``handle[1]`` gives
+                each source's rows.
             recv_count: `[num_local_experts]` int32 valid rows per expert.
             handle: `(src_info, layout_range, T, hidden, num_experts)` for ``low_latency_combine``.
             event: an ``EventOverlap``.

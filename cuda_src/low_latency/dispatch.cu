@@ -1,5 +1,7 @@
 // Low-latency dispatch: every rank sends each token to the ranks of its top-k experts, packed per local
-// expert on the receiver, grouped by source rank, each group in source token order (deterministic).
+// expert on the receiver, grouped by source rank, each group in source token order (deterministic). The
+// receiver's own group comes first, then the other sources cyclically (rank + 1, ..., rank - 1): see
+// source_position in layout.cuh.
 //
 // One message per (token, destination rank) where the host chose that format (every rank reachable by
 // stores and the tables fit; dispatch_ranks.cuh): the token crosses the link once per rank and the
@@ -12,8 +14,8 @@
 // e: the group scans the routing for the tokens that pick e, in token order, so the i-th of them is
 // row i of this rank's block in the receiver's slab; warps take rows round-robin and write them
 // straight into the receiver's slot (NVLink), casting to FP8 on the way, or put staged messages (any
-// transport). The receive phase has one unit per (local expert, source rank): it waits for the counts of all sources
-// up to its own (its rows start after theirs), then copies its rows into the packed outputs.
+// transport). The receive phase has one unit per (local expert, source rank): it waits for the counts of the sources
+// before it in the slab's order (its rows start after theirs), then copies its rows into the packed outputs.
 // See layout.cuh for the buffer layout and the completion protocol.
 //
 // Top-k ids outside [-1, E) never equal the expert a group scans for, so they select nothing, like -1.
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             dispatch_send_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits, &s_last,
                 s_peer_recv, sym_tags, rank_tags, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
-                err);
+                OwnRows{out_x, out_scales, out_scales_ue8m0, out_src_info, out_row_map, slab, use_ue8m0 != 0}, err);
         } else if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
@@ -254,10 +256,12 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             const int le = u / num_ranks;
             const int src = u % num_ranks;
 
-            // Warp 0: counts of sources 0..src (one lane per source).
+            // Warp 0: counts of the sources up to src in the slab's order (one lane per source).
             if (warp == 0) {
                 int before = 0, mine = 0, abort = 0;
-                for (int s = lane; s <= src; s += 32) {
+                const int last = source_position(src, rank, num_ranks);
+                for (int j = lane; j <= last; j += 32) {
+                    const int s = source_at(j, rank, num_ranks);
                     int cnt = 0;
                     if (!self_masked && s_mask[s] == 0) {
                         cnt = wait_tag(sym_tags + le * num_ranks + s, tag, deadline, err, bail);
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                         }
                         cnt = min(cnt, max_tokens);
                     }
-                    if (s < src) before += cnt;
+                    if (j < last) before += cnt;
                     else mine = cnt;
                 }
                 before = warp_sum(before);
@@ -319,7 +323,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 out_layout_range[le * num_ranks + src] =
                     (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(count);
             }
-            if (src == num_ranks - 1) {
+            if (source_position(src, rank, num_ranks) == num_ranks - 1) {  // the slab's last group
                 const int total = begin + count;
                 if (gthread == 0) {
                     out_count[le] = total;

@@ -145,16 +145,46 @@ struct SendSegment {
 
     // msg: the destination row (BF16 data, or FP8 data then float32 scales at kHidden).
     __device__ __forceinline__ void store(uint8_t* msg, int lane) const {
+        store_data(msg);
         if constexpr (kFP8) {
-            if (lo) st_na_v4(reinterpret_cast<int4*>(msg + col), q0);
             if constexpr (kWholeSegs) {
                 if (lane == 0) st_na_v4(reinterpret_cast<int4*>(msg + kHidden) + seg, *reinterpret_cast<const int4*>(&seg_scales));
             } else {
                 if (lo && (lane & 7) == 0) reinterpret_cast<float*>(msg + kHidden)[col / kChannelsPerBlock] = scale;
             }
+        }
+    }
+
+    // The segment's data into a row of packed_recv_x.
+    __device__ __forceinline__ void store_data(uint8_t* row) const {
+        if constexpr (kFP8) {
+            if (lo) st_na_v4(reinterpret_cast<int4*>(row + col), q0);
         } else {
-            if (lo) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col), q0);
-            if (hi) st_na_v4(reinterpret_cast<int4*>(msg + 2 * col + 16), q1);
+            if (lo) st_na_v4(reinterpret_cast<int4*>(row + 2 * col), q0);
+            if (hi) st_na_v4(reinterpret_cast<int4*>(row + 2 * col + 16), q1);
+        }
+    }
+
+    // FP8: the segment's scales into row `row` of local expert `le`'s column-major scales, as the receive
+    // stores a message's (RecvScales): float32 per 128 channels, or with UE8M0 the exponent bytes of the
+    // segment's four blocks, which make exactly one packed word (512 channels). Whole warp.
+    __device__ __forceinline__ void store_scales(bool use_ue8m0, float* out_scales, int* out_scales_ue8m0, int le,
+                                                 int slab, int row, int lane) const {
+        if constexpr (kFP8) {
+            constexpr int kNumScales = kHidden / kChannelsPerBlock;
+            constexpr int kWords = (kNumScales + 3) / 4;
+            static_assert(kSendSeg == 4 * kChannelsPerBlock, "a packed UE8M0 word per segment");
+            if (use_ue8m0) {
+                uint32_t word = 0;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float v = __shfl_sync(kFullMask, scale, 8 * j);  // lane 8j: block 4 * seg + j
+                    if (seg * 4 + j < kNumScales) word |= ((__float_as_uint(v) >> 23) & 0xffu) << (8 * j);
+                }
+                if (lane == 0) out_scales_ue8m0[(static_cast<size_t>(le) * kWords + seg) * slab + row] = static_cast<int>(word);
+            } else if (lo && (lane & 7) == 0) {
+                out_scales[(static_cast<size_t>(le) * kNumScales + col / kChannelsPerBlock) * slab + row] = scale;
+            }
         }
     }
 };
@@ -265,7 +295,8 @@ __device__ __forceinline__ void dispatch_recv_direct(
     const int num_local = num_experts / num_ranks;
     const uint64_t t_start = globaltimer();
 
-    // Counts of every unit.
+    // Counts of every unit u = le * R + src, kept at index q = le * R + (src's place in the slab's order),
+    // so that the prefix over q gives each group's first row.
     for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {
         const int src = u % num_ranks;
         int cnt = 0;
@@ -281,19 +312,20 @@ __device__ __forceinline__ void dispatch_recv_direct(
             }
             cnt = min(cnt, max_tokens);
         }
-        s_pre[u] = cnt;
+        s_pre[u - src + source_position(src, rank, num_ranks)] = cnt;
     }
 
-    block_exclusive_scan(s_pre, num_experts, s_warp_sum);  // exclusive prefix over the units
+    block_exclusive_scan(s_pre, num_experts, s_warp_sum);  // exclusive prefix over q
 
     // Per-unit and per-expert outputs, and -1 for the source info of the slab's unused rows.
     if (blockIdx.x == 0) {
-        for (int u = static_cast<int>(threadIdx.x); u < num_experts; u += kThreads) {
-            const int le = u / num_ranks;
-            const int begin = s_pre[u] - s_pre[le * num_ranks];
-            const int count = s_pre[u + 1] - s_pre[u];
-            out_layout_range[u] = (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(count);
-            if (u % num_ranks == num_ranks - 1) {
+        for (int q = static_cast<int>(threadIdx.x); q < num_experts; q += kThreads) {
+            const int le = q / num_ranks;
+            const int begin = s_pre[q] - s_pre[le * num_ranks];
+            const int count = s_pre[q + 1] - s_pre[q];
+            out_layout_range[le * num_ranks + source_at(q % num_ranks, rank, num_ranks)] =
+                (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(count);
+            if (q % num_ranks == num_ranks - 1) {
                 const int total = begin + count;
                 out_count[le] = total;
                 if (cumulative_recv_stats != nullptr) atomicAdd(cumulative_recv_stats + le, total);
@@ -314,8 +346,9 @@ __device__ __forceinline__ void dispatch_recv_direct(
     const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
     for (int item = first_grid_item(); item < total_items; item += total_warps) {
         const int g = item / kParts, part = item % kParts;
-        const int u = prefix_segment(s_pre, num_experts, g), i = g - s_pre[u], le = u / num_ranks;
-        const int row = s_pre[u] - s_pre[le * num_ranks] + i;
+        const int q = prefix_segment(s_pre, num_experts, g), i = g - s_pre[q], le = q / num_ranks;
+        const int src = source_at(q % num_ranks, rank, num_ranks), u = le * num_ranks + src;
+        const int row = s_pre[q] - s_pre[le * num_ranks] + i;
         const uint8_t* msg = sym_recv + (static_cast<size_t>(u) * max_tokens + i) * kSlotBytes;
         const size_t out_row = static_cast<size_t>(le) * slab + row;
         const int4* s = reinterpret_cast<const int4*>(msg) + part * kPartInt4;
@@ -331,7 +364,7 @@ __device__ __forceinline__ void dispatch_recv_direct(
                                               lane);
             }
             if (lane == 0)
-                record_row(out_src_info, out_row_map, le, row, u % num_ranks,
+                record_row(out_src_info, out_row_map, le, row, src,
                            static_cast<int>(ld_cg_u32(sym_src_idx + static_cast<size_t>(u) * max_tokens + i)), max_tokens,
                            num_ranks, num_local);
         }

@@ -13,6 +13,12 @@
 // the entry sends no row (id out of range, repeated in the token, destination masked). Messages are
 // numbered per destination in token order (j = number of earlier tokens that reach it).
 //
+// A rank's own tokens are not messages: each slab starts with this rank's own group (the reference's
+// order), so the send writes them straight into their rows of the packed outputs (OwnRows; row =
+// position) and the receive copies only the peers' messages. At 2 ranks that halves the receive's bytes,
+// which is what a hook's receive part waits on. The rank word still counts them, so the receive of a
+// fused launch knows the own counts are there.
+//
 // Completion: block 0 writes, into every live destination, its row count per local expert (tags region,
 // word s * E_local + le: (sequence tag << 16) | count, plain stores) as soon as the routing is known;
 // after the grid's completion count, thread 0 of the last block writes the rank word of every
@@ -41,6 +47,18 @@ struct RankMsg {
     static constexpr int kBytes = kDataBytes + 16 * kHeaderInt4;
 };
 
+// The packed outputs, where the send writes this rank's own rows (its group starts each expert's slab, so
+// a row's place is its position, known before any count arrives); the receive copies the peers' only.
+struct OwnRows {
+    uint8_t* x;
+    float* scales;
+    int* scales_ue8m0;
+    int* src_info;
+    int* row_map;
+    int slab;
+    bool use_ue8m0;
+};
+
 // Called by every thread of every block after dispatch_send_ahead (which zeroed s_hits: E * chunks
 // words of per-expert bitmaps, then R * chunks words of per-rank bitmaps) and a block barrier.
 template <int kHidden, int kTopk, bool kFP8, int kThreads, int kIdsAhead>
@@ -48,7 +66,8 @@ __device__ __forceinline__ void dispatch_send_ranks(
     const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
     int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
     uint8_t* const* s_peer_recv, uint32_t* sym_counts, uint32_t* sym_rank_tags, uint8_t* sym_recv,
-    uint32_t* done_counter, uint32_t tag, bool round_scale, const SendAhead<kIdsAhead>& ahead, ErrorRecord* err) {
+    uint32_t* done_counter, uint32_t tag, bool round_scale, const SendAhead<kIdsAhead>& ahead, const OwnRows& own,
+    ErrorRecord* err) {
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     using Msg = RankMsg<kHidden, kTopk, kFP8>;
     constexpr int kBlockWarps = kThreads / 32;
@@ -98,7 +117,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
             }
             const unsigned same_dst = __match_any_sync(kFullMask, dst);
             uint8_t* msg = nullptr;
-            if (dst >= 0 && (same_dst & below) == 0u) {
+            if (dst >= 0 && dst != rank && (same_dst & below) == 0u) {
                 const size_t j = static_cast<size_t>(rank) * max_tokens + bits_before(s_reach + dst * chunks, t);
                 msg = s_peer_recv[dst] + j * Msg::kBytes;
             }
@@ -125,6 +144,19 @@ __device__ __forceinline__ void dispatch_send_ranks(
                 uint8_t* m = reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(msg), k));
                 out.store(m, lane);
                 if (seg == 0 && lane < Msg::kHeaderInt4) st_na_v4(reinterpret_cast<int4*>(m + Msg::kDataBytes) + lane, header);
+            }
+            // This rank's own entries: straight into their rows, which start each slab (row = position).
+            uint32_t own_rows = __ballot_sync(kFullMask, dst == rank);
+            while (own_rows != 0u) {  // uniform over the warp
+                const int k = __ffs(own_rows) - 1;
+                own_rows &= own_rows - 1u;
+                const uint32_t w = __shfl_sync(kFullMask, word, k);
+                const int le = static_cast<int>(w >> 16) - rank * num_local, row = static_cast<int>(w & 0xffffu);
+                out.store_data(own.x + (static_cast<size_t>(le) * own.slab + row) * Msg::kRowBytes);
+                if (seg == 0) {
+                    out.store_scales(own.use_ue8m0, own.scales, own.scales_ue8m0, le, own.slab, row, lane);
+                    if (lane == 0) record_row(own.src_info, own.row_map, le, row, rank, t, max_tokens, num_ranks, num_local);
+                }
             }
         }
     }
@@ -182,7 +214,7 @@ __device__ __forceinline__ void dispatch_recv_ranks(
                               static_cast<unsigned long long>(globaltimer() - t_start));
                 }
             }
-            const int c = n >= 0 ? min(n, max_tokens) : 0;
+            const int c = n >= 0 && src != rank ? min(n, max_tokens) : 0;  // own rows: written by the send
             int incl = c;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -212,7 +244,8 @@ __device__ __forceinline__ void dispatch_recv_ranks(
     __syncthreads();
     for (int le = static_cast<int>(threadIdx.x); le < num_local; le += kThreads) {
         int run = 0;
-        for (int src = 0; src < num_ranks; ++src) {
+        for (int j = 0; j < num_ranks; ++j) {  // in the slab's order
+            const int src = source_at(j, rank, num_ranks);
             const int c = s_base[le * num_ranks + src];
             s_base[le * num_ranks + src] = run;
             if (blockIdx.x == 0)

@@ -294,6 +294,16 @@ __device__ __forceinline__ int prefix_segment(const int* s_prefix, int n, int g)
     return lo;
 }
 
+// The order of the source groups in a receiver's expert slabs: the receiver's own group first, then the
+// other ranks cyclically, so a sender knows where its rows start in its own slabs (row 0) before any
+// count arrives. source_position: the group's place; source_at: the source at a place.
+__device__ __forceinline__ int source_position(int src, int rank, int num_ranks) {
+    return src >= rank ? src - rank : src - rank + num_ranks;
+}
+__device__ __forceinline__ int source_at(int position, int rank, int num_ranks) {
+    return rank + position < num_ranks ? rank + position : rank + position - num_ranks;
+}
+
 // The dispatch's record of a received row: its source token, in the handle's source info, and where
 // row_map is given, the inverse, row_map[(source * T + token) * E_local + local expert] = row, which the
 // partial-sum combine reads instead of rebuilding it from the source info (combine_partials.cuh).

@@ -6,7 +6,8 @@ are the hidden size, the top-k, the warp split (warps per group, groups per bloc
 (FP8 dispatch, LogFMT combine); everything else is a kernel argument.
 
 Semantics are those of ``deepep_cupy.reference.low_latency`` (deterministic row order: per local
-expert, rows grouped by source rank, each group in source token order). Rows of ``packed_recv_x`` and
+expert, rows grouped by source rank, this rank's own group first and the others cyclically after it,
+each group in source token order). Rows of ``packed_recv_x`` and
 of the scales past ``packed_recv_count`` are left as they were (like DeepEP); their ``src_info`` is -1.
 
 Wait-time statistics are in nanoseconds of the GPU global timer (``%globaltimer``), measured from the

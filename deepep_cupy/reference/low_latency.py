@@ -7,7 +7,9 @@ Dispatch sends, for every token ``t`` and every valid ``k``, row ``t`` to the ra
 ``topk_idx[t, k]``. A row of ``topk_idx`` naming the same expert twice is rejected (ValueError):
 the slab of an expert holds at most one row per (source rank, token), which is what bounds it by
 ``R * T`` rows. On the receiving rank the rows of local expert ``i`` are stored in
-``packed_recv_x[i]`` grouped by source rank (rank order), each group in source token order; rows past
+``packed_recv_x[i]`` grouped by source rank, each group in source token order; the groups start with
+this rank's own, then follow the other ranks cyclically (``me, me + 1, ..., R - 1, 0, ..., me - 1``), so
+the sender writes its own rows from row 0 without waiting for anyone's counts. Rows past
 ``packed_recv_count[i]`` are 0 (and their ``src_info`` is -1).
 
 Masking (fault tolerance): ``masked`` is this rank's own view. A rank that sees itself masked sends
@@ -33,6 +35,11 @@ def check_unique_experts(topk_idx: np.ndarray) -> None:
     if dup.any():
         t = int(np.nonzero(dup.any(axis=1))[0][0])
         raise ValueError(f"low-latency dispatch: token {t} selects expert {int(s[t][1:][dup[t]][0])} twice")
+
+
+def source_order(me: int, nranks: int) -> list[int]:
+    """The order of the source groups in rank ``me``'s expert slabs: itself first, then cyclically."""
+    return [(me + j) % nranks for j in range(nranks)]
 
 
 def _column_major(dense: np.ndarray) -> np.ndarray:
@@ -106,7 +113,7 @@ def dispatch(group, x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_e
     src_info = np.full((e_local, slab), -1, dtype=np.int32)
     layout_range = np.zeros((e_local, nranks), dtype=np.int64)
     count = np.zeros(e_local, dtype=np.int64)
-    for s in range(nranks):
+    for s in source_order(me, nranks):
         p = got[s]
         if masked[me] or masked[s] or p is None:
             layout_range[:, s] = count << 32

@@ -367,9 +367,11 @@ def ll_combine(b, y, topk, w, handle, **kw):
 
 
 def ll_expected(me, cases, e_local, masked=()):
-    """Per local expert: list of (source rank, token) in rank order then token order."""
+    """Per local expert: list of (source rank, token), sources from ``me`` on cyclically, then token order."""
     slabs = [[] for _ in range(e_local)]
-    for s, (x, topk, _) in enumerate(cases):
+    for j in range(len(cases)):
+        s = (me + j) % len(cases)
+        x, topk, _ = cases[s]
         if s in masked or me in masked:
             continue
         for t in range(x.shape[0]):
@@ -377,6 +379,19 @@ def ll_expected(me, cases, e_local, masked=()):
                 if e >= 0 and e // e_local == me:
                     slabs[e - me * e_local].append((s, t))
     return slabs
+
+
+def ll_expected_ranges(slab, me, num_ranks):
+    """layout_range of one local expert for the rows ``slab`` (as ll_expected gives them): per source,
+    ``(begin << 32) | count``, the groups laid out from ``me`` on cyclically."""
+    ranges = np.zeros(num_ranks, np.int64)
+    begin = 0
+    for j in range(num_ranks):
+        s = (me + j) % num_ranks
+        c = sum(1 for (ss, _) in slab if ss == s)
+        ranges[s] = (begin << 32) | c
+        begin += c
+    return ranges
 
 
 def expert_fn(x_rows, expert):
@@ -424,11 +439,7 @@ def test_ll_dispatch_and_combine_bf16(num_ranks, seed):
                 np.testing.assert_array_equal(recv_x[i, row].astype(np.float32), cases[s][0][t].astype(np.float32))
                 assert src_info[i, row] == t
             assert not recv_x[i, count[i]:].astype(np.float32).any() and (src_info[i, count[i]:] == -1).all()
-            begin = 0
-            for s in range(num_ranks):
-                c = sum(1 for (ss, _) in slabs[i] if ss == s)
-                assert layout[i, s] == (begin << 32) | c
-                begin += c
+            np.testing.assert_array_equal(layout[i], ll_expected_ranges(slabs[i], g.rank, num_ranks))
         np.testing.assert_array_equal(stats, 5 + count)
         assert not wait.any()
         y = apply_experts(g.rank, recv_x, e_local)
@@ -588,11 +599,7 @@ def test_ll_masking_all_ranks_agree(num_ranks):
         slabs = ll_expected(g.rank, cases, e_local, masked={victim})
         np.testing.assert_array_equal(count, [len(sl) for sl in slabs])
         for i in range(e_local):
-            begin = 0
-            for s in range(num_ranks):
-                c = sum(1 for (ss, _) in slabs[i] if ss == s)
-                assert handle[1][i, s] == (begin << 32) | c
-                begin += c
+            np.testing.assert_array_equal(handle[1][i], ll_expected_ranges(slabs[i], g.rank, num_ranks))
         if g.rank == victim:
             assert not count.any()
         combined, _ = ll_combine(b, apply_experts(g.rank, recv_x, e_local), topk, w, handle)
