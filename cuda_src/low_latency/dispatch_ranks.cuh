@@ -153,10 +153,9 @@ __device__ __forceinline__ void dispatch_send_ranks(
                 const uint32_t w = __shfl_sync(kFullMask, word, k);
                 const int le = static_cast<int>(w >> 16) - rank * num_local, row = static_cast<int>(w & 0xffffu);
                 out.store_data(own.x + (static_cast<size_t>(le) * own.slab + row) * Msg::kRowBytes);
-                if (seg == 0) {
-                    out.store_scales(own.use_ue8m0, own.scales, own.scales_ue8m0, le, own.slab, row, lane);
-                    if (lane == 0) record_row(own.src_info, own.row_map, le, row, rank, t, max_tokens, num_ranks, num_local);
-                }
+                out.store_scales(own.use_ue8m0, own.scales, own.scales_ue8m0, le, own.slab, row, lane);  // this segment's
+                if (seg == 0 && lane == 0)
+                    record_row(own.src_info, own.row_map, le, row, rank, t, max_tokens, num_ranks, num_local);
             }
         }
     }
