@@ -4,6 +4,9 @@
 #       tests-low-latency tests-graphs tests-pressure tests-internode startup host bench
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
+# MPS_PCT=<p>: run the NGPU ranks on one GPU under MPS, each rank limited to p% of its SMs (NGPU * p < 100:
+# a low-latency launch needs all of its blocks resident at once, so the ranks' grids must fit side by side).
+# Correctness only: the ranks share one GPU's memory and SMs, so timings are not those of separate GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
@@ -18,6 +21,11 @@ NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "$NGPU" --bind-to none
         -x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
         -x PYTHONUNBUFFERED -x DEEPEP_CUPY_CACHE_DIR -x DEEPEP_CUPY_TIMEOUT_S)
+if [ -n "${MPS_PCT:-}" ]; then
+    nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_PCT
+    MPIRUN+=(-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
+fi
 STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-pressure tests-internode startup bench}
 SUMMARY=()
 
