@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .runtime.device import current_device_id
 from .runtime.group import Agreement, CommGroup
-from .runtime.streams import current_stream_ptr, external_stream
+from .runtime.streams import current_stream
 from .tensors import frame_for
 
 __all__ = ["CudaRuntime"]
@@ -253,7 +253,7 @@ class CudaRuntime:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
 
         engine = self._engine("low_latency")
-        stream = external_stream(current_stream_ptr(None, self.device_id), self.device_id)
+        stream = current_stream(None, self.device_id)
         engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=stream)
 
     def low_latency_update_mask_buffer(self, rank, mask):

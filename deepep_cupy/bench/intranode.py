@@ -23,6 +23,7 @@ protocol (one release per token, 24 warps, unroll 4, half the sender block on lo
 from __future__ import annotations
 
 from ..ops.intranode_copy import DEFAULT_CHUNK_ROWS
+from ..ops.intranode_own import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -64,7 +65,7 @@ def _restore_defaults(engine) -> None:
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
     engine.use_output_pool = engine.use_copy_combine = True
-    engine.use_own_row_copies = engine.num_ranks <= 2
+    engine.use_own_row_copies = engine.num_ranks <= OWN_MAX_DEFAULT_RANKS
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 

@@ -33,6 +33,7 @@ from . import intranode_layout as L
 from . import kernel_names
 from .engine_health import EngineHealth
 from .intranode_copy import DEFAULT_CHUNK_ROWS, stream_writes_supported
+from .intranode_own import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
 from .intranode_own import MIN_ROWS as OWN_MIN_ROWS
 
 __all__ = [
@@ -368,8 +369,8 @@ class IntranodeEngine(EngineHealth):
         self.use_copy_combine = True
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
-        # Measured at 2 ranks only (like the output pool's default); tests turn it on at any size.
-        self.use_own_row_copies = self.num_ranks <= 2
+        # Tests turn it on at any size.
+        self.use_own_row_copies = self.num_ranks <= OWN_MAX_DEFAULT_RANKS
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False

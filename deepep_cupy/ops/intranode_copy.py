@@ -25,7 +25,8 @@ from ..plan_cache import OpHandle
 from . import intranode_layout as L
 from .kernel_names import intranode_combine_copy
 
-__all__ = ["IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule", "destroy_events", "fits",
+__all__ = ["IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule", "create_events", "destroy_events",
+           "fits",
            "home_counts", "staging_layout", "stream_writes_supported"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
@@ -180,7 +181,7 @@ class CopyCombine:
         rt = cupy.cuda.runtime
         self._rt = rt
         # start, copies done, flags done; then one per chunk (made as schedules need them).
-        self.events = [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(3)]
+        self.events = create_events(rt, 3)
         self.side, self.flag_side = engine.copy_stream(0), engine.copy_stream(1)
         from cuda.bindings import driver
 
@@ -210,8 +211,8 @@ class CopyCombine:
         engine.copy_seq += 1
         seq = engine.copy_seq
         events = self.events
-        while len(events) < 3 + len(schedule):
-            events.append(rt.eventCreateWithFlags(_DISABLE_TIMING))
+        if len(events) < 3 + len(schedule):
+            events += create_events(rt, 3 + len(schedule) - len(events))
         rt.eventRecord(events[0], comm)
         rt.streamWaitEvent(side, events[0], 0)
         xp = ptr(x)
@@ -251,6 +252,11 @@ class CopyCombine:
 
     def __del__(self) -> None:
         destroy_events(self)
+
+
+def create_events(rt, n: int) -> list[int]:
+    """``n`` CUDA events without timing (the fork and join points between streams), made with ``rt``."""
+    return [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(n)]
 
 
 def destroy_events(owner) -> None:

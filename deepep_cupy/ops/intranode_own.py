@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .intranode_copy import destroy_events
+from .intranode_copy import create_events, destroy_events
 
-__all__ = ["MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
+__all__ = ["MAX_DEFAULT_RANKS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
 
+#: On by default up to this many ranks: measured at 2 only (like the output pool's default).
+MAX_DEFAULT_RANKS = 2
 #: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
 MIN_ROWS = 1024
 #: More runs than this stay on the SMs (each run is a copy to issue).
 MAX_RUNS = 64
 _MEMCPY_DEFAULT = 4
-_DISABLE_TIMING = 0x2
 
 
 def own_runs(own_tokens: np.ndarray) -> list[tuple[int, int]]:
@@ -46,7 +47,7 @@ class OwnRowCopies:
         self.engine, self.row_bytes, self.comm_stream = engine, int(row_bytes), comm_stream
         rt = cupy.cuda.runtime
         self._rt = rt
-        self.events = [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(2)]
+        self.events = create_events(rt, 2)
 
     def runs(self, handle) -> tuple[int, list[tuple[int, int]]] | None:
         """``(first own row of recv_x, runs of x)`` for ``handle``, or None when the SMs keep the own rows

@@ -50,7 +50,6 @@ class LaunchPlan:
     __slots__ = ("kernel", "grid", "block", "shared_mem", "names", "_slots", "_array", "_address", "_fn")
 
     def __init__(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
-        self.kernel = kernel
         self.grid = _dim3(grid)
         self.block = _dim3(block)
         self.shared_mem = int(shared_mem)
@@ -70,6 +69,11 @@ class LaunchPlan:
         self._array = (ctypes.c_void_p * max(len(args), 1))(
             *[ctypes.addressof(self._slots[name]) for name in self.names])
         self._address = ctypes.addressof(self._array)
+        self._bind(kernel)
+
+    def _bind(self, kernel) -> None:
+        """Make ``kernel`` the plan's function."""
+        self.kernel = kernel
         self._fn = _function_address(kernel)
         # Static and dynamic shared memory together past 48 KiB need the opt-in for the dynamic part.
         if self.shared_mem > 0 and self.shared_mem + _static_shared(self._fn) > _DEFAULT_SHARED_LIMIT:
@@ -81,10 +85,7 @@ class LaunchPlan:
         other = object.__new__(LaunchPlan)
         for name in LaunchPlan.__slots__:
             setattr(other, name, getattr(self, name))
-        other.kernel = kernel
-        other._fn = _function_address(kernel)
-        if other.shared_mem > 0 and other.shared_mem + _static_shared(other._fn) > _DEFAULT_SHARED_LIMIT:
-            _allow_shared(other._fn, other.shared_mem, kernel)
+        other._bind(kernel)
         return other
 
     def slot(self, name: str):
