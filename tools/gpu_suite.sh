@@ -20,7 +20,8 @@ fi
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np "$NGPU" --bind-to none
         -x PYTHONPATH -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
-        -x PYTHONUNBUFFERED -x DEEPEP_CUPY_CACHE_DIR -x DEEPEP_CUPY_TIMEOUT_S)
+        -x PYTHONUNBUFFERED)
+for var in $(compgen -e | grep '^DEEPEP_CUPY_'); do MPIRUN+=(-x "$var"); done  # the library's settings, as given
 if [ -n "${MPS_PCT:-}" ]; then
     nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_PCT

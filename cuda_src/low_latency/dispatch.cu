@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             dispatch_send_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits, &s_last,
                 s_peer_recv, sym_tags, rank_tags, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
-                OwnRows{out_x, out_scales, out_scales_ue8m0, out_src_info, out_row_map, slab, use_ue8m0 != 0}, err);
+                OwnRows{out_x, out_scales, out_scales_ue8m0, out_src_info, out_row_map, slab, use_ue8m0 != 0},
+                !kFP8 && (phases & kPhaseRecv) != 0, err);
         } else if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,

@@ -17,7 +17,7 @@
 // order), so the send writes them straight into their rows of the packed outputs (OwnRows; row =
 // position) and the receive copies only the peers' messages. At 2 ranks that halves the receive's bytes,
 // which is what a hook's receive part waits on. The rank word still counts them, so the receive of a
-// fused launch knows the own counts are there.
+// fused launch knows the own counts are there. A fused BF16 launch writes them after its signal (below).
 //
 // Completion: block 0 writes, into every live destination, its row count per local expert (tags region,
 // word s * E_local + le: (sequence tag << 16) | count, plain stores) as soon as the routing is known;
@@ -67,7 +67,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
     int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
     uint8_t* const* s_peer_recv, uint32_t* sym_counts, uint32_t* sym_rank_tags, uint8_t* sym_recv,
     uint32_t* done_counter, uint32_t tag, bool round_scale, const SendAhead<kIdsAhead>& ahead, const OwnRows& own,
-    ErrorRecord* err) {
+    bool own_after_signal, ErrorRecord* err) {
     static_assert(kTopk >= 1 && kTopk <= 32, "one lane per top-k entry");
     using Msg = RankMsg<kHidden, kTopk, kFP8>;
     constexpr int kBlockWarps = kThreads / 32;
@@ -93,28 +93,47 @@ __device__ __forceinline__ void dispatch_send_ranks(
             tag_word(tag, static_cast<uint32_t>(bits_set(s_hits + e * chunks, chunks)));
     }
 
+    // Lane k of token t's warp: the destination of entry k and its header word, (expert << 16) | position
+    // (dst -1 and kNoEntry when the entry sends no row: out of range, masked, or a repeat of a lower lane).
+    const uint32_t below = (1u << lane) - 1u;
+    const auto route = [&](int64_t id, int t, int& dst, uint32_t& word) {
+        const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(id));
+        dst = -1;
+        word = kNoEntry;
+        if (lane < kTopk && (same & below) == 0u && id >= 0 && id < num_experts) {
+            const int e = static_cast<int>(id);
+            if (s_mask[e / num_local] == 0) {
+                dst = e / num_local;
+                word = (static_cast<uint32_t>(e) << 16) | static_cast<uint32_t>(bits_before(s_hits + e * chunks, t));
+            }
+        }
+    };
+    // This rank's own entries of the segment: straight into their rows, which start each slab (row = position).
+    const auto store_own = [&](const SendSegment<kHidden, kFP8>& out, int dst, uint32_t word, int t, int seg) {
+        uint32_t own_rows = __ballot_sync(kFullMask, dst == rank);
+        while (own_rows != 0u) {  // uniform over the warp
+            const int k = __ffs(own_rows) - 1;
+            own_rows &= own_rows - 1u;
+            const uint32_t w = __shfl_sync(kFullMask, word, k);
+            const int le = static_cast<int>(w >> 16) - rank * num_local, row = static_cast<int>(w & 0xffffu);
+            out.store_data(own.x + (static_cast<size_t>(le) * own.slab + row) * Msg::kRowBytes);
+            out.store_scales(own.use_ue8m0, own.scales, own.scales_ue8m0, le, own.slab, row, lane);  // this segment's
+            if (seg == 0 && lane == 0)
+                record_row(own.src_info, own.row_map, le, row, rank, t, max_tokens, num_ranks, num_local);
+        }
+    };
+    const int total_items = num_tokens * kSegs;
+    const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
+
     if (!self_masked) {
-        const int total_items = num_tokens * kSegs;
-        const int total_warps = static_cast<int>(gridDim.x) * kBlockWarps;
         const int first_item = first_grid_item();
-        const uint32_t below = (1u << lane) - 1u;
         for (int item = first_item; item < total_items; item += total_warps) {
             const int t = item / kSegs;
             const int seg = item % kSegs;
             const SendItem in = item == first_item ? ahead.first : load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
-            const int64_t id = in.id;
-
-            // Lane k: header word k, and whether it leads its destination (first live lane for that rank).
-            const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(id));
-            int dst = -1;
-            uint32_t word = kNoEntry;
-            if (lane < kTopk && (same & below) == 0u && id >= 0 && id < num_experts) {
-                const int e = static_cast<int>(id);
-                if (s_mask[e / num_local] == 0) {
-                    dst = e / num_local;
-                    word = (static_cast<uint32_t>(e) << 16) | static_cast<uint32_t>(bits_before(s_hits + e * chunks, t));
-                }
-            }
+            int dst;
+            uint32_t word;
+            route(in.id, t, dst, word);
             const unsigned same_dst = __match_any_sync(kFullMask, dst);
             uint8_t* msg = nullptr;
             if (dst >= 0 && dst != rank && (same_dst & below) == 0u) {
@@ -145,18 +164,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
                 out.store(m, lane);
                 if (seg == 0 && lane < Msg::kHeaderInt4) st_na_v4(reinterpret_cast<int4*>(m + Msg::kDataBytes) + lane, header);
             }
-            // This rank's own entries: straight into their rows, which start each slab (row = position).
-            uint32_t own_rows = __ballot_sync(kFullMask, dst == rank);
-            while (own_rows != 0u) {  // uniform over the warp
-                const int k = __ffs(own_rows) - 1;
-                own_rows &= own_rows - 1u;
-                const uint32_t w = __shfl_sync(kFullMask, word, k);
-                const int le = static_cast<int>(w >> 16) - rank * num_local, row = static_cast<int>(w & 0xffffu);
-                out.store_data(own.x + (static_cast<size_t>(le) * own.slab + row) * Msg::kRowBytes);
-                out.store_scales(own.use_ue8m0, own.scales, own.scales_ue8m0, le, own.slab, row, lane);  // this segment's
-                if (seg == 0 && lane == 0)
-                    record_row(own.src_info, own.row_map, le, row, rank, t, max_tokens, num_ranks, num_local);
-            }
+            if (!own_after_signal) store_own(out, dst, word, t, seg);
         }
     }
 
@@ -166,6 +174,23 @@ __device__ __forceinline__ void dispatch_send_ranks(
             if (s_mask[dst] != 0) continue;
             st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
                                tag_word(tag, static_cast<uint32_t>(bits_set(s_reach + dst * chunks, chunks))));
+        }
+    }
+
+    // own_after_signal (a fused BF16 launch): the own rows are written once the messages are out (the
+    // receive never reads them, and the kernel's end publishes them), so the peers' rank words do not wait
+    // for them and the writes overlap the wait for the peers' messages. A send part alone writes them
+    // above: its receive part reads them. FP8 keeps them above too: its own rows are half as many bytes,
+    // and the second pass's casts and spills cost more than they save (same-GPU A/B, docs).
+    if (own_after_signal && !self_masked) {
+        for (int item = first_grid_item(); item < total_items; item += total_warps) {
+            const int t = item / kSegs;
+            if (((s_reach[rank * chunks + t / 32] >> (t % 32)) & 1u) == 0u) continue;  // uniform over the warp
+            const SendItem in = load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
+            int dst;
+            uint32_t word;
+            route(in.id, t, dst, word);
+            store_own(SendSegment<kHidden, kFP8>(in, item % kSegs, round_scale, lane), dst, word, t, item % kSegs);
         }
     }
 }

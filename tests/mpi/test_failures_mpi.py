@@ -20,17 +20,10 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 LAST = SIZE - 1
 BF16 = ml_dtypes.bfloat16
-TIMEOUT = 3.0  # DEEPEP_CUPY_TIMEOUT_S in these tests: an agreed error must come well before it
+TIMEOUT = 3.0  # DEEPEP_CUPY_TIMEOUT_S in these tests (tests/mpi/conftest.py): an agreed error comes well before it
 
 pytestmark = [pytest.mark.skipif(SIZE < 2, reason="run under mpiexec with 2 or more ranks"),
               pytest.mark.timeout(60, method="thread")]  # a hang ends the job
-
-
-@pytest.fixture(autouse=True)
-def short_timeout(monkeypatch):
-    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", str(TIMEOUT))
-    yield
-    COMM.Barrier()  # the next test starts together (on the caller's communicator, not the library's)
 
 
 def _routing(seed, n, num_experts, k):

@@ -21,17 +21,10 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 LAST = SIZE - 1
 BF16 = ml_dtypes.bfloat16
-TIMEOUT = 2.0
+TIMEOUT = 2.0  # DEEPEP_CUPY_TIMEOUT_S in these tests (tests/mpi/conftest.py)
 
 pytestmark = [pytest.mark.skipif(SIZE < 2, reason="run under mpiexec with 2 or more ranks"),
               pytest.mark.timeout(60, method="thread")]  # a hang ends the job
-
-
-@pytest.fixture(autouse=True)
-def short_timeout(monkeypatch):
-    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", str(TIMEOUT))
-    yield
-    COMM.Barrier()
 
 
 def _times_out(call, op, missing, seconds=TIMEOUT):
