@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ..runtime.streams import external_stream
+from ..runtime.streams import current_stream
 from .timing import format_table, park, row
 
 __all__ = ["run"]
@@ -254,7 +254,7 @@ def _frameworks() -> tuple[list[str], dict[str, str]]:
 def _torch_stream():
     import torch
 
-    return external_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+    return current_stream("torch", torch.cuda.current_device())
 
 
 def run(comm, args) -> list[dict]:

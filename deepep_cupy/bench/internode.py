@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ..runtime.streams import external_stream
+from ..runtime.streams import current_stream
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -49,7 +49,7 @@ def run(comm, args) -> list[dict]:
     import torch
 
     # torch tensors, as the library's users pass them; timed on torch's current stream.
-    stream = external_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+    stream = current_stream("torch", torch.cuda.current_device())
     rows: list[dict] = []
     try:
         gen = torch.Generator(device="cuda").manual_seed(1000 + rank)

@@ -20,6 +20,7 @@ from ..runtime.kernel_errors import timeout_seconds
 from . import internode_layout as IL
 from . import kernel_names
 from .engine_health import EngineHealth
+from .intranode_args import kernel_pointer as _ptr
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
@@ -109,13 +110,6 @@ def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int) -> int:
     """Blocks of one kind (senders or receivers) for ``num_channels`` channels."""
     sub = IL.sub_channels(num_nvl_ranks, num_domains)
     return (int(num_channels) + sub - 1) // sub
-
-
-_NULL = np.uint64(0)
-
-
-def _ptr(arr):
-    return _NULL if arr is None else arr
 
 
 def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
