@@ -184,13 +184,13 @@ __device__ __forceinline__ void dispatch_send_ranks(
     // and the second pass's casts and spills cost more than they save (same-GPU A/B, docs).
     if (own_after_signal && !self_masked) {
         for (int item = first_grid_item(); item < total_items; item += total_warps) {
-            const int t = item / kSegs;
+            const int t = item / kSegs, seg = item % kSegs;
             if (((s_reach[rank * chunks + t / 32] >> (t % 32)) & 1u) == 0u) continue;  // uniform over the warp
             const SendItem in = load_send_item<kHidden, kTopk>(x, topk_idx, item, lane);
             int dst;
             uint32_t word;
             route(in.id, t, dst, word);
-            store_own(SendSegment<kHidden, kFP8>(in, item % kSegs, round_scale, lane), dst, word, t, item % kSegs);
+            store_own(SendSegment<kHidden, kFP8>(in, seg, round_scale, lane), dst, word, t, seg);
         }
     }
 }

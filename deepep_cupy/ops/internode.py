@@ -20,7 +20,7 @@ from ..runtime.kernel_errors import timeout_seconds
 from . import internode_layout as IL
 from . import kernel_names
 from .engine_health import EngineHealth
-from .intranode_args import kernel_pointer as _ptr
+from .intranode_args import kernel_pointer as _ptr  # short: the argument lists below are dense
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",

@@ -24,8 +24,6 @@ def kernel_pointer(arr) -> object:
     return _NULL if arr is None else arr
 
 
-_ptr = kernel_pointer
-
 
 def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
                 expert_alignment, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, meta,
@@ -63,12 +61,12 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
     slot = layout.slot
     return [
         ("x", x),
-        ("x_scales", _ptr(x_scales)),
+        ("x_scales", kernel_pointer(x_scales)),
         ("scale_token_stride", np.int64(scale_token_stride)),
         ("scale_block_stride", np.int64(scale_block_stride)),
         ("num_scales", np.int32(num_scales)),
-        ("topk_idx", _ptr(topk_idx)),
-        ("topk_weights", _ptr(topk_weights)),
+        ("topk_idx", kernel_pointer(topk_idx)),
+        ("topk_weights", kernel_pointer(topk_weights)),
         ("num_topk", np.int32(num_topk)),
         ("num_local_experts", np.int32(num_local_experts)),
         ("is_token_in_rank", is_token_in_rank),
@@ -78,16 +76,16 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("channel_prefix_matrix", channel_prefix_matrix),
         ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
         ("recv_x", recv_x),
-        ("recv_x_scales", _ptr(recv_x_scales)),
-        ("recv_topk_idx", _ptr(recv_topk_idx)),
-        ("recv_topk_weights", _ptr(recv_topk_weights)),
-        ("recv_src_idx", _ptr(recv_src_idx)),
-        ("send_head", _ptr(send_head)),
+        ("recv_x_scales", kernel_pointer(recv_x_scales)),
+        ("recv_topk_idx", kernel_pointer(recv_topk_idx)),
+        ("recv_topk_weights", kernel_pointer(recv_topk_weights)),
+        ("recv_src_idx", kernel_pointer(recv_src_idx)),
+        ("send_head", kernel_pointer(send_head)),
         ("num_out_rows", np.int32(num_out_rows)),
         ("num_worst_tokens", np.int32(num_worst_tokens)),
         ("own_rows_copied", np.int32(0)),
         ("bases", bases),
-        ("pool_bases", _ptr(pool_bases)),
+        ("pool_bases", kernel_pointer(pool_bases)),
         ("done_offset", np.int64(layout.end)),
         ("ring_offset", np.int64(layout.ring_offset)),
         ("free_offset", np.int64(layout.free_offset)),
@@ -113,10 +111,10 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matri
     """Arguments of combine_kernel, in order, with their parameter names."""
     return [
         ("x", x),
-        ("topk_weights", _ptr(topk_weights)),
+        ("topk_weights", kernel_pointer(topk_weights)),
         ("num_topk", np.int32(num_topk)),
-        ("bias_0", _ptr(bias_0)),
-        ("bias_1", _ptr(bias_1)),
+        ("bias_0", kernel_pointer(bias_0)),
+        ("bias_1", kernel_pointer(bias_1)),
         ("rank_prefix_matrix", rank_prefix_matrix),
         ("channel_prefix_matrix", channel_prefix_matrix),
         ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
@@ -124,7 +122,7 @@ def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matri
         ("num_tokens", np.int32(num_tokens)),
         ("hidden_int4", np.int32(hidden_int4)),
         ("combined_x", combined_x),
-        ("combined_topk_weights", _ptr(combined_topk_weights)),
+        ("combined_topk_weights", kernel_pointer(combined_topk_weights)),
         ("bases", bases),
         ("ring_offset", np.int64(layout.ring_offset)),
         ("free_offset", np.int64(layout.free_offset)),

@@ -30,6 +30,7 @@ from normal_common import (
     skip_unless_framework_holds,
 )
 
+from deepep_cupy.ops.intranode_own import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
 from deepep_cupy.ops.intranode_own import MAX_RUNS as OWN_MAX_RUNS
 from deepep_cupy.ops.intranode_own import MIN_ROWS as OWN_MIN_ROWS
 from deepep_cupy.ops.intranode_own import own_runs
@@ -196,7 +197,7 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
         engine.use_output_pool = engine.use_copy_combine = True
-        engine.use_own_row_copies = engine.num_ranks <= 2
+        engine.use_own_row_copies = engine.num_ranks <= OWN_MAX_DEFAULT_RANKS
         engine.own_copy_min_rows = OWN_MIN_ROWS
 
 
