@@ -4,9 +4,12 @@
 #       tests-low-latency tests-graphs tests-pressure tests-internode startup host bench
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
-# MPS_PCT=<p>: run the NGPU ranks on one GPU under MPS, each rank limited to p% of its SMs (NGPU * p < 100:
-# a low-latency launch needs all of its blocks resident at once, so the ranks' grids must fit side by side).
-# Correctness only: the ranks share one GPU's memory and SMs, so timings are not those of separate GPUs.
+# MPS_PCT=<p>: run the NGPU ranks on one GPU under MPS, each rank limited to p% of its SMs. A low-latency
+# launch needs all of its blocks resident at once, so the ranks' grids must fit side by side: before any
+# stage, tools/mps_residency.py checks that they do and the summary says so (on one H100: 2 ranks at 40%
+# and 4 at 10% pass, 4 at 20% does not; but 4 at 10% leave 12 SMs a rank, fewer than the intranode
+# kernels' default 20). Correctness only: the ranks share one GPU's memory and SMs, so timings are not
+# those of separate GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-logs}; mkdir -p "$OUT"
@@ -29,6 +32,17 @@ if [ -n "${MPS_PCT:-}" ]; then
 fi
 STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-pressure tests-internode startup bench}
 SUMMARY=()
+if [ -n "${MPS_PCT:-}" ]; then
+    timeout 120 "${MPIRUN[@]}" python3 tools/mps_residency.py > "$OUT/mps_residency.log" 2>&1
+    rc=$?
+    grep -h MPS_RESIDENCY "$OUT/mps_residency.log"
+    if [ $rc -eq 0 ]; then
+        SUMMARY+=("mps residency: every rank's grid started whole at ${MPS_PCT}% each")
+    else  # reported, not fatal: the intranode suites need more SMs than a share that passes gives at 4 ranks
+        SUMMARY+=("mps residency FAILED (rc $rc): at ${MPS_PCT}% each a rank's grid can start in part, so low-latency\
+ waits may time out here because of MPS, not the kernels ($OUT/mps_residency.log)")
+    fi
+fi
 
 stage_info() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
