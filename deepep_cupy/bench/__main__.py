@@ -14,34 +14,42 @@ import json
 import os
 import sys
 
+from . import targets
 from .timing import format_table
 
 SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
+_NAMES = SUITES + ("all",)
+
+
+def command_line() -> argparse.ArgumentParser:
+    """The benchmarks' command line; its defaults are the workloads the targets (:mod:`.targets`) were set for."""
+    p = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
     # No `choices` here: Python 3.11's argparse checks a `nargs="*"` positional's default (or the empty list)
-    # against them and rejects a command line that names no suite. The names are checked below instead.
-    names = SUITES + ("all",)
-    parser.add_argument("suites", nargs="*", metavar="suite",
-                        help=f"one or more of {', '.join(names)} (default: all)")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (normal kernels)")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--num-sms", type=int, default=24)
-    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
-    parser.add_argument("--ll-experts", type=int, default=288)
-    parser.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
-    parser.add_argument("--suite-timeout", type=float, default=240, help="seconds before a hung suite is killed")
-    parser.add_argument("--json", help="write all rows to this file")
-    parser.add_argument("--plot", help="save a chart of the run to this PNG (each op next to the naive NCCL path and "
-                                       "the copy engine; python -m deepep_cupy.bench.plot redraws it from --json)")
+    # against them and rejects a command line that names no suite. The names are checked in main() instead.
+    p.add_argument("suites", nargs="*", metavar="suite", help=f"one or more of {', '.join(_NAMES)} (default: all)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (normal kernels)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
+    p.add_argument("--ll-experts", type=int, default=288)
+    p.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
+    p.add_argument("--suite-timeout", type=float, default=240, help="seconds before a hung suite is killed")
+    p.add_argument("--json", help="write all rows to this file")
+    p.add_argument("--plot", help="save a chart of the run to this PNG (each op next to the naive NCCL path and "
+                                  "the copy engine; python -m deepep_cupy.bench.plot redraws it from --json)")
+    return p
+
+
+def main() -> None:
+    parser = command_line()
     args = parser.parse_args()
-    unknown = [name for name in args.suites if name not in names]
+    unknown = [name for name in args.suites if name not in _NAMES]
     if unknown:
-        parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(names)}")
+        parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(_NAMES)}")
     suites = SUITES if not args.suites or "all" in args.suites else tuple(dict.fromkeys(args.suites))
     reason = _no_gpu_reason()
     if reason:
@@ -84,6 +92,8 @@ def main() -> None:
                     f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
         print(f"\n{workload}")
         print(format_table(rows), flush=True)
+        if targets.applies(comm.Get_size(), args):
+            print(f"\n{targets.format_targets(rows)}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
