@@ -3,8 +3,8 @@ machine (2 x H200, DeepEP's workloads), the target and this run's time, and whet
 
     python -m deepep_cupy.bench.targets bench.json
 
-``python -m deepep_cupy.bench`` prints the same table after its own when it ran 2 ranks on the default
-workloads, the only ones the targets were set for. Times are the low-latency ops' kernel time (as DeepEP's
+``python -m deepep_cupy.bench`` prints the same table after its own when it ran 2 ranks, a GPU each, on the
+default workloads, the only ones the targets were set for (otherwise one line saying why not). Times are the low-latency ops' kernel time (as DeepEP's
 low-latency test measures it) and the other ops' GPU time, as in the run's table.
 """
 
@@ -46,9 +46,15 @@ WORKLOAD = {"ranks": 2, "tokens": 4096, "hidden": 7168, "experts": 256, "topk": 
             "ll_tokens": 128, "ll_experts": 288}
 
 
-def applies(ranks: int, args) -> bool:
-    """Whether a run of ``ranks`` ranks with the command line ``args`` measured the targets' workload."""
-    return ranks == WORKLOAD["ranks"] and all(getattr(args, k) == v for k, v in WORKLOAD.items() if k != "ranks")
+def applies(ranks: int, args, gpus: int) -> str | None:
+    """None when a run of ``ranks`` ranks on ``gpus`` visible GPUs with the command line ``args`` measured the
+    targets' workload on a GPU per rank; else why its times are not comparable with the targets."""
+    if ranks != WORKLOAD["ranks"]:
+        return f"the targets are for {WORKLOAD['ranks']} ranks, this run had {ranks}"
+    if gpus < ranks:
+        return f"the {ranks} ranks shared {gpus} GPU{'s' if gpus != 1 else ''}"
+    other = [k for k, v in WORKLOAD.items() if k != "ranks" and getattr(args, k) != v]
+    return f"not the targets' workload ({', '.join(other)} differ)" if other else None
 
 
 def compare(rows) -> list[dict]:
