@@ -55,7 +55,9 @@ def main() -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    sms = int(cupy.cuda.Device(0).attributes["MultiProcessorCount"])
+    device = cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount())  # the GPU the tests give this rank
+    device.use()
+    sms = int(device.attributes["MultiProcessorCount"])
     shared = 150 * 1024
     kernel = cupy.RawKernel(_SOURCE, "check_in")
     kernel.max_dynamic_shared_size_bytes = shared
