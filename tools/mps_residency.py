@@ -64,10 +64,11 @@ def main() -> int:
     counters = cupy.zeros(args.launches, dtype=cupy.uint32)
     waits = cupy.zeros(args.launches, dtype=cupy.uint64)
     stream = cupy.cuda.Stream(non_blocking=True)
+    hold_ns = cupy.uint64(HOLD_US * 1000)
     comm.Barrier()
     with stream:
         for i in range(args.launches):
-            kernel((sms,), (768,), (counters[i:], waits[i:], cupy.uint64(HOLD_US * 1000)), shared_mem=shared)
+            kernel((sms,), (768,), (counters[i:], waits[i:], hold_ns), shared_mem=shared)
     stream.synchronize()
     waits_us = waits.get() / 1e3
     partial = int((waits_us > PARTIAL_US).sum())

@@ -92,8 +92,8 @@ def main() -> None:
                     f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
         print(f"\n{workload}")
         print(format_table(rows), flush=True)
-        unlike = targets.applies(comm.Get_size(), args, cupy.cuda.runtime.getDeviceCount())
-        print(f"\n{targets.format_targets(rows)}" if unlike is None else f"\ntargets not compared: {unlike}", flush=True)
+        why_not = targets.why_not_compared(comm.Get_size(), args, cupy.cuda.runtime.getDeviceCount())
+        print(f"\n{targets.format_targets(rows)}" if why_not is None else f"\ntargets not compared: {why_not}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -14,7 +14,9 @@ import argparse
 import json
 from typing import NamedTuple
 
-__all__ = ["TARGETS", "WORKLOAD", "Target", "applies", "compare", "format_targets", "main"]
+from .timing import format_table
+
+__all__ = ["TARGETS", "WORKLOAD", "Target", "why_not_compared", "compare", "format_targets", "main"]
 
 
 class Target(NamedTuple):
@@ -46,7 +48,7 @@ WORKLOAD = {"ranks": 2, "tokens": 4096, "hidden": 7168, "experts": 256, "topk": 
             "ll_tokens": 128, "ll_experts": 288}
 
 
-def applies(ranks: int, args, gpus: int) -> str | None:
+def why_not_compared(ranks: int, args, gpus: int) -> str | None:
     """None when a run of ``ranks`` ranks on ``gpus`` visible GPUs with the command line ``args`` measured the
     targets' workload on a GPU per rank; else why its times are not comparable with the targets."""
     if ranks != WORKLOAD["ranks"]:
@@ -79,8 +81,6 @@ def compare(rows) -> list[dict]:
 
 
 def format_targets(rows) -> str:
-    from .timing import format_table
-
     entries = compare(rows)
     met = sum(e["status"] == "met" for e in entries)
     return f"targets (2 x H200, DeepEP's workloads): {met} of {len(entries)} met\n" + format_table(entries)

@@ -24,7 +24,6 @@ def kernel_pointer(arr) -> object:
     return _NULL if arr is None else arr
 
 
-
 def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
                 expert_alignment, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, meta,
                 bases, notify_offset, notify_stride, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:

@@ -50,13 +50,13 @@ def test_only_the_targets_workload_is_compared():
 
     # The benchmarks' defaults are the targets' workload, on a GPU per rank; anything else says why not.
     args = command_line().parse_args(["--quick"])
-    assert targets.applies(2, args, gpus=2) is None
-    assert "for 2 ranks" in targets.applies(4, args, gpus=4)
-    assert "shared 1 GPU" in targets.applies(2, args, gpus=1)
+    assert targets.why_not_compared(2, args, gpus=2) is None
+    assert "for 2 ranks" in targets.why_not_compared(4, args, gpus=4)
+    assert "shared 1 GPU" in targets.why_not_compared(2, args, gpus=1)
     for option, value, name in (("--tokens", "1024", "tokens"), ("--num-sms", "20", "num_sms"),
                                 ("--ll-experts", "256", "ll_experts")):
-        assert name in targets.applies(2, command_line().parse_args([option, value]), gpus=8)
-    assert "topk" in targets.applies(2, SimpleNamespace(**{**vars(args), "topk": 6}), gpus=2)
+        assert name in targets.why_not_compared(2, command_line().parse_args([option, value]), gpus=8)
+    assert "topk" in targets.why_not_compared(2, SimpleNamespace(**{**vars(args), "topk": 6}), gpus=2)
 
 
 def test_command_line(tmp_path):
