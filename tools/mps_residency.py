@@ -11,7 +11,7 @@ were not), so the suite asks the GPU instead of assuming it.
 Each rank launches grids of one block per SM (shared memory past half an SM's keeps a second block out).
 Every block checks in on the launch's counter, waits until its whole grid has checked in, then holds its
 SM for HOLD_US so that the ranks' grids overlap in time. A block that waited much longer than a check-in
-takes saw its grid start in part. Exit status 1, with the longest wait, when any rank saw that.
+takes saw its grid start in part. Exit status 3 (PARTIAL_EXIT), with the longest wait, when any rank saw that.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import sys
 HOLD_US = 30
 #: A whole grid checks in within about a microsecond; a partial one waits for another client's grid.
 PARTIAL_US = 10
+#: Exit status when some grid started in part (a crash exits 1, the suite's time limit 124).
+PARTIAL_EXIT = 3
 
 _SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(768, 1)
@@ -84,7 +86,7 @@ def main() -> int:
             print(f"MPS_RESIDENCY FAILED: with {comm.size} ranks at {share}% of the SMs each, a rank's grid of one "
                   f"block per SM did not always start whole; the low-latency kernels would wait for their own "
                   f"blocks until they time out. Choose a smaller MPS_PCT.")
-    return 0 if comm.bcast(ok, root=0) else 1
+    return 0 if comm.bcast(ok, root=0) else PARTIAL_EXIT
 
 
 if __name__ == "__main__":
