@@ -1,30 +1,27 @@
 """The public ``Buffer``: DeepEP V1's API over a GPU backend or the NumPy reference backend.
 
 This layer validates arguments, converts tensors to what the chosen backend consumes, and returns
-results in the caller's framework. The work itself lives in ``cuda_runtime`` (kernels) and
-``reference`` (NumPy oracle).
+results in the caller's framework. The work itself lives in the backends (``backends/cuda.py``: kernels;
+``backends/reference.py``: the NumPy oracle of ``reference/``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import weakref
 
-from . import buffer_checks as checks
-from . import validate as check
+from . import checks
+from .backends import make_backend
 from .buffer_low_latency import LowLatencyOps
 from .config import Config, low_latency_rdma_size_hint
+from .device.gpus import current_device_id, gpu_count
+from .device.group import make_group
+from .device.streams import DeviceEvent, current_stream_ptr
 from .event import EventOverlap
-from .interop import I32 as _I32
-from .interop import I64 as _I64
-from .interop import shape_of
-from .plan_cache import config_key as _config_key
-from .plan_cache import handle_meta as _handle_meta
-from .plan_cache import lookup as _lookup
-from .plan_cache import store as _store
-from .runtime.device import gpu_count
-from .runtime.group import make_group
-from .tensors import meta
+from .frameworks import I32, I64, meta, shape_of
+from .ops.handles import device_handle_values, handle_meta
+from .ops.plan import config_key, lookup, store
 from .tuning import tuned_config
 
 __all__ = ["Buffer"]
@@ -42,7 +39,7 @@ _COMBINE_CONFIGS = {2: (1, 256, 6, 128), 4: (1, 256, 6, 128), 8: (1, 256, 6, 128
 
 
 def _pick_config(table: dict, num_ranks: int, hidden: int | None = None) -> Config:
-    # Configs stored by `python -m deepep_cupy.tune` for this GPU model and rank count come first; after
+    # Configs stored by `python -m deepep_cupy.tuning` for this GPU model and rank count come first; after
     # set_num_sms, the ones tuned at that SM count.
     tuned = tuned_config("dispatch" if table is _DISPATCH_CONFIGS else "combine", num_ranks, hidden,
                          Buffer.num_sms if Buffer._num_sms_set else None)
@@ -112,12 +109,12 @@ class Buffer(LowLatencyOps):
         self.group = group if group is not None else comm
         self.rank = self._group.rank
         self.group_size = self._group.size
-        self.num_nvl_bytes = check.nonneg_int("num_nvl_bytes", num_nvl_bytes)
-        self.num_rdma_bytes = check.nonneg_int("num_rdma_bytes", num_rdma_bytes)
+        self.num_nvl_bytes = checks.nonneg_int("num_nvl_bytes", num_nvl_bytes)
+        self.num_rdma_bytes = checks.nonneg_int("num_rdma_bytes", num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
-        self.num_qps_per_rank = check.positive_int("num_qps_per_rank", num_qps_per_rank)
+        self.num_qps_per_rank = checks.positive_int("num_qps_per_rank", num_qps_per_rank)
         self.num_nvl_ranks = self._nvl_domain_size(num_nvl_ranks)
         self.backend = _choose_backend(backend)
         self._destroyed = False
@@ -129,31 +126,20 @@ class Buffer(LowLatencyOps):
         self._ll_combine_plans: dict = {}
         self._default_configs: dict = {}
         # Expert-id values are checked on the host only by the reference backend; GPU kernels check them.
-        self._host_values = self.backend == "reference" and check.values_enabled()
-        if self.backend == "reference":
-            from .reference_runtime import ReferenceRuntime
-
-            self.runtime = ReferenceRuntime(self._group, num_nvl_ranks=self.num_nvl_ranks,
-                                            low_latency_mode=self.low_latency_mode,
-                                            enable_shrink=self.enable_shrink,
-                                            num_channels=max(self.num_sms // 2, 1))
-            # A bad argument on one rank is raised on every rank (each op starts with a host exchange).
-            checks.report_failures(self)
-        else:
-            from .cuda_runtime import CudaRuntime
-
-            self.runtime = CudaRuntime(self._group, num_nvl_bytes=self.num_nvl_bytes,
-                                       num_rdma_bytes=self.num_rdma_bytes, num_nvl_ranks=self.num_nvl_ranks,
-                                       low_latency_mode=self.low_latency_mode,
-                                       num_qps_per_rank=self.num_qps_per_rank,
-                                       allow_nvlink=bool(allow_nvlink_for_low_latency_mode),
-                                       allow_mnnvl=bool(allow_mnnvl), use_fabric=bool(use_fabric),
-                                       enable_shrink=self.enable_shrink)
-            # Engine tuning (block shapes, batches) is part of what the normal ops' plans fixed.
-            self.runtime.plans_invalidated = self._drop_normal_plans
-        # Agreement checks across ranks still in flight (see CudaRuntime.agree); looked at by every call
+        self._host_values = self.backend == "reference" and checks.values_enabled()
+        self.runtime = make_backend(self.backend, self._group, num_nvl_bytes=self.num_nvl_bytes,
+                                    num_rdma_bytes=self.num_rdma_bytes, num_nvl_ranks=self.num_nvl_ranks,
+                                    low_latency_mode=self.low_latency_mode, num_qps_per_rank=self.num_qps_per_rank,
+                                    allow_nvlink=bool(allow_nvlink_for_low_latency_mode),
+                                    allow_mnnvl=bool(allow_mnnvl), use_fabric=bool(use_fabric),
+                                    enable_shrink=self.enable_shrink, num_channels=max(self.num_sms // 2, 1))
+        # Engine tuning (block shapes, batches) is part of what the normal ops' plans fixed. A weak reference:
+        # the backend must not keep its Buffer alive (the destructor releases what needs no peer).
+        drop = weakref.WeakMethod(self._drop_normal_plans)
+        self.runtime.plans_invalidated = lambda: (method := drop()) is not None and method()
+        # Agreement checks across ranks still in flight (see CudaBackend.agree); looked at by every call
         # while there are any.
-        self._pending: list = getattr(self.runtime, "pending_agreements", [])
+        self._pending: list = self.runtime.pending_agreements
 
     def _nvl_domain_size(self, requested: int | None) -> int:
         env = os.environ.get("DEEPEP_CUPY_NVL_RANKS")
@@ -162,7 +148,7 @@ class Buffer(LowLatencyOps):
         if requested is None:
             hosts = self._group.allgather_object(socket.gethostname())
             requested = hosts.count(hosts[self.rank])
-        requested = check.positive_int("num_nvl_ranks", requested)
+        requested = checks.positive_int("num_nvl_ranks", requested)
         if self.group_size % requested != 0:
             raise ValueError(f"num_nvl_ranks ({requested}) must divide the group size ({self.group_size})")
         return requested
@@ -176,7 +162,7 @@ class Buffer(LowLatencyOps):
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """Set the SMs the high-throughput kernels use (even: one sender and one receiver SM per channel)."""
-        check.positive_int("new_num_sms", new_num_sms)
+        checks.positive_int("new_num_sms", new_num_sms)
         if new_num_sms % 2 != 0:
             raise ValueError(f"new_num_sms must be even, got {new_num_sms}")
         Buffer.num_sms = int(new_num_sms)
@@ -186,15 +172,15 @@ class Buffer(LowLatencyOps):
     def get_dispatch_config(num_ranks: int, hidden: int | None = None) -> Config:
         """A recommended dispatch ``Config`` for ``num_ranks`` ranks.
 
-        The one ``python -m deepep_cupy.tune`` stored for this GPU model, ``num_ranks`` and ``hidden`` (None:
+        The one ``python -m deepep_cupy.tuning`` stored for this GPU model, ``num_ranks`` and ``hidden`` (None:
         the hidden size tuned last) when there is one, else the built-in recommendation.
         """
-        return _pick_config(_DISPATCH_CONFIGS, check.positive_int("num_ranks", num_ranks), hidden)
+        return _pick_config(_DISPATCH_CONFIGS, checks.positive_int("num_ranks", num_ranks), hidden)
 
     @staticmethod
     def get_combine_config(num_ranks: int, hidden: int | None = None) -> Config:
         """A recommended combine ``Config`` for ``num_ranks`` ranks (tuned or built-in, as ``get_dispatch_config``)."""
-        return _pick_config(_COMBINE_CONFIGS, check.positive_int("num_ranks", num_ranks), hidden)
+        return _pick_config(_COMBINE_CONFIGS, checks.positive_int("num_ranks", num_ranks), hidden)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -209,7 +195,7 @@ class Buffer(LowLatencyOps):
         """
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                         ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
-            check.positive_int(name, v)
+            checks.positive_int(name, v)
         return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @staticmethod
@@ -217,8 +203,6 @@ class Buffer(LowLatencyOps):
         """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's)."""
         if gpu_count() == 0:
             return EventOverlap(None)
-        from .runtime.device import current_device_id
-        from .runtime.streams import DeviceEvent, current_stream_ptr
 
         dev = current_device_id()
         return EventOverlap(DeviceEvent(current_stream_ptr(None, dev), None, dev))
@@ -261,7 +245,7 @@ class Buffer(LowLatencyOps):
             use_rdma_buffer: view the NVSHMEM buffer instead of the NVLink one.
         """
         self._alive()
-        return self.runtime.local_buffer_tensor(dtype, size, check.nonneg_int("offset", offset), use_rdma_buffer)
+        return self.runtime.local_buffer_tensor(dtype, size, checks.nonneg_int("offset", offset), use_rdma_buffer)
 
     # ------------------------------------------------------------------ high-throughput ops
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: EventOverlap | None = None,
@@ -285,15 +269,15 @@ class Buffer(LowLatencyOps):
         if self._destroyed:
             self._alive()
         key = (meta(topk_idx), num_experts, async_finish, allocate_on_comm_stream)
-        plan = _lookup(self._layout_plans, key)
+        plan = lookup(self._layout_plans, key)
         if plan is None:
             num_experts = checks.num_experts_ok(num_experts, self.group_size)
-            check.tensor("topk_idx", topk_idx, dtype=_I64, ndim=2)
+            checks.tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
             plan = self.runtime.plan_layout(topk_idx, num_experts, async_finish=bool(async_finish),
                                             allocate_on_comm_stream=bool(allocate_on_comm_stream))
-            _store(self._layout_plans, key, plan)
+            store(self._layout_plans, key, plan)
         if self._host_values:
-            check.topk_values("topk_idx", topk_idx, num_experts)
+            checks.topk_values("topk_idx", topk_idx, num_experts)
         if self._pending:
             self.runtime.poll_agreements()
         return plan.run(topk_idx, previous_event)
@@ -333,18 +317,22 @@ class Buffer(LowLatencyOps):
                 received from each rank.
             event: an ``EventOverlap``.
         """
-        if self._destroyed:
-            self._alive()
-        if config is None:
-            config = self._default_config(_DISPATCH_CONFIGS)
-        if self._num_rdma_ranks > 1:
-            return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                           is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                           expert_alignment, num_worst_tokens, config, previous_event,
-                                           async_finish, allocate_on_comm_stream)
-        return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                              topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                              previous_event, async_finish, allocate_on_comm_stream)
+        try:
+            if self._destroyed:
+                self._alive()
+            if config is None:
+                config = self._default_config(_DISPATCH_CONFIGS)
+            if self._num_rdma_ranks > 1:
+                return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                               is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                               expert_alignment, num_worst_tokens, config, previous_event,
+                                               async_finish, allocate_on_comm_stream)
+            return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                  previous_event, async_finish, allocate_on_comm_stream)
+        except Exception as exc:
+            self.runtime.report_failure("dispatch", exc)
+            raise
 
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -352,19 +340,19 @@ class Buffer(LowLatencyOps):
         scales = None
         if (type(x) is tuple or type(x) is list) and len(x) == 2:
             x, scales = x
-        key = (meta(x), meta(scales), _handle_meta(handle), meta(num_tokens_per_rank), meta(is_token_in_rank),
+        key = (meta(x), meta(scales), handle_meta(handle), meta(num_tokens_per_rank), meta(is_token_in_rank),
                meta(num_tokens_per_expert), meta(topk_idx), meta(topk_weights), expert_alignment, num_worst_tokens,
-               _config_key(config), async_finish, allocate_on_comm_stream)
-        plan = _lookup(self._dispatch_plans, key)
+               config_key(config), async_finish, allocate_on_comm_stream)
+        plan = lookup(self._dispatch_plans, key)
         if plan is None:
             plan = self._new_dispatch_plan(key, x if scales is None else (x, scales), handle, num_tokens_per_rank,
                                            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                            expert_alignment, num_worst_tokens, config, async_finish,
                                            allocate_on_comm_stream)
         if handle is not None and self.backend == "cuda":
-            checks.device_handle_values(self, handle)
+            device_handle_values(self, handle)
         if self._host_values and topk_idx is not None:
-            check.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0],
+            checks.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0],
                               bound="the length of num_tokens_per_expert, which needs one entry per expert")
         if self._pending:
             self.runtime.poll_agreements()
@@ -383,7 +371,7 @@ class Buffer(LowLatencyOps):
             topk_weights=topk_weights, expert_alignment=int(expert_alignment),
             num_worst_tokens=int(num_worst_tokens), config=config, async_finish=bool(async_finish),
             allocate_on_comm_stream=bool(allocate_on_comm_stream))
-        return _store(self._dispatch_plans, key, plan)
+        return store(self._dispatch_plans, key, plan)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
@@ -402,15 +390,19 @@ class Buffer(LowLatencyOps):
             combined_topk_weights: `[num_tokens, num_topk]` float32 sums, or None.
             event: an ``EventOverlap``.
         """
-        if self._destroyed:
-            self._alive()
-        if config is None:
-            config = self._default_config(_COMBINE_CONFIGS)
-        if self._num_rdma_ranks > 1:
-            return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                          allocate_on_comm_stream)
-        return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                             allocate_on_comm_stream)
+        try:
+            if self._destroyed:
+                self._alive()
+            if config is None:
+                config = self._default_config(_COMBINE_CONFIGS)
+            if self._num_rdma_ranks > 1:
+                return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                              allocate_on_comm_stream)
+            return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                 allocate_on_comm_stream)
+        except Exception as exc:
+            self.runtime.report_failure("combine", exc)
+            raise
 
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
@@ -418,17 +410,17 @@ class Buffer(LowLatencyOps):
             bias_0, bias_1 = checks.split_bias(bias)
         else:
             bias_0, bias_1 = bias, None
-        key = (meta(x), _handle_meta(handle), meta(topk_weights), meta(bias_0), meta(bias_1), _config_key(config),
+        key = (meta(x), handle_meta(handle), meta(topk_weights), meta(bias_0), meta(bias_1), config_key(config),
                async_finish, allocate_on_comm_stream)
-        plan = _lookup(self._combine_plans, key)
+        plan = lookup(self._combine_plans, key)
         if plan is None:
             checks.combine_args(self.group_size, x, handle, topk_weights, bias, config,
                                 num_rdma_ranks=self._num_rdma_ranks)
-            plan = _store(self._combine_plans, key, self.runtime.plan_combine(
+            plan = store(self._combine_plans, key, self.runtime.plan_combine(
                 x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
                 async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))
         if self.backend == "cuda":
-            checks.device_handle_values(self, handle)
+            device_handle_values(self, handle)
         if self._pending:
             self.runtime.poll_agreements()
         return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)
@@ -442,25 +434,33 @@ class Buffer(LowLatencyOps):
 
         ``dispatch`` calls this by itself when the group spans more than one NVLink domain.
         """
-        self._alive()
-        if num_tokens_per_rdma_rank is not None:
-            check.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=_I32,
-                         shape=(self._num_rdma_ranks,))
-        config = self.get_dispatch_config(self.group_size) if config is None else config
-        self.runtime.require_internode("internode_dispatch")
-        return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                              topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                              previous_event, async_finish, allocate_on_comm_stream)
+        try:
+            self._alive()
+            if num_tokens_per_rdma_rank is not None:
+                checks.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=I32,
+                             shape=(self._num_rdma_ranks,))
+            config = self.get_dispatch_config(self.group_size) if config is None else config
+            self.runtime.require_internode("internode_dispatch")
+            return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                  previous_event, async_finish, allocate_on_comm_stream)
+        except Exception as exc:
+            self.runtime.report_failure("dispatch", exc)
+            raise
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
                           previous_event: EventOverlap | None = None, async_finish: bool = False,
                           allocate_on_comm_stream: bool = False):
         """Combine across NVLink domains; see ``combine``."""
-        self._alive()
-        config = self.get_combine_config(self.group_size) if config is None else config
-        self.runtime.require_internode("internode_combine")
-        return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                             allocate_on_comm_stream)
+        try:
+            self._alive()
+            config = self.get_combine_config(self.group_size) if config is None else config
+            self.runtime.require_internode("internode_combine")
+            return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                 allocate_on_comm_stream)
+        except Exception as exc:
+            self.runtime.report_failure("combine", exc)
+            raise
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

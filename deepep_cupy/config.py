@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .ops.low_latency.layout import rdma_size_hint
+
 __all__ = ["Config", "NUM_MAX_NVL_PEERS", "low_latency_rdma_size_hint"]
 
 # Ranks per NVLink domain that the size formulas assume (DeepEP's constant, kept for identical hints).
@@ -44,6 +46,11 @@ class Config:
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
+
+    def key(self) -> tuple:
+        """The five values as a tuple (what a plan made with this config depends on)."""
+        return (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
+                self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens)
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
@@ -113,6 +120,5 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
     """Bytes of symmetric buffer the low-latency kernels need (same value DeepEP reports).
 
     Cached: every low-latency dispatch checks the buffer against it."""
-    from .ops.low_latency_layout import rdma_size_hint
 
     return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import deepep_cupy as deep_ep
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 
 def make_weights(hidden: int, ffn: int, num_experts: int, seed: int = 0) -> dict:

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import deepep_cupy as deep_ep
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 
 def main() -> None:

@@ -30,10 +30,10 @@ def main() -> None:
     import cupy
     import torch
 
+    from deepep_cupy.device import launch
+    from deepep_cupy.device.kernel_errors import KernelErrorRecord
+    from deepep_cupy.frameworks import frame_for
     from deepep_cupy.ops.layout import LayoutPlan
-    from deepep_cupy.runtime import launch
-    from deepep_cupy.runtime.kernel_errors import KernelErrorRecord
-    from deepep_cupy.tensors import frame_for
 
     topk = cupy.zeros((8, 8), dtype=cupy.int64)
     plan = LayoutPlan(frame_for("cupy", 0), num_tokens=8, num_topk=8, num_experts=32, num_ranks=2, num_nvl_ranks=2,

@@ -14,7 +14,10 @@ import json
 import os
 import sys
 
+from ..device.gpus import no_gpu_reason
+from ..tuning import gpu_model
 from . import targets
+from .plot import plot
 from .timing import format_table
 
 SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
@@ -51,7 +54,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(_NAMES)}")
     suites = SUITES if not args.suites or "all" in args.suites else tuple(dict.fromkeys(args.suites))
-    reason = _no_gpu_reason()
+    reason = no_gpu_reason()
     if reason:
         # One line, no traceback: the usual cause is running it on a machine without GPUs.
         sys.exit(f"{parser.prog}: the benchmarks need CUDA GPUs; {reason}")
@@ -98,24 +101,10 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         if args.plot:
-            from ..tuning import gpu_model
-            from .plot import plot
-
             try:
                 plot(rows, args.plot, title=f"{gpu_model() or 'GPU'}, {workload}")
             except ImportError as exc:  # the numbers are printed (and in --json) already
                 print(f"--plot skipped: {exc} (pip install matplotlib)", file=sys.stderr)
-
-
-def _no_gpu_reason() -> str | None:
-    """Why the benchmarks cannot run here (no CuPy, no driver, no device), or None when they can."""
-    from ..runtime.device import gpu_count
-
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "CuPy is not installed (pip install deepep_cupy[cuda13], or [cuda12])"
-    return None if gpu_count() > 0 else "no CUDA driver or device found"
 
 
 if __name__ == "__main__":

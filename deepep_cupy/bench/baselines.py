@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from ..runtime.streams import external_stream
+from ..device.group import init_torch_distributed
+from ..device.streams import external_stream
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -20,13 +21,12 @@ def _torch_nccl(comm):
     import torch
     import torch.distributed as dist
 
-    from ..runtime.group import init_torch_distributed
 
     init_torch_distributed(comm, "nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     return torch, dist
 
 
-def _routing(torch, num_tokens, num_experts, num_topk, seed):
+def routing(torch, num_tokens, num_experts, num_topk, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.randn(num_tokens, num_experts, device="cuda", generator=gen).abs() + 1
     return torch.topk(scores, num_topk, dim=-1, sorted=False).indices
@@ -36,7 +36,7 @@ def naive_ep(comm, num_tokens=4096, hidden=7168, num_experts=256, num_topk=8) ->
     torch, dist = _torch_nccl(comm)
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     experts_per_rank = num_experts // num_ranks
-    topk_idx = _routing(torch, num_tokens, num_experts, num_topk, 1000 + rank)
+    topk_idx = routing(torch, num_tokens, num_experts, num_topk, 1000 + rank)
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
     in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device="cuda")
     in_rank.scatter_(1, topk_idx // experts_per_rank, True)

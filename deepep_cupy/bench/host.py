@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from ..runtime.streams import current_stream
+from ..device.streams import current_stream
+from ..frameworks import TensorKind, cupy_holds, from_numpy
 from .timing import format_table, park, row
 
 __all__ = ["run"]
@@ -40,7 +41,7 @@ STEPS = 200  # decode steps per eager loop and graph replays per timing
 GPU_SAMPLES, GPU_REPS, GPU_PARK_US = 10, 20, 5000.0  # GPU time of the decode step: samples x steps each
 
 
-def _routing(rng, tokens: int, num_experts: int, topk: int) -> np.ndarray:
+def routing(rng, tokens: int, num_experts: int, topk: int) -> np.ndarray:
     scores = np.abs(rng.standard_normal((tokens, num_experts))).astype(np.float32) + 1
     return np.ascontiguousarray(np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int64))
 
@@ -84,10 +85,10 @@ class _Suite:
         h = self.hidden
         self.host = {
             "x": (rng.standard_normal((self.tokens, h)) * 0.5).astype(np.float32).astype(bf16),
-            "idx": _routing(rng, self.tokens, self.experts, self.topk),
+            "idx": routing(rng, self.tokens, self.experts, self.topk),
             "w": rng.random((self.tokens, self.topk), dtype=np.float32),
             "ll_x": (rng.standard_normal((self.t_max, h)) * 0.5).astype(np.float32).astype(bf16),
-            "ll_idx": _routing(rng, self.t_max, self.ll_experts, self.topk),
+            "ll_idx": routing(rng, self.t_max, self.ll_experts, self.topk),
             "ll_w": rng.random((self.t_max, self.topk), dtype=np.float32),
             "ll_out": (rng.standard_normal((self.ll_experts // self.size, self.size * self.t_max, h)) * 0.1)
             .astype(np.float32).astype(bf16),
@@ -123,7 +124,6 @@ class _Suite:
         """(op, host µs) of every Buffer op with ``fw`` inputs."""
         import cupy
 
-        from ..interop import TensorKind, from_numpy
 
         like = TensorKind(fw, cupy.cuda.runtime.getDevice())
         d = {k: from_numpy(v, like) for k, v in self.host.items()}
@@ -169,7 +169,6 @@ class _Suite:
         import cupy
         import torch
 
-        from ..interop import TensorKind, from_numpy
 
         like = TensorKind("torch", torch.cuda.current_device())
         lx, lidx, lw, lout = (from_numpy(self.host[k], like) for k in ("ll_x", "ll_idx", "ll_w", "ll_out"))
@@ -232,7 +231,6 @@ def _frameworks() -> tuple[list[str], dict[str, str]]:
     """Frameworks to measure, and why any is left out."""
     import ml_dtypes
 
-    from ..interop import _cupy_holds
 
     use, skipped = [], {}
     try:
@@ -244,7 +242,7 @@ def _frameworks() -> tuple[list[str], dict[str, str]]:
             skipped["torch"] = "torch has no CUDA"
     except ImportError:
         skipped["torch"] = "torch not installed"
-    if _cupy_holds(np.dtype(ml_dtypes.bfloat16)):
+    if cupy_holds(np.dtype(ml_dtypes.bfloat16)):
         use.append("cupy")
     else:
         skipped["cupy"] = "this CuPy cannot hold bfloat16 (CuPy >= 14 needed)"

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 
-from ..runtime.streams import current_stream
+from .. import Buffer, Config
+from ..device.streams import current_stream
+from .baselines import naive_ep
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -23,7 +25,7 @@ WARMUP = 5
 PARK_US = 400
 
 
-def _slowest(comm, us: float) -> float:
+def slowest(comm, us: float) -> float:
     from mpi4py import MPI
 
     return comm.allreduce(us, op=MPI.MAX)
@@ -31,8 +33,6 @@ def _slowest(comm, us: float) -> float:
 
 def run(comm, args) -> list[dict]:
 
-    from .. import Buffer, Config
-    from .baselines import naive_ep
 
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     lsize = int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
@@ -64,7 +64,7 @@ def run(comm, args) -> list[dict]:
         def layout():
             return buf.get_dispatch_layout(topk_idx, num_experts)
 
-        us = _slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
+        us = slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
         rows.append(row("internode layout", us))
         per_rank, per_rdma, per_expert, in_rank, _ = layout()
 
@@ -81,7 +81,7 @@ def run(comm, args) -> list[dict]:
         fp8_factor = (1 + 4 / 128) / 2
 
         def timed(fn):
-            return _slowest(comm, time_op(fn, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
+            return slowest(comm, time_op(fn, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
 
         def add(name, us, factor, naive_us=None):
             extra = {"RDMA GB/s": round(rdma_bf16 * factor / (us * 1e-6) / 1e9, 1)}

@@ -22,8 +22,15 @@ protocol (one release per token, 24 warps, unroll 4, half the sender block on lo
 
 from __future__ import annotations
 
-from ..ops.intranode_copy import DEFAULT_CHUNK_ROWS
-from ..ops.intranode_own import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
+from ..buffer import Buffer
+from ..config import Config
+from ..device.group import MPIGroup
+from ..ops.intranode import engine as I
+from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS
+from ..ops.intranode.engine import IntranodeEngine
+from ..ops.intranode.own_rows import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
+from ..ops.intranode.plans import direct_combine, direct_dispatch
+from ..ops.layout import get_dispatch_layout
 from .timing import row, time_op
 
 __all__ = ["run"]
@@ -48,7 +55,7 @@ TOP = 3  # best points printed per stage
 FP8_ROW_MAJOR = "intranode dispatch FP8 row-major scales (cached)"
 
 
-def _routing(cupy, num_tokens, num_experts, num_topk, seed):
+def routing(cupy, num_tokens, num_experts, num_topk, seed):
     rs = cupy.random.RandomState(seed)
     scores = cupy.abs(rs.standard_normal((num_tokens, num_experts), dtype=cupy.float32)) + 1
     return cupy.ascontiguousarray(cupy.argsort(-scores, axis=1)[:, :num_topk].astype(cupy.int64))
@@ -59,8 +66,6 @@ def _default_split(warps: int) -> tuple[int, int]:
 
 
 def _restore_defaults(engine) -> None:
-    from ..ops import intranode as I
-
     engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
@@ -69,7 +74,7 @@ def _restore_defaults(engine) -> None:
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 
-def _slowest(comm, us: float) -> float:
+def slowest(comm, us: float) -> float:
     from mpi4py import MPI
 
     return comm.allreduce(us, op=MPI.MAX)
@@ -78,11 +83,6 @@ def _slowest(comm, us: float) -> float:
 def run(comm, args) -> list[dict]:
     import cupy
 
-    from ..config import Config
-    from ..ops.intranode import IntranodeEngine
-    from ..ops.intranode_plans import direct_combine, direct_dispatch
-    from ..ops.layout import get_dispatch_layout
-    from ..runtime.group import MPIGroup
 
     group = MPIGroup(comm)
     rank, num_ranks = group.rank, group.size
@@ -95,7 +95,7 @@ def run(comm, args) -> list[dict]:
     engine = IntranodeEngine(group, cupy.cuda.runtime.getDevice(), biggest)
     try:
         with stream:
-            topk_idx = _routing(cupy, num_tokens, num_experts, num_topk, seed=1234 + rank)
+            topk_idx = routing(cupy, num_tokens, num_experts, num_topk, seed=1234 + rank)
             topk_weights = cupy.random.RandomState(7 + rank).random_sample((num_tokens, num_topk), dtype=cupy.float32)
             x = cupy.random.RandomState(11 + rank).standard_normal((num_tokens, hidden), dtype=cupy.float32)
             x_bf16 = (x.view(cupy.uint32) >> 16).astype(cupy.uint16)  # truncated bf16 bits are fine for timing
@@ -110,9 +110,9 @@ def run(comm, args) -> list[dict]:
 
         # GPU time (the host's issue time hidden behind a parked GPU, as DeepEP's timing hides it behind
         # its cache flush), and the time of one call on an idle stream, the host's share included.
-        us = _slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
+        us = slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
         rows.append(row("intranode layout", us))
-        us = _slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream))
+        us = slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream))
         rows.append(row("intranode layout (one call, host included)", us))
         per_rank, _, per_expert, in_rank = layout()
 
@@ -128,11 +128,11 @@ def run(comm, args) -> list[dict]:
         num_recv = int(recv_x.shape[0])
         bf16_bytes = num_recv * hidden * 2
         fp8_bytes = bf16_bytes * (1 + 4 / 128) / 2
-        us = _slowest(comm, time_op(dispatch_full, warmup=2, iters=ITERS, stream=stream))
+        us = slowest(comm, time_op(dispatch_full, warmup=2, iters=ITERS, stream=stream))
         rows.append(row("intranode dispatch BF16 (notify + sync)", us, bf16_bytes, num_sms))
 
         def timed(op):
-            return _slowest(comm, time_op(op, warmup=WARMUP, iters=ITERS, stream=stream,
+            return slowest(comm, time_op(op, warmup=WARMUP, iters=ITERS, stream=stream,
                                           park_us=PARK_US))
 
         def report(name, points, nbytes):
@@ -158,7 +158,6 @@ def run(comm, args) -> list[dict]:
             return out
 
         # The library's defaults: the recommended configs and the engine's block shapes.
-        from ..buffer import Buffer
 
         dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
         dcfg.num_sms = ccfg.num_sms = num_sms

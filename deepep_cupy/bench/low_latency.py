@@ -20,6 +20,8 @@ import statistics
 
 import numpy as np
 
+from ..frameworks import TensorKind, cupy_holds, from_numpy
+from ..ops.low_latency.engine import warp_split
 from .timing import kernel_durations, park, row
 
 __all__ = ["run"]
@@ -39,8 +41,6 @@ def run(comm, args) -> list[dict]:
     import ml_dtypes
 
     import deepep_cupy
-    from deepep_cupy.interop import TensorKind, _cupy_holds, from_numpy
-    from deepep_cupy.ops.low_latency import warp_split
 
     rank, size = comm.Get_rank(), comm.Get_size()
     t_max = int(getattr(args, "ll_tokens", 128))
@@ -50,7 +50,7 @@ def run(comm, args) -> list[dict]:
     reps = int(getattr(args, "ll_reps", 10))
     samples = int(getattr(args, "ll_samples", 20))
     dev = cupy.cuda.runtime.getDevice()
-    fw = "cupy" if _cupy_holds(np.dtype(ml_dtypes.bfloat16)) else "torch"
+    fw = "cupy" if cupy_holds(np.dtype(ml_dtypes.bfloat16)) else "torch"
     like = TensorKind(fw, dev)
 
     rng = np.random.default_rng(2024 + rank)

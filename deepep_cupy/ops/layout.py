@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 
+from ..device.gpus import compute_capability
+from ..device.kernel_errors import KernelErrorRecord
+from ..device.launch import LaunchPlan
+from ..device.streams import OpStreams
 from ..event import EventOverlap
-from ..interop import BOOL, I32
+from ..frameworks import BOOL, I32, frame_for
 from ..jit import BuildSpec, load
-from ..runtime.launch import LaunchPlan
-from ..runtime.streams import OpStreams
 from . import kernel_names
 
 __all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "representative_builds"]
@@ -43,8 +45,6 @@ def _cluster_for(frame) -> int:
 
 @functools.cache
 def _device_cluster(device_id: int) -> int:
-    from ..runtime.device import compute_capability
-
     return _CLUSTER if compute_capability(device_id)[0] >= 9 else 1
 
 
@@ -121,7 +121,6 @@ def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, num_nvl_rank
     ``(per_rank, per_rdma or None, per_expert, is_token_in_rank)``."""
     import cupy
 
-    from ..tensors import frame_for
 
     if not isinstance(topk_idx, cupy.ndarray) or topk_idx.dtype != cupy.int64 or topk_idx.ndim != 2:
         raise TypeError("topk_idx must be a 2-D int64 cupy.ndarray")
@@ -140,6 +139,4 @@ def get_dispatch_layout(topk_idx, num_experts: int, num_ranks: int, num_nvl_rank
 
 @functools.cache
 def _standalone_errors():
-    from ..runtime.kernel_errors import KernelErrorRecord
-
     return KernelErrorRecord()

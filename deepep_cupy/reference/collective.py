@@ -18,8 +18,8 @@ The group's own deadline (``DEEPEP_CUPY_TIMEOUT_S``) covers a rank that never co
 
 from __future__ import annotations
 
+from ..device.group import CommGroup, disagreement
 from ..errors import DeepEPError
-from ..runtime.group import CommGroup, disagreement
 
 __all__ = ["allgather", "alltoall", "start", "finish", "is_agreed", "mark_agreed", "own_failure"]
 

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -34,13 +34,13 @@ MULTI_RANK_GPU = [
 
 def to_dev(arr, fw, env):
     """A NumPy array as a ``fw`` ("torch" or "cupy") array on the test's device; None stays None."""
-    from deepep_cupy.interop import TensorKind, from_numpy
+    from deepep_cupy.frameworks import TensorKind, from_numpy
 
     return None if arr is None else from_numpy(arr, TensorKind(fw, env["dev"]))
 
 
 def to_np(obj):
-    from deepep_cupy.interop import to_numpy
+    from deepep_cupy.frameworks import to_numpy
 
     return None if obj is None else np.asarray(to_numpy(obj))
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gpu_common import BF16, COMM, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 
 def have_nvshmem4py() -> bool:
@@ -50,9 +50,9 @@ def frameworks():
             fws.append("torch")
     except ImportError:
         pass
-    from deepep_cupy.interop import _cupy_holds
+    from deepep_cupy.frameworks import cupy_holds
 
-    if _cupy_holds(BF16):
+    if cupy_holds(BF16):
         fws.append("cupy")
     return fws
 
@@ -146,8 +146,8 @@ def ll_env(*, with_buffer: bool = True):
     kernels' wait budget, and with ``with_buffer`` creates the low-latency Buffer sized for every shape
     used here plus the reference backend; destroys the Buffer and restores the budget at the end."""
     import deepep_cupy
-    from deepep_cupy.reference.backend import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.reference.oracle import ReferenceOracle
 
     with bound_rank() as (rank, size, dev):
         state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy, "buf": None, "ref": None}
@@ -156,7 +156,7 @@ def ll_env(*, with_buffer: bool = True):
             num_bytes = max(hint(T_BIG, H_BIG, E_BIG), hint(T_BIG, 4096, 32), hint(T_SMALL, H_SMALL, E_SMALL))
             state["buf"] = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=num_bytes, low_latency_mode=True,
                                               num_qps_per_rank=E_BIG // size, explicitly_destroy=True)
-            state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True,
+            state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True,
                                             enable_shrink=False)
         try:
             yield state
@@ -235,7 +235,7 @@ def combine_both(env, fw, expert_out, topk, weights, handle, r_handle, *, logfmt
     buf, ref = env["buf"], env["ref"]
     if zero_copy:
         target = buf.get_next_low_latency_combine_buffer(handle)
-        from deepep_cupy.interop import copy_into
+        from deepep_cupy.frameworks import copy_into
 
         copy_into(target, expert_out)
         x_dev = target

@@ -21,8 +21,8 @@ def frameworks():
     return fws
 
 
-def _cupy_holds(dtype) -> bool:
-    from deepep_cupy.interop import _cupy_holds as holds
+def cupy_holds(dtype) -> bool:
+    from deepep_cupy.frameworks import cupy_holds as holds
 
     return holds(np.dtype(dtype))
 
@@ -30,7 +30,7 @@ def _cupy_holds(dtype) -> bool:
 def skip_unless_framework_holds(fw, *dtypes):
     if fw == "cupy":
         for dt in dtypes:
-            if not _cupy_holds(dt):
+            if not cupy_holds(dt):
                 pytest.skip(f"this CuPy cannot hold {np.dtype(dt)} arrays")
 
 
@@ -69,7 +69,7 @@ def poison(env, fw, nbytes_list):
     space of the Buffer's output pool too (direct-mode dispatch outputs come from there)."""
     import cupy
 
-    from deepep_cupy.runtime.streams import current_stream
+    from deepep_cupy.device.streams import current_stream
 
     with current_stream(fw, env["dev"]):
         blocks = []

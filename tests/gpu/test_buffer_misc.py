@@ -6,7 +6,7 @@
 import numpy as np
 import pytest
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 pytestmark = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU")
 MPI = pytest.importorskip("mpi4py.MPI")

@@ -28,7 +28,7 @@ from normal_common import (
     skip_unless_framework_holds,
 )
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 pytestmark = MULTI_RANK_GPU
 
@@ -45,9 +45,9 @@ def env():
     import cupy
 
     import deepep_cupy
-    from deepep_cupy.ops.internode_plans import default_channels
-    from deepep_cupy.reference.backend import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.ops.internode.plans import default_channels
+    from deepep_cupy.reference.oracle import ReferenceOracle
 
     rank, size = COMM.Get_rank(), COMM.Get_size()
     lsize = _domain_size()
@@ -63,7 +63,7 @@ def env():
     state["buf"] = _new_buffer(deepep_cupy, size, lsize)
     # The GPU kernels run several channels per SM pair: the reference splits the tokens the same way.
     channels = default_channels(_cfg(deepep_cupy), lsize, size // lsize)
-    state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
+    state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
                                     num_channels=channels)
     yield state
     COMM.Barrier()

@@ -30,11 +30,11 @@ from normal_common import (
     skip_unless_framework_holds,
 )
 
-from deepep_cupy.ops.intranode_own import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
-from deepep_cupy.ops.intranode_own import MAX_RUNS as OWN_MAX_RUNS
-from deepep_cupy.ops.intranode_own import MIN_ROWS as OWN_MIN_ROWS
-from deepep_cupy.ops.intranode_own import own_runs
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
+from deepep_cupy.ops.intranode.own_rows import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
+from deepep_cupy.ops.intranode.own_rows import MAX_RUNS as OWN_MAX_RUNS
+from deepep_cupy.ops.intranode.own_rows import MIN_ROWS as OWN_MIN_ROWS
+from deepep_cupy.ops.intranode.own_rows import own_runs
 
 pytestmark = MULTI_RANK_GPU
 
@@ -51,8 +51,8 @@ def env():
     import cupy
 
     import deepep_cupy
-    from deepep_cupy.reference.backend import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.reference.oracle import ReferenceOracle
 
     rank, size = COMM.Get_rank(), COMM.Get_size()
     dev = rank % gpu_count()
@@ -63,7 +63,7 @@ def env():
         torch.cuda.set_device(dev)
     state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy}
     state["buf"] = _new_buffer(deepep_cupy)
-    state["ref"] = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=False, enable_shrink=False,
+    state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=False, enable_shrink=False,
                                     num_channels=NUM_SMS // 2)
     yield state
     COMM.Barrier()

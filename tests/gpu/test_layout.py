@@ -5,7 +5,7 @@ Runs on one GPU (``pytest tests/gpu/test_layout.py``) or on every rank under mpi
 import numpy as np
 import pytest
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 pytestmark = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU")
 

@@ -44,14 +44,14 @@ def env():
 def test_rma_path(env, monkeypatch):
     """NVSHMEM puts, fences and signals instead of NVLink stores (DEEPEP_CUPY_LL_FORCE_RMA=1)."""
     import deepep_cupy
-    from deepep_cupy.reference.backend import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.reference.oracle import ReferenceOracle
 
     monkeypatch.setenv("DEEPEP_CUPY_LL_FORCE_RMA", "1")
     buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
                              explicitly_destroy=True)
     monkeypatch.delenv("DEEPEP_CUPY_LL_FORCE_RMA")
-    local = dict(env, buf=buf, ref=ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=env["size"], low_latency_mode=True,
+    local = dict(env, buf=buf, ref=ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=env["size"], low_latency_mode=True,
                                                     enable_shrink=False))
     failures = []
     try:
@@ -71,15 +71,15 @@ def test_rma_path(env, monkeypatch):
 def test_shrink_masks_a_silent_rank(env, monkeypatch):
     """The last rank stops calling; the others finish with it masked and match the reference with that mask."""
     import deepep_cupy
-    from deepep_cupy.reference.backend import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.reference.oracle import ReferenceOracle
 
     rank, size = env["rank"], env["size"]
     silent = size - 1
     monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", SHORT_TIMEOUT_S)
     buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
                              enable_shrink=True, explicitly_destroy=True)
-    ref = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True, enable_shrink=True)
+    ref = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True, enable_shrink=True)
     fw = FRAMEWORKS[0]
     x, topk, w, expert_out = small_data(rank, 30)
     failures = []

@@ -175,7 +175,7 @@ def test_cuda_graph(env, monkeypatch):
     kernel recorded a timeout (graph replays never raise one by themselves)."""
     import cupy
 
-    from deepep_cupy.interop import copy_into
+    from deepep_cupy.frameworks import copy_into
 
     if "cupy" not in FRAMEWORKS:
         pytest.skip("needs CuPy bfloat16 arrays")

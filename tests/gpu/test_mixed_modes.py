@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 pytestmark = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU")
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -17,7 +17,7 @@ COMM = MPI.COMM_WORLD
 BF16 = ml_dtypes.bfloat16
 
 
-def _routing(rng, n, k, num_experts):
+def routing(rng, n, k, num_experts):
     idx = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(n)]).astype(np.int64)
     idx[rng.random(idx.shape) < 0.05] = -1
     return idx
@@ -34,7 +34,7 @@ def _normal_round(buf, ref, rng, n, hidden, num_experts, k):
     import cupy
 
     x = rng.standard_normal((n, hidden)).astype(BF16)
-    idx = _routing(rng, n, k, num_experts)
+    idx = routing(rng, n, k, num_experts)
     w = rng.random((n, k), dtype=np.float32)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(cupy.asarray(idx), num_experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
@@ -60,7 +60,7 @@ def _low_latency_round(buf, ref, rng, t, hidden, num_experts, k):
     size = COMM.Get_size()
     n = int(rng.integers(1, t + 1))
     x = rng.standard_normal((n, hidden)).astype(BF16)
-    idx = _routing(rng, n, k, num_experts)
+    idx = routing(rng, n, k, num_experts)
     w = rng.random((n, k), dtype=np.float32)
     recv, count, handle, _, _ = buf.low_latency_dispatch(cupy.asarray(x), cupy.asarray(idx), t, num_experts,
                                                          use_fp8=False)
@@ -85,8 +85,8 @@ def test_normal_then_low_latency_on_one_buffer():
     import cupy
 
     import deepep_cupy as deep_ep
-    from deepep_cupy.reference import ReferenceBackend
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.reference import ReferenceOracle
 
     rank, size = COMM.Get_rank(), COMM.Get_size()
     cupy.cuda.Device(rank % gpu_count()).use()
@@ -96,7 +96,7 @@ def test_normal_then_low_latency_on_one_buffer():
     buf = deep_ep.Buffer(comm=COMM, num_nvl_bytes=config.get_nvl_buffer_size_hint(hidden * 2, size),
                          num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(t, hidden, size, num_experts),
                          low_latency_mode=True, explicitly_destroy=True)
-    ref = ReferenceBackend(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True, enable_shrink=False)
+    ref = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True, enable_shrink=False)
     rng = np.random.default_rng(77 + rank)
     try:
         for _ in range(2):

@@ -67,9 +67,9 @@ def _fp8_ok() -> bool:
     """FP8 tokens need torch, or a CuPy that holds float8_e4m3fn arrays (else those rounds run in BF16)."""
     if FW != "cupy":
         return FW is not None
-    from deepep_cupy.interop import _cupy_holds
+    from deepep_cupy.frameworks import cupy_holds
 
-    return _cupy_holds(FP8)
+    return cupy_holds(FP8)
 
 
 FP8_OK = _fp8_ok()

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 CUDA GPUs"),
               pytest.mark.timeout(300, method="thread")]

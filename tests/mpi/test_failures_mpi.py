@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.skipif(SIZE < 2, reason="run under mpiexec with 2 or m
               pytest.mark.timeout(60, method="thread")]  # a hang ends the job
 
 
-def _routing(seed, n, num_experts, k):
+def routing(seed, n, num_experts, k):
     rng = np.random.default_rng(seed)
     idx = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(n)]).astype(np.int64)
     return idx, None, rng.random((n, k)).astype(np.float32)
@@ -34,7 +34,7 @@ def _routing(seed, n, num_experts, k):
 
 def _normal_case(buf, n=6, hidden=128, num_experts=None, k=2):
     num_experts = num_experts or 2 * SIZE
-    idx, _, w = _routing(RANK, n, num_experts, k)
+    idx, _, w = routing(RANK, n, num_experts, k)
     x = np.random.default_rng(RANK).integers(-8, 8, size=(n, hidden)).astype(BF16)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     return dict(x=x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -86,7 +86,7 @@ def _ll_buffer():
 
 def _ll_round_trip(buf, t=8, num_experts=None, **kw):
     num_experts = num_experts or 2 * SIZE
-    idx, _, w = _routing(RANK + 10, 5, num_experts, 2)
+    idx, _, w = routing(RANK + 10, 5, num_experts, 2)
     x = np.random.default_rng(RANK).integers(-8, 8, size=(5, 256)).astype(BF16)
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, num_experts, **kw)
     combined, _, _ = buf.low_latency_combine(np.asarray(recv if not isinstance(recv, tuple) else recv[0]).astype(
@@ -106,7 +106,7 @@ def test_wrong_dtype_on_one_rank():
 
 def test_too_many_tokens_for_low_latency_on_one_rank():
     buf = _ll_buffer()
-    idx, _, _ = _routing(RANK, 9 if RANK == LAST else 4, 2 * SIZE, 2)
+    idx, _, _ = routing(RANK, 9 if RANK == LAST else 4, 2 * SIZE, 2)
     x = np.ones((idx.shape[0], 256), BF16)
     _everywhere(lambda: buf.low_latency_dispatch(x, idx, 8, 2 * SIZE, use_fp8=False), ValueError,
                 "num_max_dispatch_tokens_per_rank", inputs=(x, idx))
@@ -131,7 +131,7 @@ def test_low_latency_disagreement(what):
     num_experts = SIZE if (what == "num_experts" and RANK == 0) else 2 * SIZE
     flags = dict(use_fp8=what == "round_scale" or (what == "use_fp8" and RANK != 0),
                  round_scale=what == "round_scale" and RANK != 0)
-    idx, _, _ = _routing(RANK, 4, num_experts, 1)
+    idx, _, _ = routing(RANK, 4, num_experts, 1)
     x = np.ones((4, 256), BF16)
     name = {"t": "num_max_dispatch_tokens_per_rank", "use_fp8": "use_fp8"}.get(what, what)
     text = _everywhere(lambda: buf.low_latency_dispatch(x, idx, t, num_experts, **flags), ValueError,
@@ -217,7 +217,7 @@ def test_torch_group_agrees_on_errors():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from deepep_cupy.runtime.group import init_torch_distributed
+    from deepep_cupy.device.group import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     buf = Buffer(dist.group.WORLD, backend="reference")

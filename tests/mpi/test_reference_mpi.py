@@ -21,10 +21,10 @@ pytestmark = pytest.mark.skipif(COMM.Get_size() < 2, reason="run under mpiexec w
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
 import test_reference_single as S  # noqa: E402
 
-from deepep_cupy.reference import ReferenceBackend, quant  # noqa: E402
+from deepep_cupy.reference import ReferenceOracle, quant  # noqa: E402
 
 try:
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
 except ImportError:  # the runtime package is optional for this file
     class MPIGroup:
         def __init__(self, comm):
@@ -65,9 +65,9 @@ def test_layout_dispatch_combine(group, seed):
     cases = [S.make_case(seed, r, nranks, n=_n(r), e_local=e_local) for r in range(nranks)]
     x, topk, w = cases[me]
     # The layout with one rank per domain (per-domain counts); the exchange within one domain (the 6-tuple handle).
-    layout = ReferenceBackend(group, num_nvl_ranks=1, low_latency_mode=False,
+    layout = ReferenceOracle(group, num_nvl_ranks=1, low_latency_mode=False,
                               enable_shrink=False).get_dispatch_layout(topk, e_local * nranks)
-    b = ReferenceBackend(group, num_nvl_ranks=nranks, low_latency_mode=False, enable_shrink=False,
+    b = ReferenceOracle(group, num_nvl_ranks=nranks, low_latency_mode=False, enable_shrink=False,
                          num_channels=channels)
     recv_x, _, recv_tk, recv_tw, lst, handle = b.dispatch(
         x, None, handle=None, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
@@ -120,7 +120,7 @@ def test_dispatch_fp8(group):
         x_r = np.random.default_rng([3, r]).normal(size=(_n(r), 256)).astype(np.float32)
         data.append((quant.fp8_cast_per_128(x_r), topk_r))
     (q, s), topk = data[me]
-    b = ReferenceBackend(group, num_nvl_ranks=nranks, low_latency_mode=False, enable_shrink=False)
+    b = ReferenceOracle(group, num_nvl_ranks=nranks, low_latency_mode=False, enable_shrink=False)
     layout = b.get_dispatch_layout(topk, 2 * nranks)
     recv_q, recv_s, _, _, _, handle = b.dispatch(
         q, np.asfortranarray(s), handle=None, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
@@ -136,7 +136,7 @@ def test_dispatch_fp8(group):
 
 
 def _ll(group, shrink=False):
-    return ReferenceBackend(group, num_nvl_ranks=group.size, low_latency_mode=True, enable_shrink=shrink)
+    return ReferenceOracle(group, num_nvl_ranks=group.size, low_latency_mode=True, enable_shrink=shrink)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

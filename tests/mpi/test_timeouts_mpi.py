@@ -84,7 +84,7 @@ def test_destroy_returns_when_a_rank_never_comes():
 
 
 def _group():
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device.group import MPIGroup
 
     return MPIGroup(COMM)
 
@@ -124,7 +124,7 @@ def test_torch_group_times_out():
     pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from deepep_cupy.runtime.group import init_torch_distributed
+    from deepep_cupy.device.group import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     buf = Buffer(dist.group.WORLD, backend="reference")

@@ -11,10 +11,9 @@ import pytest
 from _thread_group import run_ranks
 
 from deepep_cupy import Buffer
-from deepep_cupy.buffer_checks import report_failures
+from deepep_cupy.device.group import disagreement, timeout_error
 from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError
 from deepep_cupy.reference import collective
-from deepep_cupy.runtime.group import disagreement, timeout_error
 
 BF16 = ml_dtypes.bfloat16
 
@@ -98,24 +97,30 @@ def test_bad_argument_on_one_rank_every_rank_raises_and_the_next_call_works():
     assert run_ranks(3, fn, timeout=20) == [(4, 64)] * 3
 
 
-def test_failures_are_reported_only_where_the_runtime_has_a_host_step():
-    class Quiet:  # like the GPU runtime: no report_failure
-        pass
-
-    class Stub:
-        runtime = Quiet()
-
-    stub = Stub()
-    report_failures(stub)
-    assert "dispatch" not in vars(stub)
-
+def test_collective_methods_hand_their_errors_to_the_backend():
+    """Each collective method gives an error raised before its first exchange to the backend's
+    ``report_failure`` (the reference backend raises it on every rank; the GPU backend's does nothing), once
+    per call, from the class's own methods: nothing is installed per instance, so a Buffer goes without a GC
+    pass."""
     def fn(g):
-        buf = Buffer(comm=g, backend="reference")
-        assert vars(buf)["dispatch"].__name__ == "dispatch" and vars(buf)["low_latency_combine"].__doc__
+        failing = Buffer(comm=g, backend="reference", low_latency_mode=True)
+        seen = []
+        failing.runtime.report_failure = lambda op, exc: seen.append((op, type(exc)))
+        not_a_tensor = [[1.0, 2.0]]
+        calls = {"dispatch": lambda: failing.dispatch(not_a_tensor, num_tokens_per_rank=None),
+                 "combine": lambda: failing.combine(not_a_tensor, None),
+                 "low_latency_dispatch": lambda: failing.low_latency_dispatch(not_a_tensor, None, 8, 4),
+                 "low_latency_combine": lambda: failing.low_latency_combine(not_a_tensor, None, None, None)}
+        for op, call in calls.items():
+            with pytest.raises((TypeError, ValueError)):
+                call()
+            assert seen.pop()[0] == op and not seen
+        assert not {"dispatch", "combine", "low_latency_dispatch"} & set(vars(failing))
+        buf = Buffer(comm=g, backend="reference", low_latency_mode=True)
         ref = weakref.ref(buf)
         gc.disable()
         try:
-            del buf  # the wrappers hold no reference to their Buffer: it goes at once, without a GC pass
+            del buf
             return ref() is None
         finally:
             gc.enable()

@@ -80,7 +80,7 @@ def _single(fn, **kw):
     return run_ranks(1, lambda g: fn(Buffer(comm=g, backend="reference", **kw)))[0]
 
 
-def _routing(rng, n, k, num_experts):
+def routing(rng, n, k, num_experts):
     return np.stack([rng.choice(num_experts, k, replace=False) for _ in range(n)]).astype(np.int64) \
         if n else np.zeros((0, k), np.int64)
 
@@ -103,7 +103,7 @@ def test_layout_validation_names_the_argument():
 def test_dispatch_validation():
     def body(buf):
         rng = np.random.default_rng(0)
-        idx = _routing(rng, 6, 2, 8)
+        idx = routing(rng, 6, 2, 8)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 8)
         x = rng.standard_normal((6, 64)).astype(BF16)
         kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
@@ -154,7 +154,7 @@ def test_round_trip_leaves_inputs_untouched(num_ranks):
     def body(group):
         rng = np.random.default_rng(10 + group.rank)
         n = 7 + group.rank
-        idx = _routing(rng, n, k, num_experts)
+        idx = routing(rng, n, k, num_experts)
         idx[0, 1] = -1
         x = rng.integers(-8, 8, size=(n, hidden)).astype(BF16)
         w = rng.random((n, k)).astype(np.float32)
@@ -202,7 +202,7 @@ def test_torch_tensors_come_back_as_torch():
 
 def test_interop_keeps_column_major_layout():
     torch = pytest.importorskip("torch")
-    from deepep_cupy.interop import TensorKind, from_numpy, to_numpy
+    from deepep_cupy.frameworks import TensorKind, from_numpy, to_numpy
 
     base = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     colmajor = base.transpose(0, 2, 1)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy.device.gpus import gpu_count
 
 
 def _bench(*argv, timeout=120):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepep_cupy import buffer_checks as checks
+from deepep_cupy.ops import handles as checks
 from deepep_cupy.reference.normal import channel_prefix_matrix, send_head_matrix
 
 R, ME, C, N = 2, 0, 3, 20

@@ -9,9 +9,9 @@ import pytest
 from test_intranode_host import _check_packing, _FakeArray, _kernel_params
 
 from deepep_cupy.config import Config
-from deepep_cupy.ops import internode
-from deepep_cupy.ops import internode_layout as IL
 from deepep_cupy.ops import kernel_names as K
+from deepep_cupy.ops.internode import engine as internode
+from deepep_cupy.ops.internode import layout as IL
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "internode"
 

@@ -8,7 +8,7 @@ import pytest
 from _thread_group import run_ranks
 from test_intranode_model import _model_inputs, _reference_dispatch
 
-from deepep_cupy.ops import intranode_copy as CC
+from deepep_cupy.ops.intranode import copy as CC
 from deepep_cupy.reference import normal
 
 

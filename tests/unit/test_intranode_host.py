@@ -10,8 +10,8 @@ import pytest
 from _thread_group import run_ranks
 
 from deepep_cupy.config import Config
-from deepep_cupy.ops import intranode
-from deepep_cupy.ops import intranode_layout as L
+from deepep_cupy.ops.intranode import engine as intranode
+from deepep_cupy.ops.intranode import layout as L
 from deepep_cupy.reference import normal
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
@@ -315,7 +315,7 @@ def test_op_codes_match_header():
 # ------------------------------------------------------------------------------------------- fd passing
 @pytest.mark.parametrize("method", ["auto", "socket"])
 def test_exchange_fds(method):
-    from deepep_cupy.runtime.fd_share import exchange_fds
+    from deepep_cupy.device.fd_share import exchange_fds
 
     def body(group):
         r, w = os.pipe()

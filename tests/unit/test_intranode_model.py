@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from _thread_group import run_ranks
 
-from deepep_cupy.ops import intranode
-from deepep_cupy.ops import intranode_layout as L
+from deepep_cupy.ops.intranode import engine as intranode
+from deepep_cupy.ops.intranode import layout as L
 from deepep_cupy.reference import normal
 
 

@@ -8,8 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from deepep_cupy.ops import intranode_own as own
-from deepep_cupy.ops.intranode_copy import IntranodeHandle
+from deepep_cupy.ops.intranode import own_rows as own
+from deepep_cupy.ops.intranode.copy import IntranodeHandle
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -303,8 +303,8 @@ def test_nvshmem_link_produces_cubin(src_root):
 def test_kernel_error_record_message():
     import numpy as np
 
+    from deepep_cupy.device.kernel_errors import RECORD_WORDS, KernelErrorRecord
     from deepep_cupy.errors import DeepEPTimeoutError
-    from deepep_cupy.runtime.kernel_errors import RECORD_WORDS, KernelErrorRecord
 
     assert RECORD_WORDS == 8  # sizeof(deepep::ErrorRecord) / 4, see common/timeout.cuh
     record = KernelErrorRecord.__new__(KernelErrorRecord)  # host-side logic only: no GPU allocation

@@ -43,7 +43,7 @@ def test_value_error_codes_name_an_op_and_argument():
 
 
 def test_a_value_record_becomes_a_named_value_error():
-    from deepep_cupy.runtime.kernel_errors import value_error
+    from deepep_cupy.device.kernel_errors import value_error
 
     exc = value_error({"op": K.VALUE_OP_LL_DISPATCH, "rank": 1, "peer": -1, "line": 10, "kind": 1,
                        "waited_ns": 300})

@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from deepep_cupy.runtime import launch
+from deepep_cupy.device import launch
 
 
 class _Function:

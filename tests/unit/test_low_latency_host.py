@@ -8,8 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from deepep_cupy.ops import low_latency as ll
-from deepep_cupy.ops.low_latency_layout import (
+from deepep_cupy.device import nvshmem as nvshmem_runtime
+from deepep_cupy.ops.low_latency import engine as ll
+from deepep_cupy.ops.low_latency.layout import (
     LOGFMT_BLOCK_BYTES,
     LowLatencyLayout,
     combine_message_bytes,
@@ -17,7 +18,6 @@ from deepep_cupy.ops.low_latency_layout import (
     rank_message_bytes,
     rdma_size_hint,
 )
-from deepep_cupy.runtime import nvshmem as nvshmem_runtime
 
 
 # ---------------------------------------------------------------- DeepEP's size hint
@@ -266,7 +266,7 @@ def test_heap_size_and_parse():
 def test_hook_runs_once_with_the_receive_phase():
     import ctypes
 
-    from deepep_cupy.ops import low_latency_plans
+    from deepep_cupy.ops.low_latency import plans as low_latency_plans
 
     class FakePlan:
         def __init__(self):
@@ -335,7 +335,7 @@ def test_engine_region_addresses_follow_the_layout():
     equal sizes are one object (plans compare them by identity)."""
     from types import SimpleNamespace
 
-    from deepep_cupy.ops.low_latency_layout import REGIONS
+    from deepep_cupy.ops.low_latency.layout import REGIONS
 
     engine = object.__new__(ll.LowLatencyEngine)
     engine._sym = SimpleNamespace(ptr=0x7F00_0000_0000)

@@ -1,6 +1,6 @@
 """NVSHMEM teardown when a rank is gone, with NVSHMEM and the process group faked (no GPU): the exit
 finalize runs only after every rank arrived at a bounded barrier, a lost rank is remembered (no collective
-free, finalize or allocation afterwards), and ``CudaRuntime.destroy`` records the ranks its barrier missed.
+free, finalize or allocation afterwards), and ``CudaBackend.destroy`` records the ranks its barrier missed.
 
 The multi-process half (a real MPI job whose rank 1 vanishes) is in test_nvshmem_exit_job.py.
 """
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from deepep_cupy.device import nvshmem as nv
+from deepep_cupy.device.group import CommGroup, timeout_error
 from deepep_cupy.errors import DeepEPTimeoutError
-from deepep_cupy.runtime import nvshmem as nv
-from deepep_cupy.runtime.group import CommGroup, timeout_error
 
 
 class FakeNvshmem:
@@ -168,9 +168,9 @@ def test_the_exit_group_is_a_twin_made_at_initialisation():
 
 
 def test_destroy_that_times_out_marks_the_missing_ranks_lost(fake):
-    from deepep_cupy.cuda_runtime import CudaRuntime
+    from deepep_cupy.backends.cuda import CudaBackend
 
-    runtime = object.__new__(CudaRuntime)
+    runtime = object.__new__(CudaBackend)
     runtime.group = FakeGroup(missing=[1])
     for name in ("intranode", "internode", "low_latency"):
         setattr(runtime, name, None)

@@ -20,8 +20,8 @@ pytestmark = MARKS
 SCRIPT = textwrap.dedent('''
     import atexit, os, sys, time
     from mpi4py import MPI
-    from deepep_cupy.runtime import nvshmem as nv
-    from deepep_cupy.runtime.group import MPIGroup
+    from deepep_cupy.device import nvshmem as nv
+    from deepep_cupy.device.group import MPIGroup
 
     comm, mode = MPI.COMM_WORLD, sys.argv[1]
     rank = comm.Get_rank()
@@ -78,8 +78,8 @@ TORCH_SCRIPT = textwrap.dedent('''
     import atexit, os, sys, time
     import torch.distributed as dist
     from deepep_cupy.errors import DeepEPTimeoutError
-    from deepep_cupy.runtime import nvshmem as nv
-    from deepep_cupy.runtime.group import TorchGroup
+    from deepep_cupy.device import nvshmem as nv
+    from deepep_cupy.device.group import TorchGroup
 
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from deepep_cupy.runtime import output_pool as P
+from deepep_cupy.device import output_pool as P
 
 
 def test_first_fit_alignment_and_coalescing():

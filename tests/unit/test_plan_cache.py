@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from deepep_cupy.config import Config
-from deepep_cupy.plan_cache import config_key, handle_meta, ll_handle_meta, lookup, store
-from deepep_cupy.tensors import meta
+from deepep_cupy.frameworks import meta
+from deepep_cupy.ops.handles import handle_meta, ll_handle_meta
+from deepep_cupy.ops.plan import config_key, lookup, store
 
 
 def test_equal_metadata_finds_the_plan():

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from deepep_cupy.ops import low_latency_plans as lp
-from deepep_cupy.ops.low_latency_layout import REGIONS, LowLatencyLayout
-from deepep_cupy.runtime import launch
+from deepep_cupy.device import launch
+from deepep_cupy.ops.low_latency import plans as lp
+from deepep_cupy.ops.low_latency.layout import REGIONS, LowLatencyLayout
 
 SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 
@@ -94,7 +94,7 @@ def test_low_latency_combine_block_matches_the_kernel(partials):
 def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     """The partial-sum combine reads the row map a dispatch's handle carries; a handle rebuilt as a plain tuple
     (or a combine without partial sums) passes none, and the kernel then uses the handle's source info."""
-    from deepep_cupy.plan_cache import LowLatencyHandle, OpHandle
+    from deepep_cupy.ops.handles import LowLatencyHandle, OpHandle
 
     engine, layout = _engine(not partials)
     engine.kernels = lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel), None)
@@ -149,7 +149,7 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
 def test_hook_kernels_hold_only_their_phase():
     """A hook's parts are kernels compiled with only their own phase (``kPhases``), and the receive part with
     only the per-rank message path where the host chose that format; without a hook one kernel has both."""
-    from deepep_cupy.ops import low_latency as ll
+    from deepep_cupy.ops.low_latency import engine as ll
 
     assert ll.dispatch_kernel_names(7168, 8, 8, 3, True) == ["deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 3, false>"]
     assert ll.dispatch_kernel_names(7168, 8, 8, 3, True, hook=True, rank_msgs=True) == [

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepep_cupy.reference import ReferenceBackend, normal, quant
+from deepep_cupy.reference import ReferenceOracle, normal, quant
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _thread_group import run_ranks  # noqa: E402
@@ -62,7 +62,7 @@ def backend(group, **kw):
     kw.setdefault("num_nvl_ranks", group.size)
     kw.setdefault("low_latency_mode", False)
     kw.setdefault("enable_shrink", False)
-    return ReferenceBackend(group, **kw)
+    return ReferenceOracle(group, **kw)
 
 
 def normal_dispatch(b, x, topk, w, num_experts, scales=None, alignment=1, worst=0):
@@ -348,7 +348,7 @@ T_MAX = 12
 
 
 def ll_backend(g, shrink=False):
-    return ReferenceBackend(g, num_nvl_ranks=g.size, low_latency_mode=True, enable_shrink=shrink)
+    return ReferenceOracle(g, num_nvl_ranks=g.size, low_latency_mode=True, enable_shrink=shrink)
 
 
 def ll_dispatch(b, x, topk, e, **kw):
@@ -658,7 +658,7 @@ def test_ll_errors_and_mask_requires_shrink():
 
     assert run_ranks(1, fn)[0]
     with pytest.raises(ValueError):
-        run_ranks(2, lambda g: ReferenceBackend(g, num_nvl_ranks=3, low_latency_mode=False, enable_shrink=False))
+        run_ranks(2, lambda g: ReferenceOracle(g, num_nvl_ranks=3, low_latency_mode=False, enable_shrink=False))
 
 
 @pytest.mark.parametrize("one_sided", [False, True])

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepep_cupy.interop import F32, I32, I64
-from deepep_cupy.tensors import SmallOutputs, TorchFrame
+from deepep_cupy.frameworks import F32, I32, I64, SmallOutputs, TorchFrame
 
 torch = pytest.importorskip("torch")
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from deepep_cupy.runtime import streams
+from deepep_cupy.device import streams
 
 cupy = pytest.importorskip("cupy")
 

@@ -1,4 +1,4 @@
-"""Tuned configs without a GPU: the store written by ``python -m deepep_cupy.tune``, what
+"""Tuned configs without a GPU: the store written by ``python -m deepep_cupy.tuning``, what
 ``Buffer.get_dispatch_config`` / ``get_combine_config`` read from it, and the tuner's command line."""
 
 import io
@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from deepep_cupy import Buffer, Config, tune, tuning
-from deepep_cupy.runtime.device import gpu_count
+from deepep_cupy import Buffer, Config, tuning
+from deepep_cupy.device.gpus import gpu_count
+from deepep_cupy.tuning import cli as tune
 
 GPU = "NVIDIA H200"
 
@@ -219,7 +220,7 @@ def test_parse_args_rejects_odd_sm_counts(capsys):
 
 def _tune(*argv, env=None):
     env = dict(os.environ, DEEPEP_CUPY_FORCE_NO_GPU="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "deepep_cupy.tune", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "deepep_cupy.tuning", *argv], capture_output=True, text=True,
                           timeout=120, env=env)
 
 

@@ -1,4 +1,5 @@
-"""Runs Buffer operations on the NumPy reference backend, for callers of any framework.
+"""The reference backend of ``Buffer``: every op on the NumPy oracle (``reference/``), for callers of any
+framework.
 
 Inputs are copied to NumPy, results converted back to the framework and device of the caller's ``x``.
 Handles hold caller-framework arrays like the GPU path's handles do, so user code cannot tell the
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .event import EventOverlap
-from .interop import copy_into, from_numpy, kind_of, to_numpy
-from .reference import ReferenceBackend, collective
+from ..event import EventOverlap
+from ..frameworks import copy_into, from_numpy, kind_of, to_numpy
+from ..reference import ReferenceOracle, collective
 
-__all__ = ["ReferenceRuntime"]
+__all__ = ["ReferenceBackend"]
 
 
 def _handle_to_numpy(handle):
@@ -24,7 +25,7 @@ def _handle_from_numpy(handle, like):
     return tuple(from_numpy(h, like) if isinstance(h, np.ndarray) else h for h in handle)
 
 
-class _Plan:
+class _BoundOp:
     """A reference-backend "plan": the op with the flags of the plan's key bound; every call does the
     whole op (there is nothing to precompute on the host backend)."""
 
@@ -34,11 +35,16 @@ class _Plan:
         self.run = run
 
 
-class ReferenceRuntime:
+class ReferenceBackend:
     """The ``Buffer.runtime`` used when there is no GPU or the reference backend is forced."""
 
-    def __init__(self, group, *, num_nvl_ranks, low_latency_mode, enable_shrink, num_channels):
-        self.backend = ReferenceBackend(group, num_nvl_ranks=num_nvl_ranks, low_latency_mode=low_latency_mode,
+    #: No agreement checks run asynchronously here (every op starts with a host exchange).
+    pending_agreements: list = []
+    #: Set by the Buffer; the reference backend has no tuning that would invalidate its plans.
+    plans_invalidated = None
+
+    def __init__(self, group, *, num_nvl_ranks, low_latency_mode, enable_shrink, num_channels, **_gpu_only):
+        self.oracle = ReferenceOracle(group, num_nvl_ranks=num_nvl_ranks, low_latency_mode=low_latency_mode,
                                         enable_shrink=enable_shrink, num_channels=num_channels)
         self.group = group
         self._combine_buffers = {}
@@ -54,6 +60,9 @@ class ReferenceRuntime:
         if op in self.COLLECTIVE_OPS and not self._destroyed and collective.own_failure(exc):
             collective.start(self.group, op, error=exc)
 
+    def poll_agreements(self) -> None:
+        """Nothing is ever pending here."""
+
     # The reference backend has no streams: every op is complete when it returns.
     def get_comm_stream(self, torch_stream: bool):
         return None
@@ -66,7 +75,7 @@ class ReferenceRuntime:
 
     # ------------------------------------------------------------------ plans (the Buffer's entry points)
     def plan_layout(self, topk_idx, num_experts, **_stream_args):
-        return _Plan(lambda topk_idx, previous_event=None: self.get_dispatch_layout(topk_idx, num_experts))
+        return _BoundOp(lambda topk_idx, previous_event=None: self.get_dispatch_layout(topk_idx, num_experts))
 
     def plan_dispatch(self, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                       num_worst_tokens, config, **_stream_args):
@@ -76,12 +85,12 @@ class ReferenceRuntime:
                                  is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
                                  topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
                                  num_worst_tokens=num_worst_tokens, config=config)
-        return _Plan(run)
+        return _BoundOp(run)
 
     def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
         def run(x, handle, topk_weights, bias_0, bias_1, previous_event=None):
             return self.combine(x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config)
-        return _Plan(run)
+        return _BoundOp(run)
 
     def plan_low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                   round_scale, use_ue8m0, async_finish, return_recv_hook, **_unused):
@@ -92,7 +101,7 @@ class ReferenceRuntime:
                 dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_fp8=use_fp8,
                 round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                 return_recv_hook=return_recv_hook)
-        return _Plan(run)
+        return _BoundOp(run)
 
     def plan_low_latency_combine(self, x, topk_idx, handle, *, use_logfmt, zero_copy, async_finish, return_recv_hook,
                                  **_unused):
@@ -101,18 +110,18 @@ class ReferenceRuntime:
                                             zero_copy=zero_copy, async_finish=async_finish,
                                             return_recv_hook=return_recv_hook, out=out,
                                             combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
-        return _Plan(run)
+        return _BoundOp(run)
 
     # ------------------------------------------------------------------ ops
     def get_dispatch_layout(self, topk_idx, num_experts, **_stream_args):
         like = kind_of(topk_idx)
-        outs = self.backend.get_dispatch_layout(to_numpy(topk_idx), num_experts)
+        outs = self.oracle.get_dispatch_layout(to_numpy(topk_idx), num_experts)
         return (*(from_numpy(o, like) for o in outs), EventOverlap(None))
 
     def dispatch(self, x, x_scales, *, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, **_stream_args):
         like = kind_of(x)
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, new_handle = self.backend.dispatch(
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, new_handle = self.oracle.dispatch(
             to_numpy(x), to_numpy(x_scales), handle=_handle_to_numpy(handle),
             num_tokens_per_rank=to_numpy(num_tokens_per_rank), is_token_in_rank=to_numpy(is_token_in_rank),
             num_tokens_per_expert=to_numpy(num_tokens_per_expert), topk_idx=to_numpy(topk_idx),
@@ -128,7 +137,7 @@ class ReferenceRuntime:
 
     def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
         like = kind_of(x)
-        combined, weights = self.backend.combine(to_numpy(x), _handle_to_numpy(handle),
+        combined, weights = self.oracle.combine(to_numpy(x), _handle_to_numpy(handle),
                                                  topk_weights=to_numpy(topk_weights), bias_0=to_numpy(bias_0),
                                                  bias_1=to_numpy(bias_1))
         return from_numpy(combined, like), from_numpy(weights, like), EventOverlap(None)
@@ -140,7 +149,7 @@ class ReferenceRuntime:
         stats = to_numpy(cumulative_local_expert_recv_stats)
         stats_np = None if stats is None else stats.copy()
         wait = self._wait_row(dispatch_wait_recv_cost_stats)
-        recv, count, handle, hook = self.backend.low_latency_dispatch(
+        recv, count, handle, hook = self.oracle.low_latency_dispatch(
             to_numpy(x), to_numpy(topk_idx), num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
             cumulative_local_expert_recv_stats=stats_np, dispatch_wait_recv_cost_stats=wait,
@@ -183,9 +192,9 @@ class ReferenceRuntime:
             key = id(handle)
             staged = self._combine_buffers.pop(key, None)
             if staged is not None:
-                self.backend.get_next_low_latency_combine_buffer(np_handle)[...] = to_numpy(staged)
+                self.oracle.get_next_low_latency_combine_buffer(np_handle)[...] = to_numpy(staged)
         out_np = None if out is None else to_numpy(out).copy()
-        combined, hook = self.backend.low_latency_combine(
+        combined, hook = self.oracle.low_latency_combine(
             to_numpy(x), to_numpy(topk_idx), to_numpy(topk_weights), np_handle, use_logfmt=use_logfmt,
             zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out_np,
             combine_wait_recv_cost_stats=self._wait_row(combine_wait_recv_cost_stats))
@@ -204,7 +213,7 @@ class ReferenceRuntime:
         return result, EventOverlap(None), user_hook
 
     def get_next_low_latency_combine_buffer(self, handle):
-        buf = self.backend.get_next_low_latency_combine_buffer(_handle_to_numpy(handle))
+        buf = self.oracle.get_next_low_latency_combine_buffer(_handle_to_numpy(handle))
         like = kind_of(handle[0])
         if like.framework == "numpy":
             return buf
@@ -214,18 +223,18 @@ class ReferenceRuntime:
         return staged
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.oracle.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_update_mask_buffer(self, rank, mask):
-        self.backend.low_latency_update_mask_buffer(rank, mask)
+        self.oracle.low_latency_update_mask_buffer(rank, mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
         status = np.zeros(self.group.size, dtype=np.int32)
-        self.backend.low_latency_query_mask_buffer(status)
+        self.oracle.low_latency_query_mask_buffer(status)
         copy_into(mask_status, status)
 
     def low_latency_clean_mask_buffer(self):
-        self.backend.low_latency_clean_mask_buffer()
+        self.oracle.low_latency_clean_mask_buffer()
 
     def destroy(self):
         """Local: the reference backend holds no memory other ranks use, so nothing waits for them."""

@@ -23,47 +23,47 @@ class EngineHealth:
     #: The op code with which a receiver reports rows beyond ``num_worst_tokens`` (the record's
     #: ``waited_ns`` then holds the row count).
     overflow_op: int | None = None
-    _broken: str | None = None
+    broken: str | None = None
     _destroyed = False
 
-    def _require_alive(self) -> None:
+    def require_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError(f"this {self.kind} buffer was destroyed")
 
-    def _raise_recorded(self) -> None:
+    def raise_recorded(self) -> None:
         info = self.errors.peek()
         if info is None:
             return
         if info["op"] == self.overflow_op:
             self.errors.reset()
-            self._broken = "a dispatch received more tokens than num_worst_tokens"
+            self.broken = "a dispatch received more tokens than num_worst_tokens"
             raise DeepEPError(f"{self.kind} dispatch: rank {info['rank']} received {info['waited_ns']} tokens, more "
                               "than the num_worst_tokens rows of the outputs; the extra rows were dropped")
         try:
             self.errors.check(self.op_names)
         except DeepEPError as exc:
-            self._broken = str(exc)
+            self.broken = str(exc)
             raise
 
-    def _check_usable(self) -> None:
-        self._require_alive()
-        self._raise_recorded()
-        if self._broken is not None:
-            raise DeepEPError(f"the {self.kind} buffer is unusable after an earlier failure ({self._broken}); "
+    def check_usable(self) -> None:
+        self.require_alive()
+        self.raise_recorded()
+        if self.broken is not None:
+            raise DeepEPError(f"the {self.kind} buffer is unusable after an earlier failure ({self.broken}); "
                               "destroy the Buffer and create a new one on every rank")
 
     def check_errors(self, stream=None) -> None:
         """Synchronise ``stream`` (or the device) and raise any error a kernel recorded."""
         import cupy
 
-        self._require_alive()
+        self.require_alive()
         if stream is not None:
             stream.synchronize()
         else:
             cupy.cuda.Device(self.device_id).synchronize()
-        self._raise_recorded()
+        self.raise_recorded()
 
-    def _meta_buffer(self, size: int, stream):
+    def meta_buffer(self, size: int, stream):
         """A persistent int32 array of at least ``size`` elements for the notify results.
 
         Persistent (never returned to the memory pool) so that a dispatch captured in a CUDA graph keeps

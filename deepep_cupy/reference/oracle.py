@@ -1,4 +1,4 @@
-"""``ReferenceBackend``: the NumPy implementation behind ``Buffer`` when no GPU kernel is used.
+"""``ReferenceOracle``: the NumPy implementation behind ``Buffer`` when no GPU kernel is used.
 
 The backend holds only host state: the rank mask of the fault-tolerance APIs (this rank's own
 view) and the two low-latency combine buffers. All communication goes through the ``group``
@@ -30,7 +30,7 @@ from . import internode, low_latency, normal
 from .quant import BF16
 
 
-class ReferenceBackend:
+class ReferenceOracle:
     """NumPy reference of every ``Buffer`` operation; see the module docstrings for exact semantics.
 
     ``num_nvl_ranks`` is the NVLink-domain size (ranks per node); ``num_rdma_ranks = size //

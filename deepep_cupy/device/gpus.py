@@ -6,7 +6,7 @@ import functools
 import os
 import sys
 
-__all__ = ["gpu_count", "current_device_id", "compute_capability"]
+__all__ = ["gpu_count", "no_gpu_reason", "current_device_id", "compute_capability"]
 
 
 @functools.cache
@@ -26,6 +26,15 @@ def gpu_count() -> int:
         return int(count) if err == driver.CUresult.CUDA_SUCCESS else 0
     except Exception:
         return 0
+
+
+def no_gpu_reason() -> str | None:
+    """Why GPU work cannot run here (no CuPy, no driver, no device), or None when it can."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed (pip install deepep_cupy[cuda13], or [cuda12])"
+    return None if gpu_count() > 0 else "no CUDA driver or device found"
 
 
 def current_device_id() -> int:

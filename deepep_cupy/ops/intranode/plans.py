@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..event import EventOverlap
-from ..interop import BF16, F32, FP8, I32, I64
-from ..plan_cache import config_key, handle_meta, lookup, store
-from ..runtime.launch import LaunchPlan
-from ..runtime.output_pool import ALIGN as POOL_ALIGN
-from ..runtime.streams import OpStreams, external_stream
-from ..tensors import frame_for, meta
-from . import intranode_layout as L
-from .intranode import (
+from ...device.launch import LaunchPlan
+from ...device.output_pool import ALIGN as POOL_ALIGN
+from ...event import EventOverlap
+from ...frameworks import BF16, F32, FP8, I32, I64, frame_for, meta
+from ..handles import handle_meta
+from ..kernel_names import intranode_combine, intranode_dispatch, intranode_notify
+from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, store
+from . import layout as L
+from .copy import CopyCombine, IntranodeHandle
+from .engine import (
     NOTIFY_THREADS,
     combine_args,
     combine_spec,
@@ -28,111 +29,19 @@ from .intranode import (
     notify_spec,
     required_bytes,
 )
-from .intranode_copy import CopyCombine, IntranodeHandle
-from .intranode_own import OwnRowCopies
-from .kernel_names import intranode_combine, intranode_dispatch, intranode_notify
+from .own_rows import OwnRowCopies
 
 __all__ = ["DispatchPlan", "CombinePlan"]
 
-_MEMCPY_D2H = 2
 
 
-def _launch_args(named) -> list:
-    """``(name, value)`` pairs of the argument builders -> LaunchPlan arguments. Integers stand for
-    pointers (patched per call), NumPy scalars keep their width, arrays give their address."""
-    out = []
-    for name, value in named:
-        if isinstance(value, np.int32):
-            out.append((name, "i32", int(value)))
-        elif isinstance(value, np.int64):
-            out.append((name, "i64", int(value)))
-        elif isinstance(value, (np.uint64, int)):
-            out.append((name, "ptr", int(value)))
-        else:
-            out.append((name, "ptr", int(value.data.ptr)))
-    return out
-
-
-def _strides(t) -> tuple[int, ...]:
-    """Element strides of a torch tensor or CuPy array."""
-    if hasattr(t, "stride") and callable(t.stride):
-        return tuple(t.stride())
-    return tuple(s // t.itemsize for s in t.strides)
-
-
-def _scale_strides(x_scales, num_tokens: int) -> tuple[int, int, int]:
-    """``(num_scales, token stride, block stride)`` in elements, from the array's real strides."""
-    shape = tuple(x_scales.shape)
-    if len(shape) not in (1, 2):
-        raise ValueError(f"x_scales must be 1-D or 2-D, got shape {list(shape)}")
-    if shape[0] != num_tokens:
-        raise ValueError(f"x_scales has {shape[0]} rows, x has {num_tokens}")
-    strides = _strides(x_scales)
-    if len(shape) == 1:
-        return 1, strides[0], 0
-    return shape[1], strides[0], strides[1]
-
-
-class _Plan:
-    def __init__(self, engine, frame, comm_stream: int, async_finish: bool) -> None:
-        import cupy
-
-        self.engine, self.frame = engine, frame
-        self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
-        # 0 while the stream is not being captured; bound once, as the direct and copy modes check every call.
-        self._capture_status = cupy.cuda.runtime.streamIsCapturing
-
-    def _begin(self, previous_event) -> OpStreams:
-        engine = self.engine
-        if engine._broken is not None or engine.errors.flag_word():
-            engine._check_usable()
-        frame = self.frame
-        return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
-                         self.async_finish)
-
-    def _make_notify_meta(self, size: int, in_rank_bytes: int = 0) -> None:
-        """Where a dispatch's notify kernel leaves its totals: the engine's persistent device words and a
-        pinned host copy of them (and room for ``in_rank_bytes`` of ``is_token_in_rank``)."""
-        import cupy
-
-        engine = self.engine
-        with cupy.cuda.Device(engine.device_id):
-            stream = external_stream(self.comm_stream, engine.device_id)
-            self.meta = engine._meta_buffer(size, stream)
-            self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
-            R = engine.num_ranks
-            self.host_rank_prefix = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * R * R), dtype=np.int32,
-                                                  count=R * R).reshape(R, R)
-            n = max(1, in_rank_bytes)
-            self.host_in_rank = np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.bool_, count=n)
-
-    def _read_notify_meta(self, rank_prefix_ptr: int = 0, in_rank_ptr: int = 0) -> np.ndarray:
-        """The one host wait of a dispatch: the notify kernel's totals (and the rank prefix matrix at
-        ``rank_prefix_ptr`` into ``host_rank_prefix``, ``is_token_in_rank`` at ``in_rank_ptr`` into
-        ``host_in_rank``), read into pinned memory."""
-        import cupy
-
-        host = self.host_meta
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(host.ctypes.data, self.meta.data.ptr, host.nbytes, _MEMCPY_D2H, self.comm_stream)
-        if rank_prefix_ptr:
-            matrix = self.host_rank_prefix
-            rt.memcpyAsync(matrix.ctypes.data, rank_prefix_ptr, matrix.nbytes, _MEMCPY_D2H, self.comm_stream)
-        if in_rank_ptr and self.num_tokens:
-            rt.memcpyAsync(self.host_in_rank.ctypes.data, in_rank_ptr, self.host_in_rank.nbytes, _MEMCPY_D2H,
-                           self.comm_stream)
-        rt.streamSynchronize(self.comm_stream)
-        self.engine._raise_recorded()
-        return host
-
-
-class DispatchPlan(_Plan):
+class DispatchPlan(NormalPlan):
     """Intranode ``dispatch`` (with or without a cached handle) for one set of shapes and flags."""
 
     def __init__(self, engine, frame, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
                  expert_alignment, num_worst_tokens, config, comm_stream: int, async_finish: bool) -> None:
         super().__init__(engine, frame, comm_stream, async_finish)
-        engine._check_usable()
+        engine.check_usable()
         R, me = engine.num_ranks, engine.rank
         num_tokens, hidden = (int(s) for s in x.shape)
         itemsize = 1 if x_scales is not None else 2
@@ -143,23 +52,23 @@ class DispatchPlan(_Plan):
         self.num_scales, s_tok, s_blk = 0, 0, 0
         self.scales_shape = None
         if x_scales is not None:
-            self.num_scales, s_tok, s_blk = _scale_strides(x_scales, num_tokens)
+            self.num_scales, s_tok, s_blk = scale_strides(x_scales, num_tokens)
             self.scales_shape = tuple(x_scales.shape[1:])
         self.num_worst_tokens = num_worst_tokens = int(num_worst_tokens or 0)
         if num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
         self.cached = handle is not None
-        self.cap = cap = engine._cap(config)
+        self.cap = cap = engine.cap(config)
         self.num_tokens, self.hidden = num_tokens, hidden
         self.x_key = FP8 if x_scales is not None else BF16
         self.num_topk, num_local_experts = 0, 0
         if self.cached:
             self.num_channels = int(handle[1].shape[1])
-            engine._check_grid(self.num_channels)
+            engine.check_grid(self.num_channels)
             self.num_rows = int(handle[3].shape[0])
             self.has_weights = False
         else:
-            self.num_channels = engine._config_channels(config)
+            self.num_channels = engine.config_channels(config)
             num_local_experts = int(num_tokens_per_expert.shape[0]) // R
             if topk_idx is not None:
                 self.num_topk = int(topk_idx.shape[1])
@@ -171,7 +80,7 @@ class DispatchPlan(_Plan):
         notify_end = 0
         if not self.cached:
             notify_offset, notify_stride, notify_end = L.notify_layout(R, self.num_channels, num_local_experts)
-        engine._check_size("dispatch", required_bytes(layout, notify_end, dispatch=True), config, hidden_bytes)
+        engine.check_size("dispatch", required_bytes(layout, notify_end, dispatch=True), config, hidden_bytes)
         shared = L.direct_shared_bytes(R, num_tokens, self.num_channels)
         if shared > L.MAX_DIRECT_SHARED:
             raise ValueError(f"dispatch of {num_tokens} tokens over {self.num_channels} channels needs {shared} bytes "
@@ -182,8 +91,8 @@ class DispatchPlan(_Plan):
         self._pool_layouts: dict = {}
 
         warps, unroll = int(engine.dispatch_warps), int(engine.dispatch_unroll)
-        self_warps, recv_self_warps = engine._self_warps(warps)
-        kernel = engine._kernel(dispatch_spec(R, warps, unroll), intranode_dispatch(R, warps, unroll))
+        self_warps, recv_self_warps = engine.local_copy_warps(warps)
+        kernel = engine.kernel(dispatch_spec(R, warps, unroll), intranode_dispatch(R, warps, unroll))
         named = dispatch_args(
             x=0, x_scales=0, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=self.num_scales,
             topk_idx=0, topk_weights=0, num_topk=self.num_topk, num_local_experts=num_local_experts,
@@ -192,8 +101,8 @@ class DispatchPlan(_Plan):
             recv_topk_weights=0, recv_src_idx=0, send_head=0, num_out_rows=self.num_rows,
             num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
             num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            num_recv_self_warps=recv_self_warps, batch=engine._batch(config), self_claims=engine.work_claims.data.ptr)
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named), shared_mem=shared)
+            num_recv_self_warps=recv_self_warps, batch=engine.batch(config), self_claims=engine.work_claims.data.ptr)
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, launch_args(named), shared_mem=shared)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
@@ -203,14 +112,14 @@ class DispatchPlan(_Plan):
         self.notify = None
         if not self.cached:
             self._make_notify_meta(1 + num_local_experts, num_tokens * R)
-            notify = engine._kernel(notify_spec(R), intranode_notify(R))
+            notify = engine.kernel(notify_spec(R), intranode_notify(R))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=num_tokens, num_channels=self.num_channels, num_tokens_per_expert=0,
                 num_local_experts=num_local_experts, expert_alignment=max(1, int(expert_alignment)),
                 rank_prefix_matrix=0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0, meta=self.meta,
                 bases=engine.bases, notify_offset=notify_offset, notify_stride=notify_stride,
                 err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, _launch_args(named),
+            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, launch_args(named),
                                      shared_mem=(R * self.num_channels + R) * 4)
             self.notify_slots = tuple(self.notify.slot(n) for n in (
                 "is_token_in_rank", "num_tokens_per_expert", "rank_prefix_matrix", "channel_prefix_matrix",
@@ -360,36 +269,36 @@ class DispatchPlan(_Plan):
         return self.own.runs(handle)
 
 
-class CombinePlan(_Plan):
+class CombinePlan(NormalPlan):
     """Intranode ``combine`` for one set of shapes and flags."""
 
     def __init__(self, engine, frame, x, handle, *, topk_weights, bias_0, bias_1, config, comm_stream: int,
                  async_finish: bool) -> None:
         super().__init__(engine, frame, comm_stream, async_finish)
-        engine._check_usable()
+        engine.check_usable()
         R, me = engine.num_ranks, engine.rank
         num_x_rows, hidden = (int(s) for s in x.shape)
         hidden_bytes = hidden * 2
         if hidden_bytes % 16:
             raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {hidden}")
         self.num_channels = int(handle[1].shape[1])
-        engine._check_grid(self.num_channels)
+        engine.check_grid(self.num_channels)
         self.num_tokens, self.hidden = int(handle[4].shape[0]), hidden
         self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
         self.has_weights = topk_weights is not None
-        self.cap = engine._cap(config)
+        self.cap = engine.cap(config)
         slot = L.combine_slot(hidden_bytes, self.num_topk)
         layout = L.buffer_layout(R, self.num_channels, self.cap, slot)
-        engine._check_size("combine", required_bytes(layout), config, hidden_bytes)
+        engine.check_size("combine", required_bytes(layout), config, hidden_bytes)
         warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
-        kernel = engine._kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
+        kernel = engine.kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
         named = combine_args(
             x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0,
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
             hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
             layout=layout, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            batch=engine._batch(config), run_claims=engine.work_claims.data.ptr)
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, _launch_args(named))
+            batch=engine.batch(config), run_claims=engine.work_claims.data.ptr)
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))

@@ -20,10 +20,12 @@ import functools
 
 import numpy as np
 
-from ..jit import BuildSpec
-from ..plan_cache import OpHandle
-from . import intranode_layout as L
-from .kernel_names import intranode_combine_copy
+from ...device.launch import LaunchPlan
+from ...jit import BuildSpec
+from ..handles import OpHandle
+from ..kernel_names import intranode_combine_copy
+from ..plan import launch_args
+from . import layout as L
 
 __all__ = ["IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule", "create_events",
            "destroy_events", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
@@ -148,14 +150,11 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
 
 
 class CopyCombine:
-    """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode_plans.CombinePlan` (same shapes)."""
+    """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode.plans.CombinePlan` (same shapes)."""
 
     def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int,
                  comm_stream: int) -> None:
         import cupy
-
-        from ..runtime.launch import LaunchPlan
-        from .intranode_plans import _launch_args
 
         self.engine, self.comm_stream = engine, comm_stream
         self.hidden_bytes, self.num_topk = hidden * 2, num_topk
@@ -167,13 +166,13 @@ class CopyCombine:
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
         warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
-        kernel = engine._kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
+        kernel = engine.kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, _launch_args(named))
+        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
             "combined_topk_weights", "weights_offset", "copy_seq"))

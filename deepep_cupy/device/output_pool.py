@@ -20,6 +20,8 @@ import os
 import sys
 import threading
 
+from .vmm import PeerMappedBuffer
+
 __all__ = ["OutputPool", "PoolBlock", "default_pool_bytes"]
 
 ALIGN = 256
@@ -127,7 +129,6 @@ class OutputPool(Allocator):
         import cupy
         import numpy as np
 
-        from .vmm import PeerMappedBuffer
 
         self.buffer = PeerMappedBuffer(group, device_id, size, use_fabric=use_fabric)
         self._closing = False

@@ -9,13 +9,12 @@ the pointers of its own call (at most two results are held at once, one per half
 
 from __future__ import annotations
 
-from ..event import EventOverlap
-from ..interop import BF16, F32, FP8, I32, I64
-from ..plan_cache import LowLatencyHandle
-from ..runtime.launch import LaunchPlan
-from ..runtime.streams import OpStreams
-from ..tensors import SmallOutputs
-from .low_latency import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
+from ...device.launch import LaunchPlan
+from ...device.streams import OpStreams
+from ...event import EventOverlap
+from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
+from ..handles import LowLatencyHandle
+from .engine import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
 
 __all__ = ["DispatchPlan", "CombinePlan"]
 

@@ -10,13 +10,14 @@ DeepEP's; the index outputs are padded with -1 / 0.
 
 from __future__ import annotations
 
-from ..event import EventOverlap
-from ..interop import BF16, F32, FP8, I32, I64
-from ..plan_cache import OpHandle
-from ..runtime.launch import LaunchPlan
-from ..tensors import U8
-from . import internode_layout as IL
-from .internode import (
+from ...device.launch import LaunchPlan
+from ...event import EventOverlap
+from ...frameworks import BF16, F32, FP8, I32, I64, U8
+from ..handles import OpHandle
+from ..kernel_names import internode_combine, internode_dispatch, internode_notify
+from ..plan import NormalPlan, launch_args, scale_strides
+from . import layout as IL
+from .engine import (
     NOTIFY_THREADS,
     block_threads,
     combine_args,
@@ -28,8 +29,6 @@ from .internode import (
     notify_spec,
     num_blocks,
 )
-from .intranode_plans import _launch_args, _Plan, _scale_strides
-from .kernel_names import internode_combine, internode_dispatch, internode_notify
 
 __all__ = ["DispatchPlan", "CombinePlan", "check_sizes", "default_channels"]
 
@@ -65,13 +64,13 @@ def default_channels(config, num_nvl_ranks: int, num_domains: int) -> int:
     return max(1, min(pairs * IL.sub_channels(num_nvl_ranks, num_domains), IL.MAX_CHANNELS // num_domains))
 
 
-class DispatchPlan(_Plan):
+class DispatchPlan(NormalPlan):
     """Internode ``dispatch`` (with or without a cached handle) for one set of shapes and flags."""
 
     def __init__(self, engine, frame, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights,
                  expert_alignment, num_worst_tokens, config, comm_stream: int, async_finish: bool) -> None:
         super().__init__(engine, frame, comm_stream, async_finish)
-        engine._check_usable()
+        engine.check_usable()
         L, D, me = engine.num_nvl_ranks, engine.num_domains, engine.rank
         R = L * D
         self.num_tokens, self.hidden = (int(s) for s in x.shape)
@@ -83,7 +82,7 @@ class DispatchPlan(_Plan):
         self.num_scales, s_tok, s_blk = 0, 0, 0
         self.scales_shape = None
         if x_scales is not None:
-            self.num_scales, s_tok, s_blk = _scale_strides(x_scales, self.num_tokens)
+            self.num_scales, s_tok, s_blk = scale_strides(x_scales, self.num_tokens)
             self.scales_shape = tuple(x_scales.shape[1:])
         self.cached = handle is not None
         self.num_channels = int(handle[1].shape[1]) if self.cached else default_channels(config, L, D)
@@ -116,7 +115,7 @@ class DispatchPlan(_Plan):
             send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, layout=self.rdma,
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, grid, block_threads(L, D), _launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, block_threads(L, D), launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         self.notify = None
         if not self.cached:
@@ -129,7 +128,7 @@ class DispatchPlan(_Plan):
                 gbl_channel_prefix_matrix=0, recv_rdma_rank_prefix_sum=0, recv_gbl_rank_prefix_sum=0, meta=self.meta,
                 sig=engine.sig_ptr, signals=engine.signals, nvl_bases=engine.nvl_bases, nvl=self.nvl,
                 state=engine.state, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, _launch_args(named))
+            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, launch_args(named))
             self.notify_slots = tuple(self.notify.slot(n) for n in (
                 "is_token_in_rank", "num_tokens_per_expert", "rdma_channel_prefix_matrix",
                 "gbl_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_rank_prefix_sum"))
@@ -211,7 +210,7 @@ _DISPATCH_CONSTANTS = frozenset((
     "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank", "force_rma"))
 
 
-class CombinePlan(_Plan):
+class CombinePlan(NormalPlan):
     """Internode ``combine`` of BF16 rows for one set of shapes and flags, with an internode dispatch's handle.
 
     The NVLink ring of each (channel, domain rank -> forwarder) is split into one sub-ring per source
@@ -222,7 +221,7 @@ class CombinePlan(_Plan):
     def __init__(self, engine, frame, x, handle, *, topk_weights, bias_0, bias_1, config, comm_stream: int,
                  async_finish: bool) -> None:
         super().__init__(engine, frame, comm_stream, async_finish)
-        engine._check_usable()
+        engine.check_usable()
         L, D = engine.num_nvl_ranks, engine.num_domains
         self.num_rows, self.hidden = (int(s) for s in x.shape)
         if self.hidden == 0 or (2 * self.hidden) % 16:
@@ -257,7 +256,7 @@ class CombinePlan(_Plan):
             combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D), _launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D), launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in _COMBINE_PATCHED)
 
     def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):

@@ -30,6 +30,10 @@ import os
 import sys
 import threading
 
+from ..errors import DeepEPTimeoutError
+from .group import CommGroup
+from .kernel_errors import timeout_seconds
+
 __all__ = [
     "SymmetricAllocation",
     "acquire",
@@ -190,8 +194,6 @@ def _agree_to_finalize(op: str):
     usable = getattr(group, "usable", None)
     if group is None or (usable is not None and not usable()):
         return None
-    from ..errors import DeepEPTimeoutError
-    from .group import CommGroup
 
     try:
         if isinstance(group, CommGroup):
@@ -215,8 +217,6 @@ def _warn(message: str) -> None:
 
 
 def _finalize_at_exit() -> None:
-    from .kernel_errors import timeout_seconds
-
     try:
         budget = timeout_seconds()
     except ValueError:  # a malformed DEEPEP_CUPY_TIMEOUT_S: the barrier below reports it as a failure

@@ -27,15 +27,17 @@ import warnings
 
 import numpy as np
 
-from ..jit import BuildSpec, load
-from ..runtime.kernel_errors import timeout_seconds
-from . import intranode_layout as L
-from . import kernel_names
-from .engine_health import EngineHealth
-from .intranode_args import combine_args, dispatch_args, notify_args, publish_batch
-from .intranode_copy import DEFAULT_CHUNK_ROWS, stream_writes_supported
-from .intranode_own import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
-from .intranode_own import MIN_ROWS as OWN_MIN_ROWS
+from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
+from ...device.output_pool import OutputPool, default_pool_bytes
+from ...device.vmm import PeerMappedBuffer
+from ...jit import BuildSpec, load
+from .. import kernel_names
+from ..health import EngineHealth
+from . import layout as L
+from .args import combine_args, dispatch_args, notify_args, publish_batch
+from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
+from .own_rows import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
+from .own_rows import MIN_ROWS as OWN_MIN_ROWS
 
 __all__ = [
     "IntranodeEngine",
@@ -122,7 +124,6 @@ def combine_spec(num_ranks: int, warps: int | None = None, unroll: int | None = 
 
 def representative_builds() -> list[BuildSpec]:
     """The instantiations shipped by default: 1, 2, 4 and 8 ranks with the default block shapes."""
-    from .intranode_copy import combine_copy_spec
 
     out = []
     for r in (1, 2, 4, 8):
@@ -222,9 +223,6 @@ class IntranodeEngine(EngineHealth):
                  num_output_bytes: int | None = None) -> None:
         import cupy
 
-        from ..runtime.kernel_errors import KernelErrorRecord
-        from ..runtime.output_pool import OutputPool, default_pool_bytes
-        from ..runtime.vmm import PeerMappedBuffer
 
         if group.size > L.MAX_RANKS:
             raise ValueError(f"intranode kernels support up to {L.MAX_RANKS} ranks per NVLink domain, got {group.size}")
@@ -252,7 +250,7 @@ class IntranodeEngine(EngineHealth):
         self.copy_supported = False
         self._copy_streams = None
         self.output_pool = None
-        self._broken: str | None = None
+        self.broken: str | None = None
         self._destroyed = False
         self._metas: dict = {}
         self._num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
@@ -267,7 +265,7 @@ class IntranodeEngine(EngineHealth):
                 cupy.cuda.Device(self.device_id).synchronize()
                 self.errors = KernelErrorRecord()
                 # Per-channel work counters: runs of the dispatch's self copy and of the combine's reduction
-                # claimed so far (0 between kernels; at most one channel per 2 SMs, see _check_grid).
+                # claimed so far (0 between kernels; at most one channel per 2 SMs, see check_grid).
                 self.work_claims = cupy.zeros(max(1, self._num_device_sms // 2), dtype=cupy.int32)
                 # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
                 # means none anywhere).
@@ -304,43 +302,43 @@ class IntranodeEngine(EngineHealth):
 
     def local_buffer_view(self) -> tuple[int, int]:
         """``(pointer, bytes)`` of this rank's NVL buffer."""
-        self._require_alive()
+        self.require_alive()
         return self.buffer.local_ptr, self.num_nvl_bytes
 
-    def _require_alive(self) -> None:
+    def require_alive(self) -> None:
         if self._destroyed or self.buffer is None:
             raise RuntimeError("this intranode buffer was destroyed")
 
     kind, op_names, overflow_op = "intranode", OP_NAMES, OP_DISPATCH_OVERFLOW
 
-    def _config_channels(self, config) -> int:
+    def config_channels(self, config) -> int:
         num_sms = int(config.num_sms)
         if num_sms < 2 or num_sms % 2:
             raise ValueError(f"config.num_sms must be an even number >= 2 (one sender and one receiver SM per "
                              f"channel), got {num_sms}")
-        self._check_grid(num_sms // 2)
+        self.check_grid(num_sms // 2)
         return num_sms // 2
 
-    def _check_grid(self, num_channels: int) -> None:
+    def check_grid(self, num_channels: int) -> None:
         """Senders and receivers wait for each other, so all 2 * C blocks must be resident at once."""
         if 2 * num_channels > self._num_device_sms:
             raise ValueError(f"{num_channels} channels need {2 * num_channels} SMs, but the GPU has "
                              f"{self._num_device_sms}; lower config.num_sms")
 
-    def _cap(self, config) -> int:
+    def cap(self, config) -> int:
         cap = int(config.num_max_nvl_chunked_recv_tokens)
         if cap <= 0:
             raise ValueError(f"config.num_max_nvl_chunked_recv_tokens must be positive, got {cap}")
         return cap
 
-    def _batch(self, config) -> int:
+    def batch(self, config) -> int:
         batch = self.publish_batch if self.publish_batch is not None else config.num_max_nvl_chunked_send_tokens
         batch = int(batch)
         if batch <= 0:
             raise ValueError(f"the publish batch must be positive, got {batch}")
         return batch
 
-    def _self_warps(self, warps: int) -> tuple[int, int]:
+    def local_copy_warps(self, warps: int) -> tuple[int, int]:
         """``(sender-block, receiver-block)`` warps of a dispatch that copy this rank's own tokens."""
         R = self.num_ranks
         if R == 1:
@@ -352,7 +350,7 @@ class IntranodeEngine(EngineHealth):
                              f"[0, {warps - (R - 1)}] for {R} ranks and {warps} warps, and not both 0")
         return send, recv
 
-    def _check_size(self, what: str, need: int, config, hidden_bytes: int) -> None:
+    def check_size(self, what: str, need: int, config, hidden_bytes: int) -> None:
         if need > self.num_nvl_bytes:
             hint = None
             with contextlib.suppress(Exception):
@@ -362,7 +360,7 @@ class IntranodeEngine(EngineHealth):
                              f"Buffer has num_nvl_bytes={self.num_nvl_bytes}{extra}; create the Buffer with at "
                              f"least {need} bytes or use fewer SMs / a smaller num_max_nvl_chunked_recv_tokens")
 
-    def _kernel(self, spec: BuildSpec, name: str):
+    def kernel(self, spec: BuildSpec, name: str):
         return load(spec).get_function(name)
 
     # ------------------------------------------------------------------ lifetime

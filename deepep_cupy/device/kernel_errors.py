@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..errors import DeepEPError, DeepEPTimeoutError
+from ..ops.kernel_names import VALUE_OP_ARGS
 
 __all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "KIND_VALUE", "timeout_seconds", "value_error"]
 
@@ -30,7 +31,6 @@ KIND_VALUE = 1
 
 def value_error(info: dict) -> ValueError:
     """The ``ValueError`` for a bad value a kernel recorded (``info`` as :meth:`KernelErrorRecord.peek`)."""
-    from ..ops.kernel_names import VALUE_OP_ARGS
 
     op, arg = VALUE_OP_ARGS.get(info["op"], (f"op {info['op']}", "an argument"))
     return ValueError(f"{op}: {arg} held expert id {info['waited_ns']} on rank {info['rank']}, outside "

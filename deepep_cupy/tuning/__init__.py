@@ -1,4 +1,4 @@
-"""Configs found by ``python -m deepep_cupy.tune``: where they are stored and how the ``Buffer`` finds them.
+"""Configs found by ``python -m deepep_cupy.tuning``: where they are stored and how the ``Buffer`` finds them.
 
 One JSON file, ``tuned_configs.json`` in the kernel cache directory (``$DEEPEP_CUPY_CACHE_DIR`` or the
 default, see :func:`deepep_cupy.jit.cache.cache_dir`), holds one entry per GPU model, rank count and hidden
@@ -22,7 +22,9 @@ import time
 import warnings
 from pathlib import Path
 
-from .config import Config
+from ..config import Config
+from ..device.gpus import gpu_count
+from ..jit.cache import cache_dir
 
 __all__ = ["FORMAT", "STORE_NAME", "OPS", "store_path", "gpu_model", "tuned_config", "read_entries", "save_entry",
            "make_entry", "forget"]
@@ -39,7 +41,6 @@ _memo: dict = {}
 
 def store_path() -> Path:
     """Where the tuned configs live: ``<kernel cache dir>/tuned_configs.json``."""
-    from .jit.cache import cache_dir
 
     return cache_dir() / STORE_NAME
 
@@ -56,7 +57,6 @@ def gpu_model() -> str | None:
 
     None without a usable GPU. Goes through the driver API without creating a context.
     """
-    from .runtime.device import gpu_count
 
     if gpu_count() == 0:
         return None
@@ -104,11 +104,11 @@ def read_entries(path: Path | None = None) -> dict:
         return {}
     except (OSError, ValueError) as exc:
         warnings.warn(f"deepep_cupy: ignoring the tuned configs in {path} ({exc}); delete the file or run "
-                      "`python -m deepep_cupy.tune` again", stacklevel=3)
+                      "`python -m deepep_cupy.tuning` again", stacklevel=3)
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
         warnings.warn(f"deepep_cupy: ignoring the tuned configs in {path} (written by another version); run "
-                      "`python -m deepep_cupy.tune` again", stacklevel=3)
+                      "`python -m deepep_cupy.tuning` again", stacklevel=3)
         return {}
     return data["entries"]
 

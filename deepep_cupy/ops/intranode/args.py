@@ -1,27 +1,21 @@
 """Argument lists of the intranode kernels (notify, dispatch, combine), in the kernels' parameter order, with
-their parameter names: what a launch plan packs once (:mod:`deepep_cupy.ops.intranode_plans`), and what the
+their parameter names: what a launch plan packs once (:mod:`deepep_cupy.ops.intranode.plans`), and what the
 CPU tests check against the kernels' signatures."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import intranode_layout as L
+from ..plan import kernel_pointer
+from . import layout as L
 
 __all__ = ["notify_args", "dispatch_args", "combine_args", "publish_batch", "kernel_pointer"]
-
-_NULL = np.uint64(0)
 
 
 def publish_batch(send_tokens: int, cap: int) -> int:
     """Tokens published per fence (the kernels' ``clamp_batch``): ``send_tokens`` clamped to
     ``[1, min(32, ceil(cap / 2))]``, so that no sender waits for a free slot held by its own unpublished run."""
     return max(1, min(int(send_tokens), 32, (int(cap) + 1) // 2))
-
-
-def kernel_pointer(arr) -> object:
-    """A kernel pointer argument: the array itself, or a null pointer for None."""
-    return _NULL if arr is None else arr
 
 
 def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,

@@ -1,6 +1,6 @@
 """Tune the intranode dispatch and combine configs for this machine and store them.
 
-    mpirun -np <gpus> python -m deepep_cupy.tune --hidden 7168
+    mpirun -np <gpus> python -m deepep_cupy.tuning --hidden 7168
 
 Sweeps the SM count and the NVLink chunk sizes of the high-throughput kernels (the send batch,
 ``num_max_nvl_chunked_send_tokens``, and the receive ring capacity, ``num_max_nvl_chunked_recv_tokens``)
@@ -20,12 +20,17 @@ import socket
 import sys
 import time
 
-from . import tuning
-from .config import Config
+from .. import buffer as B
+from .. import tuning
+from ..bench.intranode import routing, slowest
+from ..bench.timing import time_op
+from ..buffer import Buffer
+from ..config import Config
+from ..device.gpus import no_gpu_reason
 
 __all__ = ["main", "parse_args", "plan_points", "choose", "builtin_configs", "Progress"]
 
-PROG = "python -m deepep_cupy.tune"
+PROG = "python -m deepep_cupy.tuning"
 DEFAULT_SMS = (16, 20, 24, 32)
 DEFAULT_SEND = (1, 2, 4, 6, 8, 16, 32)
 DEFAULT_RECV = (256, 512)
@@ -85,7 +90,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def builtin_configs(num_ranks: int) -> dict:
     """The built-in recommendations for ``num_ranks`` (what ``Buffer`` returns when nothing is stored)."""
-    from . import buffer as B
 
     # Same nearest-rank-count pick as Buffer's, without the tuned store in front of it.
     def pick(table):
@@ -189,9 +193,6 @@ def _sweep(comm, args, plan: dict, rdma: dict, progress: Progress) -> dict:
     import ml_dtypes
     import numpy as np
 
-    from .bench.intranode import _routing, _slowest
-    from .bench.timing import time_op
-    from .buffer import Buffer
 
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     hidden, recv_max = args.hidden, max(r for points in plan.values() for _, _, r in points)
@@ -201,7 +202,7 @@ def _sweep(comm, args, plan: dict, rdma: dict, progress: Progress) -> dict:
     times: dict = {}
     try:
         # The benchmark's workload: random routing and tokens.
-        topk_idx = _routing(cupy, args.tokens, args.experts, args.topk, seed=1234 + rank)
+        topk_idx = routing(cupy, args.tokens, args.experts, args.topk, seed=1234 + rank)
         weights = cupy.random.RandomState(7 + rank).random_sample((args.tokens, args.topk), dtype=cupy.float32)
         x = np.random.default_rng(11 + rank).standard_normal((args.tokens, hidden), np.float32)
         x = cupy.asarray(x.astype(ml_dtypes.bfloat16))
@@ -219,7 +220,7 @@ def _sweep(comm, args, plan: dict, rdma: dict, progress: Progress) -> dict:
                 else:
                     def fn(cfg=cfg, handle=handle, recv_x=recv_x, recv_w=recv_w):
                         buffer.combine(recv_x, handle, topk_weights=recv_w, config=cfg)
-                us = _slowest(comm, time_op(fn, warmup=args.warmup, iters=args.iters, stream=stream))
+                us = slowest(comm, time_op(fn, warmup=args.warmup, iters=args.iters, stream=stream))
                 times[(sms, op, send, recv)] = us
                 progress.step(f"{op}: {sms} SMs, send {send}, recv {recv}: {us:.0f} us")
     finally:
@@ -264,17 +265,11 @@ def show(out=sys.stdout) -> int:
     return 0
 
 
-def _no_gpu_reason() -> str | None:
-    from .bench.__main__ import _no_gpu_reason as reason
-
-    return reason()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show:
         return show()
-    reason = _no_gpu_reason()
+    reason = no_gpu_reason()
     if reason:
         # One line, no traceback: the usual cause is running it on a machine without GPUs.
         sys.exit(f"{PROG}: tuning needs CUDA GPUs; {reason}")
@@ -336,6 +331,3 @@ def main(argv=None) -> int:
     comm.Barrier()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

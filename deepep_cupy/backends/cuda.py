@@ -1,4 +1,4 @@
-"""Runs Buffer operations on the GPU: makes the launch plans of each op for the caller's framework, and
+"""The GPU backend of ``Buffer``: makes the launch plans of each op for the caller's framework, and
 owns the engines (NVLink buffer, NVSHMEM buffer) and the communication stream they share.
 
 ``Buffer`` asks for a plan once per (op, shapes, dtypes, flags, framework) and then only calls
@@ -7,22 +7,32 @@ owns the engines (NVLink buffer, NVSHMEM buffer) and the communication stream th
 
 from __future__ import annotations
 
-from .runtime.device import current_device_id
-from .runtime.group import Agreement, CommGroup
-from .runtime.streams import current_stream
-from .tensors import frame_for
+from ..device import nvshmem
+from ..device.gpus import current_device_id
+from ..device.group import Agreement, CommGroup
+from ..device.kernel_errors import KernelErrorRecord
+from ..device.streams import current_stream
+from ..errors import DeepEPTimeoutError
+from ..frameworks import frame_for, framework_of, is_torch_dtype, to_cupy
+from ..ops.internode import plans as internode_plans
+from ..ops.internode.engine import InternodeEngine
+from ..ops.intranode import plans as intranode_plans
+from ..ops.intranode.engine import IntranodeEngine
+from ..ops.layout import LayoutPlan
+from ..ops.low_latency.engine import LowLatencyEngine
+from ..ops.low_latency.plans import CombinePlan, DispatchPlan
 
-__all__ = ["CudaRuntime"]
+__all__ = ["CudaBackend"]
 
 # How long a new plan waits for the other ranks' half of its agreement check before going on without it.
 _AGREEMENT_WAIT_S = 0.05
 
 
-class CudaRuntime:
+class CudaBackend:
     """The ``Buffer.runtime`` on a GPU. Collective to construct and to destroy."""
 
     def __init__(self, group, *, num_nvl_bytes, num_rdma_bytes, num_nvl_ranks, low_latency_mode,
-                 num_qps_per_rank, allow_nvlink, allow_mnnvl, use_fabric, enable_shrink):
+                 num_qps_per_rank, allow_nvlink, allow_mnnvl, use_fabric, enable_shrink, **_reference_only):
         import cupy
 
         self.group = group
@@ -41,19 +51,13 @@ class CudaRuntime:
         self.spans_domains = num_nvl_ranks < self.num_ranks
         try:
             if num_nvl_bytes > 0 and not self.spans_domains:
-                from .ops.intranode import IntranodeEngine
-
                 self.intranode = IntranodeEngine(group, self.device_id, num_nvl_bytes, use_fabric=use_fabric)
                 self.intranode.on_tuning_change = self._drop_intranode_plans
             if low_latency_mode or num_rdma_bytes > 0:
-                from .ops.low_latency import LowLatencyEngine
-
                 self.low_latency = LowLatencyEngine(group, self.device_id, num_rdma_bytes,
                                                     allow_nvlink=allow_nvlink, num_qps_per_rank=num_qps_per_rank,
                                                     allow_mnnvl=allow_mnnvl, enable_shrink=enable_shrink)
             if self.spans_domains and num_nvl_bytes > 0 and num_rdma_bytes > 0:
-                from .ops.internode import InternodeEngine
-
                 # One NVSHMEM buffer for both modes, as DeepEP's (the low-latency engine made it).
                 self.internode = InternodeEngine(group, self.device_id, num_nvl_ranks, num_nvl_bytes, num_rdma_bytes,
                                                  rdma=self.low_latency.symmetric_buffer)
@@ -68,6 +72,10 @@ class CudaRuntime:
     def _drop_intranode_plans(self) -> None:
         if self.plans_invalidated is not None:
             self.plans_invalidated()
+
+    def report_failure(self, op: str, exc: BaseException) -> None:
+        """Nothing to do: a rank that fails before its launch leaves its peers' kernels to time out with an
+        error naming it (the GPU path has no host exchange to join)."""
 
     def require_internode(self, op: str) -> None:
         if self.spans_domains and self.internode is None:
@@ -86,29 +94,26 @@ class CudaRuntime:
         """``(engine, plans module)`` of the high-throughput ops: the internode kernels when the group spans
         several NVLink domains, the intranode ones otherwise."""
         if self.spans_domains:
-            from .ops import internode_plans
-
             self.require_internode(op)
             return self.internode, internode_plans
-        from .ops import intranode_plans
 
         return self._engine("intranode"), intranode_plans
 
     def frame(self, obj):
         """The framework adapter for a caller's tensor (torch or CuPy on this device)."""
-        mod = type(obj).__module__
-        if mod.startswith("torch"):
+        framework = framework_of(obj)
+        if framework == "torch":
             device = obj.get_device()
             if device != self.device_id:
                 raise ValueError(f"tensors must be on cuda:{self.device_id} (this Buffer's device), got "
                                  f"{'the CPU' if device < 0 else f'cuda:{device}'}")
-            return frame_for("torch", self.device_id)
-        if mod.startswith("cupy"):
+        elif framework == "cupy":
             if obj.data.device_id != self.device_id:
                 raise ValueError(f"arrays must be on device {self.device_id} (this Buffer's device), got "
                                  f"{obj.data.device_id}")
-            return frame_for("cupy", self.device_id)
-        raise TypeError(f"expected a torch tensor or CuPy array, got {type(obj).__name__}")
+        else:
+            raise TypeError(f"expected a torch tensor or CuPy array, got {type(obj).__name__}")
+        return frame_for(framework, self.device_id)
 
     def agree(self, op: str, **fields) -> None:
         """Check that every rank passes the same ``fields`` to ``op``, once per distinct set of values.
@@ -143,8 +148,6 @@ class CudaRuntime:
     def layout_errors(self):
         """The error record of the layout kernels (made at first use)."""
         if self._layout_errors is None:
-            from .runtime.kernel_errors import KernelErrorRecord
-
             self._layout_errors = KernelErrorRecord()
         return self._layout_errors
 
@@ -160,7 +163,7 @@ class CudaRuntime:
 
         engine = self._engine("low_latency") if use_rdma_buffer else self._normal_ops("get_local_buffer_tensor")[0]
         ptr, nbytes = engine.local_buffer_view()
-        is_torch = type(dtype).__module__.startswith("torch")
+        is_torch = is_torch_dtype(dtype)
         if is_torch:
             import torch
 
@@ -183,8 +186,6 @@ class CudaRuntime:
 
     # ------------------------------------------------------------------ plans: high-throughput ops
     def plan_layout(self, topk_idx, num_experts, *, async_finish, allocate_on_comm_stream):
-        from .ops.layout import LayoutPlan
-
         return LayoutPlan(self.frame(topk_idx), num_tokens=int(topk_idx.shape[0]), num_topk=int(topk_idx.shape[1]),
                           num_experts=num_experts, num_ranks=self.num_ranks, num_nvl_ranks=self.num_nvl_ranks,
                           rank=self.rank, errors=self.layout_errors, comm_stream=self.comm_stream.ptr,
@@ -216,8 +217,6 @@ class CudaRuntime:
     def plan_low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
                                   dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish,
                                   return_recv_hook):
-        from .ops.low_latency_plans import DispatchPlan
-
         engine = self._engine("low_latency")
         hidden = int(x.shape[1])
         layout = engine.make_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -231,8 +230,6 @@ class CudaRuntime:
 
     def plan_low_latency_combine(self, x, topk_idx, handle, *, use_logfmt, zero_copy, combine_wait_recv_cost_stats,
                                  async_finish, return_recv_hook):
-        from .ops.low_latency_plans import CombinePlan
-
         engine = self._engine("low_latency")
         t_max, hidden, num_experts = int(handle[2]), int(handle[3]), int(handle[4])
         layout = engine.make_layout(t_max, hidden, num_experts)
@@ -251,7 +248,6 @@ class CudaRuntime:
         return engine.combine_buffer_view(self.frame(handle[0]), layout, engine.peek_next_buffer())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-
         engine = self._engine("low_latency")
         stream = current_stream(None, self.device_id)
         engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=stream)
@@ -260,8 +256,6 @@ class CudaRuntime:
         self._engine("low_latency").update_mask(rank, mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
-        from .interop import to_cupy
-
         self._engine("low_latency").query_mask(to_cupy(mask_status))
 
     def low_latency_clean_mask_buffer(self):
@@ -274,7 +268,6 @@ class CudaRuntime:
         need no peer are released, the NVSHMEM memory stays allocated (its free is collective and would never
         return), and the barrier's ``DeepEPTimeoutError`` names the missing ranks; NVSHMEM then remembers them
         as lost (``runtime/nvshmem.py``), so that neither a later free nor the interpreter's exit waits for them."""
-        from .errors import DeepEPTimeoutError
 
         everyone = False
         try:
@@ -286,7 +279,6 @@ class CudaRuntime:
         except DeepEPTimeoutError as exc:
             # Ranks that did not come may never make another NVSHMEM call: from now on this process makes no
             # collective NVSHMEM call (free, finalize at exit), which would wait for them forever.
-            from .runtime import nvshmem
 
             nvshmem.mark_peers_lost(self.group, getattr(exc, "missing", None))
             raise

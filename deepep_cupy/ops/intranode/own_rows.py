@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .intranode_copy import create_events, destroy_events
+from .copy import create_events, destroy_events
 
 __all__ = ["MAX_DEFAULT_RANKS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
 

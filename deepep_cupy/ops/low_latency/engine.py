@@ -34,11 +34,12 @@ from __future__ import annotations
 import functools
 import os
 
-from ..interop import BF16
-from ..jit import BuildSpec, load
-from ..runtime.kernel_errors import timeout_seconds
-from . import kernel_names
-from .low_latency_layout import (
+from ...device import nvshmem as nvshmem_runtime
+from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
+from ...frameworks import BF16
+from ...jit import BuildSpec, load
+from .. import kernel_names
+from .layout import (
     MAX_EXPERTS,
     MAX_RANKS,
     MAX_TOKENS,
@@ -194,8 +195,6 @@ class LowLatencyEngine:
                  allow_mnnvl: bool, enable_shrink: bool) -> None:
         import cupy
 
-        from ..runtime import nvshmem as nvshmem_runtime
-        from ..runtime.kernel_errors import KernelErrorRecord
 
         self.group = group
         self.rank = int(group.rank)

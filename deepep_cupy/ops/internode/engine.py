@@ -15,12 +15,14 @@ import os
 
 import numpy as np
 
-from ..jit import BuildSpec, load
-from ..runtime.kernel_errors import timeout_seconds
-from . import internode_layout as IL
-from . import kernel_names
-from .engine_health import EngineHealth
-from .intranode_args import kernel_pointer as _ptr  # short: the argument lists below are dense
+from ...device import nvshmem as nvshmem_runtime
+from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
+from ...device.vmm import PeerMappedBuffer
+from ...jit import BuildSpec, load
+from .. import kernel_names
+from ..health import EngineHealth
+from ..plan import kernel_pointer as _ptr  # short: the argument lists below are dense
+from . import layout as IL
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
@@ -244,9 +246,6 @@ class InternodeEngine(EngineHealth):
                  rdma=None) -> None:
         import cupy
 
-        from ..runtime import nvshmem as nvshmem_runtime
-        from ..runtime.kernel_errors import KernelErrorRecord
-        from ..runtime.vmm import PeerMappedBuffer
 
         if group.size % num_nvl_ranks:
             raise ValueError(f"group size {group.size} is not a multiple of num_nvl_ranks {num_nvl_ranks}")
@@ -314,7 +313,7 @@ class InternodeEngine(EngineHealth):
 
     def local_buffer_view(self) -> tuple[int, int]:
         """``(pointer, bytes)`` of this rank's NVLink buffer."""
-        self._require_alive()
+        self.require_alive()
         return self.nvl.local_ptr, self.num_nvl_bytes
 
     def forget_symmetric_memory(self) -> None:

@@ -1,0 +1,143 @@
+"""Handles: the tuples a dispatch returns and later ops take back.
+
+Their plan-key parts (:func:`handle_meta`, :func:`ll_handle_meta`), the tuple subclasses that mark a
+handle an op returned unchanged, and the host checks of the index values of a handle a caller built or
+rebuilt (the GPU kernels index memory with them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..checks import values_enabled
+from ..frameworks import is_capturing, is_tensor, meta, to_numpy
+from ..reference.normal import channel_prefix_matrix, send_head_matrix
+from .plan import NOT_A_KEY
+
+__all__ = ["handle_meta", "ll_handle_meta", "OpHandle", "LowLatencyHandle", "device_handle_values",
+           "intranode_handle_values", "ll_handle_values"]
+
+
+def handle_meta(handle):
+    if handle is None:
+        return None
+    if not isinstance(handle, (tuple, list)) or len(handle) not in (6, 10):
+        return NOT_A_KEY
+    return tuple(meta(h) for h in handle)
+
+
+def ll_handle_meta(handle):
+    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+        return NOT_A_KEY
+    return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
+
+
+class OpHandle(tuple):
+    """A handle exactly as one of this library's GPU ops returned it (a plain tuple to its users).
+
+    Its entries were written by the kernels, so the index checks of handles given back to an op (which
+    wait for the device) are for handles a caller built or rebuilt, which are plain tuples.
+    """
+
+    __slots__ = ()
+
+
+class LowLatencyHandle(OpHandle):
+    """A low-latency dispatch's handle, which also keeps the dispatch's row map (``row_map``: the inverse
+    of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/layout.cuh ``record_row``) for the
+    partial-sum combine. A tuple subclass cannot have slots, so the attribute lives in a ``__dict__``."""
+
+
+# Handles recently checked, by id, with a reference that keeps the id from being reused; a handle is
+# normally used by one combine and a few cached dispatches right after the dispatch that made it.
+_CHECKED: dict = {}
+_CHECKED_MAX = 4
+
+
+def _bad(name: str, what: str) -> ValueError:
+    return ValueError(f"{name} {what}: the handle is not one dispatch returned (or was modified)")
+
+
+def intranode_handle_values(h, rank: int, num_ranks: int) -> None:
+    """Index checks of the intranode 6-tuple, as NumPy arrays ``h``, for this ``rank``; each entry must be
+    what the dispatch derived (the GPU kernels index memory with them)."""
+
+    rp, cp, rcp, src, in_rank, head = (np.asarray(a) for a in h)
+    in_rank = in_rank.astype(bool)
+    rows = src.shape[0]
+    if (rp < 0).any() or (np.diff(rp.astype(np.int64), axis=0) < 0).any():
+        raise _bad("handle[0] (rank_prefix_matrix)", "must be non-negative and non-decreasing down each column")
+    ends = rp[:, rank].astype(np.int64)
+    if ends[-1] > rows:
+        raise _bad("handle[0] (rank_prefix_matrix)", f"says rank {rank} received {int(ends[-1])} rows, more than "
+                   f"the {rows} rows of handle[3] (recv_src_idx)")
+    c = cp.shape[1]
+    if not np.array_equal(cp, channel_prefix_matrix(in_rank, c)):
+        raise _bad("handle[1] (channel_prefix_matrix)", "does not count the tokens of handle[4] (is_token_in_rank) "
+                   "per channel")
+    if not np.array_equal(head, send_head_matrix(in_rank)):
+        bad = int(np.count_nonzero(head != send_head_matrix(in_rank)))
+        raise _bad("handle[5] (send_head)", f"has {bad} entries that are not -1 where handle[4] is False and the "
+                   "token's position among those sent to the rank where it is True")
+    got = np.diff(np.concatenate([[0], ends]))  # rows received from each source
+    rcp = rcp.astype(np.int64)
+    if (rcp[:, 0] != 0).any() or (np.diff(rcp, axis=1) < 0).any() or (rcp[:, -1] > got).any():
+        raise _bad("handle[2] (recv_channel_prefix_matrix)", "must start at 0 and rise along each row to at most the "
+                   "rows received from that rank (handle[0])")
+    received = src[:ends[-1]].astype(np.int64)
+    if received.size and received.min() < 0:
+        raise _bad("handle[3] (recv_src_idx)", "holds negative token indices among the received rows")
+    # Rows of one source come in its token order: indices rise strictly within each source's block.
+    rising = np.diff(received) > 0
+    starts = ends[:-1][(ends[:-1] > 0) & (ends[:-1] < ends[-1])] - 1  # the steps from one block to the next
+    rising[starts] = True
+    if not rising.all():
+        raise _bad("handle[3] (recv_src_idx)", "must rise strictly within the rows of each source rank")
+
+
+def ll_handle_values(h, num_ranks: int) -> None:
+    """Index checks of a low-latency handle ``(src_info, layout_range, T, hidden, num_experts)`` with its
+    tensors as NumPy arrays: row ranges inside the ``R * T`` rows of each local expert, not overlapping, and
+    every row's source token in ``[0, T)``."""
+    src_info, layout_range = np.asarray(h[0]), np.asarray(h[1]).astype(np.int64)
+    t = int(h[2])
+    slab = num_ranks * t
+    begin, count = layout_range >> 32, layout_range & 0xFFFFFFFF
+    if (begin < 0).any() or (count > t).any() or (begin + count > slab).any():
+        raise _bad("handle[1] (layout_range)", f"has row ranges outside [0, {slab}) or longer than T={t}")
+    # By begin, then count: an empty range may share its begin with the range that follows it.
+    order = np.argsort(begin * (slab + 1) + count, axis=1, kind="stable")
+    b, n = np.take_along_axis(begin, order, 1), np.take_along_axis(count, order, 1)
+    if (b[:, 1:] < b[:, :-1] + n[:, :-1]).any():
+        raise _bad("handle[1] (layout_range)", "has overlapping row ranges within a local expert")
+    # Rows inside some range: +1 where a range starts, -1 where it ends, running sum > 0.
+    edges = np.zeros((begin.shape[0], slab + 1), np.int64)
+    experts = np.repeat(np.arange(begin.shape[0]), begin.shape[1])
+    np.add.at(edges, (experts, begin.ravel()), 1)
+    np.add.at(edges, (experts, (begin + count).ravel()), -1)
+    tokens = src_info[np.cumsum(edges, axis=1)[:, :slab] > 0]
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= t):
+        raise _bad("handle[0] (src_info)", f"names source tokens outside [0, {t}) (T) in received rows")
+
+
+def device_handle_values(buffer, handle) -> None:
+    """The index checks of a GPU ``handle`` given to ``buffer``'s op, once per handle, when validation is on,
+    no CUDA graph is being captured (the host copy waits for the device) and the handle is not one an op
+    returned as it was (:class:`OpHandle`: eager steps pay no wait for their own). Internode handles are left
+    to their own checks. Raises ``ValueError`` naming the entry."""
+    if isinstance(handle, OpHandle) or not values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
+        return  # an op's own handle, unchanged: the kernels wrote it
+    key = (id(handle), buffer.rank, buffer.group_size)
+    if key in _CHECKED or is_capturing(handle[0]):
+        return
+    # The dispatch that made the handle may still run on the communication stream (async_finish).
+    stream = getattr(buffer.runtime, "comm_stream", None)
+    if stream is not None:
+        stream.synchronize()
+    if len(handle) == 6:
+        intranode_handle_values([to_numpy(a) for a in handle], buffer.rank, buffer.group_size)
+    else:
+        ll_handle_values((to_numpy(handle[0]), to_numpy(handle[1]), handle[2]), buffer.group_size)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[key] = handle
