@@ -19,7 +19,7 @@ from .device.gpus import current_device_id, gpu_count
 from .device.group import make_group
 from .device.streams import DeviceEvent, current_stream_ptr
 from .event import EventOverlap
-from .frameworks import I32, I64, meta, shape_of
+from .frameworks import I32, I64, meta, plain_torch, shape_of
 from .ops.handles import device_handle_values, handle_meta
 from .ops.plan import config_key, lookup, store
 from .tuning import tuned_config
@@ -266,21 +266,22 @@ class Buffer(LowLatencyOps):
             is_token_in_rank: `[num_tokens, num_ranks]` bool, whether a token goes to a rank.
             event: an ``EventOverlap`` (meaningful with ``async_finish``).
         """
-        if self._destroyed:
-            self._alive()
-        key = (meta(topk_idx), num_experts, async_finish, allocate_on_comm_stream)
-        plan = lookup(self._layout_plans, key)
-        if plan is None:
-            num_experts = checks.num_experts_ok(num_experts, self.group_size)
-            checks.tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
-            plan = self.runtime.plan_layout(topk_idx, num_experts, async_finish=bool(async_finish),
-                                            allocate_on_comm_stream=bool(allocate_on_comm_stream))
-            store(self._layout_plans, key, plan)
-        if self._host_values:
-            checks.topk_values("topk_idx", topk_idx, num_experts)
-        if self._pending:
-            self.runtime.poll_agreements()
-        return plan.run(topk_idx, previous_event)
+        with plain_torch():
+            if self._destroyed:
+                self._alive()
+            key = (meta(topk_idx), num_experts, async_finish, allocate_on_comm_stream)
+            plan = lookup(self._layout_plans, key)
+            if plan is None:
+                num_experts = checks.num_experts_ok(num_experts, self.group_size)
+                checks.tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
+                plan = self.runtime.plan_layout(topk_idx, num_experts, async_finish=bool(async_finish),
+                                                allocate_on_comm_stream=bool(allocate_on_comm_stream))
+                store(self._layout_plans, key, plan)
+            if self._host_values:
+                checks.topk_values("topk_idx", topk_idx, num_experts)
+            if self._pending:
+                self.runtime.poll_agreements()
+            return plan.run(topk_idx, previous_event)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -317,22 +318,23 @@ class Buffer(LowLatencyOps):
                 received from each rank.
             event: an ``EventOverlap``.
         """
-        try:
-            if self._destroyed:
-                self._alive()
-            if config is None:
-                config = self._default_config(_DISPATCH_CONFIGS)
-            if self._num_rdma_ranks > 1:
-                return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                               is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                               expert_alignment, num_worst_tokens, config, previous_event,
-                                               async_finish, allocate_on_comm_stream)
-            return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                  previous_event, async_finish, allocate_on_comm_stream)
-        except Exception as exc:
-            self.runtime.report_failure("dispatch", exc)
-            raise
+        with plain_torch():
+            try:
+                if self._destroyed:
+                    self._alive()
+                if config is None:
+                    config = self._default_config(_DISPATCH_CONFIGS)
+                if self._num_rdma_ranks > 1:
+                    return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                                   is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                                   expert_alignment, num_worst_tokens, config, previous_event,
+                                                   async_finish, allocate_on_comm_stream)
+                return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                      previous_event, async_finish, allocate_on_comm_stream)
+            except Exception as exc:
+                self.runtime.report_failure("dispatch", exc)
+                raise
 
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -390,19 +392,20 @@ class Buffer(LowLatencyOps):
             combined_topk_weights: `[num_tokens, num_topk]` float32 sums, or None.
             event: an ``EventOverlap``.
         """
-        try:
-            if self._destroyed:
-                self._alive()
-            if config is None:
-                config = self._default_config(_COMBINE_CONFIGS)
-            if self._num_rdma_ranks > 1:
-                return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                              allocate_on_comm_stream)
-            return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                 allocate_on_comm_stream)
-        except Exception as exc:
-            self.runtime.report_failure("combine", exc)
-            raise
+        with plain_torch():
+            try:
+                if self._destroyed:
+                    self._alive()
+                if config is None:
+                    config = self._default_config(_COMBINE_CONFIGS)
+                if self._num_rdma_ranks > 1:
+                    return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                                  allocate_on_comm_stream)
+                return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                     allocate_on_comm_stream)
+            except Exception as exc:
+                self.runtime.report_failure("combine", exc)
+                raise
 
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
@@ -434,33 +437,35 @@ class Buffer(LowLatencyOps):
 
         ``dispatch`` calls this by itself when the group spans more than one NVLink domain.
         """
-        try:
-            self._alive()
-            if num_tokens_per_rdma_rank is not None:
-                checks.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=I32,
-                             shape=(self._num_rdma_ranks,))
-            config = self.get_dispatch_config(self.group_size) if config is None else config
-            self.runtime.require_internode("internode_dispatch")
-            return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                  previous_event, async_finish, allocate_on_comm_stream)
-        except Exception as exc:
-            self.runtime.report_failure("dispatch", exc)
-            raise
+        with plain_torch():
+            try:
+                self._alive()
+                if num_tokens_per_rdma_rank is not None:
+                    checks.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=I32,
+                                 shape=(self._num_rdma_ranks,))
+                config = self.get_dispatch_config(self.group_size) if config is None else config
+                self.runtime.require_internode("internode_dispatch")
+                return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                      previous_event, async_finish, allocate_on_comm_stream)
+            except Exception as exc:
+                self.runtime.report_failure("dispatch", exc)
+                raise
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
                           previous_event: EventOverlap | None = None, async_finish: bool = False,
                           allocate_on_comm_stream: bool = False):
         """Combine across NVLink domains; see ``combine``."""
-        try:
-            self._alive()
-            config = self.get_combine_config(self.group_size) if config is None else config
-            self.runtime.require_internode("internode_combine")
-            return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                 allocate_on_comm_stream)
-        except Exception as exc:
-            self.runtime.report_failure("combine", exc)
-            raise
+        with plain_torch():
+            try:
+                self._alive()
+                config = self.get_combine_config(self.group_size) if config is None else config
+                self.runtime.require_internode("internode_combine")
+                return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                     allocate_on_comm_stream)
+            except Exception as exc:
+                self.runtime.report_failure("combine", exc)
+                raise
 
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:

@@ -4,7 +4,7 @@ peer mask. A mixin of :class:`deepep_cupy.buffer.Buffer`, which holds the state 
 from __future__ import annotations
 
 from . import checks
-from .frameworks import I32, meta
+from .frameworks import I32, meta, plain_torch
 from .ops.handles import device_handle_values, ll_handle_meta
 from .ops.plan import lookup, store
 
@@ -67,32 +67,33 @@ class LowLatencyOps:
             event: an ``EventOverlap``.
             hook: receive function with ``return_recv_hook``, else None.
         """
-        try:
-            if self._destroyed:
-                self._alive()
-            key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
-                   meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8, round_scale,
-                   use_ue8m0, async_finish, return_recv_hook)
-            plan = lookup(self._ll_dispatch_plans, key)
-            if plan is None:
-                self._ll_required("low_latency_dispatch")
-                checks.ll_dispatch_args(self.group_size, self.num_rdma_bytes if self.backend == "cuda" else None, x,
-                                        topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                        round_scale, use_ue8m0)
-                plan = store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(
-                    x, topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
-                    num_experts=int(num_experts), dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
-                    use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
-                    async_finish=bool(async_finish), return_recv_hook=bool(return_recv_hook)))
-            if self._host_values:
-                checks.topk_values("topk_idx", topk_idx, num_experts)
-            if self._pending:
-                self.runtime.poll_agreements()
-            return plan.run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
-        except Exception as exc:
-            self.runtime.report_failure("low_latency_dispatch", exc)
-            raise
+        with plain_torch():
+            try:
+                if self._destroyed:
+                    self._alive()
+                key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
+                       meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8, round_scale,
+                       use_ue8m0, async_finish, return_recv_hook)
+                plan = lookup(self._ll_dispatch_plans, key)
+                if plan is None:
+                    self._ll_required("low_latency_dispatch")
+                    checks.ll_dispatch_args(self.group_size, self.num_rdma_bytes if self.backend == "cuda" else None, x,
+                                            topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                            round_scale, use_ue8m0)
+                    plan = store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(
+                        x, topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                        num_experts=int(num_experts), dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+                        use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
+                        async_finish=bool(async_finish), return_recv_hook=bool(return_recv_hook)))
+                if self._host_values:
+                    checks.topk_values("topk_idx", topk_idx, num_experts)
+                if self._pending:
+                    self.runtime.poll_agreements()
+                return plan.run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+            except Exception as exc:
+                self.runtime.report_failure("low_latency_dispatch", exc)
+                raise
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -121,30 +122,31 @@ class LowLatencyOps:
             event: an ``EventOverlap``.
             hook: receive function with ``return_recv_hook``, else None.
         """
-        try:
-            if self._destroyed:
-                self._alive()
-            key = (meta(x), meta(topk_idx), meta(topk_weights), ll_handle_meta(handle), use_logfmt, zero_copy,
-                   async_finish, return_recv_hook, meta(out), meta(combine_wait_recv_cost_stats))
-            plan = lookup(self._ll_combine_plans, key)
-            if plan is None:
-                self._ll_required("low_latency_combine")
-                checks.ll_combine_args(self.group_size, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                                       combine_wait_recv_cost_stats)
-                plan = store(self._ll_combine_plans, key, self.runtime.plan_low_latency_combine(
-                    x, topk_idx, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
-                    combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
-                    return_recv_hook=bool(return_recv_hook)))
-            if self._host_values:
-                checks.topk_values("topk_idx", topk_idx, int(handle[4]), bound="handle[4] (num_experts)")
-            if self.backend == "cuda":
-                device_handle_values(self, handle)
-            if self._pending:
-                self.runtime.poll_agreements()
-            return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
-        except Exception as exc:
-            self.runtime.report_failure("low_latency_combine", exc)
-            raise
+        with plain_torch():
+            try:
+                if self._destroyed:
+                    self._alive()
+                key = (meta(x), meta(topk_idx), meta(topk_weights), ll_handle_meta(handle), use_logfmt, zero_copy,
+                       async_finish, return_recv_hook, meta(out), meta(combine_wait_recv_cost_stats))
+                plan = lookup(self._ll_combine_plans, key)
+                if plan is None:
+                    self._ll_required("low_latency_combine")
+                    checks.ll_combine_args(self.group_size, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                                           combine_wait_recv_cost_stats)
+                    plan = store(self._ll_combine_plans, key, self.runtime.plan_low_latency_combine(
+                        x, topk_idx, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
+                        combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
+                        return_recv_hook=bool(return_recv_hook)))
+                if self._host_values:
+                    checks.topk_values("topk_idx", topk_idx, int(handle[4]), bound="handle[4] (num_experts)")
+                if self.backend == "cuda":
+                    device_handle_values(self, handle)
+                if self._pending:
+                    self.runtime.poll_agreements()
+                return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
+            except Exception as exc:
+                self.runtime.report_failure("low_latency_combine", exc)
+                raise
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The buffer the next ``low_latency_combine(..., zero_copy=True)`` sends from:

@@ -12,6 +12,7 @@ back. Detection of an object's framework is by type (:func:`framework_of`), in t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 
 __all__ = [
     "BF16", "FP8", "I32", "I64", "F32", "BOOL", "U8", "U16", "TensorKind", "framework_of", "is_tensor",
-    "is_torch_dtype", "is_capturing", "kind_of", "logical_dtype", "to_numpy", "to_cupy", "from_numpy", "shape_of",
+    "is_torch_dtype", "is_capturing", "plain_torch", "kind_of", "logical_dtype", "to_numpy", "to_cupy", "from_numpy", "shape_of",
     "copy_into", "to_storage_dtype", "TorchFrame", "CupyFrame", "SmallOutputs", "frame_for", "meta",
 ]
 
@@ -92,6 +93,23 @@ def is_tensor(obj) -> bool:
 def is_torch_dtype(dtype) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(dtype, torch.dtype)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def plain_torch():
+    """The context every ``Buffer`` op runs in: torch calls without Python-level torch-function modes.
+
+    A mode such as the one ``torch.set_default_device`` installs (DeepEP's own tests turn it on) sends
+    every torch call, tensor attribute reads included, through a Python handler: ~10x the cost of a read
+    on the host path, whose torch calls all name their device and dtype anyway. Nothing to do (a shared
+    no-op context) when no mode is active.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch._C._is_torch_function_mode_enabled():
+        return torch._C.DisableTorchFunction()
+    return _NO_CONTEXT
 
 
 def is_capturing(obj) -> bool:

@@ -267,7 +267,7 @@ class CudaBackend:
         most ``DEEPEP_CUPY_TIMEOUT_S``; when a rank does not come (dead, or masked and gone) the buffers that
         need no peer are released, the NVSHMEM memory stays allocated (its free is collective and would never
         return), and the barrier's ``DeepEPTimeoutError`` names the missing ranks; NVSHMEM then remembers them
-        as lost (``runtime/nvshmem.py``), so that neither a later free nor the interpreter's exit waits for them."""
+        as lost (``device/nvshmem.py``), so that neither a later free nor the interpreter's exit waits for them."""
 
         everyone = False
         try:

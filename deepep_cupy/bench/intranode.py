@@ -28,7 +28,7 @@ from ..device.group import MPIGroup
 from ..ops.intranode import engine as I
 from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS
 from ..ops.intranode.engine import IntranodeEngine
-from ..ops.intranode.own_rows import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
+from ..ops.intranode.own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
 from ..ops.intranode.plans import direct_combine, direct_dispatch
 from ..ops.layout import get_dispatch_layout
 from .timing import row, time_op
@@ -70,7 +70,7 @@ def _restore_defaults(engine) -> None:
     engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
     engine.use_output_pool = engine.use_copy_combine = True
-    engine.use_own_row_copies = engine.num_ranks <= OWN_MAX_DEFAULT_RANKS
+    engine.use_own_row_copies = OWN_ON_BY_DEFAULT
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 

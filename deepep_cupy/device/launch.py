@@ -47,7 +47,7 @@ class LaunchPlan:
     plan keeps a reference to the kernel (and so to its module).
     """
 
-    __slots__ = ("kernel", "grid", "block", "shared_mem", "names", "_slots", "_array", "_address", "_fn")
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "names", "_slots", "_array", "_address", "_fn", "_prefix")
 
     def __init__(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
         self.grid = _dim3(grid)
@@ -75,6 +75,8 @@ class LaunchPlan:
         """Make ``kernel`` the plan's function."""
         self.kernel = kernel
         self._fn = _function_address(kernel)
+        # Everything before the stream in cuLaunchKernel's argument list, fixed for the plan's life.
+        self._prefix = (self._fn, *self.grid, *self.block, self.shared_mem)
         # Static and dynamic shared memory together past 48 KiB need the opt-in for the dynamic part.
         if self.shared_mem > 0 and self.shared_mem + _static_shared(self._fn) > _DEFAULT_SHARED_LIMIT:
             _allow_shared(self._fn, self.shared_mem, kernel)
@@ -102,15 +104,23 @@ class LaunchPlan:
 
     def launch(self, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` (an int; 0 is the legacy default stream)."""
-        g, b = self.grid, self.block
-        err = _launch(self._fn, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, self._address, None)
+        err = _launch(*self._prefix, stream, self._address, None)
         if err:
             _raise_launch_error(err, self.kernel)
 
 
+#: ``cuLaunchKernel`` of ``cuda.bindings``, and the ``CUfunction`` objects of the functions launched through
+#: it (made once: the bindings convert a plain int into one on every call).
+_cu_launch = None
+_functions: dict = {}
+
+
 def _bindings_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> int:
-    err, = _driver().cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
-    return int(err)
+    function = _functions.get(fn)
+    if function is None:
+        function = _functions[fn] = _driver().CUfunction(fn)
+    err, = _cu_launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+    return err  # a CUresult: an int subclass, 0 on success
 
 
 def _choose_launcher():
@@ -127,6 +137,8 @@ def _choose_launcher():
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             return fn, "ctypes"
+    global _cu_launch
+    _cu_launch = _driver().cuLaunchKernel
     return _bindings_launch, "bindings"
 
 

@@ -122,7 +122,7 @@ class OutputPool(Allocator):
     """The pool of one rank: ``size`` bytes per rank mapped into every rank (collective to create).
 
     The last ``size // STAGING_FRACTION`` bytes are not allocated from: they are the staging area of the
-    combine's copy mode (``staging_ptrs[r]``: rank r's, as mapped here; deepep_cupy/ops/intranode_copy.py).
+    combine's copy mode (``staging_ptrs[r]``: rank r's, as mapped here; deepep_cupy/ops/intranode/copy.py).
     """
 
     def __init__(self, group, device_id: int, size: int, *, use_fabric: bool = False) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["current_stream", "current_stream_ptr", "external_stream", "DeviceEvent", "OpStreams"]
+__all__ = ["current_stream", "current_stream_ptr", "external_stream", "DeviceEvent", "ForkJoin", "OpStreams"]
 
 _DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 
@@ -94,30 +94,75 @@ class DeviceEvent:
                 pass  # interpreter shutdown
 
 
+class ForkJoin:
+    """The two events a plan forks onto the communication stream and joins back with, made once.
+
+    Re-recording an event is safe: a wait takes the event's state when the wait is queued, so a later call
+    recording the same event changes nothing for the waits queued before it. (A creation and a destruction
+    per event and call is what they save.)"""
+
+    __slots__ = ("fork", "join")
+
+    def __init__(self) -> None:
+        self.fork = self.join = 0  # made at the first call (a plan may be made where there is no GPU)
+
+    def fork_onto(self, comm: int, compute: int) -> None:
+        """``comm`` waits for what ``compute`` has queued so far."""
+        rt = _rt()
+        if not self.fork:
+            self.fork = rt.eventCreateWithFlags(_DISABLE_TIMING)
+        rt.eventRecord(self.fork, compute)
+        rt.streamWaitEvent(comm, self.fork, 0)
+
+    def join_back(self, compute: int, comm: int) -> None:
+        """``compute`` waits for what ``comm`` has queued so far."""
+        rt = _rt()
+        if not self.join:
+            self.join = rt.eventCreateWithFlags(_DISABLE_TIMING)
+        rt.eventRecord(self.join, comm)
+        rt.streamWaitEvent(compute, self.join, 0)
+
+    def __del__(self) -> None:
+        for name in ("fork", "join"):
+            handle = getattr(self, name, None)
+            if handle:
+                try:
+                    _rt().eventDestroy(handle)
+                except Exception:
+                    pass  # interpreter shutdown
+
+
 class OpStreams:
     """Stream choreography of one op, as DeepEP does it.
 
     The op runs on the communication stream ``comm`` after ``previous_event`` (or after the caller's
     stream ``compute``); without ``async_finish`` the caller's stream waits for it at :meth:`finish`,
-    with it the returned event does.
+    with it the returned event does (a fresh event: the caller may hold it). ``events`` (a
+    :class:`ForkJoin` of the plan) serve the fork and the join that nobody outside the call sees.
     """
 
-    __slots__ = ("comm", "compute", "framework", "device_id", "async_finish")
+    __slots__ = ("comm", "compute", "framework", "device_id", "async_finish", "events")
 
-    def __init__(self, comm: int, compute: int, framework, device_id: int, previous_event, async_finish: bool):
+    def __init__(self, comm: int, compute: int, framework, device_id: int, previous_event, async_finish: bool,
+                 events: ForkJoin | None = None):
         self.comm = comm
         self.compute = compute
         self.framework = framework
         self.device_id = device_id
         self.async_finish = async_finish
+        self.events = events
         if previous_event is not None and getattr(previous_event, "event", None) is not None:
             previous_event.event.wait(comm)
+        elif events is not None:
+            events.fork_onto(comm, compute)
         else:
             DeviceEvent(compute, framework, device_id).wait(comm)
 
     def finish(self) -> DeviceEvent | None:
-        done = DeviceEvent(self.comm, self.framework, self.device_id)
         if self.async_finish:
-            return done
-        done.wait(self.compute)
+            return DeviceEvent(self.comm, self.framework, self.device_id)
+        if self.events is not None:
+            self.events.join_back(self.compute, self.comm)
+        else:
+            DeviceEvent(self.comm, self.framework, self.device_id).wait(self.compute)
         return None

@@ -7,7 +7,7 @@ import functools
 from ..device.gpus import compute_capability
 from ..device.kernel_errors import KernelErrorRecord
 from ..device.launch import LaunchPlan
-from ..device.streams import OpStreams
+from ..device.streams import ForkJoin, OpStreams
 from ..event import EventOverlap
 from ..frameworks import BOOL, I32, frame_for
 from ..jit import BuildSpec, load
@@ -70,6 +70,7 @@ class LayoutPlan:
         if num_tokens * num_topk >= 2**31:
             raise ValueError(f"too many tokens for the layout kernel: {num_tokens} x top-{num_topk}")
         self.frame, self.errors = frame, errors
+        self._fork_join = ForkJoin()
         self.num_tokens, self.num_experts, self.num_ranks = num_tokens, num_experts, num_ranks
         self.num_rdma_ranks = num_ranks // num_nvl_ranks
         self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
@@ -97,7 +98,7 @@ class LayoutPlan:
         ptr = frame.ptr
         compute = frame.stream()
         streams = OpStreams(self.comm_stream, compute, frame.framework, frame.device_id, previous_event,
-                            self.async_finish)
+                            self.async_finish, self._fork_join)
         per_rank = frame.empty((self.num_ranks,), I32)
         per_rdma = frame.empty((self.num_rdma_ranks,), I32) if self.has_rdma else None
         per_expert = frame.empty((self.num_experts,), I32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import Config
-from ..device.streams import OpStreams, external_stream
+from ..device.streams import ForkJoin, OpStreams, external_stream
 
 __all__ = ["lookup", "store", "config_key", "NOT_A_KEY", "kernel_pointer", "launch_args", "strides", "scale_strides", "NormalPlan"]
 
@@ -100,6 +100,7 @@ class NormalPlan:
         self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
         # 0 while the stream is not being captured; bound once, as the direct and copy modes check every call.
         self._capture_status = cupy.cuda.runtime.streamIsCapturing
+        self._fork_join = ForkJoin()
 
     def _begin(self, previous_event) -> OpStreams:
         engine = self.engine
@@ -107,7 +108,7 @@ class NormalPlan:
             engine.check_usable()
         frame = self.frame
         return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
-                         self.async_finish)
+                         self.async_finish, self._fork_join)
 
     def _make_notify_meta(self, size: int, in_rank_bytes: int = 0) -> None:
         """Where a dispatch's notify kernel leaves its totals: the engine's persistent device words and a

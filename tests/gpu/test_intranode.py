@@ -31,9 +31,9 @@ from normal_common import (
 )
 
 from deepep_cupy.device.gpus import gpu_count
-from deepep_cupy.ops.intranode.own_rows import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
 from deepep_cupy.ops.intranode.own_rows import MAX_RUNS as OWN_MAX_RUNS
 from deepep_cupy.ops.intranode.own_rows import MIN_ROWS as OWN_MIN_ROWS
+from deepep_cupy.ops.intranode.own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
 from deepep_cupy.ops.intranode.own_rows import own_runs
 
 pytestmark = MULTI_RANK_GPU
@@ -144,7 +144,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
 
     if cached:
         own_copies = None
-        if in_pool is not None:  # the cached dispatch's own rows: copy engines or SMs (intranode_own.py)
+        if in_pool is not None:  # the cached dispatch's own rows: copy engines or SMs (own_rows.py)
             engine = env["buf"].runtime.intranode
             runs = own_runs(r_in[:, me])
             own_copies = (engine.use_own_row_copies and not fp8 and not worst_rows and len(runs) <= OWN_MAX_RUNS
@@ -197,7 +197,7 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
         engine.use_output_pool = engine.use_copy_combine = True
-        engine.use_own_row_copies = engine.num_ranks <= OWN_MAX_DEFAULT_RANKS
+        engine.use_own_row_copies = OWN_ON_BY_DEFAULT
         engine.own_copy_min_rows = OWN_MIN_ROWS
 
 

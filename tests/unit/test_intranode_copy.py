@@ -1,4 +1,4 @@
-"""The combine's copy mode on the CPU: a NumPy model of the copies (deepep_cupy/ops/intranode_copy.py) and of
+"""The combine's copy mode on the CPU: a NumPy model of the copies (deepep_cupy/ops/intranode/copy.py) and of
 the sums (cuda_src/intranode/combine_copy.cu) against the reference combine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Own rows of a cached BF16 dispatch through the copy engines (deepep_cupy/ops/intranode_own.py): the runs
+"""Own rows of a cached BF16 dispatch through the copy engines (deepep_cupy/ops/intranode/own_rows.py): the runs
 of x, where they land in recv_x, and when the SMs keep the own rows; on the CPU."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The output pool's allocator (deepep_cupy/runtime/output_pool.py), on the CPU."""
+"""The output pool's allocator (deepep_cupy/device/output_pool.py), on the CPU."""
 
 import gc
 import threading

@@ -5,7 +5,7 @@ domains, handle entries 1, 2, 4, 6), ``dispatch<L, D>`` (rows over RDMA to the f
 to the destinations; entries 3, 5, 7, 8, 9) and ``combine<L, D>`` (sums inside the domain over NVLink,
 partial sums over RDMA, sum across domains at the source). ``L`` ranks per domain and ``D`` domains are
 template parameters, instantiated on first use; the rest are arguments. Offsets come from
-:mod:`.internode_layout`; launch plans from :mod:`.internode_plans`.
+:mod:`.layout`; launch plans from :mod:`.plans`.
 """
 
 from __future__ import annotations

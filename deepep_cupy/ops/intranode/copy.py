@@ -43,7 +43,7 @@ class IntranodeHandle(OpHandle):
     """An intranode dispatch's handle, which also keeps what the dispatch read back in its host wait:
     ``counts`` (the rank prefix matrix as nested tuples of ints, or None), for the copy-mode combine, and
     ``own_tokens`` (this rank's column of ``is_token_in_rank``, a NumPy bool array, or None), for the own-row
-    copies of a cached dispatch (intranode_own.py)."""
+    copies of a cached dispatch (own_rows.py)."""
 
     def __new__(cls, entries, counts=None, own_tokens=None):
         self = super().__new__(cls, entries)

@@ -36,8 +36,8 @@ from ..health import EngineHealth
 from . import layout as L
 from .args import combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
-from .own_rows import MAX_DEFAULT_RANKS as OWN_MAX_DEFAULT_RANKS
 from .own_rows import MIN_ROWS as OWN_MIN_ROWS
+from .own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
 
 __all__ = [
     "IntranodeEngine",
@@ -178,7 +178,7 @@ class IntranodeEngine(EngineHealth):
         use_fabric: share the buffer with fabric handles (multi-node NVLink) instead of file descriptors.
         num_output_bytes: bytes of output pool per rank (None: ``$DEEPEP_CUPY_OUTPUT_POOL_BYTES``, default
             1 GiB up to 2 ranks, 0 above; 0: none). Dispatch outputs that fit are allocated there and peers
-            write them in place (deepep_cupy/runtime/output_pool.py); the smallest value of all ranks is used.
+            write them in place (deepep_cupy/device/output_pool.py); the smallest value of all ranks is used.
 
     Attributes (tuning, may be changed between ops; all ranks must use the same values):
         timeout_s: wait budget of the kernels.
@@ -190,11 +190,11 @@ class IntranodeEngine(EngineHealth):
         use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
             False: always the ring mode with ordinary allocations.
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
-            deepep_cupy/ops/intranode_copy.py); False: always the ring mode.
+            ops/intranode/copy.py); False: always the ring mode.
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
         use_own_row_copies: let a cached BF16 dispatch copy this rank's own rows with the copy engines
-            (deepep_cupy/ops/intranode_own.py; default on up to 2 ranks); False: the SMs copy them.
-        own_copy_min_rows: fewest own rows for which it does (default ``intranode_own.MIN_ROWS``).
+            (ops/intranode/own_rows.py; off by default, see ``own_rows.ON_BY_DEFAULT``); False: the SMs copy them.
+        own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
 
     The handle (all CuPy, the same values as the reference backend's):
         0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
@@ -244,7 +244,7 @@ class IntranodeEngine(EngineHealth):
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         # Tests turn it on at any size.
-        self.use_own_row_copies = self.num_ranks <= OWN_MAX_DEFAULT_RANKS
+        self.use_own_row_copies = OWN_ON_BY_DEFAULT
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False

@@ -20,10 +20,12 @@ import numpy as np
 
 from .copy import create_events, destroy_events
 
-__all__ = ["MAX_DEFAULT_RANKS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
+__all__ = ["ON_BY_DEFAULT", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
 
-#: On by default up to this many ranks: measured at 2 only (like the output pool's default).
-MAX_DEFAULT_RANKS = 2
+#: Off by default: each run is one ``memcpyAsync`` of ~5 us of host time on a 2 x H100 host (21 runs,
+#: ~105 us per 4096-token call at 2 ranks), against ~10 us of GPU time saved; a host-bound eager loop
+#: loses more than the kernel gains. ``IntranodeEngine.use_own_row_copies`` turns them on.
+ON_BY_DEFAULT = False
 #: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
 MIN_ROWS = 1024
 #: More runs than this stay on the SMs (each run is a copy to issue).

@@ -151,7 +151,7 @@ class DispatchPlan(NormalPlan):
             if self.num_worst_tokens > 0:
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
-                # is_token_in_rank comes back too where a cached dispatch may copy own rows (intranode_own).
+                # is_token_in_rank comes back too where a cached dispatch may copy own rows (own_rows.py).
                 own = engine.use_own_row_copies
                 num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank) if own else 0)
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
@@ -308,7 +308,7 @@ class CombinePlan(NormalPlan):
                                     num_channels=self.num_channels, comm_stream=comm_stream)
 
     def _copy_mode(self, handle):
-        """The copy mode's prepared schedule for this call, or None for the ring mode (see intranode_copy)."""
+        """The copy mode's prepared schedule for this call, or None for the ring mode (see copy.py)."""
         counts = getattr(handle, "counts", None)
         if counts is None or self._capture_status(self.comm_stream):
             return None

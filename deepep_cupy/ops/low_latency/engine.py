@@ -1,7 +1,7 @@
 """Low-latency (decode) dispatch and combine over NVSHMEM: launchers and :class:`LowLatencyEngine`.
 
 Kernels: ``cuda_src/low_latency/dispatch.cu`` and ``combine.cu`` (protocol and layout in
-``cuda_src/low_latency/layout.cuh``, offsets in :mod:`.low_latency_layout`). Compile-time parameters
+``cuda_src/low_latency/layout.cuh``, offsets in :mod:`.layout`). Compile-time parameters
 are the hidden size, the top-k, the warp split (warps per group, groups per block) and the data format
 (FP8 dispatch, LogFMT combine); everything else is a kernel argument.
 
@@ -23,7 +23,7 @@ Environment:
         and copy the staged rows, instead of casting on the fly for every destination expert (rows sent
         per (token, expert) only). Always on when some peer is reached through puts.
     DEEPEP_CUPY_LL_PER_EXPERT=1: send one dispatch row per (token, expert) even where one message per
-        (token, rank) applies (every rank reached by stores; see low_latency_layout), and one combine row
+        (token, rank) applies (every rank reached by stores; see layout.py), and one combine row
         per (token, expert) even where per-rank partial sums apply (:meth:`LowLatencyEngine.rank_partials`).
     ``LowLatencyEngine.staged`` and ``.per_expert`` hold the last two; a plan reads them when it is
     made, so a change applies to shapes not used before (or after the Buffer's plans are dropped).
@@ -178,7 +178,7 @@ class LowLatencyEngine:
 
     Constructing and destroying it are collective over ``group``; so is every dispatch and combine (every
     rank calls them in the same order with the same sizes). The launches themselves are made by the
-    plans of :mod:`.low_latency_plans`; the engine holds what they share: the buffer halves, the
+    plans of :mod:`.plans`; the engine holds what they share: the buffer halves, the
     sequence state, the peer mask, the error record and the loaded kernels.
 
     Arguments:
