@@ -5,16 +5,20 @@ library's default, whatever the other suites use). Each op is called ``CALLS`` t
 ``BATCH``; each batch starts behind a sleep kernel (:func:`~deepep_cupy.bench.timing.park`) so the GPU is
 busy for the whole batch: a call then returns as soon as its work is queued, and a call that waited for
 the GPU would show up as at least ``PARK_US``. A batch is short enough that the launch queue never fills.
+Beside it, the op's GPU time: CUDA events around each batch, from the end of the sleep to the end of the
+batch, over the calls of the batch (the calls run back to back on the GPU, since they were all queued
+before it reached them). An op whose host time is below its GPU time cannot make an eager loop host-bound.
 The dispatch that learns its sizes from the GPU (notify + CPU sync) has to wait for the GPU by design:
 its batches run without the sleep kernel and its time includes that wait. Figures are means over calls
 and ranks.
 
 Part 2, torch only, DeepEP's decode step: ``low_latency_dispatch`` (FP8) then ``low_latency_combine``,
-128 tokens x 7168 hidden, top-8 of 288 experts. Three figures per step: an eager loop (CUDA events around
-``STEPS`` back-to-back steps, so the host's share counts where it is the slower side), the same step
-captured once with ``torch.cuda.graph`` after an eager call and replayed ``STEPS`` times, and the GPU
-time alone (steps queued behind a sleep kernel, as the other suites measure kernels). A capture that
-raises is reported in its row, and the suite goes on.
+128 tokens x 7168 hidden, top-8 of 288 experts. Four figures per step: an eager loop (CUDA events around
+``STEPS`` back-to-back steps, so the host's share counts where it is the slower side), the same loop with
+an event pair around each step (how DeepEP's ``tests/utils.py`` ``bench`` times it: the mean of the
+pairs), the step captured once with ``torch.cuda.graph`` after an eager call and replayed ``STEPS``
+times, and the GPU time alone (steps queued behind a sleep kernel, as the other suites measure kernels).
+A capture that raises is reported in its row, and the suite goes on.
 
     mpirun -np 2 python -m deepep_cupy.bench host
 """
@@ -101,22 +105,31 @@ class _Suite:
         return [float(np.mean([g[i] for g in got])) for i in range(len(values))]
 
     def host_us(self, once, stream, park_us=PARK_US) -> list[float]:
-        """Mean host microseconds of each part ``once()`` times, over ``CALLS`` calls and the ranks."""
+        """Mean host microseconds of each part ``once()`` times, over ``CALLS`` calls and the ranks; then,
+        where the batches were parked, the GPU microseconds per call (see the module docstring)."""
         import cupy
 
         for _ in range(WARMUP):
             once()
         cupy.cuda.Device().synchronize()
-        sums = None
+        sums, gpu = None, 0.0
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
         for _ in range(CALLS // BATCH):
             self.comm.Barrier()
             if park_us:
                 park(stream, park_us)
+                start.record(stream)
             for _ in range(BATCH):
                 got = once()
                 sums = list(got) if sums is None else [a + b for a, b in zip(sums, got, strict=True)]
+            if park_us:
+                end.record(stream)
             cupy.cuda.Device().synchronize()
-        return self.mean_over_ranks([s / (CALLS // BATCH * BATCH) * 1e6 for s in sums])
+            if park_us:
+                gpu += cupy.cuda.get_elapsed_time(start, end) * 1e3
+        calls = CALLS // BATCH * BATCH
+        means = self.mean_over_ranks([s / calls * 1e6 for s in sums] + [gpu / calls])
+        return means if park_us else means[:-1]
 
     # ---- part 1 --------------------------------------------------------------------------------------
 
@@ -155,9 +168,9 @@ class _Suite:
         ll_handle = ll_dispatch()[2]
         out.append(("low_latency_combine", *self.host_us(
             _clock(lambda: buf.low_latency_combine(lout, lidx, lw, ll_handle)), stream)))
-        send, recv = self.host_us(_clock_hook(lambda: ll_dispatch(hook=True)[4]), stream)
+        send, recv, *_ = self.host_us(_clock_hook(lambda: ll_dispatch(hook=True)[4]), stream)
         out += [("low_latency_dispatch (FP8, hook): send", send), ("low_latency_dispatch (FP8, hook): hook()", recv)]
-        send, recv = self.host_us(_clock_hook(
+        send, recv, *_ = self.host_us(_clock_hook(
             lambda: buf.low_latency_combine(lout, lidx, lw, ll_handle, return_recv_hook=True)[2]), stream)
         out += [("low_latency_combine (hook): send", send), ("low_latency_combine (hook): hook()", recv)]
         cupy.cuda.Device().synchronize()
@@ -190,6 +203,18 @@ class _Suite:
             end.synchronize()
             return cupy.cuda.get_elapsed_time(start, end) * 1e3 / n
 
+        def each_step_us(fn, n):
+            """An event pair around every step, as DeepEP's ``bench`` does; the mean of the pairs, the first
+            left out."""
+            self.comm.Barrier()
+            pairs = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(n)]
+            for start, end in pairs:
+                start.record(stream)
+                fn()
+                end.record(stream)
+            pairs[-1][1].synchronize()
+            return statistics.fmean(cupy.cuda.get_elapsed_time(s, e) * 1e3 for s, e in pairs[1:])
+
         name = f"decode step: LL dispatch FP8 + combine, {t} x {self.hidden}, top-{self.topk} of {le}"
         rows = []
         for _ in range(10):
@@ -197,6 +222,8 @@ class _Suite:
         cupy.cuda.Device().synchronize()
         (eager,) = self.mean_over_ranks([per_step_us(step, STEPS)])
         rows.append(row(f"{name}: eager loop", eager, framework="torch"))
+        (each,) = self.mean_over_ranks([each_step_us(step, STEPS)])
+        rows.append(row(f"{name}: eager, an event pair per step", each, framework="torch"))
         samples = [per_step_us(step, GPU_REPS, GPU_PARK_US) for _ in range(GPU_SAMPLES)]
         (kernels,) = self.mean_over_ranks([statistics.median(samples)])
 
@@ -281,9 +308,10 @@ def run(comm, args) -> list[dict]:
             except Exception as exc:  # one framework's failure must not hide the other's numbers
                 got = []
                 rows.append({"op": "host: all ops", "framework": fw, "note": f"failed: {type(exc).__name__}: {exc}"})
-            for op, us in got:
-                rows.append(row(f"host: {op}", us, framework=fw))
-                table.setdefault(op, {"op": op})[f"{fw} us"] = round(us, 2)
+            for op, us, *gpu in got:
+                rows.append(row(f"host: {op}", us, framework=fw, **({"gpu_us": round(gpu[0], 2)} if gpu else {})))
+                table.setdefault(op, {"op": op})[f"{fw} host us"] = round(us, 2)
+                table[op][f"{fw} GPU us"] = round(gpu[0], 2) if gpu else "-"
         decode = []
         if "torch" in frameworks:
             try:
