@@ -17,6 +17,7 @@
 // wins) when given an error record, so the host needs no check of its own before the launch.
 
 #include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
 #include "common/value_errors.cuh"
 
 namespace deepep_layout {
@@ -32,9 +33,7 @@ __device__ __forceinline__ int cluster_block() {
         return 0;
     } else {
 #if __CUDA_ARCH__ >= 900
-        uint32_t r;
-        asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-        return static_cast<int>(r);
+        return deepep::cluster_ctarank();
 #else
         __trap();  // never launched: the host picks kCluster = 1 before sm_90
         return 0;
@@ -50,7 +49,7 @@ __device__ __forceinline__ void cluster_barrier() {
         __syncthreads();
     } else {
 #if __CUDA_ARCH__ >= 900
-        asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+        deepep::cluster_sync();
 #endif
     }
 }
@@ -62,12 +61,7 @@ __device__ __forceinline__ int ld_cluster_shared(const int* p, int block) {
         return *p;
     } else {
 #if __CUDA_ARCH__ >= 900
-        const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-        uint32_t remote;
-        int v;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(block));
-        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-        return v;
+        return deepep::ld_shared_cluster(p, block);
 #else
         return *p;
 #endif

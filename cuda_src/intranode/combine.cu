@@ -191,7 +191,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                 if (give_back) {
                     uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(bases, lr) + free_offset) +
                                           static_cast<long long>(c * R + rank) * cap;
-                    st_relaxed_sys_u64(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
+                    deepep::st_relaxed_sys(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
                 }
                 __syncwarp();
             }

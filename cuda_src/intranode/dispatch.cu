@@ -299,7 +299,7 @@ __device__ __forceinline__ bool dispatch_recv(const DispatchArgs& a, const WaitC
             __syncwarp();
             deepep::fence_acq_rel_sys();
             const int idx = first + lane;
-            if (lane < len && idx + a.cap < n) st_relaxed_sys_u64(peer_free + idx % a.cap, tag(a.seq, idx + a.cap));
+            if (lane < len && idx + a.cap < n) deepep::st_relaxed_sys(peer_free + idx % a.cap, tag(a.seq, idx + a.cap));
             __syncwarp();
         }
     }

@@ -57,14 +57,14 @@ __device__ __forceinline__ void publish_dest(const DispatchArgs& a) {
     uint64_t* e = ctrl_of(rank_base(a.bases, r), kNumRanks).dest(a.rank);
     const bool in_pool = a.pool_bases != nullptr;
     if (in_pool) {
-        st_relaxed_sys_u64(e + 1, pool_offset(a.recv_x, a));
-        st_relaxed_sys_u64(e + 2, pool_offset(a.recv_x_scales, a));
-        st_relaxed_sys_u64(e + 3, pool_offset(a.recv_topk_idx, a));
-        st_relaxed_sys_u64(e + 4, pool_offset(a.recv_topk_weights, a));
-        st_relaxed_sys_u64(e + 5, pool_offset(a.recv_src_idx, a));
+        deepep::st_relaxed_sys(e + 1, pool_offset(a.recv_x, a));
+        deepep::st_relaxed_sys(e + 2, pool_offset(a.recv_x_scales, a));
+        deepep::st_relaxed_sys(e + 3, pool_offset(a.recv_topk_idx, a));
+        deepep::st_relaxed_sys(e + 4, pool_offset(a.recv_topk_weights, a));
+        deepep::st_relaxed_sys(e + 5, pool_offset(a.recv_src_idx, a));
     }
-    st_relaxed_sys_u64(e + 6, static_cast<uint64_t>(a.num_out_rows));
-    st_relaxed_sys_u64(e + 7, in_pool ? 1u : 0u);
+    deepep::st_relaxed_sys(e + 6, static_cast<uint64_t>(a.num_out_rows));
+    deepep::st_relaxed_sys(e + 7, in_pool ? 1u : 0u);
     deepep::st_release_sys(e, a.seq);
 }
 

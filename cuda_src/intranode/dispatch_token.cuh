@@ -100,10 +100,6 @@ __device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, 
     }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Asks L2 for the scales of tokens [t0, t1) (at most 32), a chunk ahead of their loads, so that the
 // first warp to load them does not wait for DRAM. Column-major: one run of 4 * (t1 - t0) bytes per scale
 // block (its first and last element cover it); row-major: one contiguous run. Other layouts: nothing.
@@ -112,15 +108,15 @@ __device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, i
     const unsigned int* first = token_scales(a, t0);
     if (a.scale_token_stride == 1) {
         for (int s = lane; s < a.num_scales; s += 32) {
-            prefetch_l2(first + s * a.scale_block_stride);
-            prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
+            deepep::prefetch_l2(first + s * a.scale_block_stride);
+            deepep::prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
         }
     } else if (a.scale_block_stride == 1) {
         // From the 128-byte line of the first element to that of the last one.
         const uintptr_t begin = reinterpret_cast<uintptr_t>(first);
         const uintptr_t end = reinterpret_cast<uintptr_t>(first + (t1 - t0 - 1) * a.scale_token_stride + a.num_scales);
         for (uintptr_t p = (begin & ~uintptr_t{127}) + 128u * lane; p < end; p += 32u * 128u)
-            prefetch_l2(reinterpret_cast<const void*>(p));
+            deepep::prefetch_l2(reinterpret_cast<const void*>(p));
     }
 }
 

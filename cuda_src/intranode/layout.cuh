@@ -212,10 +212,6 @@ __device__ __forceinline__ bool thread_wait(const uint64_t* flag, Pred pred, con
 
 // ---- batched publishing -------------------------------------------------------------------------
 
-__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 // Largest run of tokens published with one fence: at most 32 (one lane per flag) and at most
 // ceil(cap / 2), so that a sender waiting for a free slot never waits for a token of its own unpublished
 // run (see the deadlock note in dispatch.cu). The host clamps the same way (intranode.publish_batch).
@@ -232,7 +228,7 @@ __device__ __forceinline__ void publish_run(uint8_t* ring, long long slot_bytes,
     deepep::fence_acq_rel_sys();
     if (lane < len) {
         const int idx = first + lane;
-        st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(ring + static_cast<long long>(idx % cap) * slot_bytes),
+        deepep::st_relaxed_sys(reinterpret_cast<uint64_t*>(ring + static_cast<long long>(idx % cap) * slot_bytes),
                            tag(seq, idx));
     }
     __syncwarp();

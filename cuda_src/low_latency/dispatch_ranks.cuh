@@ -172,7 +172,7 @@ __device__ __forceinline__ void dispatch_send_ranks(
     if (*s_last && !self_masked && threadIdx.x == 0) {
         for (int dst = 0; dst < num_ranks; ++dst) {
             if (s_mask[dst] != 0) continue;
-            st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
+            st_relaxed_sys(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
                                tag_word(tag, static_cast<uint32_t>(bits_set(s_reach + dst * chunks, chunks))));
         }
     }

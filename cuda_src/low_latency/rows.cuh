@@ -103,8 +103,8 @@ __device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, u
         for (int j = 0; j < kBatch; ++j) {
             const int col = (s0 + j) * kPerStep + lane * 16;
             if (s0 + j < kSteps && col < kHidden) {
-                raw[j][0] = ldg_v4(src + col);
-                raw[j][1] = ldg_v4(src + col + 8);
+                raw[j][0] = ld_nc_v4_no_prefetch(src + col);
+                raw[j][1] = ld_nc_v4_no_prefetch(src + col + 8);
             }
         }
 #pragma unroll
@@ -178,7 +178,7 @@ enum class Load { kNonCoherent, kL2, kPlain };
 
 template <Load kLoad>
 __device__ __forceinline__ int4 load_v4(const int4* p) {
-    if constexpr (kLoad == Load::kNonCoherent) return ldg_v4(p);
+    if constexpr (kLoad == Load::kNonCoherent) return ld_nc_v4_no_prefetch(p);
     else if constexpr (kLoad == Load::kL2) return ld_cg_v4(p);
     else return ld_v4(p);
 }
