@@ -8,16 +8,20 @@
 // Overloads share a name where only the operand type differs (ld_acquire_sys on int, uint32_t, int64_t,
 // uint64_t, ...); different ordering, scope or caching gets a different name.
 //
-// All functions are __device__ __forceinline__ and live in namespace deepep. Requires sm_70+
+// All functions are __device__ __forceinline__ and live in namespace deepep_cupy, the root of every
+// kernel family (deepep_cupy::<family>), so kernels call them without qualification. Requires sm_70+
 // (L2::256B prefetch hints need sm_80+, which is the oldest architecture the package targets); the
 // cluster helpers exist only when compiling for sm_90+.
 #pragma once
 
 #include "nvrtc_compat.cuh"
 
-namespace deepep {
+namespace deepep_cupy {
 
 // ---- thread identity ---------------------------------------------------------------------------
+
+// Every lane of a warp, for the __*_sync intrinsics.
+constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int lane_id() {
     int lane;
@@ -321,4 +325,4 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
-}  // namespace deepep
+}  // namespace deepep_cupy

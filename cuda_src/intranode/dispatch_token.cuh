@@ -6,7 +6,7 @@
 #include "common/value_errors.cuh"
 #include "intranode/layout.cuh"
 
-namespace deepep_intranode {
+namespace deepep_cupy::intranode {
 
 struct DispatchArgs {
     const int4* x;
@@ -35,7 +35,7 @@ struct DispatchArgs {
     int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
     int batch;
     int* self_claims;
-    deepep::ErrorRecord* err;
+    ErrorRecord* err;
     int rank;
     uint64_t seq;
     int num_recv;
@@ -108,15 +108,15 @@ __device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, i
     const unsigned int* first = token_scales(a, t0);
     if (a.scale_token_stride == 1) {
         for (int s = lane; s < a.num_scales; s += 32) {
-            deepep::prefetch_l2(first + s * a.scale_block_stride);
-            deepep::prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
+            prefetch_l2(first + s * a.scale_block_stride);
+            prefetch_l2(first + s * a.scale_block_stride + (t1 - t0 - 1));
         }
     } else if (a.scale_block_stride == 1) {
         // From the 128-byte line of the first element to that of the last one.
         const uintptr_t begin = reinterpret_cast<uintptr_t>(first);
         const uintptr_t end = reinterpret_cast<uintptr_t>(first + (t1 - t0 - 1) * a.scale_token_stride + a.num_scales);
         for (uintptr_t p = (begin & ~uintptr_t{127}) + 128u * lane; p < end; p += 32u * 128u)
-            deepep::prefetch_l2(reinterpret_cast<const void*>(p));
+            prefetch_l2(reinterpret_cast<const void*>(p));
     }
 }
 
@@ -135,7 +135,7 @@ struct DestRows {
 // left out when the host copies the own rows with the copy engines (a.own_rows_copied), in either mode.
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
-                                           deepep::BadValue& bad, int lane) {
+                                           BadValue& bad, int lane) {
     const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
     if (dst != a.rank || !a.own_rows_copied)
         warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
@@ -167,4 +167,4 @@ __device__ __forceinline__ int nth_set_bit(unsigned int mask, int n) {
     return __ffs(mask) - 1;
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -34,9 +34,6 @@
 #include "low_latency/logfmt.cuh"
 #include "low_latency/combine_partials.cuh"
 
-using namespace deepep;
-using namespace deepep::ll;
-
 namespace deepep_cupy::low_latency {
 
 // Rows of unit u = le * R + dst that this launch returns: the handle's count, clipped to the slab (a

@@ -46,9 +46,6 @@
 
 namespace deepep_cupy::low_latency {
 
-using namespace deepep;
-using namespace deepep::ll;
-
 // Bytes of one partial row on the wire: float32, or LogFMT-10 blocks of the BF16-rounded sum padded to 16
 // bytes (the encoder's 16-byte stores; 17 blocks are 2856 bytes).
 template <int kHidden, bool kLogfmt>

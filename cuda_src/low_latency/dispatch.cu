@@ -28,9 +28,6 @@
 #include "low_latency/rows.cuh"
 #include "low_latency/dispatch_ranks.cuh"
 
-using namespace deepep;
-using namespace deepep::ll;
-
 namespace deepep_cupy::low_latency {
 
 // Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.

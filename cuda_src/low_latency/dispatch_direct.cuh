@@ -18,9 +18,6 @@
 
 namespace deepep_cupy::low_latency {
 
-using namespace deepep;
-using namespace deepep::ll;
-
 // Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
 constexpr int kMaxHitWords = 6144;
 

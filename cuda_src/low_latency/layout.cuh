@@ -32,8 +32,7 @@
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 
-namespace deepep {
-namespace ll {
+namespace deepep_cupy::low_latency {
 
 constexpr int kChannelsPerBlock = 128;
 // Wire bytes of a LogFMT-10 block: 128 low code bytes, 128 x 2-bit high parts, float lo and step (byte
@@ -54,8 +53,6 @@ constexpr int kPhaseRecv = 2;
 constexpr int kOpDispatchRecv = 201;
 constexpr int kOpCombineRecv = 202;
 constexpr int kOpCombineSend = 203;  // the partial-sum combine waits for its sources' routes
-
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
 
@@ -315,5 +312,4 @@ __device__ __forceinline__ void grid_completion(uint32_t* done_counter, int* s_l
     __syncthreads();
 }
 
-}  // namespace ll
-}  // namespace deepep
+}  // namespace deepep_cupy::low_latency

@@ -22,8 +22,7 @@
 #include "low_latency/layout.cuh"
 #include "low_latency/rows.cuh"
 
-namespace deepep {
-namespace ll {
+namespace deepep_cupy::low_latency {
 
 // kLogfmtBlockBytes and kLogfmtLevels live in layout.cuh with the rest of the wire layout.
 constexpr int kLogfmtSegBytes = 2 * kLogfmtBlockBytes;
@@ -145,5 +144,4 @@ __device__ __forceinline__ void logfmt_decode8(const LogfmtPiece& p, float (&f)[
     }
 }
 
-}  // namespace ll
-}  // namespace deepep
+}  // namespace deepep_cupy::low_latency

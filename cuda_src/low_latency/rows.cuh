@@ -7,8 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-namespace deepep {
-namespace ll {
+namespace deepep_cupy::low_latency {
 
 // ---- BF16 / FP8 -------------------------------------------------------------------------------------
 
@@ -206,5 +205,4 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int lane) 
     }
 }
 
-}  // namespace ll
-}  // namespace deepep
+}  // namespace deepep_cupy::low_latency
