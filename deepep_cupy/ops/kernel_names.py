@@ -140,5 +140,5 @@ def internode_combine(num_nvl_ranks: int, num_domains: int) -> str:
 # ---------------------------------------------------------------------------------------- layout
 def layout_count_tokens(num_topk: int, cluster: int) -> str:
     """``deepep_cupy::layout::count_tokens<K, C>``: tokens per expert / rank / RDMA rank, on a cluster of C
-    blocks (``cuda_src/layout.cu``)."""
+    blocks (``cuda_src/layout/count_tokens.cu``)."""
     return f"deepep_cupy::layout::count_tokens<{_ints(num_topk, cluster)}>"
