@@ -2,7 +2,7 @@
 // combines sum with (float32 accumulation, one rounding to nearest even at the end).
 #pragma once
 
-namespace deepep {
+namespace deepep_cupy {
 
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
@@ -32,4 +32,4 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
-}  // namespace deepep
+}  // namespace deepep_cupy

@@ -17,7 +17,7 @@
 #include "nvrtc_compat.cuh"
 #include "ptx.cuh"
 
-namespace deepep {
+namespace deepep_cupy {
 
 // Layout shared with the host: 8 x int32 words (32 bytes). waited_ns sits at byte offset 24.
 // flag: 0 = no error; -1 = a timeout is being written, -2 = a value error is being written (the host
@@ -102,4 +102,4 @@ struct Deadline {
     __device__ __forceinline__ bool expired() const { return globaltimer() - start_ns > budget_ns; }
 };
 
-}  // namespace deepep
+}  // namespace deepep_cupy

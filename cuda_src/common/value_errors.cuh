@@ -16,7 +16,7 @@
 #include "nvrtc_compat.cuh"
 #include "timeout.cuh"
 
-namespace deepep {
+namespace deepep_cupy {
 
 constexpr int kValueOpLayout = 301;
 constexpr int kValueOpIntranodeDispatch = 302;
@@ -50,4 +50,4 @@ struct BadValue {
     }
 };
 
-}  // namespace deepep
+}  // namespace deepep_cupy

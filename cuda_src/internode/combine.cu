@@ -25,7 +25,7 @@
 #include "common/nvshmem_includes.cuh"
 #include "internode/layout.cuh"
 
-namespace deepep_internode {
+namespace deepep_cupy::internode {
 
 struct CombineArgs {
     const int4* x;
@@ -55,8 +55,6 @@ struct CombineArgs {
     int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores
 };
 
-using deepep::add_bf16x8;
-using deepep::pack_bf16x8;
 
 // dst = one rounding of (bias_0 + bias_1 + the N rows of src that are not null), in that order, over `n`
 // int4 of bf16. Each lane keeps U loads per source in flight (one at a time leaves a warp latency-bound).
@@ -73,18 +71,18 @@ __device__ __forceinline__ void warp_sum_rows(int4* dst, const int4* const (&src
             for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
         if (bias_0 != nullptr) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + e + u * 32));
+            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], ld_nc_v4(bias_0 + e + u * 32));
         }
         if (bias_1 != nullptr) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], deepep::ld_nc_v4(bias_1 + e + u * 32));
+            for (int u = 0; u < U; ++u) add_bf16x8(acc[u], ld_nc_v4(bias_1 + e + u * 32));
         }
 #pragma unroll
         for (int j = 0; j < N; ++j) {
             if (src[j] == nullptr) continue;
             int4 v[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) v[u] = deepep::ld_cg_v4(src[j] + e + u * 32);
+            for (int u = 0; u < U; ++u) v[u] = ld_cg_v4(src[j] + e + u * 32);
 #pragma unroll
             for (int u = 0; u < U; ++u) add_bf16x8(acc[u], v[u]);
         }
@@ -93,11 +91,11 @@ __device__ __forceinline__ void warp_sum_rows(int4* dst, const int4* const (&src
     }
     for (; e < n; e += 32) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (bias_0 != nullptr) add_bf16x8(acc, deepep::ld_nc_v4(bias_0 + e));
-        if (bias_1 != nullptr) add_bf16x8(acc, deepep::ld_nc_v4(bias_1 + e));
+        if (bias_0 != nullptr) add_bf16x8(acc, ld_nc_v4(bias_0 + e));
+        if (bias_1 != nullptr) add_bf16x8(acc, ld_nc_v4(bias_1 + e));
 #pragma unroll
         for (int j = 0; j < N; ++j)
-            if (src[j] != nullptr) add_bf16x8(acc, deepep::ld_cg_v4(src[j] + e));
+            if (src[j] != nullptr) add_bf16x8(acc, ld_cg_v4(src[j] + e));
         dst[e] = pack_bf16x8(acc);
     }
 }
@@ -140,15 +138,15 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
     auto flush = [&](int upto) {
         if (upto > published) {
             __syncwarp();
-            deepep::fence_acq_rel_sys();
-            if (lane == 0) deepep::st_release_sys(dest.tail(x_ring * L + me), base + upto);
+            fence_acq_rel_sys();
+            if (lane == 0) st_release_sys(dest.tail(x_ring * L + me), base + upto);
             __syncwarp();
             published = upto;
         }
     };
     for (int k = 0; k < n && ok; ++k) {
         if (k >= sub) {  // slot k - sub must be released (unit k - sub + 1)
-            if (deepep::ld_acquire_sys(mine.head(x_ring * L + l)) < base + 1 + k - sub) flush(k);
+            if (ld_acquire_sys(mine.head(x_ring * L + l)) < base + 1 + k - sub) flush(k);
             wait_at_least(mine.head(x_ring * L + l), base + 1 + k - sub, w, kOpCombineNvlHead, d_me * L + l, __LINE__,
                           &ok);
         }
@@ -185,8 +183,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     auto hand_back = [&]() {
         __syncwarp();
         if (lane < L && taken > returned) {
-            deepep::st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
-                                   static_cast<uint64_t>(nbase) + taken);
+            st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
+                           static_cast<uint64_t>(nbase) + taken);
             returned = taken;
         }
         __syncwarp();
@@ -220,7 +218,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         // Lane j: position of this row in j's stream, then wait for it.
         const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
-        const bool ready = pos < 0 || deepep::ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
+        const bool ready = pos < 0 || ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
         if (!__all_sync(kFullMask, ready)) hand_back();
         for (int j = 0; j < L && ok; ++j) {
             const int p = __shfl_sync(kFullMask, pos, j);
@@ -248,7 +246,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 for (int j = 0; j < L; ++j) {
                     const int p = ps[j];
                     if (p >= 0)
-                        sum += deepep::ld_cg_f32(
+                        sum += ld_cg_f32(
                             reinterpret_cast<const float*>(g.nvl_slot(l_me, c, j, ds, p) + a.slot_topk_weights_offset) + q);
                 }
                 ws[q] = sum;
@@ -295,7 +293,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     };
     for (int t = t_begin; t < t_end && ok; ++t) {
         const int pos = lane < D ? a.send_rdma_head[static_cast<long long>(t) * D + lane] : -1;
-        const bool ready = pos < 0 || deepep::ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
+        const bool ready = pos < 0 || ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
         if (!__all_sync(kFullMask, ready)) hand_back();
         for (int d = 0; d < D && ok; ++d) {
             const int p = __shfl_sync(kFullMask, pos, d);
@@ -322,7 +320,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
                 for (int d = 0; d < D; ++d) {
                     const int p = ps[d];
                     if (p >= 0)
-                        sum += deepep::ld_cg_f32(
+                        sum += ld_cg_f32(
                             reinterpret_cast<const float*>(g.rdma_slot(1, c * D + d, p) + a.slot_topk_weights_offset) + q);
                 }
                 a.combined_topk_weights[static_cast<long long>(t) * a.num_topk + q] = sum;
@@ -337,12 +335,6 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + used;
 }
 
-}  // namespace deepep_internode
-
-namespace deepep_cupy::internode {
-
-using namespace ::deepep_internode;
-
 template <int kNumNvlRanks, int kNumDomains>
 __global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *
                                   sub_channels(kNumNvlRanks, kNumDomains), 1)
@@ -354,7 +346,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights, uint8_t* rdma,
         long long ring_offset, int slot_bytes, int slot_topk_weights_offset, int rdma_cap, int rdma_chunk,
         uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
-        int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
+        int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = combine_channel_warps(L, D), S = sub_channels(L, D);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;

@@ -13,7 +13,7 @@
 #include "common/value_errors.cuh"
 #include "internode/layout.cuh"
 
-namespace deepep_internode {
+namespace deepep_cupy::internode {
 
 struct DispatchArgs {
     const int4* x;
@@ -48,7 +48,7 @@ struct DispatchArgs {
     long long nvl_meta_offset, nvl_ring_offset;
     int nvl_cap, num_channels;
     long long* state;
-    deepep::ErrorRecord* err;
+    ErrorRecord* err;
     int rank;
     int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores (tests the network path)
 };
@@ -80,10 +80,10 @@ __device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, cons
     const unsigned int* from = reinterpret_cast<const unsigned int*>(src);
     unsigned int* to = reinterpret_cast<unsigned int*>(dst);
     const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
-    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = deepep::ld_cg_u32(from + sc + q);
+    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = ld_cg_u32(from + sc + q);
     for (int q = lane; q < a.num_topk; q += 32) {
-        to[ids + q] = deepep::ld_cg_u32(from + ids + q);
-        to[ws + q] = deepep::ld_cg_u32(from + ws + q);
+        to[ids + q] = ld_cg_u32(from + ids + q);
+        to[ws + q] = ld_cg_u32(from + ws + q);
     }
 }
 
@@ -123,7 +123,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
     uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
     const bool direct = peer_tail != nullptr;
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
-    deepep::BadValue bad;
+    BadValue bad;
     int count = 0, first = 0;
     for (int chunk = t_begin; chunk < t_end; chunk += 32) {
         const int t = chunk + lane;
@@ -184,20 +184,18 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                             static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer), base + 1 + count,
                             NVSHMEM_SIGNAL_SET, pe, lane);
     }
-    bad.report_from_warp(a.err, deepep::kValueOpInternodeDispatch, a.rank, __LINE__);
+    bad.report_from_warp(a.err, kValueOpInternodeDispatch, a.rank, __LINE__);
     if (lane == 0) {
         nvshmem_quiet();
         if (ok) *st.rdma_sent(i) = static_cast<long long>(base + 1 + count);
     }
 }
 
-}  // namespace deepep_internode
+}  // namespace deepep_cupy::internode
 
 #include "internode/dispatch_forward.cuh"
 
 namespace deepep_cupy::internode {
-
-using namespace ::deepep_internode;
 
 template <int kNumNvlRanks, int kNumDomains>
 __global__ void __launch_bounds__(32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) *
@@ -215,7 +213,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          uint8_t* rdma, long long ring_offset, int slot_bytes, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int rdma_cap, int rdma_chunk, uint8_t* sig,
          const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
-         int num_channels, long long* state, deepep::ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
+         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = dispatch_channel_warps(L, D), S = sub_channels(L, D);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;

@@ -3,7 +3,7 @@
 // Included by dispatch.cu only (needs DispatchArgs and Geometry).
 #pragma once
 
-namespace deepep_internode {
+namespace deepep_cupy::internode {
 
 // Shared state of the forwarder warps of one block: RDMA units each warp has finished per source domain
 // (the slowest decides what goes back to the source), and what was already returned.
@@ -33,8 +33,8 @@ __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Sign
 
 __device__ __forceinline__ void publish_nvl(uint64_t* word, uint64_t value, int lane) {
     __syncwarp();
-    deepep::fence_acq_rel_sys();
-    if (lane == 0) deepep::st_release_sys(word, value);
+    fence_acq_rel_sys();
+    if (lane == 0) st_release_sys(word, value);
     __syncwarp();
 }
 
@@ -55,8 +55,8 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                       __LINE__, &ok);
         if (!ok) break;
         const int* m = g.rdma_meta(1, c * D + d);
-        const int v0 = deepep::ld_cg_s32(m + j), v1 = deepep::ld_cg_s32(m + L + j);
-        const int v2 = deepep::ld_cg_s32(m + 2 * L), v3 = deepep::ld_cg_s32(m + 2 * L + 1);
+        const int v0 = ld_cg_s32(m + j), v1 = ld_cg_s32(m + L + j);
+        const int v2 = ld_cg_s32(m + 2 * L), v3 = ld_cg_s32(m + 2 * L + 1);
         if (lane == d) ns = v0, ne = v1, r0 = v2, r1 = v3;
         if (j == 0 && lane == 0) {
             sh.count[d] = v3 - v2;
@@ -95,7 +95,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         int avail = 0, k_j = 0;
         for (int k = 0; k < n; ++k) {
             if (k >= avail) {
-                if (deepep::ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) {
+                if (ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) {
                     // About to wait for the source: first hand over and give back everything done so far
                     // (the source may be waiting for ring space).
                     flush();
@@ -108,7 +108,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                 avail = static_cast<int>(v - base_r - 1);
             }
             const uint8_t* s = g.rdma_slot(1, c * D + d, k);
-            const int bits = deepep::ld_cg_s32(s + 4);
+            const int bits = ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
                 if (sent >= a.nvl_cap) {
@@ -128,7 +128,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                     if (row0 + k < a.num_nvl_head_rows)
                         a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
                     else
-                        deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
+                        report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
                 }
                 static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
                 if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
@@ -159,7 +159,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     int row_base = 0, cnt = 0;
     if (lane < D) {
         const int* m = g.nvl_meta(l_me, c, l);
-        const int ns = deepep::ld_cg_s32(m + 2 * lane), ne = deepep::ld_cg_s32(m + 2 * lane + 1);
+        const int ns = ld_cg_s32(m + 2 * lane), ne = ld_cg_s32(m + 2 * lane + 1);
         const int s = lane * L + l;
         row_base = (s > 0 ? a.recv_gbl_prefix[s - 1] : 0) + ns;
         cnt = ne - ns;
@@ -169,28 +169,28 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
     __syncwarp();
-    if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 1);
+    if (lane == 0) st_release_sys(writer.head(c * L + l_me), base + 1);
     const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
     int avail = 0, released = 0;
     // Slots go back in batches (a release store is a system-scope fence), and all of them before a wait.
     auto give_back = [&](int upto) {
         __syncwarp();
         if (upto > released) {
-            if (lane == 0) deepep::st_release_sys(writer.head(c * L + l_me), base + 1 + upto);
+            if (lane == 0) st_release_sys(writer.head(c * L + l_me), base + 1 + upto);
             released = upto;
         }
         __syncwarp();
     };
     for (int n = 0; n < total; ++n) {
         if (n >= avail) {
-            if (deepep::ld_acquire_sys(mine.tail(k_ring)) < base + 2 + n) give_back(n);
+            if (ld_acquire_sys(mine.tail(k_ring)) < base + 2 + n) give_back(n);
             const uint64_t v = wait_at_least(mine.tail(k_ring), base + 2 + n, w, kOpDispatchNvlTail, d_me * L + l,
                                              __LINE__, &ok);
             if (!ok) break;
             avail = static_cast<int>(v - base - 1);
         }
         const uint8_t* s = g.nvl_slot(l_me, c, l, n);
-        const int sd = deepep::ld_cg_s32(s) & 31, bits = deepep::ld_cg_s32(s + 4);
+        const int sd = ld_cg_s32(s) & 31, bits = ld_cg_s32(s + 4);
         const int row = __shfl_sync(kFullMask, row_base, sd);
         if (lane == sd) ++row_base;
         if (row < a.num_out_rows) {
@@ -198,18 +198,18 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
                          hidden_int4, lane);
             const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
             for (int q = lane; q < a.num_scales; q += 32)
-                a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = deepep::ld_cg_u32(sc + q);
+                a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = ld_cg_u32(sc + q);
             if (a.recv_topk_idx != nullptr) {
                 const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
                 const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
                 for (int q = lane; q < a.num_topk; q += 32) {
-                    const int e = deepep::ld_cg_s32(ids + q);
+                    const int e = ld_cg_s32(ids + q);
                     const int local = e - a.rank * El;
                     const bool is_mine = e >= 0 && local >= 0 && local < El;
                     a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
                     if (a.recv_topk_weights != nullptr)
                         a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + q] =
-                            is_mine ? deepep::ld_cg_f32(ws + q) : 0.0f;
+                            is_mine ? ld_cg_f32(ws + q) : 0.0f;
                 }
             }
             if (lane == 0 && a.recv_src_meta != nullptr) {
@@ -217,7 +217,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
                 a.recv_src_meta[2 * static_cast<long long>(row) + 1] = bits;
             }
         } else if (lane == 0) {
-            deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me * L + l, __LINE__, row);
+            report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me * L + l, __LINE__, row);
         }
         // The slot's loads are done (their values were stored): it may go back to the forwarder.
         if (n + 1 - released >= kPublishBatch) give_back(n + 1);
@@ -267,9 +267,9 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
     __syncthreads();
     for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
         const int cc = cb * S + t / D, d = t % D;
-        if (cc < a.num_channels && !deepep::timeout_reported(a.err))
+        if (cc < a.num_channels && !timeout_reported(a.err))
             *st.rdma_recvd(cc * D + d, D) = shared[t / D].base[d] + 1 + shared[t / D].count[d];
     }
 }
 
-}  // namespace deepep_internode
+}  // namespace deepep_cupy::internode

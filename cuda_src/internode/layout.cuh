@@ -34,13 +34,12 @@
 #include "intranode/layout.cuh"
 #include "common/nvshmem_includes.cuh"
 
-namespace deepep_internode {
+namespace deepep_cupy::internode {
 
-using deepep_intranode::channel_range;
-using deepep_intranode::kFullMask;
-using deepep_intranode::thread_wait;
-using deepep_intranode::WaitCtx;
-using deepep_intranode::warp_wait;
+using intranode::channel_range;
+using intranode::thread_wait;
+using intranode::WaitCtx;
+using intranode::warp_wait;
 
 // Op codes of the error record (names in deepep_cupy/ops/internode.py).
 enum OpCode : int {
@@ -123,13 +122,13 @@ __device__ __forceinline__ uint8_t* nvl_base(const long long* bases, int l) {
 __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t want, const WaitCtx& w, int op,
                                                   int peer, int line, bool* ok) {
     if (!*ok) return 0;
-    const uint64_t now = deepep::ld_acquire_sys(word);
+    const uint64_t now = ld_acquire_sys(word);
     if (__all_sync(kFullMask, now >= want)) return __shfl_sync(kFullMask, now, 0);
     if (!warp_wait(word, [want](uint64_t v) { return v >= want; }, w, op, peer, line)) {
         *ok = false;
         return 0;
     }
-    return __shfl_sync(kFullMask, deepep::ld_acquire_sys(word), 0);
+    return __shfl_sync(kFullMask, ld_acquire_sys(word), 0);
 }
 
 // Warp-collective put of `bytes` from local symmetric `src` to `dst` on `pe`, then a signal op on `sig`.
@@ -169,8 +168,8 @@ constexpr int kPublishBatch = 8;
 // release store of the tail value into the peer's word (the reader acquires it).
 __device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t value, int lane) {
     __syncwarp();
-    deepep::fence_acq_rel_sys();
-    if (lane == 0) deepep::st_release_sys(peer_word, value);
+    fence_acq_rel_sys();
+    if (lane == 0) st_release_sys(peer_word, value);
     __syncwarp();
 }
 
@@ -184,11 +183,11 @@ __device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __
     for (; j + (kCopyUnroll - 1) * 32 < n; j += kCopyUnroll * 32) {
         int4 v[kCopyUnroll];
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) v[u] = kL2Only ? deepep::ld_cg_v4(src + j + u * 32) : deepep::ld_nc_v4(src + j + u * 32);
+        for (int u = 0; u < kCopyUnroll; ++u) v[u] = kL2Only ? ld_cg_v4(src + j + u * 32) : ld_nc_v4(src + j + u * 32);
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) deepep::st_na_v4(dst + j + u * 32, v[u]);
+        for (int u = 0; u < kCopyUnroll; ++u) st_na_v4(dst + j + u * 32, v[u]);
     }
-    for (; j < n; j += 32) deepep::st_na_v4(dst + j, kL2Only ? deepep::ld_cg_v4(src + j) : deepep::ld_nc_v4(src + j));
+    for (; j < n; j += 32) st_na_v4(dst + j, kL2Only ? ld_cg_v4(src + j) : ld_nc_v4(src + j));
 }
 
 // `src` may be rewritten by peers later (a ring slot), so loads go to L2 only.
@@ -201,4 +200,4 @@ __device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4*
     warp_copy<false>(dst, src, n, lane);
 }
 
-}  // namespace deepep_internode
+}  // namespace deepep_cupy::internode

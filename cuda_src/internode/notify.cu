@@ -17,8 +17,6 @@
 
 namespace deepep_cupy::internode {
 
-using namespace ::deepep_internode;
-
 template <int kNumNvlRanks, int kNumDomains>
 __global__ void __launch_bounds__(1024, 1)
 notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channels,
@@ -27,7 +25,7 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
        int* __restrict__ recv_rdma_rank_prefix_sum, int* __restrict__ recv_gbl_rank_prefix_sum,
        int* __restrict__ meta, uint8_t* sig, long long record_offset, int record_stride,
        const long long* __restrict__ nvl_bases, long long nvl_notify_offset, int nvl_record_stride,
-       long long* state_words, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+       long long* state_words, ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int L = kNumNvlRanks, D = kNumDomains, R = L * D;
     const int tid = threadIdx.x, C = num_channels;
     const int l_me = rank % L, d_me = rank / L;
@@ -99,7 +97,7 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
         if (tid == 0) {
             int acc = 0;
             for (int d = 0; d < D; ++d) {
-                acc += deepep::ld_cg_s32(recv_rec + d * record_stride + L + L * El);
+                acc += ld_cg_s32(recv_rec + d * record_stride + L + L * El);
                 recv_rdma_rank_prefix_sum[d] = acc;
             }
             meta[1] = acc;
@@ -109,9 +107,9 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
             const int j = k / nvl_ints, x = k % nvl_ints;
             int v = 0;
             if (x < D) {
-                v = deepep::ld_cg_s32(recv_rec + x * record_stride + j);
+                v = ld_cg_s32(recv_rec + x * record_stride + j);
             } else {
-                for (int d = 0; d < D; ++d) v += deepep::ld_cg_s32(recv_rec + d * record_stride + L + j * El + (x - D));
+                for (int d = 0; d < D; ++d) v += ld_cg_s32(recv_rec + d * record_stride + L + j * El + (x - D));
             }
             int* area = reinterpret_cast<int*>(nvl_base(nvl_bases, j) + nvl_notify_offset);
             area[l_me * nvl_record_stride + x] = v;
@@ -121,7 +119,7 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
     __syncthreads();
     if (s_abort == 0 && tid < L) {
         const NvlCtrl peer{nvl_base(nvl_bases, tid), L};
-        deepep::st_release_sys(peer.notify_flag(l_me), seq);
+        st_release_sys(peer.notify_flag(l_me), seq);
     }
 
     // (4) Collect the domain's forwarders.
@@ -137,14 +135,14 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
         if (tid == 0) {
             int acc = 0;
             for (int s = 0; s < R; ++s) {  // s = d * L + l: count sits in forwarder l's record, entry d
-                acc += deepep::ld_cg_s32(area + (s % L) * nvl_record_stride + s / L);
+                acc += ld_cg_s32(area + (s % L) * nvl_record_stride + s / L);
                 recv_gbl_rank_prefix_sum[s] = acc;
             }
             meta[0] = acc;
         }
         for (int e = tid; e < El; e += blockDim.x) {
             long long total = 0;
-            for (int l = 0; l < L; ++l) total += deepep::ld_cg_s32(area + l * nvl_record_stride + D + e);
+            for (int l = 0; l < L; ++l) total += ld_cg_s32(area + l * nvl_record_stride + D + e);
             if (expert_alignment > 1) total = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
             meta[2 + e] = static_cast<int>(total);
         }

@@ -34,8 +34,6 @@
 
 namespace deepep_cupy::intranode {
 
-using namespace ::deepep_intranode;
-
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
 combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
@@ -45,7 +43,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights,
         const long long* __restrict__ bases, long long ring_offset, long long free_offset, int slot_bytes,
         int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, int* __restrict__ run_claims,
-        deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+        ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -187,11 +185,11 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
             const bool give_back = my_idx >= 0 && lr != rank && my_idx + cap < lr_count;
             if (__any_sync(kFullMask, give_back)) {
                 __syncwarp();
-                deepep::fence_acq_rel_sys();
+                fence_acq_rel_sys();
                 if (give_back) {
                     uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(bases, lr) + free_offset) +
                                           static_cast<long long>(c * R + rank) * cap;
-                    st_relaxed_sys_u64(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
+                    st_relaxed_sys(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
                 }
                 __syncwarp();
             }

@@ -34,8 +34,6 @@
 
 namespace deepep_cupy::intranode {
 
-using namespace ::deepep_intranode;
-
 constexpr int kCopyRowBits = 32;
 
 template <int kNumRanks, int kNumWarps, int kUnroll>
@@ -45,7 +43,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
              const int* __restrict__ send_head, int num_tokens, int hidden_int4, int4* __restrict__ combined_x,
              float* __restrict__ combined_topk_weights, const long long* __restrict__ bases,
              const uint8_t* __restrict__ staging, long long weights_offset, unsigned long long copy_seq,
-             deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+             ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int lane = threadIdx.x % 32;
     uint8_t* my_base = rank_base(bases, rank);
@@ -85,7 +83,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
             const uint64_t want = (static_cast<uint64_t>(copy_seq) << kCopyRowBits) | static_cast<uint64_t>(pos + 1);
             uint64_t start = 0;
             for (unsigned int spin = 1; seen < want; ++spin) {
-                seen = deepep::ld_acquire_sys(my_flag);
+                seen = ld_acquire_sys(my_flag);
                 if ((spin & 63u) == 0 && seen < want && wait_expired(spin, start, wctx, kOpCombineCopyRecv, lane,
                                                                      __LINE__)) {
                     ok = false;
@@ -134,7 +132,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
     // Every block has read its rows: the last one tells the peers, then waits until they have read theirs.
     end_kernel(ctrl, seq, nullptr, 0, [&] {
         for (int r = 0; r < R; ++r)
-            if (r != rank) deepep::st_release_sys(ctrl_of(rank_base(bases, r), R).copy_done(rank), seq);
+            if (r != rank) st_release_sys(ctrl_of(rank_base(bases, r), R).copy_done(rank), seq);
         for (int r = 0; r < R; ++r) {
             if (r == rank) continue;
             if (!thread_wait(ctrl.copy_done(r), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineCopyDone, r,

@@ -7,12 +7,7 @@
 #include "common/bf16.cuh"
 #include "intranode/layout.cuh"
 
-namespace deepep_intranode {
-
-using deepep::add_bf16x8;
-using deepep::bf16_hi;
-using deepep::bf16_lo;
-using deepep::pack_bf16x8;
+namespace deepep_cupy::intranode {
 
 __device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
     const unsigned int w[4] = {static_cast<unsigned int>(v.x), static_cast<unsigned int>(v.y),
@@ -26,7 +21,7 @@ __device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
 
 template <bool kStaged>
 __device__ __forceinline__ int4 peer_load(const int4* p) {
-    if constexpr (kStaged) return deepep::ld_na_v4(p);
+    if constexpr (kStaged) return ld_na_v4(p);
     return ld_cg_v4(p);
 }
 
@@ -51,7 +46,7 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = base + u * 32 + lane;
                     if (j < hidden_int4)
-                        v[r][u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
+                        v[r][u] = (r == self_rank) ? ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
                 }
             }
 #pragma unroll
@@ -66,15 +61,15 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                     float b[8];
 #pragma unroll
                     for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                    if (bias_0 != nullptr) load_bf16x8(acc, deepep::ld_nc_v4(bias_0 + out_row + j));
-                    if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
+                    if (bias_0 != nullptr) load_bf16x8(acc, ld_nc_v4(bias_0 + out_row + j));
+                    if (bias_1 != nullptr) load_bf16x8(b, ld_nc_v4(bias_1 + out_row + j));
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
                 }
 #pragma unroll
                 for (int r = 0; r < R; ++r)
                     if (rows[r] != nullptr) add_bf16x8(acc, v[r][u]);
-                deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
+                st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
             }
         } else {
             float acc[kUnroll][8];
@@ -87,8 +82,8 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                     float b[8];
 #pragma unroll
                     for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                    if (bias_0 != nullptr) load_bf16x8(acc[u], deepep::ld_nc_v4(bias_0 + out_row + j));
-                    if (bias_1 != nullptr) load_bf16x8(b, deepep::ld_nc_v4(bias_1 + out_row + j));
+                    if (bias_0 != nullptr) load_bf16x8(acc[u], ld_nc_v4(bias_0 + out_row + j));
+                    if (bias_1 != nullptr) load_bf16x8(b, ld_nc_v4(bias_1 + out_row + j));
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[u][e] = acc[u][e] + b[e];
                 }
@@ -101,7 +96,7 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
                 for (int u = 0; u < kUnroll; ++u) {
                     const int j = base + u * 32 + lane;
                     if (j < hidden_int4)
-                        v[u] = (r == self_rank) ? deepep::ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
+                        v[u] = (r == self_rank) ? ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
                 }
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
@@ -112,7 +107,7 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int j = base + u * 32 + lane;
-                if (j < hidden_int4) deepep::st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
+                if (j < hidden_int4) st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
             }
         }
     }
@@ -133,4 +128,4 @@ __device__ __forceinline__ void sum_weights(const float* const (&w)[R], int self
     }
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -47,14 +47,14 @@
 #include "intranode/dispatch_direct.cuh"
 #include "intranode/dispatch_token.cuh"
 
-namespace deepep_intranode {
+namespace deepep_cupy::intranode {
 
 // Copies own token `token` into output row `row` (the self copy).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void copy_own_token(const DispatchArgs& a, int token, int row, deepep::BadValue& bad,
+__device__ __forceinline__ void copy_own_token(const DispatchArgs& a, int token, int row, BadValue& bad,
                                                int lane) {
     if (row >= a.num_out_rows) {
-        if (lane == 0) deepep::report_timeout(a.err, kOpDispatchOverflow, a.rank, a.rank, __LINE__, a.num_recv);
+        if (lane == 0) report_timeout(a.err, kOpDispatchOverflow, a.rank, a.rank, __LINE__, a.num_recv);
         return;
     }
     const DestRows own{a.recv_x, a.recv_x_scales, a.recv_topk_idx, a.recv_topk_weights, a.recv_src_idx, a.num_out_rows};
@@ -99,7 +99,7 @@ __device__ __forceinline__ void dispatch_self(const DispatchArgs& a, int c, int 
     if (lane == 0) run = atomicAdd(claim, 1);
     run = __shfl_sync(kFullMask, run, 0);
     if (run == 0 && a.send_head != nullptr) write_own_send_head<R>(a, c, lane);
-    deepep::BadValue bad;
+    BadValue bad;
     int before = 0;  // own tokens before `chunk`
     bool more = chunk < t_end;
     unsigned int mask = more ? chunk_mask<R>(a, chunk, t_end, rank, lane) : 0u;
@@ -124,7 +124,7 @@ __device__ __forceinline__ void dispatch_self(const DispatchArgs& a, int c, int 
         }
         run = __shfl_sync(kFullMask, next, 0);
     }
-    bad.report_from_warp(a.err, deepep::kValueOpIntranodeDispatch, rank, __LINE__);
+    bad.report_from_warp(a.err, kValueOpIntranodeDispatch, rank, __LINE__);
 }
 
 // One warp of the group pushing channel c's tokens to peer dst. gi / gs: index of the warp in its group and
@@ -149,7 +149,7 @@ __device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitC
         reinterpret_cast<const uint64_t*>(my_base + a.free_offset) + static_cast<long long>(c * R + dst) * a.cap;
 
     const long long num_experts = static_cast<long long>(R) * a.num_local_experts;
-    deepep::BadValue bad;  // bad top-k ids this lane loaded
+    BadValue bad;  // bad top-k ids this lane loaded
 
     int count = 0;      // tokens of this channel for dst seen so far
     int run_first = 0;  // first index of this warp's unpublished run
@@ -211,7 +211,7 @@ __device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitC
     // The last run of the channel may be short.
     if (ok && run_len > 0) publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
     // Every lane is here (all branches above are uniform over the warp).
-    bad.report_from_warp(a.err, deepep::kValueOpIntranodeDispatch, rank, __LINE__);
+    bad.report_from_warp(a.err, kValueOpIntranodeDispatch, rank, __LINE__);
     return ok;
 }
 
@@ -290,27 +290,21 @@ __device__ __forceinline__ bool dispatch_recv(const DispatchArgs& a, const WaitC
                 }
                 if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = src_token;
             } else if (lane == 0) {
-                deepep::report_timeout(a.err, kOpDispatchOverflow, rank, src, __LINE__, a.num_recv);
+                report_timeout(a.err, kOpDispatchOverflow, rank, src, __LINE__, a.num_recv);
             }
         }
         // Every load of the run is done (their values were stored above): hand back the slots the sender
         // will reuse, after one fence for the whole run.
         if (first + a.cap < n) {
             __syncwarp();
-            deepep::fence_acq_rel_sys();
+            fence_acq_rel_sys();
             const int idx = first + lane;
-            if (lane < len && idx + a.cap < n) st_relaxed_sys_u64(peer_free + idx % a.cap, tag(a.seq, idx + a.cap));
+            if (lane < len && idx + a.cap < n) st_relaxed_sys(peer_free + idx % a.cap, tag(a.seq, idx + a.cap));
             __syncwarp();
         }
     }
     return true;
 }
-
-}  // namespace deepep_intranode
-
-namespace deepep_cupy::intranode {
-
-using namespace ::deepep_intranode;
 
 // pool_bases: set when this rank's outputs are in its output pool; the call then takes the direct mode of
 // dispatch_direct.cuh if every rank's are, else the ring mode above.
@@ -328,7 +322,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          const long long* __restrict__ pool_bases, long long done_offset, long long ring_offset,
          long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
-         int publish_batch, int* __restrict__ self_claims, deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+         int publish_batch, int* __restrict__ self_claims, ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
@@ -373,7 +367,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     if (mode == 1) {
         // Peers drop the rows past num_out_rows; this rank reports them.
         if (blockIdx.x == 0 && threadIdx.x == 0 && num_recv > num_out_rows)
-            deepep::report_timeout(err, kOpDispatchOverflow, rank, rank, __LINE__, num_recv);
+            report_timeout(err, kOpDispatchOverflow, rank, rank, __LINE__, num_recv);
         dispatch_direct<R, kNumWarps, kUnroll>(a, wctx, c, sh, chunk_masks, self_claims + c);
     } else if (mode == 0) {
         // Role of this warp: push to a peer or receive from one, then join the self copy; or start on the

@@ -35,7 +35,7 @@
 
 #include "intranode/dispatch_token.cuh"
 
-namespace deepep_intranode {
+namespace deepep_cupy::intranode {
 
 constexpr int kDirectRun = 2;                  // tokens per claimed item
 constexpr int kDirectParts = 32 / kDirectRun;  // items per chunk and destination
@@ -57,15 +57,15 @@ __device__ __forceinline__ void publish_dest(const DispatchArgs& a) {
     uint64_t* e = ctrl_of(rank_base(a.bases, r), kNumRanks).dest(a.rank);
     const bool in_pool = a.pool_bases != nullptr;
     if (in_pool) {
-        st_relaxed_sys_u64(e + 1, pool_offset(a.recv_x, a));
-        st_relaxed_sys_u64(e + 2, pool_offset(a.recv_x_scales, a));
-        st_relaxed_sys_u64(e + 3, pool_offset(a.recv_topk_idx, a));
-        st_relaxed_sys_u64(e + 4, pool_offset(a.recv_topk_weights, a));
-        st_relaxed_sys_u64(e + 5, pool_offset(a.recv_src_idx, a));
+        st_relaxed_sys(e + 1, pool_offset(a.recv_x, a));
+        st_relaxed_sys(e + 2, pool_offset(a.recv_x_scales, a));
+        st_relaxed_sys(e + 3, pool_offset(a.recv_topk_idx, a));
+        st_relaxed_sys(e + 4, pool_offset(a.recv_topk_weights, a));
+        st_relaxed_sys(e + 5, pool_offset(a.recv_src_idx, a));
     }
-    st_relaxed_sys_u64(e + 6, static_cast<uint64_t>(a.num_out_rows));
-    st_relaxed_sys_u64(e + 7, in_pool ? 1u : 0u);
-    deepep::st_release_sys(e, a.seq);
+    st_relaxed_sys(e + 6, static_cast<uint64_t>(a.num_out_rows));
+    st_relaxed_sys(e + 7, in_pool ? 1u : 0u);
+    st_release_sys(e, a.seq);
 }
 
 template <typename T>
@@ -91,15 +91,15 @@ __device__ __forceinline__ int load_dests(const DispatchArgs& a, const WaitCtx& 
         in_pool = a.pool_bases != nullptr;
         if (peer) {
             const uint64_t* e = ctrl.dest(lane);
-            in_pool = in_pool && deepep::ld_cg_u64(e + 7) != 0;  // peers' pools are known only through ours
+            in_pool = in_pool && ld_cg_u64(e + 7) != 0;  // peers' pools are known only through ours
             if (in_pool) {
-                d.x = pool_ptr<int4>(a, lane, deepep::ld_cg_u64(e + 1));
-                d.scales = pool_ptr<unsigned int>(a, lane, deepep::ld_cg_u64(e + 2));
-                d.topk_idx = pool_ptr<long long>(a, lane, deepep::ld_cg_u64(e + 3));
-                d.topk_weights = pool_ptr<float>(a, lane, deepep::ld_cg_u64(e + 4));
-                d.src_idx = pool_ptr<int>(a, lane, deepep::ld_cg_u64(e + 5));
+                d.x = pool_ptr<int4>(a, lane, ld_cg_u64(e + 1));
+                d.scales = pool_ptr<unsigned int>(a, lane, ld_cg_u64(e + 2));
+                d.topk_idx = pool_ptr<long long>(a, lane, ld_cg_u64(e + 3));
+                d.topk_weights = pool_ptr<float>(a, lane, ld_cg_u64(e + 4));
+                d.src_idx = pool_ptr<int>(a, lane, ld_cg_u64(e + 5));
             }
-            d.num_rows = static_cast<int>(deepep::ld_cg_u64(e + 6));
+            d.num_rows = static_cast<int>(ld_cg_u64(e + 6));
         }
         dests[lane] = d;
         const int sent_before = c > 0 ? a.channel_prefix_matrix[lane * a.num_channels + c - 1] : 0;
@@ -176,7 +176,7 @@ __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCt
     const int num_chunks = (t_end - t_begin + 31) / 32;
     const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);
 
-    deepep::BadValue bad;
+    BadValue bad;
     const int num_items = num_chunks * R * kDirectParts;
     int item = 0;
     if (lane == 0) item = atomicAdd(claim, 1);
@@ -207,16 +207,16 @@ __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCt
         }
         item = __shfl_sync(kFullMask, next, 0);
     }
-    bad.report_from_warp(a.err, deepep::kValueOpIntranodeDispatch, a.rank, __LINE__);
+    bad.report_from_warp(a.err, kValueOpIntranodeDispatch, a.rank, __LINE__);
 
     // Every write of this block is done: release this block's done word into every peer, then wait for
     // the same block of every peer (done words at a.done_offset: [source rank][block]).
     __syncthreads();
     if (threadIdx.x < R && threadIdx.x != a.rank) {
-        deepep::fence_acq_rel_sys();
+        fence_acq_rel_sys();
         uint64_t* word = reinterpret_cast<uint64_t*>(rank_base(a.bases, threadIdx.x) + a.done_offset) +
                          static_cast<long long>(a.rank) * gridDim.x + blockIdx.x;
-        deepep::st_release_sys(word, a.seq);
+        st_release_sys(word, a.seq);
     }
     if (warp == 0) {
         const uint64_t* words = reinterpret_cast<const uint64_t*>(rank_base(a.bases, a.rank) + a.done_offset);
@@ -227,4 +227,4 @@ __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCt
     return true;
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -6,7 +6,7 @@
 #include "common/value_errors.cuh"
 #include "intranode/layout.cuh"
 
-namespace deepep_intranode {
+namespace deepep_cupy::intranode {
 
 struct DispatchArgs {
     const int4* x;
@@ -35,7 +35,7 @@ struct DispatchArgs {
     int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
     int batch;
     int* self_claims;
-    deepep::ErrorRecord* err;
+    ErrorRecord* err;
     int rank;
     uint64_t seq;
     int num_recv;
@@ -100,10 +100,6 @@ __device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, 
     }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Asks L2 for the scales of tokens [t0, t1) (at most 32), a chunk ahead of their loads, so that the
 // first warp to load them does not wait for DRAM. Column-major: one run of 4 * (t1 - t0) bytes per scale
 // block (its first and last element cover it); row-major: one contiguous run. Other layouts: nothing.
@@ -139,7 +135,7 @@ struct DestRows {
 // left out when the host copies the own rows with the copy engines (a.own_rows_copied), in either mode.
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
-                                           deepep::BadValue& bad, int lane) {
+                                           BadValue& bad, int lane) {
     const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
     if (dst != a.rank || !a.own_rows_copied)
         warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
@@ -171,4 +167,4 @@ __device__ __forceinline__ int nth_set_bit(unsigned int mask, int n) {
     return __ffs(mask) - 1;
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -45,11 +45,11 @@
 //     correctly.
 #pragma once
 
-#include "../common/nvrtc_compat.cuh"
-#include "../common/ptx.cuh"
-#include "../common/timeout.cuh"
+#include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
 
-namespace deepep_intranode {
+namespace deepep_cupy::intranode {
 
 // Op codes of the error record (names in deepep_cupy/ops/intranode.py).
 enum OpCode : int {
@@ -65,8 +65,6 @@ enum OpCode : int {
     kOpCombineCopyRecv = 10,
     kOpCombineCopyDone = 11,
 };
-
-constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---- control words -----------------------------------------------------------------------------
 
@@ -103,7 +101,7 @@ __device__ __forceinline__ uint64_t tag(uint64_t seq, int i) {
 // the last block to finish publishes it (see end_kernel), so all blocks read the same value.
 __device__ __forceinline__ uint64_t begin_kernel(const Ctrl& ctrl) {
     __shared__ uint64_t seq_shared;
-    if (threadIdx.x == 0) seq_shared = static_cast<uint64_t>(deepep::ld_volatile(reinterpret_cast<const int64_t*>(ctrl.local_seq()))) + 1;
+    if (threadIdx.x == 0) seq_shared = static_cast<uint64_t>(ld_volatile(reinterpret_cast<const int64_t*>(ctrl.local_seq()))) + 1;
     __syncthreads();
     return seq_shared;
 }
@@ -136,14 +134,14 @@ __device__ __forceinline__ void end_kernel(const Ctrl& ctrl, uint64_t seq, int* 
 __device__ __forceinline__ void announce_arrival(const long long* bases, int num_ranks, int rank, uint64_t seq) {
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
         Ctrl peer = ctrl_of(rank_base(bases, r), num_ranks);
-        deepep::st_release_sys(peer.arrive(rank), seq);
+        st_release_sys(peer.arrive(rank), seq);
     }
 }
 
 // ---- bounded waits -----------------------------------------------------------------------------
 
 struct WaitCtx {
-    deepep::ErrorRecord* err;
+    ErrorRecord* err;
     long long budget_ns;
     int rank;
 };
@@ -153,14 +151,14 @@ struct WaitCtx {
 // a timeout (read every 4096 polls only: the record is host-mapped). `start` is the first check's time.
 __device__ __forceinline__ bool wait_expired(unsigned int spin, uint64_t& start, const WaitCtx& w, int op, int peer,
                                              int line) {
-    const uint64_t now = deepep::globaltimer();
+    const uint64_t now = globaltimer();
     if (start == 0) start = now;
     const long long waited = static_cast<long long>(now - start);
     if (waited > w.budget_ns) {
-        deepep::report_timeout(w.err, op, w.rank, peer, line, waited);
+        report_timeout(w.err, op, w.rank, peer, line, waited);
         return true;
     }
-    return (spin & 4095u) == 0 && deepep::timeout_reported(w.err);
+    return (spin & 4095u) == 0 && timeout_reported(w.err);
 }
 
 // Warp-wide wait until *flag satisfies pred (every lane polls with an acquire load, so every lane's later
@@ -171,10 +169,10 @@ __device__ __forceinline__ bool warp_wait(const uint64_t* flag, Pred pred, const
                                           int line) {
     uint64_t start = 0;
     for (unsigned int spin = 1;; ++spin) {
-        const uint64_t v = deepep::ld_acquire_sys(flag);
+        const uint64_t v = ld_acquire_sys(flag);
         if (__all_sync(kFullMask, pred(v))) return true;
         if ((spin & 63u) == 0) {
-            const int give_up = deepep::lane_id() == 0 && wait_expired(spin, start, w, op, peer, line);
+            const int give_up = lane_id() == 0 && wait_expired(spin, start, w, op, peer, line);
             if (__shfl_sync(kFullMask, give_up, 0)) return false;
         }
     }
@@ -187,13 +185,13 @@ __device__ __forceinline__ bool warp_wait_lanes(const uint64_t* flag, uint64_t w
                                                 int op, int line) {
     uint64_t start = 0;
     for (unsigned int spin = 1;; ++spin) {
-        const bool done = flag == nullptr || deepep::ld_acquire_sys(flag) == want;
+        const bool done = flag == nullptr || ld_acquire_sys(flag) == want;
         const unsigned int waiting = __ballot_sync(kFullMask, !done);
         if (waiting == 0u) return true;
         if ((spin & 63u) == 0) {
             const int first = __ffs(waiting) - 1;
             const int first_peer = __shfl_sync(kFullMask, peer, first);
-            const int give_up = deepep::lane_id() == 0 && wait_expired(spin, start, w, op, first_peer, line);
+            const int give_up = lane_id() == 0 && wait_expired(spin, start, w, op, first_peer, line);
             if (__shfl_sync(kFullMask, give_up, 0)) return false;
         }
     }
@@ -205,16 +203,12 @@ __device__ __forceinline__ bool thread_wait(const uint64_t* flag, Pred pred, con
                                             int line) {
     uint64_t start = 0;
     for (unsigned int spin = 1;; ++spin) {
-        if (pred(deepep::ld_acquire_sys(flag))) return true;
+        if (pred(ld_acquire_sys(flag))) return true;
         if ((spin & 63u) == 0 && wait_expired(spin, start, w, op, peer, line)) return false;
     }
 }
 
 // ---- batched publishing -------------------------------------------------------------------------
-
-__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 // Largest run of tokens published with one fence: at most 32 (one lane per flag) and at most
 // ceil(cap / 2), so that a sender waiting for a free slot never waits for a token of its own unpublished
@@ -229,22 +223,16 @@ __device__ __forceinline__ int clamp_batch(int batch, int cap) {
 __device__ __forceinline__ void publish_run(uint8_t* ring, long long slot_bytes, int cap, uint64_t seq, int first,
                                             int len, int lane) {
     __syncwarp();
-    deepep::fence_acq_rel_sys();
+    fence_acq_rel_sys();
     if (lane < len) {
         const int idx = first + lane;
-        st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(ring + static_cast<long long>(idx % cap) * slot_bytes),
-                           tag(seq, idx));
+        st_relaxed_sys(reinterpret_cast<uint64_t*>(ring + static_cast<long long>(idx % cap) * slot_bytes),
+                       tag(seq, idx));
     }
     __syncwarp();
 }
 
-// ---- loads and stores --------------------------------------------------------------------------
-
-// L2-only loads: ring slots are rewritten by peers (common/ptx.cuh).
-using deepep::ld_cg_f32;
-using deepep::ld_cg_s32;
-using deepep::ld_cg_u32;
-using deepep::ld_cg_v4;
+// ---- copies and work split ---------------------------------------------------------------------
 
 // Warp copy of n int4 from memory that does not change during the kernel (user inputs) to dst.
 // kUnroll loads per lane are issued before their stores, so a warp keeps 32 * kUnroll * 16 bytes in flight.
@@ -255,12 +243,12 @@ __device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4*
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int j = base + u * 32 + lane;
-            if (j < n) v[u] = deepep::ld_nc_v4(src + j);
+            if (j < n) v[u] = ld_nc_v4(src + j);
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int j = base + u * 32 + lane;
-            if (j < n) deepep::st_na_v4(dst + j, v[u]);
+            if (j < n) st_na_v4(dst + j, v[u]);
         }
     }
 }
@@ -278,7 +266,7 @@ __device__ __forceinline__ void warp_copy_ring(int4* __restrict__ dst, const int
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int j = base + u * 32 + lane;
-            if (j < n) deepep::st_na_v4(dst + j, v[u]);
+            if (j < n) st_na_v4(dst + j, v[u]);
         }
     }
 }
@@ -307,4 +295,4 @@ __device__ __forceinline__ void split_warps(int warp, int num_warps, int groups,
     }
 }
 
-}  // namespace deepep_intranode
+}  // namespace deepep_cupy::intranode

@@ -15,15 +15,9 @@
 #include "common/nvrtc_compat.cuh"
 #include "intranode/layout.cuh"
 
-namespace deepep_intranode {
-
-constexpr int kNotifyThreads = 1024;
-
-}  // namespace deepep_intranode
-
 namespace deepep_cupy::intranode {
 
-using namespace ::deepep_intranode;
+constexpr int kNotifyThreads = 1024;
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
@@ -32,7 +26,7 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
        int* __restrict__ rank_prefix_matrix, int* __restrict__ channel_prefix_matrix,
        int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ meta,
        const long long* __restrict__ bases, long long notify_offset, int notify_stride,
-       deepep::ErrorRecord* err, long long timeout_ns, int rank) {
+       ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
     extern __shared__ int s_counts[];  // [R][C] per-channel counts, then [R] totals
     __shared__ int s_abort;
@@ -101,7 +95,7 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
     __syncthreads();
     if (s_abort == 0 && tid < R) {
         const Ctrl peer = ctrl_of(rank_base(bases, tid), R);
-        deepep::st_release_sys(peer.notify_flag(rank), seq);
+        st_release_sys(peer.notify_flag(rank), seq);
     }
 
     // 4. Collect every source's record.

@@ -34,9 +34,6 @@
 #include "low_latency/logfmt.cuh"
 #include "low_latency/combine_partials.cuh"
 
-using namespace deepep;
-using namespace deepep::ll;
-
 namespace deepep_cupy::low_latency {
 
 // Rows of unit u = le * R + dst that this launch returns: the handle's count, clipped to the slab (a
@@ -124,7 +121,7 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
                 const int row = static_cast<int>(__ldg(layout_range + u) >> 32) + (g - s_prefix[u]);
                 const size_t src_row = static_cast<size_t>(le) * slab + row;
                 const int t = __ldg(src_info + src_row);
-                if (col < kHidden) raw[j] = ldg_v4(x + src_row * kHidden + col);
+                if (col < kHidden) raw[j] = ld_nc_v4_no_prefetch(x + src_row * kHidden + col);
                 else raw[j] = make_int4(0, 0, 0, 0);
                 if (t < 0 || t >= max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
                 const int e = rank * num_local + le;
@@ -156,7 +153,7 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
             if (self_masked || s_mask[dst] != 0) continue;
             const int e = rank * num_local + u / num_ranks;
             const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_prefix[u + 1] - s_prefix[u]));
-            st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+            st_relaxed_sys(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
         }
     }
 }
@@ -273,7 +270,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
                 const bool p2p = peer_recv != nullptr;
                 if (gthread == 0) s_sent[group] = 0;
-                group_sync(barrier_id, kGroupThreads);
+                named_barrier_sync(barrier_id, kGroupThreads);
 
                 int sent = 0;  // rows this warp returned (lane 0's count is the one that matters)
                 for (int i = warp; i < count; i += kWarps) {
@@ -309,16 +306,16 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 }
                 if (lane == 0 && sent > 0) atomicAdd(&s_sent[group], sent);
                 if (p2p) __threadfence_system();
-                group_sync(barrier_id, kGroupThreads);
+                named_barrier_sync(barrier_id, kGroupThreads);
                 if (gthread == 0) {
                     const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_sent[group]));
                     if (p2p) {
-                        st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+                        st_release_sys(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
                     } else {
                         nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + e), static_cast<int>(word), dst);
                     }
                 }
-                group_sync(barrier_id, kGroupThreads);  // s_sent is reused by the next unit
+                named_barrier_sync(barrier_id, kGroupThreads);  // s_sent is reused by the next unit
             }
         }
     }
@@ -352,7 +349,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 }
                 // Always release the reducers; they re-check the mask (and give up on their own after a
                 // reported timeout).
-                if (!p2p) st_release_gpu_u32(ready + e, tag);
+                if (!p2p) st_release_gpu(ready + e, tag);
             }
         }
 

@@ -46,9 +46,6 @@
 
 namespace deepep_cupy::low_latency {
 
-using namespace deepep;
-using namespace deepep::ll;
-
 // Bytes of one partial row on the wire: float32, or LogFMT-10 blocks of the BF16-rounded sum padded to 16
 // bytes (the encoder's 16-byte stores; 17 blocks are 2856 bytes).
 template <int kHidden, bool kLogfmt>
@@ -108,8 +105,8 @@ __device__ __forceinline__ void publish_routes(const int64_t* __restrict__ topk_
         uint8_t* peer = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, d));
         uint64_t* slot =
             partial_routes(peer, num_ranks, max_tokens, row_bytes) + 2 * (static_cast<size_t>(rank) * per_rank + tk);
-        st_relaxed_sys_u64(slot, route_word(seq, le1));
-        st_relaxed_sys_u64(slot + 1, route_word(seq, __float_as_uint(w)));
+        st_relaxed_sys(slot, route_word(seq, le1));
+        st_relaxed_sys(slot + 1, route_word(seq, __float_as_uint(w)));
     }
     bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
 }
@@ -140,7 +137,7 @@ __device__ __forceinline__ void build_row_table(const int* __restrict__ src_info
 // Both words of the route at `words` (relaxed: each 8-byte word is single-copy atomic and carries its own
 // sequence number).
 __device__ __forceinline__ ulonglong2 load_route(const uint64_t* words) {
-    return make_ulonglong2(ld_relaxed_sys_u64(words), ld_relaxed_sys_u64(words + 1));
+    return make_ulonglong2(ld_relaxed_sys(words), ld_relaxed_sys(words + 1));
 }
 
 // Spin until both words of a route carry `seq` (`seen`: the words read ahead, used when they already do);
@@ -273,9 +270,10 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
             if (row < 0 || !(a0 || a1)) continue;
             const uint16_t* src = x + static_cast<size_t>(row) * kHidden;
             if constexpr (kLogfmt) {
-                raw[j] = ldg_v4(src + c0);
+                raw[j] = ld_nc_v4_no_prefetch(src + c0);
             } else {
-                const uint2 lo = a0 ? ldg_v2(src + c0) : make_uint2(0u, 0u), hi = a1 ? ldg_v2(src + c1) : make_uint2(0u, 0u);
+                const uint2 lo = a0 ? ld_nc_v2(src + c0) : make_uint2(0u, 0u);
+                const uint2 hi = a1 ? ld_nc_v2(src + c1) : make_uint2(0u, 0u);
                 raw[j] = make_int4(static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(hi.x),
                                    static_cast<int>(hi.y));
             }
@@ -325,7 +323,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         const uint32_t word = tag_word(tag, gridDim.x);
         uint32_t* mine = sym_done + static_cast<size_t>(rank) * gridDim.x + blockIdx.x;
         for (int d = static_cast<int>(threadIdx.x); d < num_ranks; d += 32)
-            if (s_mask[d] == 0) st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(mine, d)), word);
+            if (s_mask[d] == 0) st_relaxed_sys(static_cast<uint32_t*>(nvshmem_ptr(mine, d)), word);
     }
 }
 
@@ -350,7 +348,7 @@ __device__ __forceinline__ bool wait_source_blocks(const uint32_t* sym_done, int
     for (int b = b0; b <= b1; ++b) {
         // An acquire load first: a word already set (the common case by the time a warp gets here) then
         // needs no system fence.
-        if (!wait_block_word(words + b, ld_acquire_sys_u32(words + b), source, tag, mask, shrink, rank, deadline,
+        if (!wait_block_word(words + b, ld_acquire_sys(words + b), source, tag, mask, shrink, rank, deadline,
                              err))
             return false;
     }

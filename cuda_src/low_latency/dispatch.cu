@@ -28,9 +28,6 @@
 #include "low_latency/rows.cuh"
 #include "low_latency/dispatch_ranks.cuh"
 
-using namespace deepep;
-using namespace deepep::ll;
-
 namespace deepep_cupy::low_latency {
 
 // Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.
@@ -169,7 +166,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 if (lane == 0) s_chunks[group][c] = bits;
             }
             if (e == rank * num_local_experts) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
-            group_sync(barrier_id, kGroupThreads);
+            named_barrier_sync(barrier_id, kGroupThreads);
 
             uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
             const bool p2p = peer_recv != nullptr;
@@ -220,11 +217,11 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
             // All rows of this unit are out: publish the count.
             if (p2p) __threadfence_system();
-            group_sync(barrier_id, kGroupThreads);
+            named_barrier_sync(barrier_id, kGroupThreads);
             if (gthread == 0) {
                 const uint32_t word = tag_word(tag, static_cast<uint32_t>(running));
                 if (p2p) {
-                    st_release_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + u, dst)), word);
+                    st_release_sys(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + u, dst)), word);
                 } else {
                     nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + u), static_cast<int>(word), dst);
                 }
@@ -301,7 +298,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     s_unit[group][2] = abort;
                 }
             }
-            group_sync(barrier_id, kGroupThreads);
+            named_barrier_sync(barrier_id, kGroupThreads);
             const int begin = s_unit[group][0];
             const int count = s_unit[group][1];
 
@@ -333,7 +330,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 for (int r = total + gthread; r < slab; r += kGroupThreads)
                     out_src_info[static_cast<size_t>(le) * slab + r] = -1;
             }
-            group_sync(barrier_id, kGroupThreads);  // s_unit is reused by the next unit
+            named_barrier_sync(barrier_id, kGroupThreads);  // s_unit is reused by the next unit
         }
     }
 }

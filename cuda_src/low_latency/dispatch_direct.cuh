@@ -18,9 +18,6 @@
 
 namespace deepep_cupy::low_latency {
 
-using namespace deepep;
-using namespace deepep::ll;
-
 // Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
 constexpr int kMaxHitWords = 6144;
 
@@ -41,8 +38,8 @@ __device__ __forceinline__ SendItem load_send_item(const uint16_t* __restrict__ 
     const int t = item / kSegs, col = (item % kSegs) * kSendSeg + lane * 16;
     const uint16_t* src = x + static_cast<size_t>(t) * kHidden + col;
     SendItem it;
-    it.r0 = col < kHidden ? ldg_v4(src) : make_int4(0, 0, 0, 0);
-    it.r1 = col + 8 < kHidden ? ldg_v4(src + 8) : make_int4(0, 0, 0, 0);
+    it.r0 = col < kHidden ? ld_nc_v4_no_prefetch(src) : make_int4(0, 0, 0, 0);
+    it.r1 = col + 8 < kHidden ? ld_nc_v4_no_prefetch(src + 8) : make_int4(0, 0, 0, 0);
     it.id = lane < kTopk ? __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane) : int64_t{-1};
     return it;
 }
@@ -260,7 +257,7 @@ __device__ __forceinline__ void dispatch_send_direct(
             const int dst = e / num_local, le = e % num_local;
             if (s_mask[dst] != 0) continue;
             const uint32_t word = tag_word(tag, static_cast<uint32_t>(bits_set(s_hits + e * chunks, chunks)));
-            st_relaxed_sys_u32(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + le * num_ranks + rank, dst)), word);
+            st_relaxed_sys(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + le * num_ranks + rank, dst)), word);
         }
     }
 }

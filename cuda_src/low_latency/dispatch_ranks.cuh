@@ -32,9 +32,6 @@
 
 namespace deepep_cupy::low_latency {
 
-using namespace deepep;
-using namespace deepep::ll;
-
 constexpr uint32_t kNoEntry = 0xffffffffu;
 
 template <int kHidden, int kTopk, bool kFP8>
@@ -172,8 +169,8 @@ __device__ __forceinline__ void dispatch_send_ranks(
     if (*s_last && !self_masked && threadIdx.x == 0) {
         for (int dst = 0; dst < num_ranks; ++dst) {
             if (s_mask[dst] != 0) continue;
-            st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
-                               tag_word(tag, static_cast<uint32_t>(bits_set(s_reach + dst * chunks, chunks))));
+            st_relaxed_sys(reinterpret_cast<uint32_t*>(at_peer(sym_rank_tags, dst)) + rank,
+                           tag_word(tag, static_cast<uint32_t>(bits_set(s_reach + dst * chunks, chunks))));
         }
     }
 

@@ -32,8 +32,7 @@
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 
-namespace deepep {
-namespace ll {
+namespace deepep_cupy::low_latency {
 
 constexpr int kChannelsPerBlock = 128;
 // Wire bytes of a LogFMT-10 block: 128 low code bytes, 128 x 2-bit high parts, float lo and step (byte
@@ -55,59 +54,7 @@ constexpr int kOpDispatchRecv = 201;
 constexpr int kOpCombineRecv = 202;
 constexpr int kOpCombineSend = 203;  // the partial-sum combine waits for its sources' routes
 
-constexpr unsigned kFullMask = 0xffffffffu;
-
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
-
-// ---- small PTX helpers not in common/ptx.cuh --------------------------------------------------------
-
-__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_gpu_u32(uint32_t* p, uint32_t v) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
-    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_release_gpu_u32(uint32_t* p, uint32_t v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// L2-only loads (ld_cg_v4/u32/u64) come from common/ptx.cuh.
-
-// Read-only 16-byte load for inputs nobody writes while the kernel runs (x, staged rows). Not volatile
-// and without a memory clobber, so the compiler may issue it early, ahead of unrelated stores.
-__device__ __forceinline__ int4 ldg_v4(const void* p) {
-    int4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-// The same for 8 bytes (4 BF16 channels).
-__device__ __forceinline__ uint2 ldg_v2(const void* p) {
-    uint2 v;
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
-// Barrier over the `threads` threads of one warp group (ids 1..15; 0 is __syncthreads).
-__device__ __forceinline__ void group_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 __device__ __forceinline__ int warp_sum(int v) {
 #pragma unroll
@@ -179,17 +126,6 @@ __device__ __forceinline__ void begin_launch(int phases, uint32_t* seq_state, co
 // 512 polls (about every 100 us of waiting), never in the hot loop. (Reading it every 16 polls from
 // thousands of spinning lanes queued PCIe reads and made the fused combine take milliseconds.)
 
-__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
-    uint64_t v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Pause between polls; false when the wait must give up (deadline passed, or another thread reported a
 // timeout and bail_on_report is set).
 __device__ __forceinline__ bool poll_pause(uint32_t spin, const Deadline& deadline, const ErrorRecord* err,
@@ -207,7 +143,7 @@ __device__ __forceinline__ bool poll_pause(uint32_t spin, const Deadline& deadli
 __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, const Deadline& deadline,
                                         const ErrorRecord* err, bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        const uint32_t v = ld_relaxed_sys_u32(word);
+        const uint32_t v = ld_relaxed_sys(word);
         if ((v >> 16) == tag) {
             fence_acq_rel_sys();
             return static_cast<int>(v & 0xffffu);
@@ -221,14 +157,14 @@ __device__ __forceinline__ int wait_tag(const uint32_t* word, uint32_t tag, cons
 // before the launch, as with a receive hook) it orders the data reads after it, and wait_tag_seen needs
 // no system fence (the measured cost of confirming a tag that was already set). 0 otherwise.
 __device__ __forceinline__ uint32_t read_tag_ahead(int phases, const uint32_t* tags, int num_words) {
-    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_acquire_sys_u32(tags + threadIdx.x)
+    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_acquire_sys(tags + threadIdx.x)
                                                                                 : 0u;
 }
 
 // Word threadIdx.x of `words` with a relaxed load, ahead of the prologue, when the launch receives (0
 // otherwise): for tagged data words, which are usable as read when they carry the launch's tag.
 __device__ __forceinline__ uint32_t read_word_ahead(int phases, const uint32_t* words, int num_words) {
-    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_relaxed_sys_u32(words + threadIdx.x)
+    return (phases & kPhaseRecv) && static_cast<int>(threadIdx.x) < num_words ? ld_relaxed_sys(words + threadIdx.x)
                                                                                 : 0u;
 }
 
@@ -244,7 +180,7 @@ __device__ __forceinline__ int wait_tag_seen(uint32_t seen, const uint32_t* word
 __device__ __forceinline__ bool wait_arrivals(const uint64_t* counter, uint64_t base, uint64_t need,
                                               const Deadline& deadline, const ErrorRecord* err, bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        if (ld_relaxed_sys_u64(counter) - base >= need) {
+        if (ld_relaxed_sys(counter) - base >= need) {
             fence_acq_rel_sys();
             return true;
         }
@@ -256,7 +192,7 @@ __device__ __forceinline__ bool wait_arrivals(const uint64_t* counter, uint64_t 
 __device__ __forceinline__ bool wait_ready(const uint32_t* word, uint32_t tag, const Deadline& deadline,
                                            const ErrorRecord* err, bool bail_on_report) {
     for (uint32_t spin = 0;; ++spin) {
-        if (ld_relaxed_sys_u32(word) == tag) {
+        if (ld_relaxed_sys(word) == tag) {
             fence_acq_rel_sys();
             return true;
         }
@@ -369,12 +305,11 @@ __device__ __forceinline__ void grid_completion(uint32_t* done_counter, int* s_l
         if (*s_last) {
             // Every block has counted: reset for the next launch (it starts after this kernel ends, so a
             // plain store suffices) and acquire what the other blocks released.
-            st_relaxed_gpu_u32(done_counter, 0u);
+            st_relaxed_gpu(done_counter, 0u);
             fence_acq_rel_sys();
         }
     }
     __syncthreads();
 }
 
-}  // namespace ll
-}  // namespace deepep
+}  // namespace deepep_cupy::low_latency

@@ -22,23 +22,10 @@
 #include "low_latency/layout.cuh"
 #include "low_latency/rows.cuh"
 
-namespace deepep {
-namespace ll {
+namespace deepep_cupy::low_latency {
 
 // kLogfmtBlockBytes and kLogfmtLevels live in layout.cuh with the rest of the wire layout.
 constexpr int kLogfmtSegBytes = 2 * kLogfmtBlockBytes;
-
-__device__ __forceinline__ float lg2_approx(float x) {
-    float y;
-    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));  // keeps subnormal inputs (no .ftz)
-    return y;
-}
-
-__device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // Encode the (one or two, nb) blocks of wire segment `seg`: lane L holds channels [8 L, 8 L + 8) of the
 // segment as 8 BF16 values in `raw`; lanes 16..31 hold the second block (idle, zeros, when nb == 1). The
@@ -157,5 +144,4 @@ __device__ __forceinline__ void logfmt_decode8(const LogfmtPiece& p, float (&f)[
     }
 }
 
-}  // namespace ll
-}  // namespace deepep
+}  // namespace deepep_cupy::low_latency

@@ -7,8 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-namespace deepep {
-namespace ll {
+namespace deepep_cupy::low_latency {
 
 // ---- BF16 / FP8 -------------------------------------------------------------------------------------
 
@@ -103,8 +102,8 @@ __device__ __forceinline__ void cast_row_fp8(const uint16_t* __restrict__ src, u
         for (int j = 0; j < kBatch; ++j) {
             const int col = (s0 + j) * kPerStep + lane * 16;
             if (s0 + j < kSteps && col < kHidden) {
-                raw[j][0] = ldg_v4(src + col);
-                raw[j][1] = ldg_v4(src + col + 8);
+                raw[j][0] = ld_nc_v4_no_prefetch(src + col);
+                raw[j][1] = ld_nc_v4_no_prefetch(src + col + 8);
             }
         }
 #pragma unroll
@@ -178,7 +177,7 @@ enum class Load { kNonCoherent, kL2, kPlain };
 
 template <Load kLoad>
 __device__ __forceinline__ int4 load_v4(const int4* p) {
-    if constexpr (kLoad == Load::kNonCoherent) return ldg_v4(p);
+    if constexpr (kLoad == Load::kNonCoherent) return ld_nc_v4_no_prefetch(p);
     else if constexpr (kLoad == Load::kL2) return ld_cg_v4(p);
     else return ld_v4(p);
 }
@@ -206,5 +205,4 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int lane) 
     }
 }
 
-}  // namespace ll
-}  // namespace deepep
+}  // namespace deepep_cupy::low_latency

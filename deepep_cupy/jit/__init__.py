@@ -2,8 +2,9 @@
 
 Typical use in an op launcher::
 
-    spec = BuildSpec.make("layout.cu", name_expressions=["dispatch_layout_kernel<8>"])
-    kernel = load(spec).get_function("dispatch_layout_kernel<8>")
+    name = "deepep_cupy::layout::count_tokens<8, 8>"
+    spec = BuildSpec.make("layout/count_tokens.cu", name_expressions=[name])
+    kernel = load(spec).get_function(name)
     kernel((blocks,), (threads,), (arg0, arg1, ...), stream=stream)
 
 :func:`build` compiles without a GPU when given an ``arch``; :func:`load` needs one.

@@ -17,7 +17,8 @@ class BuildSpec:
     """One kernel instantiation: a source file plus everything fixed at compile time.
 
     Attributes:
-        source: path relative to ``cuda_src/``, e.g. ``"layout.cu"`` or ``"intranode/dispatch.cu"``.
+        source: path relative to ``cuda_src/``, e.g. ``"layout/count_tokens.cu"`` or
+            ``"intranode/dispatch.cu"``.
         defines: ``(NAME, VALUE)`` pairs passed as ``-DNAME=VALUE``; keep them sorted (use :meth:`make`) so
             equal specs hash equally.
         name_expressions: template instantiations to emit and look up by name, e.g.
@@ -62,7 +63,7 @@ class BuildSpec:
         return ", ".join([f"{k}={v}" for k, v in self.defines] + list(self.name_expressions))
 
     def describe(self) -> str:
-        """Short human-readable form: ``layout.cu (K=8, ...)``."""
+        """Short human-readable form: ``layout/count_tokens.cu (K=8, ...)``."""
         params = self.params()
         return f"{self.source} ({params})" if params else self.source
 

@@ -1,9 +1,12 @@
 """NVRTC name expressions of every kernel in ``cuda_src/``, and the op codes of the value errors they report.
 
-Every kernel lives in a ``deepep_cupy::<family>`` namespace, and each family has exactly one kernel whose
-name contains ``::dispatch`` and one containing ``::combine``. A profiler trace therefore shows a short
-name for each kernel, and ``::dispatch`` / ``::combine`` picks out the data-moving kernels. Helper kernels
-(the FP8 staging kernel, the intranode count exchange, the layout counts) have neither word in their names.
+Every kernel lives in a ``deepep_cupy::<family>`` namespace (``intranode``, ``internode``, ``low_latency``,
+``layout``; the sources are in ``cuda_src/<family>/``), next to its family's device helpers; the helpers
+all families share (``cuda_src/common/``) sit in ``deepep_cupy`` itself. Each family has exactly one kernel
+whose name contains ``::dispatch`` and one containing ``::combine``. A profiler trace therefore shows a
+short name for each kernel, and ``::dispatch`` / ``::combine`` picks out the data-moving kernels. Helper
+kernels (the FP8 staging kernel, the intranode count exchange, the layout counts) have neither word in
+their names.
 
 Each function returns the string to give to ``BuildSpec.make(..., name_expressions=[...])`` and then to
 ``LoadedModule.get_function``. Template arguments appear as C++ spells them: integers in decimal,
@@ -140,5 +143,5 @@ def internode_combine(num_nvl_ranks: int, num_domains: int) -> str:
 # ---------------------------------------------------------------------------------------- layout
 def layout_count_tokens(num_topk: int, cluster: int) -> str:
     """``deepep_cupy::layout::count_tokens<K, C>``: tokens per expert / rank / RDMA rank, on a cluster of C
-    blocks (``cuda_src/layout.cu``)."""
+    blocks (``cuda_src/layout/count_tokens.cu``)."""
     return f"deepep_cupy::layout::count_tokens<{_ints(num_topk, cluster)}>"

@@ -16,8 +16,8 @@ from . import kernel_names
 __all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "representative_builds"]
 
 MAX_TOPK = 128
-_SOURCE = "layout.cu"
-_THREADS = 512  # kThreads in layout.cu
+_SOURCE = "layout/count_tokens.cu"
+_THREADS = 512  # kThreads in layout/count_tokens.cu
 _CLUSTER = 8  # blocks of the kernel's cluster on sm_90 (one block before it)
 #: The kernel counts experts, ranks and RDMA ranks in dynamic shared memory, one int32 each.
 MAX_COUNT_WORDS = 48 * 1024

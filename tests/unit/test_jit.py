@@ -48,25 +48,25 @@ HEADERS_USE = r"""
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 
-extern "C" __global__ void uses_helpers(int* flag, int4* data, int64_t* wide, deepep::ErrorRecord* err,
+extern "C" __global__ void uses_helpers(int* flag, int4* data, int64_t* wide, deepep_cupy::ErrorRecord* err,
                                         long long timeout_ns, int rank, int peer) {
-    deepep::Deadline deadline(timeout_ns);
-    if (deepep::ld_acquire_sys(flag) == 0 && deadline.expired()) return;
-    int4 v = deepep::ld_nc_v4(data);
-    int4 w = deepep::ld_v4(data + 1);
-    v.x += w.x + deepep::lane_id();
-    deepep::st_v4(data + 2, v);
-    deepep::st_na_v4(data + 3, deepep::ld_volatile_v4(data + 4));
-    deepep::st_release_sys(flag + 2, deepep::atomic_add_release_sys(flag + 3, 1));
-    deepep::st_release_gpu(flag + 4, deepep::atomic_add_release_gpu(flag + 5, deepep::ld_acquire_gpu(flag + 6)));
-    deepep::st_relaxed_sys(flag + 7, deepep::ld_relaxed_sys(flag + 8) + deepep::atomic_add_relaxed_sys(flag + 9, 1));
-    deepep::st_volatile(flag + 10, deepep::atomic_cas_acq_rel_sys(flag + 11, 0, 1));
-    deepep::st_release_sys(wide, deepep::ld_acquire_sys(wide + 1) + deepep::ld_acquire_gpu(wide + 2) +
-                                     deepep::ld_volatile(wide + 3) + (int64_t)deepep::globaltimer());
-    deepep::fence_acq_rel_sys();
-    deepep::fence_acq_rel_gpu();
-    if (deepep::timeout_reported(err)) return;
-    deepep::report_timeout(err, 3, rank, peer, __LINE__, deadline.elapsed_ns());
+    deepep_cupy::Deadline deadline(timeout_ns);
+    if (deepep_cupy::ld_acquire_sys(flag) == 0 && deadline.expired()) return;
+    int4 v = deepep_cupy::ld_nc_v4(data);
+    int4 w = deepep_cupy::ld_v4(data + 1);
+    v.x += w.x + deepep_cupy::lane_id();
+    deepep_cupy::st_v4(data + 2, v);
+    deepep_cupy::st_na_v4(data + 3, deepep_cupy::ld_volatile_v4(data + 4));
+    deepep_cupy::st_release_sys(flag + 2, deepep_cupy::atomic_add_release_sys(flag + 3, 1));
+    deepep_cupy::st_release_gpu(flag + 4, deepep_cupy::atomic_add_release_gpu(flag + 5, deepep_cupy::ld_acquire_gpu(flag + 6)));
+    deepep_cupy::st_relaxed_sys(flag + 7, deepep_cupy::ld_relaxed_sys(flag + 8) + deepep_cupy::atomic_add_relaxed_sys(flag + 9, 1));
+    deepep_cupy::st_volatile(flag + 10, deepep_cupy::atomic_cas_acq_rel_sys(flag + 11, 0, 1));
+    deepep_cupy::st_release_sys(wide, deepep_cupy::ld_acquire_sys(wide + 1) + deepep_cupy::ld_acquire_gpu(wide + 2) +
+                                     deepep_cupy::ld_volatile(wide + 3) + (int64_t)deepep_cupy::globaltimer());
+    deepep_cupy::fence_acq_rel_sys();
+    deepep_cupy::fence_acq_rel_gpu();
+    if (deepep_cupy::timeout_reported(err)) return;
+    deepep_cupy::report_timeout(err, 3, rank, peer, __LINE__, deadline.elapsed_ns());
 }
 """
 
@@ -306,7 +306,7 @@ def test_kernel_error_record_message():
     from deepep_cupy.device.kernel_errors import RECORD_WORDS, KernelErrorRecord
     from deepep_cupy.errors import DeepEPTimeoutError
 
-    assert RECORD_WORDS == 8  # sizeof(deepep::ErrorRecord) / 4, see common/timeout.cuh
+    assert RECORD_WORDS == 8  # sizeof(deepep_cupy::ErrorRecord) / 4, see common/timeout.cuh
     record = KernelErrorRecord.__new__(KernelErrorRecord)  # host-side logic only: no GPU allocation
     words = np.zeros(RECORD_WORDS, dtype=np.int32)
     record._host = words

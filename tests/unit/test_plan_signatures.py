@@ -168,7 +168,7 @@ def test_layout_block_matches_the_kernel(monkeypatch):
     monkeypatch.setattr(layout, "load", lambda spec: types.SimpleNamespace(get_function=lambda name: _Kernel))
     plan = layout.LayoutPlan(None, num_tokens=8, num_topk=4, num_experts=16, num_ranks=2, num_nvl_ranks=1, rank=0,
                              errors=types.SimpleNamespace(ptr=5), comm_stream=0, async_finish=False)
-    assert plan.plan.names == _names(SRC / "layout.cu", "count_tokens")
+    assert plan.plan.names == _names(SRC / "layout" / "count_tokens.cu", "count_tokens")
     assert plan.plan.value("num_nvl_ranks") == 1 and plan.has_rdma
 
 

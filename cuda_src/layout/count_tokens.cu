@@ -17,9 +17,10 @@
 // wins) when given an error record, so the host needs no check of its own before the launch.
 
 #include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
 #include "common/value_errors.cuh"
 
-namespace deepep_layout {
+namespace deepep_cupy::layout {
 
 constexpr int kThreads = 512;
 constexpr int kRanksPerPass = 32;  // one warp lane per rank of a pass
@@ -32,9 +33,7 @@ __device__ __forceinline__ int cluster_block() {
         return 0;
     } else {
 #if __CUDA_ARCH__ >= 900
-        uint32_t r;
-        asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-        return static_cast<int>(r);
+        return cluster_ctarank();
 #else
         __trap();  // never launched: the host picks kCluster = 1 before sm_90
         return 0;
@@ -50,7 +49,7 @@ __device__ __forceinline__ void cluster_barrier() {
         __syncthreads();
     } else {
 #if __CUDA_ARCH__ >= 900
-        asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+        cluster_sync();
 #endif
     }
 }
@@ -62,12 +61,7 @@ __device__ __forceinline__ int ld_cluster_shared(const int* p, int block) {
         return *p;
     } else {
 #if __CUDA_ARCH__ >= 900
-        const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-        uint32_t remote;
-        int v;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(block));
-        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-        return v;
+        return ld_shared_cluster(p, block);
 #else
         return *p;
 #endif
@@ -95,7 +89,7 @@ struct FastDiv {
 // as int32: the ids that select nothing become -1, and a bad one (not -1, not in [0, E)) is noted.
 template <int kTopK>
 __device__ __forceinline__ void load_row(const int64_t* __restrict__ topk_idx, int t, bool vec_rows, int num_experts,
-                                         int (&ids)[kTopK], deepep::BadValue& bad) {
+                                         int (&ids)[kTopK], BadValue& bad) {
     const int64_t* row = topk_idx + static_cast<int64_t>(t) * kTopK;
     const auto keep = [&](int k, int64_t e) {
         const bool valid = e >= 0 && e < num_experts;
@@ -153,7 +147,7 @@ template <int kTopK, int kCluster>
 __device__ __forceinline__ void count_block(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts,
                                             int num_ranks, int num_nvl_ranks, int num_rdma_ranks, int* hist,
                                             int* rank_counts, int* rdma_counts, bool* __restrict__ is_token_in_rank,
-                                            deepep::ErrorRecord* err, int rank) {
+                                            ErrorRecord* err, int rank) {
     __shared__ int bad_claimed;  // one warp of the block reports
     if (threadIdx.x == 0) bad_claimed = 0;
     const int lane = threadIdx.x % 32;
@@ -167,7 +161,7 @@ __device__ __forceinline__ void count_block(const int64_t* __restrict__ topk_idx
     const uintptr_t out_base = reinterpret_cast<uintptr_t>(is_token_in_rank);
     const int width = (num_ranks % 4 == 0 && (out_base & 3) == 0) ? 4 : (num_ranks % 2 == 0 && (out_base & 1) == 0) ? 2 : 1;
     const int passes = (max(num_ranks, num_rdma_ranks) + kRanksPerPass - 1) / kRanksPerPass;
-    deepep::BadValue bad;
+    BadValue bad;
     __syncthreads();
 
     // The loop bound is uniform per warp so that every lane joins the ballots.
@@ -213,13 +207,9 @@ __device__ __forceinline__ void count_block(const int64_t* __restrict__ topk_idx
     if (err != nullptr && __any_sync(0xffffffffu, bad.found)) {
         const int claimed = lane == 0 ? atomicExch(&bad_claimed, 1) : 0;
         if (__shfl_sync(0xffffffffu, claimed, 0) == 0)
-            bad.report_from_warp(err, deepep::kValueOpLayout, rank, __LINE__);
+            bad.report_from_warp(err, kValueOpLayout, rank, __LINE__);
     }
 }
-
-}  // namespace deepep_layout
-
-namespace deepep_cupy::layout {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define DEEPEP_LAYOUT_CLUSTER(n)
@@ -227,16 +217,16 @@ namespace deepep_cupy::layout {
 #define DEEPEP_LAYOUT_CLUSTER(n) __cluster_dims__(n, 1, 1)
 #endif
 
-// Grid: kCluster blocks of deepep_layout::kThreads threads (one cluster; kCluster = 1 before sm_90), with
+// Grid: kCluster blocks of kThreads threads (one cluster; kCluster = 1 before sm_90), with
 // (E + R + R_rdma) * 4 bytes of dynamic shared memory. num_tokens_per_rdma_rank may be null (single
 // NVLink domain). err may be null (bad ids are then only ignored); rank is the value reported with a
 // bad id.
 template <int kTopK, int kCluster>
-__global__ void DEEPEP_LAYOUT_CLUSTER(kCluster) __launch_bounds__(deepep_layout::kThreads, 1)
+__global__ void DEEPEP_LAYOUT_CLUSTER(kCluster) __launch_bounds__(kThreads, 1)
     count_tokens(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
                  int num_nvl_ranks, int* __restrict__ num_tokens_per_expert, int* __restrict__ num_tokens_per_rank,
                  int* __restrict__ num_tokens_per_rdma_rank, bool* __restrict__ is_token_in_rank,
-                 deepep::ErrorRecord* err, int rank) {
+                 ErrorRecord* err, int rank) {
     static_assert(kTopK >= 1 && kTopK <= 128, "top-k out of range");
     static_assert(kCluster >= 1 && kCluster <= 8, "a portable cluster has at most 8 blocks");
     extern __shared__ int s_counts[];
@@ -245,23 +235,22 @@ __global__ void DEEPEP_LAYOUT_CLUSTER(kCluster) __launch_bounds__(deepep_layout:
     int* hist = s_counts;
     int* rank_counts = hist + num_experts;
     int* rdma_counts = num_rdma_ranks > 0 ? rank_counts + num_ranks : nullptr;
-    for (int i = static_cast<int>(threadIdx.x); i < words; i += deepep_layout::kThreads) s_counts[i] = 0;
-    deepep_layout::count_block<kTopK, kCluster>(topk_idx, num_tokens, num_experts, num_ranks, num_nvl_ranks,
-                                                num_rdma_ranks, hist, rank_counts, rdma_counts, is_token_in_rank,
-                                                err, rank);
+    for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_counts[i] = 0;
+    count_block<kTopK, kCluster>(topk_idx, num_tokens, num_experts, num_ranks, num_nvl_ranks, num_rdma_ranks,
+                                 hist, rank_counts, rdma_counts, is_token_in_rank, err, rank);
     // Every block's counts are final; block b sums words b, b + kCluster, ... over the cluster and writes
     // them. The second barrier keeps every block's shared memory alive until the others have read it.
-    deepep_layout::cluster_barrier<kCluster>();
-    const int me = deepep_layout::cluster_block<kCluster>();
-    for (int i = me + kCluster * static_cast<int>(threadIdx.x); i < words; i += kCluster * deepep_layout::kThreads) {
+    cluster_barrier<kCluster>();
+    const int me = cluster_block<kCluster>();
+    for (int i = me + kCluster * static_cast<int>(threadIdx.x); i < words; i += kCluster * kThreads) {
         int sum = 0;
 #pragma unroll
-        for (int b = 0; b < kCluster; ++b) sum += deepep_layout::ld_cluster_shared<kCluster>(s_counts + i, b);
+        for (int b = 0; b < kCluster; ++b) sum += ld_cluster_shared<kCluster>(s_counts + i, b);
         if (i < num_experts) num_tokens_per_expert[i] = sum;
         else if (i < num_experts + num_ranks) num_tokens_per_rank[i - num_experts] = sum;
         else num_tokens_per_rdma_rank[i - num_experts - num_ranks] = sum;
     }
-    deepep_layout::cluster_barrier<kCluster>();
+    cluster_barrier<kCluster>();
 }
 
 #undef DEEPEP_LAYOUT_CLUSTER
