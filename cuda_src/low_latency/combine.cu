@@ -158,7 +158,14 @@ __device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_in
     }
 }
 
-template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt, bool kPartials, int kPhases>
+// The phases compiled into this module (kernel_names.LL_*): a define, not a template argument, so that a
+// hook's send and receive parts are two modules whose kernels have one name (see dispatch.cu).
+#ifndef DEEPEP_CUPY_LL_PHASES
+#define DEEPEP_CUPY_LL_PHASES 3
+#endif
+constexpr int kPhases = DEEPEP_CUPY_LL_PHASES;
+
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt, bool kPartials>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     combine(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
             const int* __restrict__ src_info,         // [E_local, R*T]

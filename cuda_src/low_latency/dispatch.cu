@@ -30,10 +30,21 @@
 
 namespace deepep_cupy::low_latency {
 
+// The phases compiled into this module (kernel_names.LL_*), and whether only the per-rank message format is
+// (a hook's receive part, where the host chose that format: less code to fetch per launch). Defines, not
+// template arguments: a hook's send and receive parts are then two modules whose kernels have one name, as
+// profilers (and DeepEP's tests, which count a profile's rows by name) expect of one op.
+#ifndef DEEPEP_CUPY_LL_PHASES
+#define DEEPEP_CUPY_LL_PHASES 3
+#endif
+#ifndef DEEPEP_CUPY_LL_RANK_MSGS_ONLY
+#define DEEPEP_CUPY_LL_RANK_MSGS_ONLY 0
+#endif
+constexpr int kPhases = DEEPEP_CUPY_LL_PHASES;
+constexpr bool kRankMsgsOnly = DEEPEP_CUPY_LL_RANK_MSGS_ONLY != 0;
+
 // Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.
-// kPhases: the phases compiled in (kernel_names.LL_*); kRankMsgsOnly: only the per-rank message format is
-// compiled in (a hook's receive part, where the host chose that format: less code to fetch per launch).
-template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8, int kPhases, bool kRankMsgsOnly>
+template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     dispatch(const uint16_t* __restrict__ x,       // [N, H] bf16 bits
              const int64_t* __restrict__ topk_idx, // [N, K]

@@ -76,17 +76,16 @@ def _ints(*values: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- low latency
-#: ``kPhases`` of the low-latency kernels: both phases in one launch (no hook), or a hook's send part and
-#: its receive part, each compiled without the other phase's code.
+#: ``DEEPEP_CUPY_LL_PHASES`` of a low-latency module: both phases in one launch (no hook), or a hook's send
+#: part and its receive part, each compiled without the other phase's code. The phases are a define of the
+#: module, not part of the kernel's name: a hook's two parts are two modules whose kernels have the same
+#: name, so a profile shows one ``::dispatch`` and one ``::combine`` row, as DeepEP's tests count them.
 LL_BOTH, LL_SEND, LL_RECV = 3, 1, 2
 
 
-def ll_dispatch(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, phases: int = LL_BOTH,
-                rank_msgs_only: bool = False) -> str:
-    """``deepep_cupy::low_latency::dispatch<H, K, W, G, fp8, phases, rank_msgs_only>``
-    (``cuda_src/low_latency/dispatch.cu``)."""
-    return (f"deepep_cupy::low_latency::dispatch<{_ints(hidden, topk, warps, groups)}, {_flag(use_fp8)}, "
-            f"{_ints(phases)}, {_flag(rank_msgs_only)}>")
+def ll_dispatch(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool) -> str:
+    """``deepep_cupy::low_latency::dispatch<H, K, W, G, fp8>`` (``cuda_src/low_latency/dispatch.cu``)."""
+    return f"deepep_cupy::low_latency::dispatch<{_ints(hidden, topk, warps, groups)}, {_flag(use_fp8)}>"
 
 
 def ll_stage(hidden: int, use_fp8: bool) -> str:
@@ -94,12 +93,10 @@ def ll_stage(hidden: int, use_fp8: bool) -> str:
     return f"deepep_cupy::low_latency::stage<{_ints(hidden)}, {_flag(use_fp8)}>"
 
 
-def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False,
-               phases: int = LL_BOTH) -> str:
-    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt, partials, phases>``
-    (``cuda_src/low_latency/combine.cu``)."""
+def ll_combine(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False) -> str:
+    """``deepep_cupy::low_latency::combine<H, K, W, G, logfmt, partials>`` (``cuda_src/low_latency/combine.cu``)."""
     return (f"deepep_cupy::low_latency::combine<{_ints(hidden, topk, warps, groups)}, {_flag(use_logfmt)}, "
-            f"{_flag(partials)}, {_ints(phases)}>")
+            f"{_flag(partials)}>")
 
 
 # ---------------------------------------------------------------------------------------- intranode

@@ -147,19 +147,26 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
 
 
 def test_hook_kernels_hold_only_their_phase():
-    """A hook's parts are kernels compiled with only their own phase (``kPhases``), and the receive part with
-    only the per-rank message path where the host chose that format; without a hook one kernel has both."""
+    """A hook's parts are modules compiled with only their own phase (``DEEPEP_CUPY_LL_PHASES``), the receive
+    part with only the per-rank message path where the host chose that format; without a hook one module
+    has both. Every part's kernel has the op's one name (a profile shows one dispatch and one combine row),
+    and only the sending module holds the staging kernel."""
     from deepep_cupy.ops.low_latency import engine as ll
 
-    assert ll.dispatch_kernel_names(7168, 8, 8, 3, True) == ["deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 3, false>"]
-    assert ll.dispatch_kernel_names(7168, 8, 8, 3, True, hook=True, rank_msgs=True) == [
-        "deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 1, false>",
-        "deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true, 2, true>"]
-    assert ll.dispatch_kernel_names(7168, 8, 8, 3, False, hook=True)[1].endswith("false, 2, false>")
-    names = ll.combine_spec(7168, 8, 8, 3, True, True, hook=True).name_expressions
-    assert [n.rsplit(", ", 1)[1] for n in names] == ["1>", "2>"]
-    assert ll.dispatch_spec(7168, 8, 8, 3, True, hook=True, rank_msgs=True).name_expressions[-1] == \
-        ll.stage_kernel_name(7168, True)
+    name = "deepep_cupy::low_latency::dispatch<7168, 8, 8, 3, true>"
+    (both,) = ll.dispatch_specs(7168, 8, 8, 3, True)
+    assert both.name_expressions == (name, ll.stage_kernel_name(7168, True))
+    assert dict(both.defines) == {"DEEPEP_CUPY_LL_PHASES": "3", "DEEPEP_CUPY_LL_RANK_MSGS_ONLY": "0"}
+    send, recv = ll.dispatch_specs(7168, 8, 8, 3, True, hook=True, rank_msgs=True)
+    assert send.name_expressions[0] == recv.name_expressions[0] == name
+    assert recv.name_expressions == (name,) and send.name_expressions[-1] == ll.stage_kernel_name(7168, True)
+    assert dict(send.defines) == {"DEEPEP_CUPY_LL_PHASES": "1", "DEEPEP_CUPY_LL_RANK_MSGS_ONLY": "0"}
+    assert dict(recv.defines) == {"DEEPEP_CUPY_LL_PHASES": "2", "DEEPEP_CUPY_LL_RANK_MSGS_ONLY": "1"}
+    assert dict(ll.dispatch_specs(7168, 8, 8, 3, False, hook=True)[1].defines)["DEEPEP_CUPY_LL_RANK_MSGS_ONLY"] == "0"
+    parts = ll.combine_specs(7168, 8, 8, 3, True, True, hook=True)
+    assert [dict(p.defines)["DEEPEP_CUPY_LL_PHASES"] for p in parts] == ["1", "2"]
+    assert parts[0].name_expressions == parts[1].name_expressions == (
+        "deepep_cupy::low_latency::combine<7168, 8, 8, 3, true, true>",)
 
 
 def test_layout_block_matches_the_kernel(monkeypatch):

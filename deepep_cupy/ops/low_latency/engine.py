@@ -52,7 +52,8 @@ __all__ = [
     "LowLatencyEngine",
     "OP_NAMES",
     "combine_spec",
-    "dispatch_kernel_names",
+    "dispatch_specs",
+    "combine_specs",
     "dispatch_spec",
     "kernel_phases",
     "representative_builds",
@@ -95,41 +96,46 @@ combine_kernel_name = kernel_names.ll_combine
 
 
 def kernel_phases(hook: bool) -> tuple[int, ...]:
-    """The ``kPhases`` a plan launches: both phases at once, or with a receive hook the send part, then
-    the receive part, each a kernel holding only its own phase's code (fewer instructions to fetch in a
-    launch that only receives)."""
+    """The phases of the kernels a plan launches: both at once, or with a receive hook the send part, then
+    the receive part, each a module holding only its own phase's code (fewer instructions to fetch in a
+    launch that only receives) under the kernel name the other part has too."""
     return (kernel_names.LL_SEND, kernel_names.LL_RECV) if hook else (kernel_names.LL_BOTH,)
 
 
-def dispatch_kernel_names(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, hook: bool = False,
-                          rank_msgs: bool = False) -> list[str]:
-    """The dispatch kernels a plan launches, in ``kernel_phases(hook)`` order; a hook's receive part holds
-    only the per-rank message path where the host chose that format (``rank_msgs``)."""
-    return [dispatch_kernel_name(hidden, topk, warps, groups, use_fp8, p,
-                                 rank_msgs and p == kernel_names.LL_RECV) for p in kernel_phases(hook)]
-
-
 @functools.cache
-def dispatch_spec(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, hook: bool = False,
-                  rank_msgs: bool = False) -> BuildSpec:
-    """Dispatch kernels (both phases, or a hook's two parts) and the staging kernel for one shape (one
-    module)."""
-    return BuildSpec.make("low_latency/dispatch.cu",
-                          name_expressions=[*dispatch_kernel_names(hidden, topk, warps, groups, use_fp8, hook,
-                                                                   rank_msgs),
-                                            stage_kernel_name(hidden, use_fp8)],
-                          nvshmem=True)
+def dispatch_spec(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, phases: int = kernel_names.LL_BOTH,
+                  rank_msgs_only: bool = False) -> BuildSpec:
+    """One module of the dispatch for one shape: its kernel with the ``phases`` compiled in (with
+    ``rank_msgs_only``, only the per-rank message format), and where it sends, the staging kernel."""
+    names = [dispatch_kernel_name(hidden, topk, warps, groups, use_fp8)]
+    if phases & kernel_names.LL_SEND:
+        names.append(stage_kernel_name(hidden, use_fp8))
+    return BuildSpec.make("low_latency/dispatch.cu", name_expressions=names, nvshmem=True,
+                          defines={"DEEPEP_CUPY_LL_PHASES": phases, "DEEPEP_CUPY_LL_RANK_MSGS_ONLY": rank_msgs_only})
+
+
+def dispatch_specs(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool, hook: bool = False,
+                   rank_msgs: bool = False) -> list[BuildSpec]:
+    """The dispatch modules a plan launches, in ``kernel_phases(hook)`` order; a hook's receive part holds
+    only the per-rank message path where the host chose that format (``rank_msgs``)."""
+    return [dispatch_spec(hidden, topk, warps, groups, use_fp8, p, rank_msgs and p == kernel_names.LL_RECV)
+            for p in kernel_phases(hook)]
 
 
 @functools.cache
 def combine_spec(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False,
-                 hook: bool = False) -> BuildSpec:
-    """Combine kernels for one shape (both phases, or a hook's two parts); ``partials``: the per-rank
+                 phases: int = kernel_names.LL_BOTH) -> BuildSpec:
+    """One module of the combine for one shape, with the ``phases`` compiled in; ``partials``: the per-rank
     partial-sum path."""
     return BuildSpec.make("low_latency/combine.cu",
-                          name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt, partials, p)
-                                            for p in kernel_phases(hook)],
-                          nvshmem=True)
+                          name_expressions=[combine_kernel_name(hidden, topk, warps, groups, use_logfmt, partials)],
+                          nvshmem=True, defines={"DEEPEP_CUPY_LL_PHASES": phases})
+
+
+def combine_specs(hidden: int, topk: int, warps: int, groups: int, use_logfmt: bool, partials: bool = False,
+                  hook: bool = False) -> list[BuildSpec]:
+    """The combine modules a plan launches, in ``kernel_phases(hook)`` order."""
+    return [combine_spec(hidden, topk, warps, groups, use_logfmt, partials, p) for p in kernel_phases(hook)]
 
 
 def representative_builds() -> list[BuildSpec]:
@@ -140,20 +146,20 @@ def representative_builds() -> list[BuildSpec]:
     w1, g1, _ = warp_split(8, 132)
     w4, g4, _ = warp_split(1024, 132)
     return [
-        dispatch_spec(7168, 8, w, g, True),
-        dispatch_spec(7168, 8, w, g, True, hook=True, rank_msgs=True),
-        dispatch_spec(7168, 8, w, g, False),
-        combine_spec(7168, 8, w, g, False, True, hook=True),
-        combine_spec(7168, 8, w, g, True, True, hook=True),
-        combine_spec(7168, 8, w, g, False),
-        combine_spec(7168, 8, w, g, False, True),
-        combine_spec(7168, 8, w, g, True),
-        combine_spec(7168, 8, w, g, True, True),
-        combine_spec(2176, 8, w, g, True, True),
-        dispatch_spec(128, 1, w1, g1, True),
-        dispatch_spec(2056, 32, w4, g4, False),
-        combine_spec(128, 32, w1, g1, True),
-        combine_spec(2056, 1, w4, g4, False),
+        *dispatch_specs(7168, 8, w, g, True),
+        *dispatch_specs(7168, 8, w, g, True, hook=True, rank_msgs=True),
+        *dispatch_specs(7168, 8, w, g, False),
+        *combine_specs(7168, 8, w, g, False, True, hook=True),
+        *combine_specs(7168, 8, w, g, True, True, hook=True),
+        *combine_specs(7168, 8, w, g, False),
+        *combine_specs(7168, 8, w, g, False, True),
+        *combine_specs(7168, 8, w, g, True),
+        *combine_specs(7168, 8, w, g, True, True),
+        *combine_specs(2176, 8, w, g, True, True),
+        *dispatch_specs(128, 1, w1, g1, True),
+        *dispatch_specs(2056, 32, w4, g4, False),
+        *combine_specs(128, 32, w1, g1, True),
+        *combine_specs(2056, 1, w4, g4, False),
     ]
 
 
@@ -326,15 +332,15 @@ class LowLatencyEngine:
         found = self._kernel_cache.get(key)
         if found is None:
             warps, groups, blocks = warp_split(num_experts, self.num_sms)
-            # The modules' names: the kernels in kernel_phases(hook) order, then the dispatch's staging kernel.
             if op == "dispatch":
-                spec = dispatch_spec(hidden, topk, warps, groups, flag, hook, partials)
+                specs = dispatch_specs(hidden, topk, warps, groups, flag, hook, partials)
             else:
-                spec = combine_spec(hidden, topk, warps, groups, flag, partials, hook)
-            module = load(spec)
-            names = spec.name_expressions
-            kernels = tuple(map(module.get_function, names[:len(kernel_phases(hook))]))
-            stage = module.get_function(names[-1]) if op == "dispatch" else None
+                specs = combine_specs(hidden, topk, warps, groups, flag, partials, hook)
+            modules = [load(spec) for spec in specs]
+            # Every module's first name is the op's kernel (one name for all the phase parts); the first
+            # module of a dispatch (its send part) also holds the staging kernel.
+            kernels = tuple(m.get_function(spec.name_expressions[0]) for m, spec in zip(modules, specs, strict=True))
+            stage = modules[0].get_function(specs[0].name_expressions[1]) if op == "dispatch" else None
             found = self._kernel_cache[key] = (warps, groups, blocks, kernels, stage)
         return found
 
