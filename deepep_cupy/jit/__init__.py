@@ -11,12 +11,14 @@ Typical use in an op launcher::
 
 from .cache import build, cache_dir
 from .compiler import CompileError
+from .files import CacheTrustWarning
 from .module import Kernel, LoadedModule, load
 from .sources import source_root, use_source_root
 from .spec import BuildSpec, CompiledKernel
 
 __all__ = [
     "BuildSpec",
+    "CacheTrustWarning",
     "CompiledKernel",
     "CompileError",
     "Kernel",
