@@ -7,6 +7,7 @@ Typical use in an op launcher::
     kernel((blocks,), (threads,), (arg0, arg1, ...), stream=stream)
 
 :func:`build` compiles without a GPU when given an ``arch``; :func:`load` needs one.
+``python -m deepep_cupy.jit precompile`` fills the cache ahead of time (see :mod:`deepep_cupy.jit.precompile`).
 """
 
 from .cache import build, cache_dir
