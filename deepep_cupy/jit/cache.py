@@ -3,21 +3,27 @@
 Layout: ``<cache_dir>/<key[:2]>/<key>/kernel.cubin`` + ``meta.json``. An entry is written into a temporary
 directory under the cache root and renamed into place in one step, so readers never see half an entry.
 A miss takes the entry's lock file first: the ranks of a node that need the same kernel wait for the one
-compiling it instead of compiling it each (where locks do not work they all compile, and the first
-rename wins). The warm path is one ``stat`` and one small JSON read, with no compiler call or lock.
+compiling it instead of compiling it each (where the file system has no locks they all compile, and the
+first rename wins). A wait longer than ``$DEEPEP_CUPY_CACHE_LOCK_TIMEOUT_S`` seconds (default 600) raises
+:class:`~deepep_cupy.errors.DeepEPTimeoutError` naming the lock file.
+
+Nothing read back is trusted on its size alone: an entry is used only when its directory and files are
+ours and writable by nobody else, ``meta.json`` matches the digest stored in it and names the key and
+spec being built, and the cubin matches the SHA-256 in ``meta.json``. Anything else is rebuilt, with one
+:class:`~deepep_cupy.jit.files.CacheTrustWarning` per process naming the entry (``$DEEPEP_CUPY_JIT_DEBUG``
+reports every one). Directories are created 0700 and files 0600 whatever the umask.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from .compiler import (
@@ -30,19 +36,40 @@ from .compiler import (
     nvrtc_version,
     toolchain,
 )
+from .files import (
+    CacheTrustWarning,
+    UntrustedFileError,
+    current_owner,
+    distrust,
+    exclusive_lock,
+    make_private_dirs,
+    make_private_temp_dir,
+    read_trusted,
+    write_private_file,
+)
 from .sources import source_digests, source_root
 from .spec import BuildSpec, CompiledKernel
 
-__all__ = ["JIT_FORMAT_VERSION", "CACHE_DIR_ENV", "DEBUG_ENV", "cache_dir", "cache_key", "build"]
+__all__ = [
+    "JIT_FORMAT_VERSION",
+    "CACHE_DIR_ENV",
+    "DEBUG_ENV",
+    "cache_dir",
+    "cache_key",
+    "build",
+    "build_with_status",
+    "check_entry",
+    "entry_for",
+]
 
 # Bump when the entry layout or anything the key does not see (e.g. how options are built) changes.
-JIT_FORMAT_VERSION = 1
+JIT_FORMAT_VERSION = 2
 CACHE_DIR_ENV = "DEEPEP_CUPY_CACHE_DIR"
 DEBUG_ENV = "DEEPEP_CUPY_JIT_DEBUG"
 _CUBIN = "kernel.cubin"
 _META = "meta.json"
 _STALE_TMP_S = 24 * 3600
-_LOCK_WAIT_S = 600.0  # longest wait for another process compiling the same kernel
+_warned = False  # one refusal warning per process; the rest go to the debug output
 
 
 def cache_dir() -> Path:
@@ -88,56 +115,132 @@ def cache_key(spec: BuildSpec, arch: str, root: Path, options: list[str]) -> str
     return hashlib.sha256(blob).hexdigest()
 
 
-def _read_entry(entry: Path) -> dict | None:
-    """The entry's metadata when the entry is complete, else None (missing or corrupt)."""
+def _claims(spec: BuildSpec, arch: str, key: str) -> dict:
+    """What an entry's ``meta.json`` must say it was built from."""
+    return {
+        "format": JIT_FORMAT_VERSION,
+        "key": key,
+        "source": spec.source,
+        "defines": [list(d) for d in spec.defines],
+        "name_expressions": list(spec.name_expressions),
+        "nvshmem": spec.nvshmem,
+        "arch": arch,
+    }
+
+
+def _meta_digest(meta: dict) -> str:
+    """SHA-256 of every field but ``digest``; it covers ``cubin_sha256``, so it vouches for the cubin too."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_entry(entry: Path, claims: dict) -> tuple[dict | None, str | None]:
+    """Verify a cache entry before anything of it is used.
+
+    Arguments:
+        entry: the entry directory.
+        claims: what it must have been built from (see ``_claims``: key, spec fields, arch, format).
+
+    Returns:
+        ``(meta, None)`` for an entry that passed every check, ``(None, None)`` when there is no entry,
+        ``(None, reason)`` when there is one that must not be used (reason says why, for a message).
+    """
     try:
-        with open(entry / _META, encoding="utf-8") as f:
-            meta = json.load(f)
-        size = os.stat(entry / _CUBIN).st_size
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or meta.get("cubin_size") != size or size == 0:
-        return None
-    if not isinstance(meta.get("lowered_names"), dict):
-        return None
-    return meta
+        reason = distrust(os.lstat(entry), directory=True)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot be read ({exc})"
+    if reason is not None:
+        return None, reason
+    try:
+        meta_bytes = read_trusted(entry / _META)
+        cubin = read_trusted(entry / _CUBIN)
+    except UntrustedFileError as exc:
+        return None, f"has a file that {exc.reason}: {exc.path.name}"
+    except FileNotFoundError as exc:
+        return None, f"is incomplete ({Path(exc.filename or '').name or 'a file'} is missing)"
+    except OSError as exc:
+        return None, f"cannot be read ({exc})"
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError:
+        return None, f"has a damaged {_META}"
+    if not isinstance(meta, dict) or meta.get("digest") != _meta_digest(meta):
+        return None, f"has a {_META} that does not match its digest (edited or damaged)"
+    wrong = sorted(k for k, v in claims.items() if meta.get(k) != v)
+    if wrong:
+        return None, f"was built from something else ({', '.join(wrong)} differ)"
+    if len(cubin) == 0 or meta.get("cubin_size") != len(cubin) \
+            or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
+        return None, f"has a {_CUBIN} that does not match the SHA-256 in {_META} (altered or damaged)"
+    names = meta.get("lowered_names")
+    if not isinstance(names, dict) or sorted(names) != sorted(claims["name_expressions"]) \
+            or not all(isinstance(v, str) and v for v in names.values()):
+        return None, "lists other kernels than it was built for"
+    return meta, None
+
+
+def entry_for(spec: BuildSpec, arch: str) -> tuple[Path, dict, list[str], str]:
+    """Where ``spec`` built for ``arch`` lives: ``(entry, claims, options, key)`` (no file is touched)."""
+    root = source_root()
+    options = compile_options(spec, arch, root)
+    key = cache_key(spec, arch, root, options)
+    return cache_dir() / key[:2] / key, _claims(spec, arch, key), options, key
+
+
+def _report_refusal(message: str, quiet: bool) -> None:
+    global _warned
+    if _debug():
+        print(f"deepep_cupy: {message}", file=sys.stderr, flush=True)
+    if quiet or _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"deepep_cupy: {message} (later refusals in this process are reported only with ${DEBUG_ENV}=1)",
+        CacheTrustWarning,
+        stacklevel=4,
+    )
 
 
 def _remove_stale_tmp(root: Path) -> None:
     now = time.time()
+    owner = current_owner()
     try:
         for child in root.iterdir():
-            if child.name.startswith(".tmp-") and now - child.stat().st_mtime > _STALE_TMP_S:
+            if not child.name.startswith(".tmp-"):
+                continue
+            st = child.lstat()
+            if st.st_uid == owner and now - st.st_mtime > _STALE_TMP_S:
                 shutil.rmtree(child, ignore_errors=True)
     except OSError:
         pass
 
 
-def _publish(entry: Path, cubin: bytes, meta: dict) -> dict:
-    """Atomically place a new entry; returns the metadata of whichever entry ends up in place."""
+def _publish(entry: Path, cubin: bytes, meta: dict, claims: dict) -> dict:
+    """Atomically place a new entry; returns the metadata of whichever verified entry ends up in place."""
     root = entry.parent.parent
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=root))
+        make_private_dirs(entry.parent)
+        tmp = make_private_temp_dir(root, f".tmp-{entry.name[:16]}-")
     except OSError as exc:
         raise RuntimeError(
             f"deepep_cupy: cannot write to the kernel cache {root} ({exc}); set ${CACHE_DIR_ENV} to a writable "
             "directory"
         ) from exc
     try:
-        (tmp / _CUBIN).write_bytes(cubin)
-        with open(tmp / _META, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
+        write_private_file(tmp / _CUBIN, cubin)
+        write_private_file(tmp / _META, json.dumps(meta, indent=1, sort_keys=True).encode())
         try:
             os.rename(tmp, entry)
             return meta
         except OSError:
-            pass  # the target exists: another process won, or it is corrupt
-        winner = _read_entry(entry)
+            pass  # the target exists: another process won, or it is one that must not be used
+        winner, _ = check_entry(entry, claims)
         if winner is not None:
             return winner
-        # Corrupt entry in the way: move it aside (atomic), then retry once.
-        trash = Path(tempfile.mkdtemp(prefix=f".tmp-trash-{entry.name[:16]}-", dir=root))
+        # A refused entry in the way: move it aside (atomic), then retry once.
+        trash = make_private_temp_dir(root, f".tmp-trash-{entry.name[:16]}-")
         try:
             os.rename(entry, trash / "old")
         except OSError:
@@ -147,7 +250,7 @@ def _publish(entry: Path, cubin: bytes, meta: dict) -> dict:
             os.rename(tmp, entry)
             return meta
         except OSError:
-            winner = _read_entry(entry)
+            winner, _ = check_entry(entry, claims)
             if winner is not None:
                 return winner
             raise
@@ -162,7 +265,7 @@ def _publish(entry: Path, cubin: bytes, meta: dict) -> dict:
 
 
 def build(spec: BuildSpec, arch: str | None = None) -> CompiledKernel:
-    """Compile ``spec`` for ``arch`` (default: the current device), or reuse the cached cubin.
+    """Compile ``spec`` for ``arch`` (default: the current device), or reuse the verified cached cubin.
 
     Arguments:
         spec: what to compile.
@@ -174,93 +277,78 @@ def build(spec: BuildSpec, arch: str | None = None) -> CompiledKernel:
 
     Raises:
         CompileError: NVRTC or nvJitLink rejected the source (the log and source lines are in the message).
+        DeepEPTimeoutError: another process held the entry's lock longer than the lock bound.
         RuntimeError: no GPU while ``arch`` is None, or the cache directory is unusable.
+    """
+    return build_with_status(spec, arch)[0]
+
+
+def build_with_status(
+    spec: BuildSpec, arch: str | None = None, *, quiet: bool = False
+) -> tuple[CompiledKernel, str | None]:
+    """:func:`build`, also saying why an entry that was in the cache was refused (None when none was).
+
+    ``quiet`` leaves out the compile progress on stderr and the refusal warning (the caller reports).
     """
     if not isinstance(spec, BuildSpec):
         raise TypeError(f"build() needs a BuildSpec, got {type(spec).__name__}")
     arch = current_device_arch() if arch is None else normalize_arch(arch)
-    root = source_root()
-    options = compile_options(spec, arch, root)
-    key = cache_key(spec, arch, root, options)
-    entry = cache_dir() / key[:2] / key
-    meta = _read_entry(entry)
+    entry, claims, options, key = entry_for(spec, arch)
+    meta, refused = check_entry(entry, claims)
     if _debug():
-        state = "hit" if meta is not None else "miss"
+        state = "hit" if meta is not None else "refused" if refused else "miss"
         print(
             f"deepep_cupy: {spec.describe()} for {arch}: cache {state} at {entry}\n  options: {' '.join(options)}",
             file=sys.stderr,
             flush=True,
         )
     if meta is not None:
-        return CompiledKernel(entry / _CUBIN, dict(meta["lowered_names"]), key, True)
+        return CompiledKernel(entry / _CUBIN, dict(meta["lowered_names"]), key, True), None
+    if refused is not None:
+        _report_refusal(f"not using the cached kernel {entry}: it {refused}; rebuilding it", quiet)
 
-    with _compile_lock(entry) as meta:
-        if meta is not None:  # another process compiled it while this one waited
-            return CompiledKernel(entry / _CUBIN, dict(meta["lowered_names"]), key, True)
-        return _compile_and_publish(spec, arch, root, options, key, entry)
-
-
-@contextlib.contextmanager
-def _compile_lock(entry: Path):
-    """Hold the entry's lock file while compiling, so that the ranks of a node compile a kernel once.
-
-    Yields the entry's metadata when it appeared while waiting (nothing left to do), else None. The
-    lock is advisory and best effort: where the file system refuses it, or another process holds it
-    longer than ``_LOCK_WAIT_S``, this process compiles on its own (the atomic publish keeps that safe).
-    """
-    lock_path = entry.parent / f".lock-{entry.name}"
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        make_private_dirs(entry.parent)
     except OSError:
-        yield None
-        return
-    try:
-        deadline = time.monotonic() + _LOCK_WAIT_S
-        locked = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                locked = True
-                break
-            except BlockingIOError:
-                meta = _read_entry(entry)
-                if meta is not None or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            except OSError:
-                meta = None
-                break
-        yield _read_entry(entry) if locked or meta is not None else None
-    finally:
-        os.close(fd)  # releases the lock
+        pass  # _publish reports an unusable cache directory
+    lock_path = entry.parent / f".lock-{entry.name}"
+    with contextlib.ExitStack() as stack:
+        try:
+            waited = stack.enter_context(exclusive_lock(lock_path, ready=lambda: check_entry(entry, claims)[0]))
+        except UntrustedFileError as exc:
+            # Without the lock the ranks may compile the same kernel each; the atomic publish keeps that safe.
+            _report_refusal(f"not using the lock file {lock_path}: it {exc.reason}; compiling without it", quiet)
+            waited = None
+        except OSError:
+            waited = None  # no lock file here (e.g. a read-only directory): _publish says what is wrong
+        if waited is None:  # holding the lock, or none to hold: the entry may have appeared meanwhile
+            waited, _ = check_entry(entry, claims)
+        if waited is not None:
+            return CompiledKernel(entry / _CUBIN, dict(waited["lowered_names"]), key, True), refused
+        return _compile_and_publish(spec, arch, options, entry, claims, quiet), refused
 
 
-def _compile_and_publish(spec: BuildSpec, arch: str, root: Path, options: list[str], key: str,
-                         entry: Path) -> CompiledKernel:
-    corrupt = entry.exists()
+def _compile_and_publish(spec: BuildSpec, arch: str, options: list[str], entry: Path, claims: dict,
+                         quiet: bool) -> CompiledKernel:
     params = spec.params()
-    print(
-        f"deepep_cupy: compiling {spec.source} for {arch}{f' ({params})' if params else ''} ...",
-        end="",
-        file=sys.stderr,
-        flush=True,
-    )
+    if not quiet:
+        print(
+            f"deepep_cupy: compiling {spec.source} for {arch}{f' ({params})' if params else ''} ...",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
     start = time.perf_counter()
     try:
-        result = compile_cubin(spec, arch, root, options)
+        result = compile_cubin(spec, arch, source_root(), options)
     except CompileError:
-        print(" failed", file=sys.stderr, flush=True)
+        if not quiet:
+            print(" failed", file=sys.stderr, flush=True)
         raise
-    print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     meta = {
-        "format": JIT_FORMAT_VERSION,
-        "key": key,
-        "source": spec.source,
-        "defines": [list(d) for d in spec.defines],
-        "name_expressions": list(spec.name_expressions),
-        "nvshmem": spec.nvshmem,
-        "arch": arch,
+        **claims,
         "options": options,
         "lowered_names": result.lowered_names,
         "cubin_size": len(result.cubin),
@@ -270,11 +358,14 @@ def _compile_and_publish(spec: BuildSpec, arch: str, root: Path, options: list[s
         "log": result.log,
         "created": time.time(),
     }
+    meta["digest"] = _meta_digest(meta)
     _remove_stale_tmp(cache_dir())
-    final = _publish(entry, result.cubin, meta)
-    if _read_entry(entry) is None:
+    _publish(entry, result.cubin, meta, claims)
+    final, reason = check_entry(entry, claims)
+    if final is None:
         raise RuntimeError(
-            f"deepep_cupy: the kernel cache entry {entry} is unreadable"
-            f"{' after rebuilding a corrupt copy' if corrupt else ''}; delete that directory and retry"
+            f"deepep_cupy: the kernel cache entry {entry} fails its checks right after it was written "
+            f"({reason or 'it is missing'}); delete that directory (or set ${CACHE_DIR_ENV} to a directory "
+            "only you can write) and retry"
         )
-    return CompiledKernel(entry / _CUBIN, dict(final["lowered_names"]), key, False)
+    return CompiledKernel(entry / _CUBIN, dict(final["lowered_names"]), claims["key"], False)

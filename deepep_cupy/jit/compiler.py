@@ -23,6 +23,7 @@ __all__ = [
     "compile_cubin",
     "normalize_arch",
     "current_device_arch",
+    "first_device_arch",
 ]
 
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
@@ -261,6 +262,14 @@ def current_device_arch() -> str:
         if _ARCH_HINT in str(exc):
             raise
         raise RuntimeError(f"{exc}; {_ARCH_HINT}") from exc
+
+
+def first_device_arch() -> str | None:
+    """``sm_XX`` of the first visible GPU, or None without one (no driver, no device); needs no CuPy."""
+    try:
+        return _arch_of_device(0)
+    except Exception:  # no driver library, no device, or a driver error: all mean "no GPU to ask"
+        return None
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -8,16 +8,19 @@ size: the best dispatch and combine ``Config`` for each SM count the tuner tried
 cheap: the file is read once per process and every answer is remembered. Without the file a lookup costs
 one ``stat`` the first time and touches no CUDA; the GPU model is asked for only when the file exists.
 A process sees configs stored after its first lookup only after :func:`forget`.
+
+The store is trusted like the kernel cache (:mod:`deepep_cupy.jit.files`): a file that is not ours, is
+writable by group or others, or is a symlink is ignored with a warning; the directory is created 0700 and
+the file 0600 whatever the umask; writers take a lock file (never through a symlink) for at most
+``$DEEPEP_CUPY_CACHE_LOCK_TIMEOUT_S`` seconds, then raise ``DeepEPTimeoutError`` naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import operator
 import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +28,14 @@ from pathlib import Path
 from ..config import Config
 from ..device.gpus import gpu_count
 from ..jit.cache import cache_dir
+from ..jit.files import (
+    CacheTrustWarning,
+    UntrustedFileError,
+    exclusive_lock,
+    make_private_dirs,
+    make_private_temp_file,
+    read_trusted,
+)
 
 __all__ = ["FORMAT", "STORE_NAME", "OPS", "store_path", "gpu_model", "tuned_config", "read_entries", "save_entry",
            "make_entry", "forget"]
@@ -95,12 +106,16 @@ def _valid_config(values) -> tuple | None:
 
 
 def read_entries(path: Path | None = None) -> dict:
-    """Every entry of the store, by key (empty when there is none); a damaged file is named in a warning."""
+    """Every entry of the store, by key (empty when there is none); a damaged or untrusted file is named in
+    a warning."""
     path = store_path() if path is None else path
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_trusted(path))
     except FileNotFoundError:
+        return {}
+    except UntrustedFileError as exc:
+        warnings.warn(f"deepep_cupy: ignoring the tuned configs in {path}: it {exc.reason}; delete it or run "
+                      "`python -m deepep_cupy.tune` again", CacheTrustWarning, stacklevel=3)
         return {}
     except (OSError, ValueError) as exc:
         warnings.warn(f"deepep_cupy: ignoring the tuned configs in {path} ({exc}); delete the file or run "
@@ -215,35 +230,41 @@ def make_entry(gpu: str, num_ranks: int, hidden: int, num_sms: int, by_sms: dict
 @contextlib.contextmanager
 def _locked(path: Path):
     # Two tuners finishing together would otherwise each write the file without the other's entry.
-    fd = os.open(path.parent / f".lock-{path.name}", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    lock_path = path.parent / f".lock-{path.name}"
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(lock_path))
+        except UntrustedFileError as exc:
+            # Saving unlocked risks losing a concurrent tuner's entry; losing this tuner's run is worse.
+            warnings.warn(f"deepep_cupy: not using the lock file {lock_path}: it {exc.reason}; saving without "
+                          "it", CacheTrustWarning, stacklevel=4)
         yield
-    finally:
-        os.close(fd)
 
 
 def save_entry(entry: dict, path: Path | None = None) -> Path:
     """Add ``entry`` to the store (replacing one for the same GPU model, ranks and hidden size).
 
     The file is replaced in one rename, so a process reading it never sees half of it.
+
+    Raises:
+        DeepEPTimeoutError: another process held the store's lock longer than the lock bound.
+        RuntimeError: the store's directory is not writable.
     """
     path = store_path() if path is None else path
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         with _locked(path):
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a damaged file is replaced, not reported
+                warnings.simplefilter("ignore")  # a damaged or untrusted file is replaced, not reported
                 entries = dict(read_entries(path))
             entries[_entry_key(entry["gpu"], entry["num_ranks"], entry["hidden"])] = entry
-            fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+            fd, tmp = make_private_temp_file(path.parent, f".tmp-{path.name}-")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump({"format": FORMAT, "entries": entries}, f, indent=1, sort_keys=True)
                 os.replace(tmp, path)
             finally:
-                if os.path.exists(tmp):
+                if os.path.lexists(tmp):
                     os.unlink(tmp)
     except OSError as exc:
         raise RuntimeError(f"deepep_cupy: cannot write the tuned configs to {path} ({exc}); set "

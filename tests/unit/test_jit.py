@@ -203,6 +203,7 @@ def test_bad_arch_rejected(src_root):
         build(_tiny_spec(), "hopper")
 
 
+@pytest.mark.filterwarnings("ignore::deepep_cupy.jit.CacheTrustWarning")
 def test_corrupt_entry_is_rebuilt(src_root):
     first = build(_tiny_spec(), "sm_90")
     first.cubin_path.write_bytes(first.cubin_path.read_bytes()[:10])
@@ -246,27 +247,29 @@ def test_concurrent_builds_leave_one_entry(src_root):
     assert build(BuildSpec.make("tiny.cu", {"SCALE_BASE": 7}, ["scale_kernel<3>"]), "sm_90").from_cache
 
 
-def test_held_lock_delays_but_never_blocks_a_build(src_root, monkeypatch):
-    """A lock that is never released (a stuck process) costs the wait budget, then the build goes on."""
+def test_held_lock_ends_in_a_named_timeout(src_root, monkeypatch):
+    """A lock that is never released (a stuck process) costs the lock bound, then a named error."""
     import fcntl
-    import os
 
-    from deepep_cupy.jit import cache as jit_cache
+    from deepep_cupy.errors import DeepEPTimeoutError
 
     spec = BuildSpec.make("tiny.cu", {"SCALE_BASE": 11}, ["scale_kernel<5>"])
     key = build(spec, "sm_90").key  # learn the key, then start over without the entry
     entry = Path(cache_dir()) / key[:2] / key
     shutil.rmtree(entry)
-    monkeypatch.setattr(jit_cache, "_LOCK_WAIT_S", 0.3)
-    fd = os.open(entry.parent / f".lock-{key}", os.O_RDWR | os.O_CREAT)
+    monkeypatch.setenv("DEEPEP_CUPY_CACHE_LOCK_TIMEOUT_S", "0.3")
+    lock_path = entry.parent / f".lock-{key}"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         start = time.perf_counter()
-        again = build(spec, "sm_90")
-        assert time.perf_counter() - start >= 0.3
-        assert not again.from_cache and again.key == key and again.cubin_path.read_bytes()[:4] == ELF_MAGIC
+        with pytest.raises(DeepEPTimeoutError, match=str(lock_path)):
+            build(spec, "sm_90")
+        assert 0.3 <= time.perf_counter() - start < 5
+        assert not entry.exists()
     finally:
         os.close(fd)
+    assert not build(spec, "sm_90").from_cache  # released: the next build compiles
 
 
 def test_arch_none_without_gpu_is_a_clear_error(src_root):
