@@ -86,14 +86,11 @@ def _other_deep_ep() -> str | None:
 
 def _fill(module) -> None:
     """Give one of the ``deep_ep`` modules DeepEP V1's public names."""
-    import deepep_cupy
-
     from . import utils
     from .buffer import Buffer
     from .config import Config
 
-    names = {"deep_ep": {"Buffer": Buffer, "Config": Config, "EventOverlap": utils.EventOverlap,
-                         "topk_idx_t": deepep_cupy.topk_idx_t},
+    names = {"deep_ep": {"Buffer": Buffer, "Config": Config, "EventOverlap": utils.EventOverlap},
              "deep_ep.utils": {"EventHandle": utils.EventHandle, "EventOverlap": utils.EventOverlap,
                                "check_nvlink_connections": utils.check_nvlink_connections},
              "deep_ep.buffer": {"Buffer": Buffer, "Config": Config, "EventHandle": utils.EventHandle,
@@ -102,9 +99,20 @@ def _fill(module) -> None:
     module.__dict__.update(names)
     module.__all__ = list(names)
     if module.__name__ == "deep_ep":
+        # topk_idx_t is torch.int64: looked up on first use, so that ``import deep_ep`` does not import torch.
+        module.__getattr__ = _deep_ep_getattr
+        module.__all__.append("topk_idx_t")
         # DeepEP's package imports both submodules, so ``deep_ep.utils`` works after a plain ``import deep_ep``.
         importlib.import_module("deep_ep.utils")
         importlib.import_module("deep_ep.buffer")
+
+
+def _deep_ep_getattr(name: str):
+    if name == "topk_idx_t":
+        import deepep_cupy
+
+        return deepep_cupy.topk_idx_t
+    raise AttributeError(f"module 'deep_ep' has no attribute {name!r}")
 
 
 class _Loader(importlib.abc.Loader):
