@@ -194,6 +194,11 @@ class MicroBatch:
         close(to_np(self.x.grad), xo.grad.numpy(), "gradient of x")
         close(to_np(self.probs.grad), po.grad.numpy(), "gradient of the router probabilities")
 
+    def results(self) -> dict:
+        """What this rank computed, as NumPy (for comparing two backends)."""
+        return {"recv_x": to_np(self.recv_x), "combined": to_np(self.combined), "x.grad": to_np(self.x.grad),
+                "probs.grad": to_np(self.probs.grad)}
+
     def _indices(self, rank):
         probs = t.from_numpy(self.all_probs[rank])
         values, idx = t.topk(probs, self.topk, dim=-1)
@@ -202,7 +207,8 @@ class MicroBatch:
 
 def train_step(deep_ep, group, *, seed, device="cpu", hidden=256, num_experts=16, topk=4, async_finish=False,
                skip_last_rank=False):
-    """Megatron's set-up and one forward + backward of the flex dispatcher; raises AssertionError on a mismatch."""
+    """Megatron's set-up and one forward + backward of the flex dispatcher; raises AssertionError on a mismatch.
+    Returns the micro-batch (its ``cache`` holds the Buffer)."""
     deep_ep.Buffer.set_num_sms(20)
     cache = BufferCache(deep_ep)
     mb = MicroBatch(group, cache, seed=seed, hidden=hidden, num_experts=num_experts, topk=topk,
@@ -211,7 +217,7 @@ def train_step(deep_ep, group, *, seed, device="cpu", hidden=256, num_experts=16
     mb.experts_and_combine()
     mb.backward()
     mb.check()
-    return cache
+    return mb
 
 
 def interleaved_micro_batches(deep_ep, group, *, seed, device="cpu", hidden=256, num_experts=16, topk=4,
