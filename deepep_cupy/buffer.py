@@ -15,10 +15,9 @@ from . import checks
 from .backends import make_backend
 from .buffer_low_latency import LowLatencyOps
 from .config import Config, low_latency_rdma_size_hint
-from .device.gpus import current_device_id, gpu_count
+from .device.gpus import gpu_count
 from .device.group import make_group
-from .device.streams import DeviceEvent, current_stream_ptr
-from .event import EventOverlap
+from .event import EventHandle, EventOverlap
 from .frameworks import I32, I64, meta, plain_torch, shape_of
 from .ops.handles import device_handle_values, handle_meta
 from .ops.plan import config_key, lookup, store
@@ -200,12 +199,9 @@ class Buffer(LowLatencyOps):
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's)."""
-        if gpu_count() == 0:
-            return EventOverlap(None)
-
-        dev = current_device_id()
-        return EventOverlap(DeviceEvent(current_stream_ptr(None, dev), None, dev))
+        """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's);
+        without a GPU an event that is already complete."""
+        return EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------ plumbing
     def _alive(self) -> None:
