@@ -155,7 +155,10 @@ def split_x(x):
         n, h = tensor("x[0]", data, dtype=FP8, ndim=2)
         if h % 128 != 0:
             raise ValueError(f"FP8 hidden size must be a multiple of 128, got {h}")
-        tensor("x[1]", scales, dtype=F32, shape=(n, h // 128), contiguous=False)
+        # float32 scales, one per 128 channels; or UE8M0 exponents packed four to an int32, one word per 512.
+        tensor("x[1]", scales, dtype=(F32, I32), contiguous=False)
+        packed = logical_dtype(scales) == I32
+        tensor("x[1]", scales, shape=(n, -(-h // 512) if packed else h // 128), contiguous=False)
         return data, scales, n, h
     n, h = tensor("x", x, dtype=BF16, ndim=2)
     if h % 8 != 0:

@@ -13,8 +13,9 @@ import numpy as np
 
 from ..config import Config
 from ..device.streams import ForkJoin, OpStreams, external_stream
+from ..frameworks import F32, I32, logical_dtype
 
-__all__ = ["lookup", "store", "config_key", "NOT_A_KEY", "kernel_pointer", "launch_args", "strides", "scale_strides", "NormalPlan"]
+__all__ = ["lookup", "store", "config_key", "NOT_A_KEY", "kernel_pointer", "launch_args", "strides", "scale_strides", "scales_dtype", "NormalPlan"]
 
 _MEMCPY_D2H = 2
 
@@ -87,6 +88,12 @@ def scale_strides(x_scales, num_tokens: int) -> tuple[int, int, int]:
     if len(shape) == 1:
         return 1, steps[0], 0
     return shape[1], steps[0], steps[1]
+
+
+def scales_dtype(x_scales):
+    """The dtype of FP8 scales as the outputs keep it: float32, or int32 for UE8M0 exponents packed four to
+    a word (the kernels move 4-byte scale words whatever they hold)."""
+    return I32 if logical_dtype(x_scales) == I32 else F32
 
 
 class NormalPlan:

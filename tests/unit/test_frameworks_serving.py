@@ -57,18 +57,28 @@ def test_sglang_normal(deep_ep, size, fp8, column_major, alignment, json_config)
     run_ranks(size, rank)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="normal dispatch takes float32 scales only; SGLang's "
-                   "DeepGEMM UE8M0 path passes int32-packed scales [N, H/512] (DeepEP accepts float32 or int32)")
 def test_sglang_normal_ue8m0_packed_scales(deep_ep):
+    """SGLang's DeepGEMM UE8M0 path: FP8 tokens with their scales' exponents packed four to an int32 word,
+    column-major ``[N, H/512]``; the received words are bit for bit the sent ones, in the received rows'
+    order, and stay int32."""
+    import numpy as np
+    import torch
+    from _fw_common import expected_rows
+
     def rank(g):
         buffer = S.sglang_buffer(deep_ep, g, S.NORMAL, hidden=H_LL, num_experts=E, param_bytes=1)
         inp = _inputs(g, 3, H_LL)
+        words = [np.random.default_rng(1000 + r).integers(-2**31, 2**31, (len(x), H_LL // 512)).astype(np.int32)
+                 for r, x in enumerate(inp.all_x)]
         x = S.fp8_pair(inp.x, "cpu")[0]
-        packed = torch.zeros(inp.x.shape[0], H_LL // 512, dtype=torch.int32).t().contiguous().t()
+        packed = torch.from_numpy(words[inp.me]).t().contiguous().t()
         layout = buffer.get_dispatch_layout(S.tensor(inp.idx, "cpu"), E)
-        buffer.dispatch((x, packed), topk_idx=S.tensor(inp.idx, "cpu"), topk_weights=S.tensor(inp.w, "cpu"),
-                        num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
-                        is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], expert_alignment=128)
+        recv = buffer.dispatch((x, packed), topk_idx=S.tensor(inp.idx, "cpu"), topk_weights=S.tensor(inp.w, "cpu"),
+                               num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+                               is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], expert_alignment=128)[0]
+        assert recv[1].dtype == torch.int32
+        want = expected_rows(words, inp.all_idx, inp.me, inp.num_local).reshape(-1, H_LL // 512)
+        np.testing.assert_array_equal(recv[1].numpy(), want, err_msg="received packed scales")
 
     run_ranks(2, rank)
 

@@ -15,7 +15,7 @@ from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, U8
 from ..handles import OpHandle
 from ..kernel_names import internode_combine, internode_dispatch, internode_notify
-from ..plan import NormalPlan, launch_args, scale_strides
+from ..plan import NormalPlan, launch_args, scale_strides, scales_dtype
 from . import layout as IL
 from .engine import (
     NOTIFY_THREADS,
@@ -84,6 +84,7 @@ class DispatchPlan(NormalPlan):
         if x_scales is not None:
             self.num_scales, s_tok, s_blk = scale_strides(x_scales, self.num_tokens)
             self.scales_shape = tuple(x_scales.shape[1:])
+            self.scales_dtype = scales_dtype(x_scales)
         self.cached = handle is not None
         self.num_channels = int(handle[1].shape[1]) if self.cached else default_channels(config, L, D)
         grid = _grid(engine, self.num_channels)
@@ -162,7 +163,7 @@ class DispatchPlan(NormalPlan):
             else:
                 num_rows, nvl_rows, counts = self._received_counts()
         recv_x = empty((num_rows, self.hidden), self.x_key)
-        recv_scales = empty((num_rows, *self.scales_shape), F32) if x_scales is not None else None
+        recv_scales = empty((num_rows, *self.scales_shape), self.scales_dtype) if x_scales is not None else None
         outs = {"x": x, "x_scales": x_scales, "is_token_in_rank": is_token_in_rank,
                 "rdma_channel_prefix_matrix": rdma_cpm, "gbl_channel_prefix_matrix": gbl_cpm,
                 "recv_rdma_rank_prefix_sum": recv_rdma_prefix, "recv_gbl_rank_prefix_sum": recv_gbl_prefix,

@@ -16,7 +16,7 @@ from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, frame_for, meta
 from ..handles import handle_meta
 from ..kernel_names import intranode_combine, intranode_dispatch, intranode_notify
-from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, store
+from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, scales_dtype, store
 from . import layout as L
 from .copy import CopyCombine, IntranodeHandle
 from .engine import (
@@ -54,6 +54,7 @@ class DispatchPlan(NormalPlan):
         if x_scales is not None:
             self.num_scales, s_tok, s_blk = scale_strides(x_scales, num_tokens)
             self.scales_shape = tuple(x_scales.shape[1:])
+            self.scales_dtype = scales_dtype(x_scales)
         self.num_worst_tokens = num_worst_tokens = int(num_worst_tokens or 0)
         if num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
@@ -202,7 +203,7 @@ class DispatchPlan(NormalPlan):
     def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
         """``(shape, dtype)`` of recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights (None
         for an output this call does not make)."""
-        scales = ((num_rows, *self.scales_shape), F32) if self.scales_shape is not None else None
+        scales = ((num_rows, *self.scales_shape), self.scales_dtype) if self.scales_shape is not None else None
         src = topk = weights = None
         if not self.cached:
             src = ((num_rows,), I32)
