@@ -14,6 +14,7 @@ import weakref
 from . import checks
 from .backends import make_backend
 from .buffer_low_latency import LowLatencyOps
+from .compile import tracing_check
 from .config import Config, low_latency_rdma_size_hint
 from .device.gpus import current_device_id, gpu_count
 from .device.group import make_group
@@ -25,6 +26,9 @@ from .ops.plan import config_key, lookup, store
 from .tuning import tuned_config
 
 __all__ = ["Buffer"]
+
+# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.compile's custom ops).
+_compiling = tracing_check(globals())
 
 
 # Recommended configs per rank count; other counts use the nearest entry. Ring capacities follow DeepEP's
@@ -266,6 +270,9 @@ class Buffer(LowLatencyOps):
             is_token_in_rank: `[num_tokens, num_ranks]` bool, whether a token goes to a rank.
             event: an ``EventOverlap`` (meaningful with ``async_finish``).
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.get_dispatch_layout(self, topk_idx, num_experts, previous_event)
         if self._destroyed:
             self._alive()
         key = (meta(topk_idx), num_experts, async_finish, allocate_on_comm_stream)
@@ -317,6 +324,11 @@ class Buffer(LowLatencyOps):
                 received from each rank.
             event: an ``EventOverlap``.
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                   num_worst_tokens, config, previous_event)
         try:
             if self._destroyed:
                 self._alive()
@@ -390,6 +402,9 @@ class Buffer(LowLatencyOps):
             combined_topk_weights: `[num_tokens, num_topk]` float32 sums, or None.
             event: an ``EventOverlap``.
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         try:
             if self._destroyed:
                 self._alive()
@@ -434,6 +449,11 @@ class Buffer(LowLatencyOps):
 
         ``dispatch`` calls this by itself when the group spans more than one NVLink domain.
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                   num_worst_tokens, config, previous_event)
         try:
             self._alive()
             if num_tokens_per_rdma_rank is not None:
@@ -452,6 +472,9 @@ class Buffer(LowLatencyOps):
                           previous_event: EventOverlap | None = None, async_finish: bool = False,
                           allocate_on_comm_stream: bool = False):
         """Combine across NVLink domains; see ``combine``."""
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         try:
             self._alive()
             config = self.get_combine_config(self.group_size) if config is None else config
