@@ -1,0 +1,205 @@
+"""torch.compile support in one process: the custom ops' fake implementations against their real ones
+(``torch.library.opcheck``), a compiled round trip of each family on one rank, the eager path that never
+reaches the ops, the errors of compiled code, and the compiled MoE example (one rank and under mpiexec).
+Multi-rank comparisons with eager calls are in tests/mpi/test_torch_compile_mpi.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _thread_group import ThreadGroup, _Shared  # noqa: E402
+
+import deepep_cupy.buffer as buffer_module  # noqa: E402
+import deepep_cupy.buffer_low_latency as ll_module  # noqa: E402
+from deepep_cupy import Buffer, EventOverlap  # noqa: E402
+from deepep_cupy.compile import common, tracing_check  # noqa: E402
+from deepep_cupy.compile import low_latency as traced_ll  # noqa: E402
+from deepep_cupy.compile import normal as traced_normal  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+T, H, E, K = 6, 512, 4, 2
+ops = torch.ops.deepep_cupy
+
+
+@pytest.fixture(scope="module")
+def buf():
+    b = Buffer(comm=ThreadGroup(_Shared(1, 60.0), 0, 1), backend="reference", low_latency_mode=True,
+               num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    yield b
+    b.destroy()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+def _inputs(seed, n=T):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)])
+    idx[0, 1] = -1
+    return torch.randn(n, H, generator=g).bfloat16(), idx, torch.rand(n, K, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------------- eager path
+def test_the_check_is_torchs_own_function():
+    buffer_module._compiling()  # an eager call binds torch's function if torch came after deepep_cupy
+    ll_module._compiling()
+    assert buffer_module._compiling is torch.compiler.is_dynamo_compiling
+    assert ll_module._compiling is torch.compiler.is_dynamo_compiling
+
+
+def test_check_before_torch_is_imported(monkeypatch):
+    namespace = {}
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not imported yet
+    check = namespace["_compiling"] = tracing_check(namespace)
+    assert check is not torch.compiler.is_dynamo_compiling
+    assert check() is False and namespace["_compiling"] is check
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert check() is False
+    assert namespace["_compiling"] is torch.compiler.is_dynamo_compiling
+
+
+def test_eager_calls_never_reach_the_custom_ops(buf, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went to the custom ops")
+
+    for module in (traced_ll, traced_normal):
+        for name in module.__all__:
+            monkeypatch.setattr(module, name, refuse)
+    x, idx, w = _inputs(1)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    buf.low_latency_combine(recv, idx, w, handle)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    buf.combine(recv, handle)
+
+
+# ---------------------------------------------------------------------------------------------------- fake vs real
+def _opcheck(op, args, traced=True):
+    # The schema, the fake implementation against the real one, and the traced graph with dynamic shapes
+    # (not for a send op: its outputs are NaN until the receive).
+    utils = ("test_schema", "test_faketensor") + (("test_aot_dispatch_dynamic",) if traced else ())
+    torch.library.opcheck(op, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_ops_match_their_fakes(buf, fp8):
+    bid = common.buffer_id(buf)
+    x, idx, w = _inputs(2)
+    stats = torch.zeros(E, dtype=torch.int32)
+    _opcheck(ops.ll_dispatch.default, (bid, x, idx, stats, None, T, E, fp8, fp8, fp8))
+    _opcheck(ops.ll_dispatch_send.default, (bid, x, idx, None, None, T, E, fp8, False, False), traced=False)
+    recv_x, small = ops.ll_dispatch(bid, x, idx, None, None, T, E, False, False, False)
+    views = traced_ll.unpack(small, traced_ll.small_layout(1, T, E, H, False, False))
+    handle = (views[1], views[2], T, H, E)
+    _opcheck(ops.ll_combine.default, (bid, recv_x, idx, w, *handle, fp8, False, None, None))
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    _opcheck(ops.ll_combine.default, (bid, recv_x, idx, w, *handle, False, False, out, torch.zeros(1, dtype=torch.int64)))
+    _opcheck(ops.ll_combine_buffer.default, (bid, *handle))
+
+
+def test_normal_ops_match_their_fakes(buf):
+    bid = common.buffer_id(buf)
+    x, idx, w = _inputs(3)
+    _opcheck(ops.layout.default, (bid, idx, E))
+    per_rank, _, per_expert, in_rank = ops.layout(bid, idx, E)
+    config = list(Buffer.get_dispatch_config(1).key())
+    args = (bid, x, None, per_rank, None, in_rank, per_expert, idx, w, 1, 16, config)
+    _opcheck(ops.dispatch.default, args)
+    outs = ops.dispatch(*args)
+    handle = [*outs[3:7], in_rank, outs[7]]  # the 6-tuple holds the caller's is_token_in_rank at index 4
+    _opcheck(ops.cached_dispatch.default, (bid, x, None, handle, config))
+    _opcheck(ops.combine.default, (bid, outs[0], handle, outs[2], x, None, config))
+
+
+# ---------------------------------------------------------------------------------------------------- compiled
+def _compile(fn):
+    return torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=False)
+
+
+def test_compiled_low_latency_round_trip_equals_eager(buf):
+    x, idx, w = _inputs(4)
+
+    def step(x, idx, w):
+        (recv, scales), count, handle, event, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        y = (recv.float() * scales.repeat_interleave(128, dim=-1)).bfloat16()
+        combined, event2, hook2 = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        return recv, scales, count, handle[0], handle[1], combined, event.event, event2.event, hook, hook2
+
+    eager, compiled = step(x, idx, w), _compile(step)(x, idx, w)
+    for a, b in zip(eager[:6], compiled[:6], strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.float(), b.float())
+    assert compiled[6:] == (None, None, None, None)
+
+
+def test_compiled_normal_round_trip_equals_eager(buf):
+    x, idx, w = _inputs(5)
+
+    def step(x, idx, w):
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=T)
+        combined, combined_w, _ = buf.combine(recv, handle, topk_weights=recv_w)
+        return per_rdma, recv, recv_idx, counts, handle, combined, combined_w, event.event
+
+    eager, compiled = step(x, idx, w), _compile(step)(x, idx, w)
+    assert compiled[0] is None and compiled[3] == [] and compiled[7] is None
+    for a, b in zip((eager[1], eager[2], *eager[4], eager[5], eager[6]),
+                    (compiled[1], compiled[2], *compiled[4], compiled[5], compiled[6]), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(compiled[5].float(), (x.float() * (idx >= 0).any(1, keepdim=True)).bfloat16().float())
+
+
+def test_compiled_code_refuses_an_outside_event(buf):
+    x, idx, w = _inputs(6)
+    event = EventOverlap(object())
+
+    def step(idx):
+        return buf.get_dispatch_layout(idx, E, previous_event=event)[0]
+
+    with pytest.raises(Exception, match="previous_event"):
+        _compile(step)(idx)
+
+
+def test_ops_of_a_destroyed_buffer_name_it():
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        common.buffer_of(10 ** 9)
+    with pytest.raises(TypeError, match="config"):
+        common.config_list((1, 2))
+
+
+# ---------------------------------------------------------------------------------------------------- example
+def _env():
+    # Open MPI refuses to run as root without these; MPICH ignores them.
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def test_compiled_moe_example_one_rank():
+    pytest.importorskip("mpi4py")
+    got = subprocess.run([sys.executable, str(EXAMPLES / "compiled_moe.py"), "--tokens", "16"], capture_output=True,
+                         text=True, timeout=300, env=_env())
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "all ranks match the dense layer" in got.stdout
+
+
+def test_compiled_moe_example_under_mpiexec():
+    pytest.importorskip("mpi4py")
+    mpiexec = os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec on PATH (pip install -e '.[mpi]')")
+    got = subprocess.run([mpiexec, "-n", "2", sys.executable, str(EXAMPLES / "compiled_moe.py"), "--tokens", "16"],
+                         capture_output=True, text=True, timeout=400, env=_env())
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert got.stdout.count(": OK") == 2 and "all ranks match the dense layer" in got.stdout
