@@ -22,33 +22,38 @@ import functools
 
 import torch
 
-from ..frameworks import F32, I32, I64, SmallOutputs
 from ..ops.handles import LowLatencyHandle
 from .common import NO_EVENT, buffer_id, buffer_of, define, handle_entry, remember_handle
 
 __all__ = ["low_latency_dispatch", "low_latency_combine", "get_next_low_latency_combine_buffer"]
 
 _TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "int64": torch.int64}
+_ALIGN_WORDS = 16
 _TICKET = "_deepep_cupy_recv"
 
 
-@functools.cache
-def _small(num_ranks: int, t_max: int, num_experts: int, hidden: int, fp8: bool, ue8m0: bool) -> tuple:
+def small_layout(num_ranks, t_max, num_experts, hidden, fp8: bool, ue8m0: bool) -> tuple:
     """``(parts, total_words)``, parts ``(shape, dtype name, strides, offset)``: where the dispatch's small
-    outputs sit in ``small`` (the order and sizes of the GPU plan's ``SmallOutputs``)."""
+    outputs sit in ``small``, as :class:`~deepep_cupy.frameworks.SmallOutputs` places the GPU plan's (every
+    part on a 64-byte boundary). Plain arithmetic, so that the traced code may call it with symbolic sizes."""
     e_local, slab = num_experts // num_ranks, num_ranks * t_max
-    specs = [((e_local,), I32), ((e_local, slab), I32), ((e_local, num_ranks), I64)]
+    specs = [((e_local,), "int32"), ((e_local, slab), "int32"), ((e_local, num_ranks), "int64")]
     if fp8:
         num_scales = -(-hidden // 512) if ue8m0 else hidden // 128
-        specs.append(((e_local, num_scales, slab), I32 if ue8m0 else F32))
-    layout = SmallOutputs(specs)
-    return tuple((shape, dtype.name, strides, offset) for shape, dtype, strides, offset in layout.parts), \
-        layout.total_words
+        specs.append(((e_local, num_scales, slab), "int32" if ue8m0 else "float32"))
+    parts, words = [], 0
+    for shape, kind in specs:
+        per_word = 2 if kind == "int64" else 1
+        strides, step, count = [], 1, 1
+        for d in reversed(shape):
+            strides.append(step)
+            step, count = step * torch.sym_max(d, 1), count * d
+        parts.append((shape, kind, tuple(reversed(strides)), words // per_word))
+        words += -(-(count * per_word) // _ALIGN_WORDS) * _ALIGN_WORDS
+    return tuple(parts), torch.sym_max(words, 1)
 
 
-@torch.compiler.assume_constant_result
-def small_layout(num_ranks: int, t_max: int, num_experts: int, hidden: int, fp8: bool, ue8m0: bool) -> tuple:
-    return _small(num_ranks, t_max, num_experts, hidden, fp8, ue8m0)
+_small = functools.cache(small_layout)  # the real ops' sizes are ints
 
 
 def unpack(small, layout) -> list:
@@ -93,7 +98,7 @@ def _dispatch(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts
         x, topk_idx, t_max, num_experts, cumulative_stats, wait_stats, use_fp8=use_fp8, round_scale=round_scale,
         use_ue8m0=use_ue8m0, async_finish=False, return_recv_hook=hook)
     recv_x, scales = recv if use_fp8 else (recv, None)
-    layout = _small(buffer.group_size, t_max, num_experts, int(x.shape[1]), use_fp8, use_ue8m0 and use_fp8)
+    layout = _small(buffer.group_size, t_max, num_experts, x.shape[1], use_fp8, use_ue8m0 and use_fp8)
     parts = [count, handle[0], handle[1]] + ([scales.transpose(1, 2)] if use_fp8 else [])
     small = _pack(parts, layout)
     if isinstance(handle, LowLatencyHandle):
@@ -109,7 +114,7 @@ def _dispatch(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts
 def _dispatch_fake(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts, use_fp8, round_scale,
                    use_ue8m0):
     num_ranks = buffer_of(bid).group_size
-    _, words = _small(num_ranks, t_max, num_experts, int(x.shape[1]), use_fp8, use_ue8m0 and use_fp8)
+    _, words = small_layout(num_ranks, t_max, num_experts, x.shape[1], use_fp8, use_ue8m0 and use_fp8)
     recv_x = x.new_empty((num_experts // num_ranks, num_ranks * t_max, x.shape[1]),
                          dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
     return recv_x, x.new_empty((words,), dtype=torch.int32)
@@ -185,7 +190,7 @@ def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: 
                          async_finish: bool = False, return_recv_hook: bool = False):
     """``Buffer.low_latency_dispatch`` while dynamo traces (same arguments and results; the event is empty)."""
     bid = buffer_id(buffer)
-    t_max, num_experts, hidden = int(num_max_dispatch_tokens_per_rank), int(num_experts), int(x.shape[1])
+    t_max, num_experts, hidden = int(num_max_dispatch_tokens_per_rank), int(num_experts), x.shape[1]
     fp8 = bool(use_fp8)
     ue8m0 = bool(use_ue8m0) and fp8
     stats, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
@@ -198,7 +203,7 @@ def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: 
             torch.ops.deepep_cupy.ll_dispatch_recv(ticket, recv_x, small, stats, wait)
     else:
         recv_x, small = torch.ops.deepep_cupy.ll_dispatch(*args)
-    views = unpack(small, small_layout(buffer.group_size, t_max, num_experts, hidden, fp8, ue8m0))
+    views = unpack(small, small_layout(buffer.group_size, t_max, num_experts, x.shape[1], fp8, ue8m0))
     recv = (recv_x, views[3].transpose(1, 2)) if fp8 else recv_x
     return recv, views[0], (views[1], views[2], t_max, hidden, num_experts), NO_EVENT, hook
 
@@ -295,7 +300,7 @@ def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, use_logfmt: b
     bid = buffer_id(buffer)
     src_info, layout_range, t_max, hidden, num_experts = handle
     wait = combine_wait_recv_cost_stats
-    args = (bid, x, topk_idx, topk_weights, src_info, layout_range, int(t_max), int(hidden), int(num_experts),
+    args = (bid, x, topk_idx, topk_weights, src_info, layout_range, _int(t_max), _int(hidden), _int(num_experts),
             bool(use_logfmt), bool(zero_copy), out, wait)
     hook = None
     if return_recv_hook:
@@ -333,5 +338,10 @@ def get_next_low_latency_combine_buffer(buffer, handle):
     buffer itself; where the compiled code writes into it in place, the zero-copy combine sends from it,
     otherwise the combine reads the written tensor (the same results)."""
     src_info, layout_range, t_max, hidden, num_experts = handle
-    return torch.ops.deepep_cupy.ll_combine_buffer(buffer_id(buffer), src_info, layout_range, int(t_max),
-                                                   int(hidden), int(num_experts))
+    return torch.ops.deepep_cupy.ll_combine_buffer(buffer_id(buffer), src_info, layout_range, _int(t_max),
+                                                   _int(hidden), _int(num_experts))
+
+
+def _int(v):
+    """A handle's size as an op argument: symbolic while dynamo traces with dynamic shapes."""
+    return v if isinstance(v, torch.SymInt) else int(v)

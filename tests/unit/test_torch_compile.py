@@ -162,6 +162,43 @@ def test_compiled_normal_round_trip_equals_eager(buf):
     assert torch.equal(compiled[5].float(), (x.float() * (idx >= 0).any(1, keepdim=True)).bfloat16().float())
 
 
+@pytest.mark.parametrize("fp8,ue8m0", [(False, False), (True, False), (True, True)])
+def test_small_layout_places_parts_as_the_gpu_plan(fp8, ue8m0):
+    """The places the traced code cuts its views from are those of the GPU dispatch plan's one allocation
+    (``DispatchPlan.small`` in ops/low_latency/plans.py: counts, source info, layout ranges, scales, and
+    the row map after them), so that on the GPU the op returns that allocation without a copy."""
+    from deepep_cupy.frameworks import F32, I32, I64, SmallOutputs
+
+    for num_ranks, t_max, num_experts, hidden in [(2, 128, 288, 7168), (8, 3, 16, 2048), (4, 1, 4, 512)]:
+        e_local, slab = num_experts // num_ranks, num_ranks * t_max
+        specs = [((e_local,), I32), ((e_local, slab), I32), ((e_local, num_ranks), I64)]
+        if fp8:
+            specs.append(((e_local, -(-hidden // 512) if ue8m0 else hidden // 128, slab), I32 if ue8m0 else F32))
+        plan = SmallOutputs([*specs, ((slab, e_local), I32)])
+        parts, words = traced_ll.small_layout(num_ranks, t_max, num_experts, hidden, fp8, ue8m0)
+        assert list(parts) == [(shape, dtype.name, strides, offset) for shape, dtype, strides, offset in
+                               plan.parts[:len(specs)]]
+        assert words == SmallOutputs(specs).total_words
+
+
+def test_compiled_with_dynamic_shapes(buf):
+    def step(x, idx, w):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        combined = buf.low_latency_combine(recv[0].float().bfloat16(), idx, w, handle)[0]
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=T)
+        return combined, count, buf.combine(recv, handle, topk_weights=recv_w)[:2]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for n in (T, 3, 5):
+        x, idx, w = _inputs(10 + n, n)
+        want, got = step(x, idx, w), compiled(x, idx, w)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
+
+
 def test_compiled_code_refuses_an_outside_event(buf):
     x, idx, w = _inputs(6)
     event = EventOverlap(object())
