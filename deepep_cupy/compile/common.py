@@ -20,6 +20,7 @@ NS = "deepep_cupy"
 # Every op of a compiled region has finished on the current stream when the next one starts.
 NO_EVENT = EventOverlap(None)
 
+_any_alias = torch._C._any_output_is_alias_to_input_or_output
 _BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count(1)
 
@@ -79,6 +80,8 @@ def fresh(outputs: list, inputs: list) -> list:
     by a copy: a custom op's outputs must be new tensors (torch checks it after every call). Only
     handles that pass an input through (``is_token_in_rank``) or outputs carved from one allocation
     need it; the ops avoid both where they can, so this is a fallback."""
+    if not _any_alias(tuple(inputs), {}, tuple(outputs)):  # torch's own check, in C++: the common case
+        return outputs
     seen = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
     out = []
     for t in outputs:

@@ -102,13 +102,17 @@ def _dispatch(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts
     parts = [count, handle[0], handle[1]] + ([scales.transpose(1, 2)] if use_fp8 else [])
     small = _pack(parts, layout)
     if isinstance(handle, LowLatencyHandle):
-        # The combine rebuilds the GPU handle, with its row map when that sits in the same allocation.
-        row_map = getattr(handle, "row_map", None)
-        place = None
-        if row_map is not None and row_map.untyped_storage().data_ptr() == small.untyped_storage().data_ptr():
-            place = (tuple(row_map.shape), row_map.stride(), row_map.storage_offset())
-        remember_handle(small, ("low_latency", place))
+        _remember_ll(handle, small)
     return recv_x, small, (hook_fn, recv_x, parts, layout, cumulative_stats, wait_stats)
+
+
+def _remember_ll(handle, small) -> None:
+    """The combine rebuilds the GPU handle, with its row map when that sits in ``small``'s allocation."""
+    row_map = getattr(handle, "row_map", None)
+    place = None
+    if row_map is not None and row_map.untyped_storage().data_ptr() == small.untyped_storage().data_ptr():
+        place = (tuple(row_map.shape), row_map.stride(), row_map.storage_offset())
+    remember_handle(small, ("low_latency", place))
 
 
 def _dispatch_fake(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts, use_fp8, round_scale,

@@ -118,7 +118,8 @@ def _handle(buffer, entries: list):
         return handle
     _, cls, attrs = found
     own = tuple.__new__(cls, handle)
-    own.__dict__.update(attrs)
+    if attrs:  # an OpHandle has no attributes (nor a __dict__)
+        own.__dict__.update(attrs)
     return own
 
 

@@ -199,6 +199,44 @@ def test_compiled_with_dynamic_shapes(buf):
         assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
 
 
+def test_gpu_handles_come_back_as_the_ops_made_them():
+    """On the GPU a handle rebuilt from an op's tensors gets back its class and host-side attributes (no
+    index checks, the row map, the read-back counts); any other tensors give a plain tuple (checked)."""
+    from types import SimpleNamespace
+
+    from deepep_cupy.ops.handles import LowLatencyHandle, OpHandle
+
+    gpu = SimpleNamespace(backend="cuda")
+
+    class WithCounts(OpHandle):  # like IntranodeHandle: attributes in a __dict__
+        pass
+
+    for cls, attrs in ((OpHandle, {}), (WithCounts, {"counts": ((1, 2), (3, 4)), "own_tokens": None})):
+        entries = [torch.arange(4, dtype=torch.int32) for _ in range(6)]
+        made = tuple.__new__(cls, entries)
+        if attrs:
+            made.__dict__.update(attrs)
+        traced_normal._remember(gpu, made)
+        again = traced_normal._handle(gpu, list(entries))
+        assert type(again) is cls and tuple(again) == tuple(entries) and getattr(again, "__dict__", {}) == attrs
+        copied = [t.clone() for t in entries]
+        assert type(traced_normal._handle(gpu, copied)) is tuple
+
+    words = torch.arange(64, dtype=torch.int32)
+    layout = traced_ll.small_layout(2, 4, 4, 256, False, False)
+    row_map = words.as_strided((8, 2), (2, 1), layout[1])
+    small = traced_ll._pack([words[:2], words.as_strided((2, 8), (8, 1), 16),
+                             words.view(torch.int64).as_strided((2, 2), (2, 1), 16)], layout)
+    assert small.data_ptr() == words.data_ptr()  # already in place: no copy
+    handle = LowLatencyHandle((words, words, 4, 256, 4))
+    handle.row_map = row_map
+    traced_ll._remember_ll(handle, small)
+    views = traced_ll.unpack(small, layout)
+    again = traced_ll._handle(gpu, views[1], views[2], 4, 256, 4)
+    assert type(again) is LowLatencyHandle and torch.equal(again.row_map, row_map)
+    assert type(traced_ll._handle(gpu, views[1].clone(), views[2], 4, 256, 4)) is tuple
+
+
 def test_compiled_code_refuses_an_outside_event(buf):
     x, idx, w = _inputs(6)
     event = EventOverlap(object())
