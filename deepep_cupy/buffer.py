@@ -14,7 +14,7 @@ import weakref
 from . import checks
 from .backends import make_backend
 from .buffer_low_latency import LowLatencyOps
-from .compile import tracing_check
+from .compile import outside, tracing_check
 from .config import Config, low_latency_rdma_size_hint
 from .device.gpus import current_device_id, gpu_count
 from .device.group import make_group
@@ -205,7 +205,7 @@ class Buffer(LowLatencyOps):
     @staticmethod
     def capture() -> EventOverlap:
         """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's)."""
-        if gpu_count() == 0:
+        if _compiling() or gpu_count() == 0:  # torch.compile: its ops run in stream order, nothing to wait for
             return EventOverlap(None)
 
         dev = current_device_id()
@@ -236,6 +236,8 @@ class Buffer(LowLatencyOps):
 
     def get_comm_stream(self):
         """The communication stream (torch stream for torch groups, CuPy stream otherwise); None on the reference backend."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.get_comm_stream)
         self._alive()
         return self.runtime.get_comm_stream(torch_stream=self.group is not None and not hasattr(self.group, "Get_rank"))
 
@@ -248,6 +250,8 @@ class Buffer(LowLatencyOps):
             offset: first element of the slice.
             use_rdma_buffer: view the NVSHMEM buffer instead of the NVLink one.
         """
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.get_local_buffer_tensor, dtype, size, offset, use_rdma_buffer)
         self._alive()
         return self.runtime.local_buffer_tensor(dtype, size, checks.nonneg_int("offset", offset), use_rdma_buffer)
 
@@ -488,6 +492,8 @@ class Buffer(LowLatencyOps):
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Release every resource (collective). Required when ``explicitly_destroy=True``."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.destroy)
         if self._destroyed:
             return
         self._destroyed = True

@@ -4,7 +4,7 @@ peer mask. A mixin of :class:`deepep_cupy.buffer.Buffer`, which holds the state 
 from __future__ import annotations
 
 from . import checks
-from .compile import tracing_check
+from .compile import outside, tracing_check
 from .frameworks import I32, meta
 from .ops.handles import device_handle_values, ll_handle_meta
 from .ops.plan import lookup, store
@@ -30,6 +30,8 @@ class LowLatencyOps:
             hidden: hidden size.
             num_experts: total experts.
         """
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.clean_low_latency_buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._alive()
         self._ll_required("clean_low_latency_buffer")
         checks.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
@@ -172,6 +174,8 @@ class LowLatencyOps:
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask a rank: masked ranks neither send nor receive in low-latency ops."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.low_latency_update_mask_buffer, rank_to_mask, mask)
         self._alive()
         self._shrink_required("low_latency_update_mask_buffer")
         rank_to_mask = checks.nonneg_int("rank_to_mask", rank_to_mask)
@@ -181,6 +185,8 @@ class LowLatencyOps:
 
     def low_latency_query_mask_buffer(self, mask_status) -> None:
         """Write 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.low_latency_query_mask_buffer, mask_status)
         self._alive()
         self._shrink_required("low_latency_query_mask_buffer")
         checks.tensor("mask_status", mask_status, dtype=I32, shape=(self.group_size,))
@@ -188,6 +194,8 @@ class LowLatencyOps:
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.low_latency_clean_mask_buffer)
         self._alive()
         self._shrink_required("low_latency_clean_mask_buffer")
         self.runtime.low_latency_clean_mask_buffer()

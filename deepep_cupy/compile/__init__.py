@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["tracing_check"]
+__all__ = ["tracing_check", "outside"]
 
 
 def tracing_check(namespace: dict, name: str = "_compiling"):
@@ -48,6 +48,16 @@ def tracing_check(namespace: dict, name: str = "_compiling"):
         return False
 
     return check
+
+
+def outside(method, *args):
+    """``method(*args)`` run eagerly, outside the graph dynamo is tracing: a graph break, as dynamo makes
+    for DeepEP's C++ methods. For the Buffer methods that are no op of a model's step (buffer cleaning,
+    rank masks, raw buffer views, streams, ``destroy``), which would otherwise be traced into their
+    NumPy or driver code."""
+    from .common import run_outside
+
+    return run_outside(method, *args)
 
 
 def _torch_check(torch):

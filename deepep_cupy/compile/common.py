@@ -14,7 +14,7 @@ from ..config import Config
 from ..event import EventOverlap
 
 __all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "fresh", "remember_handle",
-           "handle_entry", "no_event", "define"]
+           "handle_entry", "no_event", "define", "run_outside"]
 
 NS = "deepep_cupy"
 # Every op of a compiled region has finished on the current stream when the next one starts.
@@ -43,6 +43,11 @@ def buffer_of(bid: int):
         raise RuntimeError(f"the Buffer of this compiled deepep_cupy op (id {bid}) no longer exists: a compiled "
                            "function must not outlive the Buffer it was traced with")
     return buffer
+
+
+@torch.compiler.disable
+def run_outside(method, *args):
+    return method(*args)
 
 
 def define(name: str, mutates_args=(), tags=()):

@@ -237,6 +237,30 @@ def test_gpu_handles_come_back_as_the_ops_made_them():
     assert type(traced_ll._handle(gpu, views[1].clone(), views[2], 4, 256, 4)) is tuple
 
 
+def test_other_methods_break_the_graph_and_run_eagerly():
+    """Cleaning, rank masks, streams: a graph break each (an error with fullgraph=True), run eagerly."""
+    b = Buffer(comm=ThreadGroup(_Shared(1, 60.0), 0, 1), backend="reference", low_latency_mode=True,
+               enable_shrink=True, explicitly_destroy=True)
+    oracle = b.runtime.oracle
+
+    def step(x, status):
+        b.clean_low_latency_buffer(T, H, E)
+        b.low_latency_update_mask_buffer(0, True)
+        b.low_latency_query_mask_buffer(status)
+        b.low_latency_clean_mask_buffer()
+        return x + 1, b.get_comm_stream(), Buffer.capture().event
+
+    status = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(Exception, match="disable"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(torch.zeros(2), status)
+    oracle.clean_low_latency_buffer(T, H, E)
+    oracle._combine_buffers[0][...] = 1
+    assert torch.compile(step, backend="aot_eager")(torch.zeros(2), status)[1:] == (None, None)
+    assert not oracle._combine_buffers[0].astype("float32").any() and status.tolist() == [1]
+    assert not oracle._mask.any()
+    b.destroy()
+
+
 def test_compiled_code_refuses_an_outside_event(buf):
     x, idx, w = _inputs(6)
     event = EventOverlap(object())
