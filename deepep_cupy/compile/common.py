@@ -16,11 +16,15 @@ from ..event import EventOverlap
 __all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "fresh", "remember_handle",
            "handle_entry", "no_event", "define", "run_outside"]
 
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"torch.compile of deepep_cupy's ops needs torch >= 2.4 (torch.library.custom_op), "
+                      f"this is torch {torch.__version__}")
+
 NS = "deepep_cupy"
 # Every op of a compiled region has finished on the current stream when the next one starts.
 NO_EVENT = EventOverlap(None)
 
-_any_alias = torch._C._any_output_is_alias_to_input_or_output
+_any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
 _BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count(1)
 
@@ -85,7 +89,7 @@ def fresh(outputs: list, inputs: list) -> list:
     by a copy: a custom op's outputs must be new tensors (torch checks it after every call). Only
     handles that pass an input through (``is_token_in_rank``) or outputs carved from one allocation
     need it; the ops avoid both where they can, so this is a fallback."""
-    if not _any_alias(tuple(inputs), {}, tuple(outputs)):  # torch's own check, in C++: the common case
+    if _any_alias is not None and not _any_alias(tuple(inputs), {}, tuple(outputs)):  # torch's C++ check
         return outputs
     seen = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
     out = []

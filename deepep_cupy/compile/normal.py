@@ -153,7 +153,11 @@ def get_dispatch_layout(buffer, topk_idx, num_experts: int, previous_event=None,
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
-@define("dispatch", tags=(torch.Tag.cudagraph_unsafe,))
+# It waits for the received counts on the host: never inside a CUDA graph (inductor leaves it out).
+_HOST_WAIT = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@define("dispatch", tags=_HOST_WAIT)
 def dispatch_op(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_tokens_per_rank: torch.Tensor | None,
                 num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor,
                 num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor | None,
