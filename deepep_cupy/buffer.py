@@ -14,6 +14,7 @@ import weakref
 from . import checks
 from .backends import make_backend
 from .buffer_low_latency import LowLatencyOps
+from .compile import outside, tracing_check
 from .config import Config, low_latency_rdma_size_hint
 from .device.gpus import gpu_count
 from .device.group import make_group
@@ -24,6 +25,9 @@ from .ops.plan import config_key, lookup, store
 from .tuning import tuned_config
 
 __all__ = ["Buffer"]
+
+# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.compile's custom ops).
+_compiling = tracing_check(globals())
 
 
 # Recommended configs per rank count; other counts use the nearest entry. Ring capacities follow DeepEP's
@@ -199,6 +203,12 @@ class Buffer(LowLatencyOps):
 
     @staticmethod
     def capture() -> EventOverlap:
+        """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's)."""
+        if _compiling() or gpu_count() == 0:  # torch.compile: its ops run in stream order, nothing to wait for
+            return EventOverlap(None)
+
+        dev = current_device_id()
+        return EventOverlap(DeviceEvent(current_stream_ptr(None, dev), None, dev))
         """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's);
         without a GPU an event that is already complete."""
         return EventOverlap(EventHandle())
@@ -228,6 +238,8 @@ class Buffer(LowLatencyOps):
 
     def get_comm_stream(self):
         """The communication stream (torch stream for torch groups, CuPy stream otherwise); None on the reference backend."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.get_comm_stream)
         self._alive()
         return self.runtime.get_comm_stream(torch_stream=self.group is not None and not hasattr(self.group, "Get_rank"))
 
@@ -240,6 +252,8 @@ class Buffer(LowLatencyOps):
             offset: first element of the slice.
             use_rdma_buffer: view the NVSHMEM buffer instead of the NVLink one.
         """
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.get_local_buffer_tensor, dtype, size, offset, use_rdma_buffer)
         self._alive()
         return self.runtime.local_buffer_tensor(dtype, size, checks.nonneg_int("offset", offset), use_rdma_buffer)
 
@@ -262,6 +276,9 @@ class Buffer(LowLatencyOps):
             is_token_in_rank: `[num_tokens, num_ranks]` bool, whether a token goes to a rank.
             event: an ``EventOverlap`` (meaningful with ``async_finish``).
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.get_dispatch_layout(self, topk_idx, num_experts, previous_event)
         with plain_torch():
             if self._destroyed:
                 self._alive()
@@ -314,6 +331,11 @@ class Buffer(LowLatencyOps):
                 received from each rank.
             event: an ``EventOverlap``.
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                   num_worst_tokens, config, previous_event)
         with plain_torch():
             try:
                 if self._destroyed:
@@ -388,6 +410,9 @@ class Buffer(LowLatencyOps):
             combined_topk_weights: `[num_tokens, num_topk]` float32 sums, or None.
             event: an ``EventOverlap``.
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         with plain_torch():
             try:
                 if self._destroyed:
@@ -433,6 +458,11 @@ class Buffer(LowLatencyOps):
 
         ``dispatch`` calls this by itself when the group spans more than one NVLink domain.
         """
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                   num_worst_tokens, config, previous_event)
         with plain_torch():
             try:
                 self._alive()
@@ -452,6 +482,9 @@ class Buffer(LowLatencyOps):
                           previous_event: EventOverlap | None = None, async_finish: bool = False,
                           allocate_on_comm_stream: bool = False):
         """Combine across NVLink domains; see ``combine``."""
+        if _compiling():  # torch.compile
+            from .compile import normal as traced
+            return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         with plain_torch():
             try:
                 self._alive()
@@ -466,6 +499,8 @@ class Buffer(LowLatencyOps):
     # ------------------------------------------------------------------ lifetime
     def destroy(self) -> None:
         """Release every resource (collective). Required when ``explicitly_destroy=True``."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.destroy)
         if self._destroyed:
             return
         self._destroyed = True

@@ -4,11 +4,15 @@ peer mask. A mixin of :class:`deepep_cupy.buffer.Buffer`, which holds the state 
 from __future__ import annotations
 
 from . import checks
+from .compile import outside, tracing_check
 from .frameworks import I32, meta, plain_torch
 from .ops.handles import device_handle_values, ll_handle_meta
 from .ops.plan import lookup, store
 
 __all__ = ["LowLatencyOps"]
+
+# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.compile's custom ops).
+_compiling = tracing_check(globals())
 
 
 class LowLatencyOps:
@@ -26,6 +30,8 @@ class LowLatencyOps:
             hidden: hidden size.
             num_experts: total experts.
         """
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.clean_low_latency_buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._alive()
         self._ll_required("clean_low_latency_buffer")
         checks.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
@@ -67,6 +73,11 @@ class LowLatencyOps:
             event: an ``EventOverlap``.
             hook: receive function with ``return_recv_hook``, else None.
         """
+        if _compiling():  # torch.compile
+            from .compile import low_latency as traced
+            return traced.low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                               use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         with plain_torch():
             try:
                 if self._destroyed:
@@ -122,6 +133,10 @@ class LowLatencyOps:
             event: an ``EventOverlap``.
             hook: receive function with ``return_recv_hook``, else None.
         """
+        if _compiling():  # torch.compile
+            from .compile import low_latency as traced
+            return traced.low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                              async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
         with plain_torch():
             try:
                 if self._destroyed:
@@ -151,6 +166,9 @@ class LowLatencyOps:
     def get_next_low_latency_combine_buffer(self, handle):
         """The buffer the next ``low_latency_combine(..., zero_copy=True)`` sends from:
         `[num_local_experts, num_ranks * T, hidden]` bf16, for the caller to fill."""
+        if _compiling():  # torch.compile
+            from .compile import low_latency as traced
+            return traced.get_next_low_latency_combine_buffer(self, handle)
         self._alive()
         self._ll_required("get_next_low_latency_combine_buffer")
         checks.ll_handle_sizes(handle, self.group_size)
@@ -158,6 +176,8 @@ class LowLatencyOps:
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask a rank: masked ranks neither send nor receive in low-latency ops."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.low_latency_update_mask_buffer, rank_to_mask, mask)
         self._alive()
         self._shrink_required("low_latency_update_mask_buffer")
         rank_to_mask = checks.nonneg_int("rank_to_mask", rank_to_mask)
@@ -167,6 +187,8 @@ class LowLatencyOps:
 
     def low_latency_query_mask_buffer(self, mask_status) -> None:
         """Write 1 for masked ranks and 0 for the others into ``mask_status`` (`[num_ranks]` int32)."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.low_latency_query_mask_buffer, mask_status)
         self._alive()
         self._shrink_required("low_latency_query_mask_buffer")
         checks.tensor("mask_status", mask_status, dtype=I32, shape=(self.group_size,))
@@ -174,6 +196,8 @@ class LowLatencyOps:
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank."""
+        if _compiling():  # torch.compile: a graph break
+            return outside(self.low_latency_clean_mask_buffer)
         self._alive()
         self._shrink_required("low_latency_clean_mask_buffer")
         self.runtime.low_latency_clean_mask_buffer()

@@ -1,0 +1,130 @@
+"""What the custom ops of both families share: the Buffer registry, output hygiene, the handles the ops
+made themselves, and the checks of arguments that only compiled code restricts."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..config import Config
+from ..event import EventOverlap
+
+__all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "fresh", "remember_handle",
+           "handle_entry", "no_event", "define", "run_outside"]
+
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"torch.compile of deepep_cupy's ops needs torch >= 2.4 (torch.library.custom_op), "
+                      f"this is torch {torch.__version__}")
+
+NS = "deepep_cupy"
+# Every op of a compiled region has finished on the current stream when the next one starts.
+NO_EVENT = EventOverlap(None)
+
+_any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
+_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def buffer_id(buffer) -> int:
+    """The integer that stands for ``buffer`` in the ops' arguments (dynamo runs this while tracing and
+    bakes the result into the graph; ids are given in order of first use, so a process that builds its
+    Buffers and compiles in the same order gets the same ids)."""
+    bid = buffer.__dict__.get("_compiled_op_id")
+    if bid is None:
+        bid = buffer._compiled_op_id = next(_NEXT_ID)
+        _BUFFERS[bid] = buffer
+    return bid
+
+
+def buffer_of(bid: int):
+    buffer = _BUFFERS.get(bid)
+    if buffer is None:
+        raise RuntimeError(f"the Buffer of this compiled deepep_cupy op (id {bid}) no longer exists: a compiled "
+                           "function must not outlive the Buffer it was traced with")
+    return buffer
+
+
+@torch.compiler.disable
+def run_outside(method, *args):
+    return method(*args)
+
+
+def define(name: str, mutates_args=(), tags=()):
+    """``torch.library.custom_op`` in this package's namespace."""
+    return torch.library.custom_op(f"{NS}::{name}", mutates_args=mutates_args, tags=tuple(tags))
+
+
+def config_list(config) -> list[int]:
+    """A ``Config`` as the ints an op takes (empty: the Buffer's default)."""
+    if config is None:
+        return []
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a deepep_cupy Config or None, got {type(config).__name__}")
+    return list(config.key())
+
+
+def config_of(values) -> Config | None:
+    return _config(tuple(values)) if values else None
+
+
+@functools.lru_cache(maxsize=64)
+def _config(values: tuple) -> Config:
+    return Config(*values)
+
+
+def no_event(previous_event) -> None:
+    """Compiled ops run in stream order: an event from outside the region cannot be waited on inside it."""
+    if previous_event is not None and getattr(previous_event, "event", None) is not None:
+        raise ValueError("previous_event must be None (or an EventOverlap without event) inside a torch.compile "
+                         "region: wait on it before the compiled function, where ops run in stream order")
+
+
+def fresh(outputs: list, inputs: list) -> list:
+    """``outputs`` where each tensor that shares storage with an input or an earlier output is replaced
+    by a copy: a custom op's outputs must be new tensors (torch checks it after every call). Only
+    handles that pass an input through (``is_token_in_rank``) or outputs carved from one allocation
+    need it; the ops avoid both where they can, so this is a fallback."""
+    if _any_alias is not None and not _any_alias(tuple(inputs), {}, tuple(outputs)):  # torch's C++ check
+        return outputs
+    seen = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
+    out = []
+    for t in outputs:
+        key = t.untyped_storage()._cdata
+        if key in seen:
+            t = t.clone()
+            key = t.untyped_storage()._cdata
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+# Handles this package's ops made, by the storage of one of their tensors: the handle class and the
+# attributes the GPU path keeps on it (read back counts, a row map's place). Only storages still alive
+# count (a weak reference to each), so a caller's tensor that reuses the memory is never taken for one.
+_OWN: dict = {}
+_OWN_MAX = 64
+
+
+def remember_handle(tensor, info) -> None:
+    """Note that ``tensor`` (one of a handle's tensors) came from an op of this package with ``info``."""
+    storage = tensor.untyped_storage()
+    if len(_OWN) >= _OWN_MAX:
+        for key in [k for k, (ref, _) in _OWN.items() if ref.expired()]:
+            del _OWN[key]
+        if len(_OWN) >= _OWN_MAX:
+            del _OWN[next(iter(_OWN))]
+    _OWN[storage._cdata] = (StorageWeakRef(storage), info)
+
+
+def handle_entry(tensor):
+    """The ``info`` :func:`remember_handle` kept for ``tensor``'s storage, or None (a handle the caller built,
+    or one whose tensors were copied on their way, e.g. by functionalization)."""
+    found = _OWN.get(tensor.untyped_storage()._cdata)
+    if found is None or found[0].expired():
+        return None
+    return found[1]

@@ -1,0 +1,296 @@
+"""The high-throughput ops as torch custom ops: layout, dispatch (with ``num_worst_tokens``, or with an
+unbacked row count), cached dispatch and combine, each of dispatch and combine the other's backward.
+
+The handle travels as its tensors: the dispatch op returns every entry but ``is_token_in_rank`` (the
+caller's input, which an op may not return) and the traced code puts that input back in its place. The
+handle's sizes come from the static parameters: ``C`` channels (the backend's choice for the config),
+``num_worst_tokens`` rows, or an unbacked row count for a dispatch that waits for its counts on the host
+(that dispatch cannot be in a CUDA graph; it is tagged so that inductor leaves it out of one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.handles import OpHandle
+from .common import (
+    NO_EVENT,
+    buffer_id,
+    buffer_of,
+    config_list,
+    config_of,
+    define,
+    fresh,
+    handle_entry,
+    no_event,
+    remember_handle,
+)
+
+__all__ = ["get_dispatch_layout", "dispatch", "combine"]
+
+_I32, _I64, _BOOL, _U8 = torch.int32, torch.int64, torch.bool, torch.uint8
+
+
+@torch.compiler.assume_constant_result
+def _resolved(buffer, config, which: str) -> tuple:
+    """The config's values, the Buffer's default for ``which`` when None (what an eager call would use)."""
+    if config is None:
+        config = buffer.get_dispatch_config(buffer.group_size) if which == "dispatch" else \
+            buffer.get_combine_config(buffer.group_size)
+    return tuple(config_list(config))
+
+
+def _domains(buffer) -> tuple[int, int]:
+    """``(ranks per NVLink domain, domains)``; one domain: the intranode 6-tuple handle."""
+    return buffer.num_nvl_ranks, buffer.group_size // buffer.num_nvl_ranks
+
+
+def _channels(buffer, config) -> int:
+    """Channels the handle's prefix matrices have: the reference backend's fixed count, else the kernels'
+    for the config (one per SM pair; internode: as ``internode.plans.default_channels``)."""
+    oracle = getattr(buffer.runtime, "oracle", None)
+    if oracle is not None:
+        return int(oracle.num_channels)
+    local, domains = _domains(buffer)
+    if domains == 1:
+        return int(config.num_sms) // 2
+    from ..ops.internode.plans import default_channels
+
+    return default_channels(config, local, domains)
+
+
+def in_rank_index(buffer) -> int:
+    """Where a handle holds ``is_token_in_rank``: 4 in the intranode 6-tuple, 0 in the internode 10-tuple."""
+    return 4 if _domains(buffer)[1] == 1 else 0
+
+
+def _handle_specs(buffer, config, num_tokens, rows, nvl_rows) -> list:
+    """``(shape, dtype)`` of the handle's entries other than ``is_token_in_rank``, in handle order."""
+    num_ranks = buffer.group_size
+    local, domains = _domains(buffer)
+    c = _channels(buffer, config)
+    if domains == 1:
+        return [((num_ranks, num_ranks), _I32), ((num_ranks, c), _I32), ((num_ranks, c), _I32), ((rows,), _I32),
+                ((num_tokens, num_ranks), _I32)]
+    return [((domains, c), _I32), ((num_ranks, c), _I32), ((domains, c), _I32), ((domains,), _I32),
+            ((num_ranks, c), _I32), ((num_ranks,), _I32), ((rows, 8), _U8), ((num_tokens, domains), _I32),
+            ((nvl_rows, local), _I32)]
+
+
+def _dispatch_specs(buffer, config, x, x_scales, num_tokens_per_expert, topk_idx, topk_weights, worst, rows,
+                    nvl_rows) -> list:
+    """``(shape, dtype, on the host)`` of the dispatch op's outputs."""
+    specs = [((rows, x.shape[1]), x.dtype, False)]
+    if x_scales is not None:
+        specs.append(((rows, *x_scales.shape[1:]), torch.float32, False))
+    if topk_idx is not None:
+        specs.append(((rows, topk_idx.shape[1]), _I64, False))
+        if topk_weights is not None:
+            specs.append(((rows, topk_idx.shape[1]), torch.float32, False))
+    specs += [(shape, dtype, False) for shape, dtype in _handle_specs(buffer, config, x.shape[0], rows, nvl_rows)]
+    if worst == 0:  # received tokens per local expert, read back on the host
+        specs.append(((num_tokens_per_expert.shape[0] // buffer.group_size,), _I64, True))
+    return specs
+
+
+def _check_outputs(op: str, outs: list, specs: list) -> None:
+    """The real outputs against what the fake implementation said (a mismatch would corrupt the graph)."""
+    for i, (t, (shape, dtype, _)) in enumerate(zip(outs, specs, strict=True)):
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise RuntimeError(f"deepep_cupy::{op} output {i} is {tuple(t.shape)} {t.dtype}, but the traced graph "
+                               f"expects {tuple(shape)} {dtype}")
+
+
+def _remember(buffer, handle) -> None:
+    """Mark a GPU handle as an op's own (its class and host-side attributes come back in ``_handle``)."""
+    if isinstance(handle, OpHandle):
+        remember_handle(handle[1], ("normal", type(handle), dict(getattr(handle, "__dict__", {}))))
+
+
+def _handle(buffer, entries: list):
+    """The handle tuple from its tensors: on the GPU the class a dispatch returns (host-side attributes,
+    no index checks) when they are an op's own, else a plain tuple (checked like a caller's)."""
+    handle = tuple(entries)
+    if buffer.backend != "cuda":
+        return handle
+    found = handle_entry(entries[1])
+    if found is None or found[0] != "normal":
+        return handle
+    _, cls, attrs = found
+    own = tuple.__new__(cls, handle)
+    if attrs:  # an OpHandle has no attributes (nor a __dict__)
+        own.__dict__.update(attrs)
+    return own
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+@define("layout")
+def layout(bid: int, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    buffer = buffer_of(bid)
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    if per_rdma is None:
+        per_rdma = topk_idx.new_empty((0,), dtype=_I32)
+    return tuple(fresh([per_rank, per_rdma, per_expert, in_rank], [topk_idx]))
+
+
+@layout.register_fake
+def _(bid, topk_idx, num_experts):
+    buffer = buffer_of(bid)
+    domains = _domains(buffer)[1]
+    new = topk_idx.new_empty
+    return (new((buffer.group_size,), dtype=_I32), new((domains if domains > 1 else 0,), dtype=_I32),
+            new((num_experts,), dtype=_I32), new((topk_idx.shape[0], buffer.group_size), dtype=_BOOL))
+
+
+def get_dispatch_layout(buffer, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
+                        allocate_on_comm_stream: bool = False):
+    """``Buffer.get_dispatch_layout`` while dynamo traces (the event is empty)."""
+    no_event(previous_event)
+    per_rank, per_rdma, per_expert, in_rank = torch.ops.deepep_cupy.layout(buffer_id(buffer), topk_idx,
+                                                                            int(num_experts))
+    return per_rank, (per_rdma if _domains(buffer)[1] > 1 else None), per_expert, in_rank, NO_EVENT
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+# It waits for the received counts on the host: never inside a CUDA graph (inductor leaves it out).
+_HOST_WAIT = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@define("dispatch", tags=_HOST_WAIT)
+def dispatch_op(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_tokens_per_rank: torch.Tensor | None,
+                num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+                num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor | None,
+                topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int,
+                config: list[int]) -> list[torch.Tensor]:
+    buffer = buffer_of(bid)
+    cfg = config_of(config)
+    recv, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
+        x if x_scales is None else (x, x_scales), None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+        is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg)
+    outs = list(recv) if x_scales is not None else [recv]
+    outs += [t for t in (recv_topk_idx, recv_topk_weights) if t is not None]
+    skip = in_rank_index(buffer)
+    outs += [t for i, t in enumerate(handle) if i != skip]
+    if num_worst_tokens == 0:
+        outs.append(torch.tensor(counts, dtype=_I64))
+    nvl_rows = handle[9].shape[0] if len(handle) == 10 else 0
+    _check_outputs("dispatch", outs, _dispatch_specs(buffer, cfg, x, x_scales, num_tokens_per_expert, topk_idx,
+                                                     topk_weights, num_worst_tokens, outs[0].shape[0], nvl_rows))
+    _remember(buffer, handle)
+    return fresh(outs, [x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                        num_tokens_per_expert, topk_idx, topk_weights])
+
+
+@dispatch_op.register_fake
+def _(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config):
+    buffer = buffer_of(bid)
+    rows = nvl_rows = num_worst_tokens
+    if num_worst_tokens == 0:  # the received rows are known once the counts came back to the host
+        ctx = torch.library.get_ctx()
+        rows = ctx.new_dynamic_size()
+        nvl_rows = ctx.new_dynamic_size() if _domains(buffer)[1] > 1 else 0  # forwarded rows (internode)
+    specs = _dispatch_specs(buffer, config_of(config), x, x_scales, num_tokens_per_expert, topk_idx, topk_weights,
+                            num_worst_tokens, rows, nvl_rows)
+    return [x.new_empty(shape, dtype=dtype, device="cpu" if host else None) for shape, dtype, host in specs]
+
+
+@define("cached_dispatch")
+def cached_dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, handle: list[torch.Tensor],
+                    config: list[int]) -> list[torch.Tensor]:
+    buffer = buffer_of(bid)
+    recv = buffer.dispatch(x if x_scales is None else (x, x_scales), _handle(buffer, handle),
+                           config=config_of(config))[0]
+    outs = list(recv) if x_scales is not None else [recv]
+    rows = _cached_rows(buffer, handle)
+    if outs[0].shape[0] < rows:
+        # The reference backend returns only the received rows for a handle of a num_worst_tokens dispatch;
+        # the kernels (and DeepEP) return as many rows as the handle has, as the traced graph expects.
+        outs = [torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]) for t in outs]
+    return fresh(outs, [x, x_scales, *handle])
+
+
+def _cached_rows(buffer, handle):
+    """Rows a cached dispatch returns: those of the handle's ``recv_src_idx`` (internode: ``recv_src_meta``)."""
+    return handle[3].shape[0] if in_rank_index(buffer) == 4 else handle[7].shape[0]
+
+
+@cached_dispatch.register_fake
+def _(bid, x, x_scales, handle, config):
+    rows = _cached_rows(buffer_of(bid), handle)
+    outs = [x.new_empty((rows, x.shape[1]))]
+    if x_scales is not None:
+        outs.append(x_scales.new_empty((rows, *x_scales.shape[1:]), dtype=torch.float32))
+    return outs
+
+
+def dispatch(buffer, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+             num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment: int = 1,
+             num_worst_tokens: int = 0, config=None, previous_event=None, async_finish: bool = False,
+             allocate_on_comm_stream: bool = False):
+    """``Buffer.dispatch`` while dynamo traces (the event is empty). Without ``num_worst_tokens`` the row
+    count is unbacked and the per-expert list needs ``torch._dynamo.config.capture_scalar_outputs``."""
+    no_event(previous_event)
+    bid = buffer_id(buffer)
+    data, scales = x if isinstance(x, (tuple, list)) else (x, None)
+    cfg = list(_resolved(buffer, config, "dispatch"))
+    if handle is not None:
+        outs = torch.ops.deepep_cupy.cached_dispatch(bid, data, scales, list(handle), cfg)
+        return (outs[0] if scales is None else (outs[0], outs[1])), None, None, None, None, NO_EVENT
+    if is_token_in_rank is None or num_tokens_per_expert is None:
+        raise ValueError("a dispatch without handle needs is_token_in_rank and num_tokens_per_expert")
+    worst = int(num_worst_tokens)
+    outs = _dispatch_fn(bid, data, scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                        num_tokens_per_expert, topk_idx, topk_weights, int(expert_alignment), worst, cfg)
+    recv, i = (outs[0], 1) if scales is None else ((outs[0], outs[1]), 2)
+    recv_topk_idx = recv_topk_weights = None
+    if topk_idx is not None:
+        recv_topk_idx, i = outs[i], i + 1
+        if topk_weights is not None:
+            recv_topk_weights, i = outs[i], i + 1
+    entries = list(outs[i:i + (5 if in_rank_index(buffer) == 4 else 9)])
+    entries.insert(in_rank_index(buffer), is_token_in_rank)
+    counts = [] if worst > 0 else outs[-1].tolist()
+    return recv, recv_topk_idx, recv_topk_weights, counts, tuple(entries), NO_EVENT
+
+
+# ---------------------------------------------------------------------------------------------------- combine
+@define("combine")
+def combine_op(bid: int, x: torch.Tensor, handle: list[torch.Tensor], topk_weights: torch.Tensor | None,
+               bias_0: torch.Tensor | None, bias_1: torch.Tensor | None, config: list[int]) -> list[torch.Tensor]:
+    buffer = buffer_of(bid)
+    bias = bias_0 if bias_1 is None else (bias_0, bias_1)
+    combined, combined_w, _ = buffer.combine(x, _handle(buffer, handle), topk_weights, bias, config_of(config))
+    outs = [combined] if topk_weights is None else [combined, combined_w]
+    return fresh(outs, [x, *handle, topk_weights, bias_0, bias_1])
+
+
+@combine_op.register_fake
+def _(bid, x, handle, topk_weights, bias_0, bias_1, config):
+    num_tokens = handle[in_rank_index(buffer_of(bid))].shape[0]
+    outs = [x.new_empty((num_tokens, x.shape[1]))]
+    if topk_weights is not None:
+        outs.append(topk_weights.new_empty((num_tokens, topk_weights.shape[1])))
+    return outs
+
+
+def combine(buffer, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    """``Buffer.combine`` while dynamo traces (the event is empty)."""
+    no_event(previous_event)
+    bias_0, bias_1 = bias if isinstance(bias, (tuple, list)) else (bias, None)
+    outs = _combine_fn(buffer_id(buffer), x, list(handle), topk_weights, bias_0, bias_1,
+                       list(_resolved(buffer, config, "combine")))
+    return outs[0], (outs[1] if topk_weights is not None else None), NO_EVENT
+
+
+def _dispatch_fn(*args):
+    return torch.ops.deepep_cupy.dispatch(*args)
+
+
+def _combine_fn(*args):
+    return torch.ops.deepep_cupy.combine(*args)
+
+
+from . import autograd  # noqa: E402,F401  (registers the backward of dispatch and combine)
