@@ -203,14 +203,11 @@ class Buffer(LowLatencyOps):
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's)."""
-        if _compiling() or gpu_count() == 0:  # torch.compile: its ops run in stream order, nothing to wait for
-            return EventOverlap(None)
-
-        dev = current_device_id()
-        return EventOverlap(DeviceEvent(current_stream_ptr(None, dev), None, dev))
         """An event recorded on the caller's current stream (torch's when torch uses CUDA, else CuPy's);
-        without a GPU an event that is already complete."""
+        without a GPU, or inside a compiled region (whose ops run in stream order), one with nothing to wait
+        for."""
+        if _compiling():
+            return EventOverlap(None)
         return EventOverlap(EventHandle())
 
     # ------------------------------------------------------------------ plumbing

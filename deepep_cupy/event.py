@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from .device.gpus import current_device_id, gpu_count
+from .device.streams import DeviceEvent, current_stream_ptr
+
 __all__ = ["EventHandle", "EventOverlap"]
 
 
@@ -16,12 +19,8 @@ class EventHandle:
     __slots__ = ("_event",)
 
     def __init__(self) -> None:
-        from .device.gpus import current_device_id, gpu_count
-
         self._event = None
         if gpu_count() > 0:
-            from .device.streams import DeviceEvent, current_stream_ptr
-
             dev = current_device_id()
             self._event = DeviceEvent(current_stream_ptr(None, dev), None, dev)
 

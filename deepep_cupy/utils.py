@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .device.gpus import current_device_id, gpu_count
 from .event import EventHandle, EventOverlap
 
 __all__ = ["EventHandle", "EventOverlap", "check_nvlink_connections"]
@@ -29,8 +30,6 @@ def check_nvlink_connections(group) -> None:
     Raises:
         ValueError: the GPUs are PCIe cards and the group has more than two ranks.
     """
-    from .device.gpus import current_device_id, gpu_count
-
     if gpu_count() == 0:
         return
     import cupy

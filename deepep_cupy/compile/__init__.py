@@ -14,7 +14,7 @@ compiled region every op finishes on the current stream (``async_finish`` and
 ``allocate_on_comm_stream`` are ignored there, ``previous_event`` must carry no event).
 
 Modules: ``common`` (registry, handle bookkeeping, output hygiene), ``low_latency`` (decoding ops,
-hooks, zero-copy), ``normal`` (layout, dispatch, cached dispatch, combine and their autograd). Those
+hooks, zero-copy), ``normal`` (layout, dispatch, cached dispatch, combine and their backward formulas). Those
 import torch; this module does not.
 """
 
