@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
 #   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode
-#       tests-low-latency tests-graphs tests-pressure tests-internode startup host bench
+#       tests-low-latency tests-graphs tests-frameworks tests-pressure tests-internode startup host bench deepep
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
 # MPS_PCT=<p>: run the NGPU ranks on one GPU under MPS, each rank limited to p% of its SMs. A low-latency
@@ -30,7 +30,7 @@ if [ -n "${MPS_PCT:-}" ]; then
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_PCT
     MPIRUN+=(-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
 fi
-STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-pressure tests-internode startup bench}
+STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-frameworks tests-pressure tests-internode startup bench}
 SUMMARY=()
 if [ -n "${MPS_PCT:-}" ]; then
     timeout 120 "${MPIRUN[@]}" python3 tools/mps_residency.py > "$OUT/mps_residency.log" 2>&1
@@ -55,19 +55,11 @@ stage_info() {
 }
 
 stage_compile() {
-    # Cold compile of every shipped kernel on this node (timed), then a warm pass.
-    python3 - > "$OUT/compile.log" 2>&1 <<'PY'
-import importlib, time
-import deepep_cupy.ops as ops
-from deepep_cupy.jit import build
-specs = []
-for family in ops.FAMILIES:
-    specs += importlib.import_module(f"deepep_cupy.ops.{family}").representative_builds()
-t = time.time(); [build(s) for s in specs]; cold = time.time() - t
-t = time.time(); [build(s) for s in specs]; warm = time.time() - t
-print(f"COMPILE {len(specs)} kernels: cold {cold:.1f} s, warm {warm*1e3:.0f} ms")
-PY
-    SUMMARY+=("compile: $(grep -h COMPILE "$OUT/compile.log" || tail -1 "$OUT/compile.log")")
+    # Every shipped kernel into the cache, in parallel (cold on a fresh node), then a verifying pass.
+    timeout 600 python3 -m deepep_cupy.jit precompile > "$OUT/compile.log" 2>&1
+    local rc=$?
+    timeout 120 python3 -m deepep_cupy.jit precompile >> "$OUT/compile.log" 2>&1
+    SUMMARY+=("compile (rc $rc): $(grep -h '^precompile: .* compiled' "$OUT/compile.log" | tr '\n' ';')")
 }
 
 run_tests() {  # name, test path, timeout
@@ -99,12 +91,21 @@ stage_startup() {
     SUMMARY+=("$(grep -h STARTUP "$OUT/startup.log" | tr '\n' ';')")
 }
 
-stage_host() {
-    timeout 180 python3 tools/host_overhead.py --profile > "$OUT/host.log" 2>&1
-    SUMMARY+=("host overhead: $(grep -A40 "HOST OVERHEAD" "$OUT/host.log" | tail -n +2 | tr -s ' ' | tr '\n' ';')")
+stage_host() {  # each op's host time with its profile and the floors, then the host bench (host vs GPU, decode step)
+    timeout 240 "${MPIRUN[@]}" python3 tools/host_profile.py --out "$OUT/host_profile.txt" > "$OUT/host.log" 2>&1
+    timeout 240 "${MPIRUN[@]}" python3 -m deepep_cupy.bench host > "$OUT/bench_host.log" 2>&1
+    SUMMARY+=("host: $(grep -hE '^(HOST|FLOOR) ' "$OUT/host_profile.txt" 2>/dev/null | tr -s ' ' | tr '\n' ';')")
 }
 
 stage_tests-misc() { run_tests tests-misc "tests/gpu/test_buffer_misc.py tests/gpu/test_mixed_modes.py" 200; }
+stage_tests-frameworks() {
+    run_tests tests-frameworks "tests/gpu/test_frameworks.py tests/gpu/test_torch_compile.py" ${FW_TIMEOUT:-300}
+}
+stage_deepep() {  # DeepEP's own test scripts through the alias (and DeepEP itself when built): DEEPEP_DIR=...
+    OUT=$OUT bash tools/deepep_tests.sh "${DEEPEP_DIR:?set DEEPEP_DIR to a DeepEP checkout}" \
+        ${DEEPEP_TESTS:-low_latency low_latency_logfmt intranode} > "$OUT/deepep.log" 2>&1
+    SUMMARY+=("deepep: $(grep -c '^== ' "$OUT/deepep.log") runs, see below")
+}
 
 stage_bench() {
     timeout 420 "${MPIRUN[@]}" python3 -m deepep_cupy.bench ${BENCH_SUITE:-all} ${BENCH_ARGS:-} --suite-timeout ${SUITE_TIMEOUT:-180} --num-sms 24 --json "$OUT/bench.json" \
@@ -121,6 +122,7 @@ done
     echo "================ summary ($NGPU ranks)"
     printf '%s\n' "${SUMMARY[@]}"
     if [ -f "$OUT/bench.log" ]; then sed -n '/ranks, /,$p' "$OUT/bench.log"; fi
+    if [ -f "$OUT/deepep.log" ]; then cat "$OUT/deepep.log"; fi
 } | tee "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
     # Few files come back from a remote run: keep the summary, table and plot, pack the logs.
