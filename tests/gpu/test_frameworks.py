@@ -65,6 +65,12 @@ def reference_backend():
             os.environ["DEEPEP_CUPY_BACKEND"] = saved
 
 
+#: Results whose inputs come out of the framework's own reductions (the gradient of the router probabilities
+#: sums over the hidden size in torch's backward), which do not add up in the same order on the CPU and the
+#: GPU: close, but not expected bit-identical.
+_DEVICE_ROUNDED = ("probs.grad",)
+
+
 def same_results(got: dict, want: dict) -> None:
     """GPU against reference: received tokens bit for bit; bf16 sums close and nearly all bit-identical."""
     for key, want_value in want.items():
@@ -74,6 +80,8 @@ def same_results(got: dict, want: dict) -> None:
             np.testing.assert_array_equal(bits(a), bits(b), err_msg=key)
             continue
         np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=key)
+        if key in _DEVICE_ROUNDED:
+            continue
         exact = float(np.mean(a == b)) if a.size else 1.0
         assert exact > 0.99, f"{key}: only {exact:.2%} of the values equal the reference's"
 
