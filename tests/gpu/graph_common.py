@@ -14,20 +14,10 @@ import zlib
 
 import numpy as np
 import pytest
-from gpu_common import MULTI_RANK_GPU, bits, to_dev
-from ll_common import check
-
-
-def _torch_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
+from gpu_common import MULTI_RANK_GPU, bits, check, to_dev, torch_cuda
 
 #: The marks of a graph test: GPUs, two or more MPI ranks, torch with CUDA (never skipped where it has CUDA).
-GRAPH_MARKS = [*MULTI_RANK_GPU, pytest.mark.skipif(not _torch_cuda(), reason="needs torch with CUDA")]
+GRAPH_MARKS = [*MULTI_RANK_GPU, pytest.mark.skipif(not torch_cuda(), reason="needs torch with CUDA")]
 REPLAYS = 10
 
 

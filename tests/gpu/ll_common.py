@@ -1,24 +1,33 @@
-"""What the low-latency GPU test files share: marks, the workload shapes, the module fixture's body, the
-collective failure checks, and one dispatch + combine round compared with the NumPy reference backend;
-also the fixture bodies of the files that use only the public API (a reference-backend Buffer as the
-oracle, a low-latency Buffer, an intranode Buffer).
+"""What the low-latency GPU test files share: marks, the workload shapes, the ``env`` of the modules that
+test the engine itself, and one dispatch + combine round compared with the NumPy reference backend.
 
-Imported by test_low_latency*.py, test_pressure.py and test_torch_graphs*.py (pytest puts this folder on
-``sys.path``). Every helper that runs a kernel or the reference is collective: all ranks call it in the
-same order with the same shapes (data differs per rank).
+Imported by test_low_latency*.py, test_handle_values.py, test_pressure.py and test_torch_graphs*.py (pytest
+puts this folder on ``sys.path``). Every helper that runs a kernel or the reference is collective: all ranks
+call it in the same order with the same shapes (data differs per rank).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 
 import numpy as np
 import pytest
-from gpu_common import BF16, COMM, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
-
-from deepep_cupy.device.gpus import gpu_count
+from gpu_common import (
+    BF16,
+    COMM,
+    MULTI_RANK_GPU,
+    bf16,
+    bits,
+    check,
+    collective_buffer,
+    frameworks,
+    sync,
+    to_dev,
+    to_np,
+    with_wait_budget,
+)
+from reference_cases import ll_combine, ll_dispatch
 
 
 def have_nvshmem4py() -> bool:
@@ -33,61 +42,16 @@ NEEDS_NVSHMEM = pytest.mark.skipif(not have_nvshmem4py(), reason="needs nvshmem4
 #: The marks of a low-latency test: GPUs, two or more MPI ranks, nvshmem4py.
 LL_MARKS = [*MULTI_RANK_GPU, NEEDS_NVSHMEM]
 
-TEST_TIMEOUT_S = "30"
+#: The kernels' wait budget of the tests where a peer stays silent on purpose.
 SHORT_TIMEOUT_S = "2"
 # The DeepEP workload (its tests/test_low_latency.py): 128 tokens, hidden 7168, top-8 of 288 experts.
 T_BIG, H_BIG, E_BIG, K_BIG = 128, 7168, 288, 8
 T_SMALL, H_SMALL, E_SMALL = 32, 2048, 16
+#: The frameworks of the low-latency tests: every case of theirs has BF16 tokens.
+FRAMEWORKS = frameworks(BF16)
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def frameworks():
-    fws = []
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            fws.append("torch")
-    except ImportError:
-        pass
-    from deepep_cupy.frameworks import cupy_holds
-
-    if cupy_holds(BF16):
-        fws.append("cupy")
-    return fws
-
-
-FRAMEWORKS = frameworks()
-
-
-def agree(failures: list[str]) -> None:
-    """Collective check: every rank raises if any rank collected a failure."""
-    everything = COMM.allgather(failures)
-    bad = [f"rank {r}: {msg}" for r, msgs in enumerate(everything) for msg in msgs]
-    if bad:
-        pytest.fail("\n".join(bad[:20]))
-
-
-def check(failures: list[str], what: str, fn) -> None:
-    try:
-        fn()
-    except AssertionError as exc:
-        failures.append(f"{what}: {str(exc)[:800]}")
-
-
-def sync():
-    import cupy
-
-    cupy.cuda.Device().synchronize()
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-    except ImportError:
-        pass
-
-
 def routing(rng, n, num_experts, k, masked_slots=10, empty_tokens=0):
     """Top-k of random scores (distinct experts per token), ``masked_slots`` random slots set to -1, and
     ``empty_tokens`` random tokens that select no expert at all; plus float32 weights."""
@@ -116,55 +80,27 @@ def hint(t, h, e):
     return deepep_cupy.Buffer.get_low_latency_rdma_size_hint(t, h, COMM.Get_size(), e)
 
 
-# ------------------------------------------------------------------------------------------- fixture
-@contextlib.contextmanager
-def bound_rank():
-    """This rank's GPU bound (CuPy and, when it has CUDA, torch) and the kernels' wait budget set to the
-    suite's; yields ``(rank, size, device)``, then restores the budget. Shared by the fixtures below."""
-    import cupy
-
-    saved_timeout = os.environ.get("DEEPEP_CUPY_TIMEOUT_S")
-    os.environ["DEEPEP_CUPY_TIMEOUT_S"] = TEST_TIMEOUT_S
-    rank, size = COMM.Get_rank(), COMM.Get_size()
-    dev = rank % gpu_count()
-    cupy.cuda.Device(dev).use()
-    if "torch" in FRAMEWORKS:
-        import torch
-
-        torch.cuda.set_device(dev)
-    try:
-        yield rank, size, dev
-    finally:
-        if saved_timeout is None:
-            os.environ.pop("DEEPEP_CUPY_TIMEOUT_S", None)
-        else:
-            os.environ["DEEPEP_CUPY_TIMEOUT_S"] = saved_timeout
-
-
-def ll_env(*, with_buffer: bool = True):
-    """Body of a test module's ``env`` fixture (``yield from ll_env()``): binds this rank's GPU, sets the
-    kernels' wait budget, and with ``with_buffer`` creates the low-latency Buffer sized for every shape
-    used here plus the reference backend; destroys the Buffer and restores the budget at the end."""
-    import deepep_cupy
+def reference_oracle(*, enable_shrink=False):
+    """The NumPy reference backend in low-latency mode over the MPI world (collective)."""
     from deepep_cupy.device.group import MPIGroup
     from deepep_cupy.reference.oracle import ReferenceOracle
 
-    with bound_rank() as (rank, size, dev):
-        state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy, "buf": None, "ref": None}
-        if with_buffer:
-            # The largest buffer first: NVSHMEM sizes its symmetric heap from the first request.
-            num_bytes = max(hint(T_BIG, H_BIG, E_BIG), hint(T_BIG, 4096, 32), hint(T_SMALL, H_SMALL, E_SMALL))
-            state["buf"] = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=num_bytes, low_latency_mode=True,
-                                              num_qps_per_rank=E_BIG // size, explicitly_destroy=True)
-            state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True,
-                                            enable_shrink=False)
-        try:
-            yield state
-        finally:
-            sync()
-            COMM.Barrier()
-            if state["buf"] is not None:
-                state["buf"].destroy()
+    return ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=COMM.Get_size(), low_latency_mode=True,
+                           enable_shrink=enable_shrink)
+
+
+# ------------------------------------------------------------------------------------------- env
+@contextlib.contextmanager
+def with_low_latency_buffer(state):
+    """``ENV`` of the modules that test the low-latency engine itself: the kernels' wait budget at the
+    suite's, ``state["buf"]`` a low-latency Buffer sized for every shape used here and ``state["ref"]`` the
+    NumPy reference backend."""
+    # The largest buffer first: NVSHMEM sizes its symmetric heap from the first request.
+    num_bytes = max(hint(T_BIG, H_BIG, E_BIG), hint(T_BIG, 4096, 32), hint(T_SMALL, H_SMALL, E_SMALL))
+    with with_wait_budget(state), collective_buffer(num_rdma_bytes=num_bytes, low_latency_mode=True,
+                                                    num_qps_per_rank=E_BIG // state["size"]) as buf:
+        state["buf"], state["ref"] = buf, reference_oracle()
+        yield
 
 
 # ------------------------------------------------------------------------------------------- one round
@@ -186,19 +122,22 @@ def dispatch_both(env, fw, x, topk, t_max, num_experts, *, fp8, round_scale=Fals
     else:
         assert recv_hook is None
     sync()
-    r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
-        x, topk, num_max_dispatch_tokens_per_rank=t_max, num_experts=num_experts,
-        cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, return_recv_hook=False, **kw)
-    ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1])}
-    refs = {"count": np.asarray(r_count), "src_info": np.asarray(r_handle[0]), "layout": np.asarray(r_handle[1])}
-    if fp8:
-        ours["x"], ours["scales"] = to_np(recv[0]), to_np(recv[1])
-        refs["x"], refs["scales"] = r_recv
-    else:
-        ours["x"], refs["x"] = to_np(recv), r_recv
+    r_recv, r_count, r_handle, _ = ll_dispatch(ref, x, topk, num_experts, num_max_dispatch_tokens_per_rank=t_max, **kw)
+    ours, refs = dispatch_arrays(recv, count, handle), dispatch_arrays(r_recv, r_count, r_handle)
     if stats:
         ours["cum"], ours["wait"] = to_np(cum), to_np(wait)
     return ours, refs, handle, r_handle
+
+
+def dispatch_arrays(recv, count, handle) -> dict:
+    """A low-latency dispatch's outputs (the GPU's or the reference's) as NumPy, keyed as dispatch_failures
+    compares them: ``recv`` is the received rows, or ``(rows, scales)`` in FP8."""
+    out = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1])}
+    if isinstance(recv, (tuple, list)):
+        out["x"], out["scales"] = to_np(recv[0]), to_np(recv[1])
+    else:
+        out["x"] = to_np(recv)
+    return out
 
 
 def dispatch_failures(ours, refs, *, fp8) -> list[str]:
@@ -250,8 +189,7 @@ def combine_both(env, fw, expert_out, topk, weights, handle, r_handle, *, logfmt
     if out:
         assert combined is out_dev
     sync()
-    r_combined, _ = ref.low_latency_combine(expert_out, topk, weights, r_handle, use_logfmt=logfmt, zero_copy=False,
-                                            return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
+    r_combined, _ = ll_combine(ref, expert_out, topk, weights, r_handle, use_logfmt=logfmt)
     return to_np(combined), np.asarray(r_combined)
 
 
@@ -323,15 +261,11 @@ def small_data(rank, seed):
 def ref_round(env, x, topk, w, expert_out_fn):
     """Reference dispatch + combine of one round (collective). expert_out_fn(counts) makes the expert outputs."""
     ref = env["ref"]
-    r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
-        x, topk, num_max_dispatch_tokens_per_rank=T_BIG, num_experts=E_BIG, use_fp8=True, round_scale=False,
-        use_ue8m0=False, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-        return_recv_hook=False)
+    r_recv, r_count, r_handle, _ = ll_dispatch(ref, x, topk, E_BIG, num_max_dispatch_tokens_per_rank=T_BIG,
+                                               use_fp8=True)
     expert_out = expert_out_fn(np.asarray(r_count))
-    r_combined, _ = ref.low_latency_combine(expert_out, topk, w, r_handle, use_logfmt=False, zero_copy=False,
-                                            return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
-    theirs = {"count": r_count, "src_info": r_handle[0], "layout": r_handle[1], "x": r_recv[0], "scales": r_recv[1]}
-    return theirs, expert_out, np.asarray(r_combined)
+    r_combined, _ = ll_combine(ref, expert_out, topk, w, r_handle)
+    return dispatch_arrays(r_recv, r_count, r_handle), expert_out, np.asarray(r_combined)
 
 
 def kernel_error(env) -> list[str]:
@@ -343,70 +277,6 @@ def kernel_error(env) -> list[str]:
     except DeepEPTimeoutError as exc:
         return [f"kernel timeout: {exc}"]
     return []
-
-
-# ------------------------------------------------------------------------------------------- public-API fixtures
-# test_torch_graphs.py and test_pressure.py use only the public API: Buffer, Config, and for the oracle a
-# Buffer with backend='reference' (NumPy in, NumPy out; collective over the same MPI world).
-def public_env():
-    """Body of a module fixture: binds this rank's GPU (CuPy and, when it has CUDA, torch), sets the
-    kernels' wait budget, and makes the reference Buffer; destroys it and restores the budget at the end."""
-    import deepep_cupy
-
-    with bound_rank() as (rank, size, dev):
-        ref = deepep_cupy.Buffer(comm=COMM, low_latency_mode=True, explicitly_destroy=True, backend="reference")
-        state = {"rank": rank, "size": size, "dev": dev, "ref": ref}
-        try:
-            yield state
-        finally:
-            sync()
-            COMM.Barrier()
-            ref.destroy()
-
-
-def ll_buffer(shapes):
-    """Body of a module fixture: one low-latency Buffer sized for every ``(T, hidden, experts)`` in
-    ``shapes`` (Buffer.get_low_latency_rdma_size_hint), destroyed at the end."""
-    import deepep_cupy
-
-    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=max(hint(*s) for s in shapes), low_latency_mode=True,
-                             explicitly_destroy=True)
-    try:
-        yield buf
-    finally:
-        sync()
-        COMM.Barrier()
-        buf.destroy()
-
-
-def nvl_buffer(hidden):
-    """Body of a module fixture: an intranode Buffer sized by Config.get_nvl_buffer_size_hint for BF16 rows of
-    ``hidden`` under the recommended dispatch and combine configs; yields ``(buffer, dispatch config,
-    combine config)`` and destroys the Buffer at the end."""
-    import deepep_cupy
-
-    size = COMM.Get_size()
-    dcfg, ccfg = deepep_cupy.Buffer.get_dispatch_config(size), deepep_cupy.Buffer.get_combine_config(size)
-    num_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, size) for c in (dcfg, ccfg))
-    buf = deepep_cupy.Buffer(comm=COMM, num_nvl_bytes=num_bytes, explicitly_destroy=True)
-    try:
-        yield buf, dcfg, ccfg
-    finally:
-        sync()
-        COMM.Barrier()
-        buf.destroy()
-
-
-def together(fn):
-    """Run ``fn()`` on every rank and return its result; if it raised on any rank, fail the test on every
-    rank (an allgather, so call it where no rank can be inside another collective)."""
-    result, errors = None, []
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - reported on every rank by agree
-        errors.append(f"{type(exc).__name__}: {str(exc)[:800]}")
-    agree(errors)
-    return result
 
 
 def valid_rows(recv, count_np):

@@ -1,24 +1,14 @@
-"""What the normal-mode GPU tests (intranode, internode) share: frameworks, routing and token data, output
-poisoning and the combine check. Imported by the test files next to it.
+"""What the normal-mode GPU tests (intranode, internode) share: routing and token data, output poisoning,
+the combine check and the cached-dispatch and combine rounds. Imported by the test files next to it.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
-from gpu_common import FP8, bf16, bits, to_dev, to_np
-
-
-def frameworks():
-    fws = ["cupy"]
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            fws.insert(0, "torch")
-    except ImportError:
-        pass
-    return fws
+from gpu_common import COMM, FP8, bf16, bits, to_dev, to_np
 
 
 def cupy_holds(dtype) -> bool:
@@ -114,6 +104,17 @@ def check_combine(ours, refs, num_tokens):
     assert cx.shape[0] == num_tokens
 
 
+def digest(arrays, counts) -> str:
+    """SHA-256 of device arrays' bytes and of a counts list: equal digests, bit-identical results."""
+    import cupy
+
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(cupy.ascontiguousarray(cupy.asarray(a)).view(cupy.uint8).get().tobytes())
+    h.update(repr(counts).encode())
+    return h.hexdigest()
+
+
 def cached_dispatch_round(env, fw, rng, *, handle, ref_handle, n, hidden, fp8, column_major, align, num_recv, cfg,
                           own_copies=None):
     """A cached dispatch of fresh tokens with ``handle``, compared with the reference's on ``ref_handle``.
@@ -141,7 +142,6 @@ def poison_staging(env):
     """Fill this rank's staging area of the combine's copy mode with 0xAB, then wait for every rank to have
     done the same (peers copy into it as soon as they start their combine)."""
     import cupy
-    from gpu_common import COMM
 
     pool = output_pool(env.get("buf"))
     if pool is None or not getattr(pool, "staging_bytes", 0):

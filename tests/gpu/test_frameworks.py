@@ -1,4 +1,4 @@
-"""Megatron-Core's, SGLang's and vLLM's calls (tests/unit/_fw_megatron.py, _fw_serving.py) on CUDA tensors,
+"""Megatron-Core's, SGLang's and vLLM's calls (tests/unit/fw_megatron.py, fw_serving.py) on CUDA tensors,
 through ``import deep_ep``: each scenario checks itself against the dense oracle, and its results are compared
 with the same scenario on the reference backend (CPU tensors, same ranks and groups). GPU-only additions:
 Megatron's calls on a side stream (its overlapped-communication stream), and SGLang's / vLLM's decode step
@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import numpy as np
 import pytest
-from gpu_common import COMM, MULTI_RANK_GPU, bits
-from ll_common import NEEDS_NVSHMEM, bound_rank, sync, together
+from gpu_common import COMM, MULTI_RANK_GPU, TEST_TIMEOUT_S, bind_rank, bits, sync, together
+from ll_common import NEEDS_NVSHMEM
 
 torch = pytest.importorskip("torch")
 pytestmark = [*MULTI_RANK_GPU, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")]
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
-import _fw_megatron as M  # noqa: E402
-import _fw_serving as S  # noqa: E402
-from _fw_common import bf16, close, deep_ep_alias, num_tokens, tensor, to_np, weighted_sum  # noqa: E402
+import fw_megatron as M  # noqa: E402
+import fw_serving as S  # noqa: E402
+from fw_common import bf16, close, deep_ep_alias, num_tokens, tensor, to_np, weighted_sum  # noqa: E402
 
 H_NORMAL, H_LL, K, T = 256, 512, 4, 32
 REPLAYS = 3
@@ -41,7 +39,10 @@ def env():
 
     from deepep_cupy.device.group import init_torch_distributed
 
-    with bound_rank() as (rank, size, dev), deep_ep_alias() as deep_ep:
+    state = bind_rank()
+    with pytest.MonkeyPatch.context() as mp, deep_ep_alias() as deep_ep:
+        mp.setenv("DEEPEP_CUPY_TIMEOUT_S", TEST_TIMEOUT_S)
+        size = state["size"]
         init_torch_distributed(COMM, "gloo")
         saved = (deep_ep.Buffer.num_sms, deep_ep.Buffer._num_sms_set)
         try:

@@ -10,39 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_common import COMM, bf16, to_dev, to_np
-from ll_common import (
-    E_SMALL,
-    FRAMEWORKS,
-    LL_MARKS,
-    T_SMALL,
-    agree,
-    ll_buffer,
-    nvl_buffer,
-    public_env,
-    routing,
-    small_data,
-    sync,
-)
+from gpu_common import COMM, agree, bf16, sync, to_dev, to_np, with_reference_buffer
+from ll_common import E_SMALL, FRAMEWORKS, LL_MARKS, T_SMALL, routing, small_data
 
 pytestmark = LL_MARKS
 HIDDEN = 2048
 MPI_MIN = __import__("mpi4py.MPI", fromlist=["MIN"]).MIN if COMM is not None else None
-
-
-@pytest.fixture(scope="module")
-def env():
-    yield from public_env()
-
-
-@pytest.fixture(scope="module")
-def nvl(env):
-    yield from nvl_buffer(HIDDEN)
-
-
-@pytest.fixture(scope="module")
-def ll(env):
-    yield from ll_buffer([(T_SMALL, HIDDEN, E_SMALL)])
+ENV = with_reference_buffer
+LL_SHAPES = [(T_SMALL, HIDDEN, E_SMALL)]
+NVL_HIDDEN = HIDDEN
 
 
 def _refused(failures, what, call, named):

@@ -10,25 +10,23 @@ same parameters (data differs per rank). Kernel waits use a 30 s budget, so a pr
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
 import time
 
 import numpy as np
 import pytest
-from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
+from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, frameworks, to_dev, to_np
 from normal_common import (
     cached_dispatch_round,
     check_combine,
     combine_round,
-    frameworks,
+    digest,
     inputs,
     poison,
     routing,
     skip_unless_framework_holds,
 )
-
-from deepep_cupy.device.gpus import gpu_count
 
 pytestmark = MULTI_RANK_GPU
 
@@ -40,34 +38,30 @@ def _domain_size() -> int:
     return int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
 
 
-@pytest.fixture(scope="module")
-def env():
-    import cupy
-
-    import deepep_cupy
+@contextlib.contextmanager
+def _with_buffers(state):
+    """The module's Buffer over ``DEEPEP_CUPY_NVL_RANKS``-rank domains (its kernels' budget set on it) and the
+    reference with the same domains and channels; ``state["L"]`` is the domain size."""
     from deepep_cupy.device.group import MPIGroup
     from deepep_cupy.ops.internode.plans import default_channels
     from deepep_cupy.reference.oracle import ReferenceOracle
 
-    rank, size = COMM.Get_rank(), COMM.Get_size()
-    lsize = _domain_size()
+    size, lsize = state["size"], _domain_size()
     if size % lsize or size // lsize < 2:
         pytest.fail(f"the internode tests need at least 2 domains: {size} ranks, DEEPEP_CUPY_NVL_RANKS={lsize}")
-    dev = rank % gpu_count()
-    cupy.cuda.Device(dev).use()
-    if "torch" in frameworks():
-        import torch
-
-        torch.cuda.set_device(dev)
-    state = {"rank": rank, "size": size, "L": lsize, "dev": dev, "deepep_cupy": deepep_cupy}
-    state["buf"] = _new_buffer(deepep_cupy, size, lsize)
+    state["L"] = lsize
+    state["buf"] = _new_buffer(state["deepep_cupy"], size, lsize)
     # The GPU kernels run several channels per SM pair: the reference splits the tokens the same way.
-    channels = default_channels(_cfg(deepep_cupy), lsize, size // lsize)
+    channels = default_channels(_cfg(state["deepep_cupy"]), lsize, size // lsize)
     state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
                                     num_channels=channels)
-    yield state
-    COMM.Barrier()
-    state["buf"].destroy()
+    try:
+        yield
+    finally:
+        state["buf"].destroy()  # the last one: tests replace it
+
+
+ENV = _with_buffers
 
 
 def _new_buffer(deepep_cupy, size, lsize):
@@ -194,8 +188,6 @@ def test_deepep_workload(env, fp8):
 
 def test_repeatable_hashes(env):
     """Twenty identical calls must produce identical bytes (a moving result is a race)."""
-    import cupy
-
     buf, fw = env["buf"], "cupy"
     rng = np.random.default_rng([99, env["rank"]])
     n, hidden, experts, k = 1024, 7168, 256, 8
@@ -210,11 +202,7 @@ def test_repeatable_hashes(env):
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=topk_dev, topk_weights=w_dev, config=cfg)
         comb, comb_w, _ = buf.combine(recv, handle, topk_weights=w, config=cfg)
-        h = hashlib.sha256()
-        for a in (recv, idx, w, comb, comb_w, *handle):
-            h.update(cupy.ascontiguousarray(cupy.asarray(a)).view(cupy.uint8).get().tobytes())
-        h.update(repr(counts).encode())
-        digests.add(h.hexdigest())
+        digests.add(digest((recv, idx, w, comb, comb_w, *handle), counts))
     assert len(digests) == 1, f"{len(digests)} different results over 20 identical calls"
 
 

@@ -11,17 +11,17 @@ shows up as DeepEPTimeoutError instead of a hang.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
 
 import numpy as np
 import pytest
-from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
+from gpu_common import BF16, COMM, FP8, MULTI_RANK_GPU, bf16, bits, frameworks, to_dev, to_np
 from normal_common import (
     cached_dispatch_round,
     check_combine,
     combine_round,
-    frameworks,
+    digest,
     in_output_pool,
     inputs,
     output_pool,
@@ -30,7 +30,6 @@ from normal_common import (
     skip_unless_framework_holds,
 )
 
-from deepep_cupy.device.gpus import gpu_count
 from deepep_cupy.ops.intranode.own_rows import MAX_RUNS as OWN_MAX_RUNS
 from deepep_cupy.ops.intranode.own_rows import MIN_ROWS as OWN_MIN_ROWS
 from deepep_cupy.ops.intranode.own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
@@ -45,29 +44,23 @@ TEST_TIMEOUT_S = 30.0
 os.environ.setdefault("DEEPEP_CUPY_OUTPUT_POOL_BYTES", str(1 << 30))
 
 
-# ------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def env():
-    import cupy
-
-    import deepep_cupy
+# ------------------------------------------------------------------------------------------- env
+@contextlib.contextmanager
+def _with_buffers(state):
+    """The module's Buffer (its kernels' budget set on it) and the reference, with the channels of NUM_SMS."""
     from deepep_cupy.device.group import MPIGroup
     from deepep_cupy.reference.oracle import ReferenceOracle
 
-    rank, size = COMM.Get_rank(), COMM.Get_size()
-    dev = rank % gpu_count()
-    cupy.cuda.Device(dev).use()
-    if "torch" in frameworks():
-        import torch
+    state["buf"] = _new_buffer(state["deepep_cupy"])
+    state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=state["size"], low_latency_mode=False,
+                                    enable_shrink=False, num_channels=NUM_SMS // 2)
+    try:
+        yield
+    finally:
+        state["buf"].destroy()  # the last one: tests replace it
 
-        torch.cuda.set_device(dev)
-    state = {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy}
-    state["buf"] = _new_buffer(deepep_cupy)
-    state["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=False, enable_shrink=False,
-                                    num_channels=NUM_SMS // 2)
-    yield state
-    COMM.Barrier()
-    state["buf"].destroy()
+
+ENV = _with_buffers
 
 
 def _new_buffer(deepep_cupy):
@@ -282,11 +275,7 @@ def test_repeatable_hashes(env):
                                                        num_tokens_per_expert=per_expert, topk_idx=topk_dev,
                                                        topk_weights=w_dev, config=cfg)
         comb, comb_w, _ = buf.combine(recv, handle, topk_weights=w, config=cfg)
-        h = hashlib.sha256()
-        for a in (recv, idx, w, comb, comb_w, *handle):
-            h.update(cupy.ascontiguousarray(cupy.asarray(a)).view(cupy.uint8).get().tobytes())
-        h.update(repr(counts).encode())
-        digests.add(h.hexdigest())
+        digests.add(digest((recv, idx, w, comb, comb_w, *handle), counts))
     assert len(digests) == 1, f"{len(digests)} different results over 20 identical calls"
     # The per-channel work counters of dispatch and combine are back to 0 once their kernels are done.
     assert int(cupy.count_nonzero(buf.runtime.intranode.work_claims)) == 0

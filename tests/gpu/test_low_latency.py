@@ -17,7 +17,7 @@ import hashlib
 
 import numpy as np
 import pytest
-from gpu_common import bf16, bits, to_dev, to_np
+from gpu_common import agree, bf16, bits, sync, to_dev, to_np
 from ll_common import (
     E_BIG,
     E_SMALL,
@@ -27,21 +27,16 @@ from ll_common import (
     LL_MARKS,
     T_BIG,
     T_SMALL,
-    agree,
-    ll_env,
+    dispatch_arrays,
     make_expert_out,
     routing,
     run_round,
-    sync,
     valid_hash,
+    with_low_latency_buffer,
 )
 
 pytestmark = LL_MARKS
-
-
-@pytest.fixture(scope="module")
-def env():
-    yield from ll_env()
+ENV = with_low_latency_buffer
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -253,9 +248,7 @@ def test_repeats_are_bit_identical(env):
         recv, count, handle, _e, _h = buf.low_latency_dispatch(x_dev, topk_dev, T_BIG, E_BIG, use_fp8=True)
         combined, _e, _h = buf.low_latency_combine(eo_dev, topk_dev, w_dev, handle)
         sync()
-        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
-                "x": to_np(recv[0]), "scales": to_np(recv[1])}
-        d_hashes.add(valid_hash(ours))
+        d_hashes.add(valid_hash(dispatch_arrays(recv, count, handle)))
         c_hashes.add(hashlib.sha256(bits(to_np(combined)).tobytes()).hexdigest())
     failures = []
     if len(d_hashes) != 1:

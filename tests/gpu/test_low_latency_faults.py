@@ -12,8 +12,16 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
-from gpu_common import COMM, to_dev, to_np
+from gpu_common import (
+    TEST_TIMEOUT_S,
+    agree,
+    check,
+    collective_buffer,
+    sync,
+    to_dev,
+    to_np,
+    with_wait_budget,
+)
 from ll_common import (
     E_SMALL,
     FRAMEWORKS,
@@ -21,69 +29,51 @@ from ll_common import (
     LL_MARKS,
     SHORT_TIMEOUT_S,
     T_SMALL,
-    TEST_TIMEOUT_S,
-    agree,
-    check,
     combine_failures,
+    dispatch_arrays,
     dispatch_failures,
     hint,
-    ll_env,
+    reference_oracle,
     run_round,
     small_data,
-    sync,
 )
+from reference_cases import ll_combine, ll_dispatch
 
 pytestmark = LL_MARKS
+ENV = with_wait_budget
 
 
-@pytest.fixture(scope="module")
-def env():
-    yield from ll_env(with_buffer=False)
+def _small_buffer(**kwargs):
+    """A low-latency Buffer for the small shape (T_SMALL, H_SMALL, E_SMALL), destroyed at the end."""
+    return collective_buffer(num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True, **kwargs)
 
 
 def test_rma_path(env, monkeypatch):
     """NVSHMEM puts, fences and signals instead of NVLink stores (DEEPEP_CUPY_LL_FORCE_RMA=1)."""
-    import deepep_cupy
-    from deepep_cupy.device.group import MPIGroup
-    from deepep_cupy.reference.oracle import ReferenceOracle
-
     monkeypatch.setenv("DEEPEP_CUPY_LL_FORCE_RMA", "1")
-    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
-                             explicitly_destroy=True)
-    monkeypatch.delenv("DEEPEP_CUPY_LL_FORCE_RMA")
-    local = dict(env, buf=buf, ref=ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=env["size"], low_latency_mode=True,
-                                                    enable_shrink=False))
     failures = []
-    try:
+    with _small_buffer() as buf:
+        monkeypatch.delenv("DEEPEP_CUPY_LL_FORCE_RMA")
+        local = dict(env, buf=buf, ref=reference_oracle())
         assert buf.runtime.low_latency.staged
         for i, (fp8, logfmt, zero_copy) in enumerate([(False, False, False), (True, True, False), (True, False, True),
                                                       (True, True, True)]):
             f, _, _ = run_round(local, FRAMEWORKS[0], seed=20 + i, t_max=T_SMALL, hidden=H_SMALL, num_experts=E_SMALL,
                                 k=8, fp8=fp8, logfmt=logfmt, zero_copy=zero_copy)
             failures += [f"fp8={fp8} logfmt={logfmt} zero_copy={zero_copy}: {m}" for m in f]
-    finally:
-        sync()
-        COMM.Barrier()
-        buf.destroy()
     agree(failures)
 
 
 def test_shrink_masks_a_silent_rank(env, monkeypatch):
     """The last rank stops calling; the others finish with it masked and match the reference with that mask."""
-    import deepep_cupy
-    from deepep_cupy.device.group import MPIGroup
-    from deepep_cupy.reference.oracle import ReferenceOracle
-
     rank, size = env["rank"], env["size"]
     silent = size - 1
     monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", SHORT_TIMEOUT_S)
-    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
-                             enable_shrink=True, explicitly_destroy=True)
-    ref = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=size, low_latency_mode=True, enable_shrink=True)
     fw = FRAMEWORKS[0]
     x, topk, w, expert_out = small_data(rank, 30)
     failures = []
-    try:
+    with _small_buffer(enable_shrink=True) as buf:
+        ref = reference_oracle(enable_shrink=True)
         if rank != silent:
             t0 = time.time()
             recv, count, handle, _e, _h = buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env),
@@ -103,23 +93,17 @@ def test_shrink_masks_a_silent_rank(env, monkeypatch):
             again = time.time() - t1
             if again > 1.0:
                 failures.append(f"dispatch after masking still waited {again:.1f} s (first call {first:.1f} s)")
-            ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
-                    "x": to_np(recv)}
+            ours = dispatch_arrays(recv, count, handle)
         # The reference exchange involves every rank; each view masks the silent rank (itself, for it).
         # The silent rank gets here at once, the others only after their kernels gave up on it: the
         # reference's host exchange must outwait that, so it gets the suite's usual budget, not the short
         # one the kernels were planned with.
         monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", TEST_TIMEOUT_S)
         ref.low_latency_update_mask_buffer(silent, True)
-        r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
-            x, topk, num_max_dispatch_tokens_per_rank=T_SMALL, num_experts=E_SMALL, use_fp8=False, round_scale=False,
-            use_ue8m0=False, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-            return_recv_hook=False)
-        r_combined, _ = ref.low_latency_combine(expert_out, topk, w, r_handle, use_logfmt=False, zero_copy=False,
-                                                return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
+        r_recv, r_count, r_handle, _ = ll_dispatch(ref, x, topk, E_SMALL, num_max_dispatch_tokens_per_rank=T_SMALL)
+        r_combined, _ = ll_combine(ref, expert_out, topk, w, r_handle)
         if rank != silent:
-            theirs = {"count": r_count, "src_info": r_handle[0], "layout": r_handle[1], "x": r_recv}
-            failures += dispatch_failures(ours, theirs, fp8=False)
+            failures += dispatch_failures(ours, dispatch_arrays(r_recv, r_count, r_handle), fp8=False)
             failures += combine_failures(to_np(combined), np.asarray(r_combined), logfmt=False)
             buf.low_latency_clean_mask_buffer()
             status = to_dev(np.ones(size, np.int32), fw, env)
@@ -128,27 +112,20 @@ def test_shrink_masks_a_silent_rank(env, monkeypatch):
             buf.low_latency_update_mask_buffer(silent, True)
             buf.low_latency_query_mask_buffer(status)
             check(failures, "mask after update", lambda: np.testing.assert_array_equal(to_np(status)[silent], 1))
-    finally:
-        sync()
-        COMM.Barrier()
-        buf.destroy()
     agree(failures)
 
 
 def test_timeout_without_shrink_raises(env, monkeypatch):
     """Without enable_shrink a silent peer ends the wait with DeepEPTimeoutError (at the next call)."""
-    import deepep_cupy
     from deepep_cupy.errors import DeepEPTimeoutError
 
     rank, size = env["rank"], env["size"]
     silent = size - 1
     monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", SHORT_TIMEOUT_S)
-    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
-                             explicitly_destroy=True)
     fw = FRAMEWORKS[0]
     x, topk, _w, _eo = small_data(rank, 40)
     failures = []
-    try:
+    with _small_buffer() as buf:
         if rank != silent:
             buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), T_SMALL, E_SMALL, use_fp8=False)
             sync()
@@ -159,10 +136,6 @@ def test_timeout_without_shrink_raises(env, monkeypatch):
             except DeepEPTimeoutError as exc:
                 if f"peer {silent}" not in str(exc):
                     failures.append(f"timeout message does not name the peer: {exc}")
-    finally:
-        sync()
-        COMM.Barrier()
-        buf.destroy()
     agree(failures)
 
 
@@ -170,17 +143,13 @@ def test_ranks_that_disagree_get_a_named_error_before_any_kernel(env):
     """Rank 0 passes another num_max_dispatch_tokens_per_rank than the others: every rank raises the same
     ValueError naming the argument and each rank's value, from the plan's agreement check (no kernel runs,
     so nothing times out); the next call with agreeing values works."""
-    import deepep_cupy
-
     rank = env["rank"]
     fw = FRAMEWORKS[0]
     t_bad = T_SMALL if rank else T_SMALL // 2
-    buf = deepep_cupy.Buffer(comm=COMM, num_rdma_bytes=hint(T_SMALL, H_SMALL, E_SMALL), low_latency_mode=True,
-                             explicitly_destroy=True)
     x, topk, _w, _eo = small_data(rank, 50)
     x, topk = x[: T_SMALL // 2], topk[: T_SMALL // 2]
     failures = []
-    try:
+    with _small_buffer() as buf:
         t0 = time.time()
         try:
             buf.low_latency_dispatch(to_dev(x, fw, env), to_dev(topk, fw, env), t_bad, E_SMALL, use_fp8=False)
@@ -196,8 +165,4 @@ def test_ranks_that_disagree_get_a_named_error_before_any_kernel(env):
                                                                 E_SMALL, use_fp8=False)
         sync()
         check(failures, "a dispatch after the error", lambda: np.testing.assert_array_less(-1, to_np(count)))
-    finally:
-        sync()
-        COMM.Barrier()
-        buf.destroy()
     agree(failures)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_common import COMM, bf16, to_dev, to_np
+from gpu_common import COMM, agree, bf16, sync, to_dev, to_np
 from ll_common import (
     E_BIG,
     FRAMEWORKS,
@@ -19,25 +19,21 @@ from ll_common import (
     K_BIG,
     LL_MARKS,
     T_BIG,
-    agree,
     combine_both,
     combine_failures,
+    dispatch_arrays,
     dispatch_failures,
     kernel_error,
-    ll_env,
     make_expert_out,
     ref_round,
     routing,
     run_round,
-    sync,
+    with_low_latency_buffer,
 )
+from reference_cases import ll_dispatch
 
 pytestmark = LL_MARKS
-
-
-@pytest.fixture(scope="module")
-def env():
-    yield from ll_env()
+ENV = with_low_latency_buffer
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -70,14 +66,10 @@ def test_two_dispatches_in_flight(env):
     failures = []
     refs = []
     for (x, topk, _), (recv, count, handle, _) in zip(data, results, strict=True):
-        r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
-            x, topk, num_max_dispatch_tokens_per_rank=T_BIG, num_experts=E_BIG, use_fp8=True, round_scale=False,
-            use_ue8m0=False, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-            return_recv_hook=False)
-        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
-                "x": to_np(recv[0]), "scales": to_np(recv[1])}
-        theirs = {"count": r_count, "src_info": r_handle[0], "layout": r_handle[1], "x": r_recv[0], "scales": r_recv[1]}
-        failures += dispatch_failures(ours, theirs, fp8=True)
+        r_recv, r_count, r_handle, _ = ll_dispatch(ref, x, topk, E_BIG, num_max_dispatch_tokens_per_rank=T_BIG,
+                                                   use_fp8=True)
+        failures += dispatch_failures(dispatch_arrays(recv, count, handle), dispatch_arrays(r_recv, r_count, r_handle),
+                                      fp8=True)
         refs.append((r_handle, r_count))
     for (_x, topk, w), (_, _, handle, _), (r_handle, r_count) in zip(data, results, refs, strict=True):
         expert_out = make_expert_out(rng, r_count, E_BIG // size, size * T_BIG, H_BIG)
@@ -110,8 +102,7 @@ def test_back_to_back_rounds(env):
     sync()
     failures = kernel_error(env)
     for i, ((recv, count, handle, combined), (_, theirs, r_combined)) in enumerate(zip(outs, rounds, strict=True)):
-        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
-                "x": to_np(recv[0]), "scales": to_np(recv[1])}
+        ours = dispatch_arrays(recv, count, handle)
         failures += [f"round {i}: {m}" for m in dispatch_failures(ours, theirs, fp8=True)]
         failures += [f"round {i}: {m}" for m in combine_failures(to_np(combined), r_combined, logfmt=False)]
     agree(failures)
@@ -222,8 +213,7 @@ def test_cuda_graph(env, monkeypatch):
             graph.launch(stream)
         stream.synchronize()
         failures += [f"replay {replay}: {m}" for m in kernel_error(env)]
-        ours = {"count": to_np(count), "src_info": to_np(handle[0]), "layout": to_np(handle[1]),
-                "x": to_np(recv[0]), "scales": to_np(recv[1])}
+        ours = dispatch_arrays(recv, count, handle)
         failures += [f"replay {replay}: {m}" for m in dispatch_failures(ours, theirs, fp8=True)]
         failures += [f"replay {replay}: {m}" for m in combine_failures(to_np(combined), r_combined, logfmt=False)]
     # Back to back, no host work in between: the last replay's results must still be right.

@@ -8,6 +8,7 @@ the reference backend on fresh random data.
 import ml_dtypes
 import numpy as np
 import pytest
+from reference_cases import ll_combine, ll_dispatch
 
 from deepep_cupy.device.gpus import gpu_count
 
@@ -64,10 +65,7 @@ def _low_latency_round(buf, ref, rng, t, hidden, num_experts, k):
     w = rng.random((n, k), dtype=np.float32)
     recv, count, handle, _, _ = buf.low_latency_dispatch(cupy.asarray(x), cupy.asarray(idx), t, num_experts,
                                                          use_fp8=False)
-    r_recv, r_count, r_handle, _ = ref.low_latency_dispatch(
-        x, idx, num_max_dispatch_tokens_per_rank=t, num_experts=num_experts, use_fp8=False, round_scale=False,
-        use_ue8m0=False, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-        return_recv_hook=False)
+    r_recv, r_count, r_handle, _ = ll_dispatch(ref, x, idx, num_experts, num_max_dispatch_tokens_per_rank=t)
     np.testing.assert_array_equal(cupy.asnumpy(count), r_count)
     got, want = _bits(recv), _bits(r_recv)
     for e in range(num_experts // size):
@@ -76,8 +74,7 @@ def _low_latency_round(buf, ref, rng, t, hidden, num_experts, k):
     np.testing.assert_array_equal(cupy.asnumpy(handle[1]), r_handle[1])
     y = rng.standard_normal((num_experts // size, size * t, hidden)).astype(BF16)
     combined, _, _ = buf.low_latency_combine(cupy.asarray(y), cupy.asarray(idx), cupy.asarray(w), handle)
-    r_comb, _ = ref.low_latency_combine(y, idx, w, r_handle, use_logfmt=False, zero_copy=False,
-                                        return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)
+    r_comb, _ = ll_combine(ref, y, idx, w, r_handle)
     np.testing.assert_array_equal(_bits(combined), _bits(r_comb))
 
 

@@ -21,7 +21,20 @@ import time
 
 import numpy as np
 import pytest
-from gpu_common import BF16, FP8, MULTI_RANK_GPU, bf16, bits, to_dev, to_np
+from gpu_common import (
+    BF16,
+    FP8,
+    MULTI_RANK_GPU,
+    agree,
+    bf16,
+    bits,
+    check,
+    sync,
+    to_dev,
+    to_np,
+    together,
+    with_reference_buffer,
+)
 from ll_common import (
     E_BIG,
     FRAMEWORKS,
@@ -29,17 +42,10 @@ from ll_common import (
     K_BIG,
     NEEDS_NVSHMEM,
     T_BIG,
-    agree,
-    check,
     combine_failures,
     dispatch_failures,
-    ll_buffer,
     make_expert_out,
-    nvl_buffer,
-    public_env,
     routing,
-    sync,
-    together,
     valid_hash,
     valid_rows,
 )
@@ -61,6 +67,10 @@ LL_ORDER = np.random.default_rng(12345).permutation(len(LL_MIXES))
 # Intranode: at most this many tokens per rank, hidden, experts, top-k.
 NT_MAX, NT_HIDDEN, NT_EXPERTS, NT_TOPK = 256, 2048, 32, 4
 NT_MIXES = list(itertools.product((False, True), (False, True), (False, True)))  # fp8, worst tokens, cached
+# The env fixture's oracle and the ll / nvl fixtures' Buffers (conftest.py).
+ENV = with_reference_buffer
+LL_SHAPES = [LL_SMALL[:3], LL_BIG[:3]]
+NVL_HIDDEN = NT_HIDDEN
 
 
 def _fp8_ok() -> bool:
@@ -73,22 +83,6 @@ def _fp8_ok() -> bool:
 
 
 FP8_OK = _fp8_ok()
-
-
-# ------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def env():
-    yield from public_env()
-
-
-@pytest.fixture(scope="module")
-def ll(env):
-    yield from ll_buffer([LL_SMALL[:3], LL_BIG[:3]])
-
-
-@pytest.fixture(scope="module")
-def nt(env):
-    yield from nvl_buffer(NT_HIDDEN)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -244,8 +238,8 @@ def _nt_results(recv, recv_idx, recv_w, counts, handle, cached, combined, combin
     return data
 
 
-def _nt_round(nt, env, r) -> list[str]:
-    buf, dcfg, ccfg = nt
+def _nt_round(nvl, env, r) -> list[str]:
+    buf, dcfg, ccfg = nvl
     rank, size, ref = env["rank"], env["size"], env["ref"]
     fp8, worst_on, cached = NT_MIXES[r % len(NT_MIXES)]
     fp8 = fp8 and FP8_OK
@@ -304,11 +298,11 @@ def _nt_round(nt, env, r) -> list[str]:
     return failures
 
 
-def test_intranode_rounds(env, nt):
+def test_intranode_rounds(env, nvl):
     """ROUNDS intranode layout + dispatch (+ cached dispatch) + combine rounds, each run twice and compared
     with the reference."""
     start = time.time()
     for r in range(ROUNDS):
-        agree(_nt_round(nt, env, r))
+        agree(_nt_round(nvl, env, r))
     if env["rank"] == 0:
         print(f"\n{ROUNDS} intranode rounds in {time.time() - start:.1f} s", flush=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_common import COMM, bf16, bits, to_np
+from gpu_common import COMM, bf16, bits, to_np, with_reference_buffer
 from graph_common import GRAPH_MARKS, seeded, to_torch
-from ll_common import NEEDS_NVSHMEM, agree, hint, nvl_buffer, public_env, routing, together
+from ll_common import NEEDS_NVSHMEM, agree, hint, routing, together
 
 pytestmark = GRAPH_MARKS
 MODES = ["default", "reduce-overhead"]
@@ -25,9 +25,8 @@ T_LL, H_LL, E_LL, K_LL = 16, 2048, 16, 4
 N_NT, H_NT, E_NT, K_NT = 256, 2048, 16, 4
 
 
-@pytest.fixture(scope="module")
-def env():
-    yield from public_env()
+ENV = with_reference_buffer  # the conftest's env: this rank's GPU bound, and a reference Buffer as the oracle
+NVL_HIDDEN = H_NT  # the conftest's nvl: an intranode Buffer for these rows
 
 
 @pytest.fixture(autouse=True)
@@ -146,11 +145,6 @@ def test_low_latency_compiled(env, ll, case, mode):
 
 
 # ---------------------------------------------------------------------------------------------------- normal ops
-@pytest.fixture(scope="module")
-def nt(env):
-    yield from nvl_buffer(H_NT)
-
-
 def _normal_step(buf, worst):
     import torch
 
@@ -166,8 +160,8 @@ def _normal_step(buf, worst):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_normal_compiled(env, nt, mode):
-    buf = nt[0]
+def test_normal_compiled(env, nvl, mode):
+    buf = nvl[0]
     rank, size = env["rank"], env["size"]
     n = N_NT - (16 * rank) % (N_NT // 2)
     worst = N_NT * size
@@ -190,11 +184,11 @@ def test_normal_compiled(env, nt, mode):
     agree(failures)
 
 
-def test_training_step_compiled(env, nt):
+def test_training_step_compiled(env, nvl):
     """Inductor (fusions round differently from eager): gradients within BF16 tolerance of the eager step's."""
     import torch
 
-    buf = nt[0]
+    buf = nvl[0]
     rank, size = env["rank"], env["size"]
     n, worst = N_NT - 8 * rank, N_NT * size
     rng = seeded("compile-training", rank)

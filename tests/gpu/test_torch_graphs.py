@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_common import BF16, bf16, to_np
+from gpu_common import BF16, agree, bf16, to_np, together, with_reference_buffer
 from graph_common import GRAPH_MARKS, REPLAYS, capture, poison, replay_all, same, seeded, to_torch, warm_up
 from ll_common import (
     E_BIG,
@@ -29,30 +29,17 @@ from ll_common import (
     K_BIG,
     NEEDS_NVSHMEM,
     T_BIG,
-    agree,
     combine_failures,
     dispatch_failures,
-    ll_buffer,
-    public_env,
     routing,
-    together,
     valid_rows,
 )
 
 pytestmark = GRAPH_MARKS
 # Low-latency flag sweep: a few tokens; (2048, top-8, 32 experts) shares its kernels with test_low_latency.py.
 T_LL, H_LL, E_LL, K_LL = 32, 2048, 32, 8
-
-
-# ------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def env():
-    yield from public_env()
-
-
-@pytest.fixture(scope="module")
-def ll(env):
-    yield from ll_buffer([(T_BIG, H_BIG, E_BIG), (T_LL, H_LL, E_LL)])
+ENV = with_reference_buffer
+LL_SHAPES = [(T_BIG, H_BIG, E_BIG), (T_LL, H_LL, E_LL)]
 
 
 # ------------------------------------------------------------------------------------------- low latency

@@ -12,8 +12,7 @@ test_torch_graphs.py; the capture recipe is in graph_common.py.
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from gpu_common import bf16, bits, to_np
+from gpu_common import agree, bf16, bits, to_np, together, with_reference_buffer
 from graph_common import (
     GRAPH_MARKS,
     REPLAYS,
@@ -26,22 +25,13 @@ from graph_common import (
     to_torch,
     warm_up,
 )
-from ll_common import agree, nvl_buffer, public_env, routing, together
+from ll_common import routing
 
 pytestmark = GRAPH_MARKS
 # 512 tokens (fewer on the other ranks), hidden 2048, top-4 of 32 experts.
 N_NT, H_NT, E_NT, K_NT = 512, 2048, 32, 4
-
-
-# ------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def env():
-    yield from public_env()
-
-
-@pytest.fixture(scope="module")
-def nt(env):
-    yield from nvl_buffer(H_NT)
+ENV = with_reference_buffer
+NVL_HIDDEN = H_NT
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -57,12 +47,12 @@ def _nt_tokens(rank):
     return N_NT - (32 * rank) % (N_NT // 2)  # token counts differ between ranks
 
 
-def test_layout_graph(env, nt):
+def test_layout_graph(env, nvl):
     """get_dispatch_layout captured alone, replayed on fresh routing: equal to the reference and to an eager
     call (purely local: no peer involved)."""
     import torch
 
-    buf = nt[0]
+    buf = nvl[0]
     rank = env["rank"]
     n = _nt_tokens(rank)
     rng = seeded("layout", rank)
@@ -102,13 +92,13 @@ def test_layout_graph(env, nt):
     agree(failures)
 
 
-def test_worst_tokens_dispatch_combine_graph(env, nt):
+def test_worst_tokens_dispatch_combine_graph(env, nvl):
     """Layout, dispatch with num_worst_tokens (fixed-size outputs, no host sync) and combine in one graph,
     replayed on fresh routing, tokens and expert outputs: equal to the reference (combine as
     test_intranode.py compares it) and bit for bit to an eager run of the same three calls."""
     import torch
 
-    buf, dcfg, ccfg = nt
+    buf, dcfg, ccfg = nvl
     rank, size, ref = env["rank"], env["size"], env["ref"]
     n = _nt_tokens(rank)
     worst = N_NT * size  # no rank can receive more
@@ -185,13 +175,13 @@ def test_worst_tokens_dispatch_combine_graph(env, nt):
     agree(failures)
 
 
-def test_cached_dispatch_combine_graph(env, nt):
+def test_cached_dispatch_combine_graph(env, nvl):
     """A cached dispatch (the handle of an eager dispatch) and a combine with that handle, weights and a
     bias, in one graph, replayed on fresh tokens, expert outputs, weights and biases: equal to the
     reference and bit for bit to an eager run of the same two calls."""
     import torch
 
-    buf, dcfg, ccfg = nt
+    buf, dcfg, ccfg = nvl
     rank, size, ref = env["rank"], env["size"], env["ref"]
     n = _nt_tokens(rank)
     rng = seeded("cached", rank)

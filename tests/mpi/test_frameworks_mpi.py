@@ -1,7 +1,7 @@
 """Megatron-Core's, SGLang's and vLLM's calls across real processes, on torch gloo process groups:
 ``mpiexec -n 2|4 python -m pytest tests/mpi -q``.
 
-The scenarios are those of tests/unit/test_frameworks_*.py (``_fw_megatron.py``, ``_fw_serving.py``), with
+The scenarios are those of tests/unit/test_frameworks_*.py (``fw_megatron.py``, ``fw_serving.py``), with
 ``deep_ep`` imported through the alias and the Buffer built on a torch.distributed group as the frameworks
 build it: the default group for Megatron-Core and SGLang, a separate gloo group like vLLM's CPU group.
 """
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(COMM.Get_size() < 2, reason="run under mpiexec w
 TIMEOUT = 30
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
-import _fw_megatron as M  # noqa: E402
-import _fw_serving as S  # noqa: E402
-from _fw_common import deep_ep_alias  # noqa: E402
+import fw_megatron as M  # noqa: E402
+import fw_serving as S  # noqa: E402
+from fw_common import deep_ep_alias  # noqa: E402
 
 H_NORMAL, H_LL, K, T = 256, 512, 4, 32
 E = 4 * COMM.Get_size()

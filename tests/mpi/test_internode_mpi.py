@@ -6,24 +6,19 @@ results are the single-domain ones, and the internode handle against plain loops
 routing (each rank rebuilds every rank's inputs from the shared seeds). All collective calls come first.
 """
 
-import os
-import sys
-
 import ml_dtypes
 import numpy as np
 import pytest
+from reference_cases import brute_layout, make_case
+
+from deepep_cupy import Buffer
+from deepep_cupy.reference import quant
 
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
 SIZE = COMM.Get_size()
 
 pytestmark = pytest.mark.skipif(SIZE < 2, reason="run under mpiexec with at least 2 ranks")
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
-import test_reference_single as S  # noqa: E402
-
-from deepep_cupy import Buffer  # noqa: E402
-from deepep_cupy.reference import quant  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 SIZES = [9, 0, 14, 5, 11, 3, 8, 1]
@@ -36,7 +31,7 @@ def _f32(a):
 
 
 def _cases(seed, hidden=128):
-    return [S.make_case(seed, r, SIZE, n=SIZES[r % len(SIZES)], hidden=hidden, e_local=E_LOCAL)
+    return [make_case(seed, r, SIZE, n=SIZES[r % len(SIZES)], hidden=hidden, e_local=E_LOCAL)
             for r in range(SIZE)]
 
 
@@ -114,8 +109,8 @@ def test_internode_matches_one_domain(seed):
     runs = {nvl: _run(_buffer(nvl), x, topk, w, bias=bias) for nvl in DOMAINS}
 
     for nvl, got in runs.items():
-        in_ranks = [S.brute_layout(c[1], E_LOCAL * SIZE, SIZE, nvl)[3] for c in cases]
-        want_layout = S.brute_layout(topk, E_LOCAL * SIZE, SIZE, nvl)
+        in_ranks = [brute_layout(c[1], E_LOCAL * SIZE, SIZE, nvl)[3] for c in cases]
+        want_layout = brute_layout(topk, E_LOCAL * SIZE, SIZE, nvl)
         np.testing.assert_array_equal(got["layout"][1], want_layout[1])  # once per domain reached
         np.testing.assert_array_equal(got["layout"][1], in_ranks[me].reshape(-1, SIZE // nvl, nvl).any(2).sum(0))
         for key in ("recv_x", "tk", "tw", "comb", "comb_w", "cached"):

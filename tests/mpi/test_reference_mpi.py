@@ -2,26 +2,31 @@
 
 Every rank runs this file. Each test performs all of its collective calls first and checks afterwards,
 so a failed check on one rank cannot leave the others waiting. Expectations come from the plain-loop
-helpers of ``tests/unit/test_reference_single.py`` over every rank's inputs (each rank rebuilds all
-inputs from the shared seeds).
+helpers of ``tests/helpers/reference_cases.py`` over every rank's inputs (each rank rebuilds all inputs
+from the shared seeds).
 """
-
-import os
-import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
+from reference_cases import (
+    apply_experts,
+    brute_layout,
+    expected_dispatch,
+    expected_ll_combine,
+    expected_send_side,
+    ll_combine,
+    ll_dispatch,
+    ll_expected,
+    make_case,
+)
+
+from deepep_cupy.reference import ReferenceOracle, quant
 
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
 
 pytestmark = pytest.mark.skipif(COMM.Get_size() < 2, reason="run under mpiexec with at least 2 ranks")
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
-import test_reference_single as S  # noqa: E402
-
-from deepep_cupy.reference import ReferenceOracle, quant  # noqa: E402
 
 try:
     from deepep_cupy.device.group import MPIGroup
@@ -62,7 +67,7 @@ def _f32(a):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_layout_dispatch_combine(group, seed):
     me, nranks, e_local, channels = group.rank, group.size, 2, 3
-    cases = [S.make_case(seed, r, nranks, n=_n(r), e_local=e_local) for r in range(nranks)]
+    cases = [make_case(seed, r, nranks, n=_n(r), e_local=e_local) for r in range(nranks)]
     x, topk, w = cases[me]
     # The layout with one rank per domain (per-domain counts); the exchange within one domain (the 6-tuple handle).
     layout = ReferenceOracle(group, num_nvl_ranks=1, low_latency_mode=False,
@@ -83,11 +88,11 @@ def test_layout_dispatch_combine(group, seed):
                        num_worst_tokens=nranks * max(SIZES))
     worst_comb, _ = b.combine(worst[0], worst[5], topk_weights=None, bias_0=None, bias_1=None)
 
-    want_layout = S.brute_layout(topk, e_local * nranks, nranks, 1)
+    want_layout = brute_layout(topk, e_local * nranks, nranks, 1)
     np.testing.assert_array_equal(layout[0], want_layout[0])
     np.testing.assert_array_equal(layout[1], want_layout[1])
     np.testing.assert_array_equal(layout[2], want_layout[2])
-    rows, src, tk, tw, rank_prefix, per_expert, recv_cpm = S.expected_dispatch(me, cases, e_local, channels)
+    rows, src, tk, tw, rank_prefix, per_expert, recv_cpm = expected_dispatch(me, cases, e_local, channels)
     assert recv_x.shape == (len(rows), 128)
     if rows:
         np.testing.assert_array_equal(_f32(recv_x), np.array(rows, np.float32))
@@ -97,7 +102,7 @@ def test_layout_dispatch_combine(group, seed):
     np.testing.assert_array_equal(handle[0], rank_prefix)
     np.testing.assert_array_equal(handle[2], recv_cpm)
     np.testing.assert_array_equal(handle[3], np.array(src, np.int64))
-    want_cpm, want_head = S.expected_send_side(x, topk, e_local, nranks, channels)
+    want_cpm, want_head = expected_send_side(x, topk, e_local, nranks, channels)
     np.testing.assert_array_equal(handle[1], want_cpm)
     np.testing.assert_array_equal(handle[5], want_head)
     in_rank = want_layout[3]
@@ -116,7 +121,7 @@ def test_dispatch_fp8(group):
     me, nranks = group.rank, group.size
     data = []
     for r in range(nranks):
-        _, topk_r, _ = S.make_case(3, r, nranks, n=_n(r), hidden=256)
+        _, topk_r, _ = make_case(3, r, nranks, n=_n(r), hidden=256)
         x_r = np.random.default_rng([3, r]).normal(size=(_n(r), 256)).astype(np.float32)
         data.append((quant.fp8_cast_per_128(x_r), topk_r))
     (q, s), topk = data[me]
@@ -142,23 +147,23 @@ def _ll(group, shrink=False):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_low_latency_roundtrip(group, seed):
     me, nranks, e_local = group.rank, group.size, 3
-    cases = [S.make_case(seed, r, nranks, n=_n(r), e_local=e_local, k=4, hidden=256) for r in range(nranks)]
+    cases = [make_case(seed, r, nranks, n=_n(r), e_local=e_local, k=4, hidden=256) for r in range(nranks)]
     x, topk, w = cases[me]
     b = _ll(group)
     stats = np.zeros(e_local, np.int32)
-    recv_x, count, handle, _ = S.ll_dispatch(b, x, topk, e_local * nranks, cumulative_local_expert_recv_stats=stats)
-    hx, hcount, _, hook = S.ll_dispatch(b, x, topk, e_local * nranks, return_recv_hook=True)
+    recv_x, count, handle, _ = ll_dispatch(b, x, topk, e_local * nranks, cumulative_local_expert_recv_stats=stats)
+    hx, hcount, _, hook = ll_dispatch(b, x, topk, e_local * nranks, return_recv_hook=True)
     poisoned = bool(np.isnan(_f32(hx)).all() and (hcount == -1).all())
     hook()
-    y = S.apply_experts(me, recv_x, e_local)
-    combined, _ = S.ll_combine(b, y, topk, w, handle)
+    y = apply_experts(me, recv_x, e_local)
+    combined, _ = ll_combine(b, y, topk, w, handle)
     buf = b.get_next_low_latency_combine_buffer(handle)
     buf[...] = y
-    zc, _ = S.ll_combine(b, None, topk, w, handle, zero_copy=True)
-    lf, lhook = S.ll_combine(b, y, topk, w, handle, use_logfmt=True, return_recv_hook=True)
+    zc, _ = ll_combine(b, None, topk, w, handle, zero_copy=True)
+    lf, lhook = ll_combine(b, y, topk, w, handle, use_logfmt=True, return_recv_hook=True)
     lhook()
 
-    slabs = S.ll_expected(me, cases, e_local)
+    slabs = ll_expected(me, cases, e_local)
     np.testing.assert_array_equal(count, [len(sl) for sl in slabs])
     np.testing.assert_array_equal(stats, count)
     for i in range(e_local):
@@ -168,7 +173,7 @@ def test_low_latency_roundtrip(group, seed):
     assert poisoned
     np.testing.assert_array_equal(_f32(hx), _f32(recv_x))
     np.testing.assert_array_equal(hcount, count)
-    want = S.expected_ll_combine(x, topk, w, e_local)
+    want = expected_ll_combine(x, topk, w, e_local)
     np.testing.assert_array_equal(_f32(combined), _f32(want.astype(np.float32).astype(BF16)))
     np.testing.assert_array_equal(zc.view(np.uint16), combined.view(np.uint16))
     np.testing.assert_allclose(_f32(lf), _f32(combined), rtol=0.03, atol=0.03)
@@ -179,17 +184,17 @@ def test_low_latency_fp8(group, mode):
     me, nranks, e_local, hidden = group.rank, group.size, 2, 512
     cases = []
     for r in range(nranks):
-        _, topk_r, w_r = S.make_case(5, r, nranks, n=_n(r), e_local=e_local, hidden=hidden)
+        _, topk_r, w_r = make_case(5, r, nranks, n=_n(r), e_local=e_local, hidden=hidden)
         x_r = np.random.default_rng([5, r]).normal(size=(_n(r), hidden)).astype(BF16)
         cases.append((x_r, topk_r, w_r))
     x, topk, _ = cases[me]
     b = _ll(group)
-    (q, s), count, handle, _ = S.ll_dispatch(b, x, topk, e_local * nranks, use_fp8=True,
+    (q, s), count, handle, _ = ll_dispatch(b, x, topk, e_local * nranks, use_fp8=True,
                                              use_ue8m0=(mode == "ue8m0"))
 
     assert s.transpose(0, 2, 1).flags.c_contiguous
     scales = quant.ue8m0_to_scale(quant.unpack_ue8m0(s, hidden // 128)) if mode == "ue8m0" else s
-    slabs = S.ll_expected(me, cases, e_local)
+    slabs = ll_expected(me, cases, e_local)
     for i in range(e_local):
         assert count[i] == len(slabs[i])
         for row, (src, t) in enumerate(slabs[i]):
@@ -201,19 +206,19 @@ def test_low_latency_fp8(group, mode):
 def test_low_latency_masking(group):
     me, nranks, e_local = group.rank, group.size, 2
     victim = nranks - 1
-    cases = [S.make_case(7, r, nranks, n=_n(r), e_local=e_local) for r in range(nranks)]
+    cases = [make_case(7, r, nranks, n=_n(r), e_local=e_local) for r in range(nranks)]
     x, topk, w = cases[me]
     b = _ll(group, shrink=True)
     b.low_latency_update_mask_buffer(victim, True)
     status = np.zeros(nranks, np.int32)
     b.low_latency_query_mask_buffer(status)
-    recv_x, count, handle, _ = S.ll_dispatch(b, x, topk, e_local * nranks)
-    combined, _ = S.ll_combine(b, S.apply_experts(me, recv_x, e_local), topk, w, handle)
+    recv_x, count, handle, _ = ll_dispatch(b, x, topk, e_local * nranks)
+    combined, _ = ll_combine(b, apply_experts(me, recv_x, e_local), topk, w, handle)
     b.low_latency_clean_mask_buffer()
-    _, count_after, _, _ = S.ll_dispatch(b, x, topk, e_local * nranks)
+    _, count_after, _, _ = ll_dispatch(b, x, topk, e_local * nranks)
 
     np.testing.assert_array_equal(status, np.arange(nranks) == victim)
-    np.testing.assert_array_equal(count, [len(sl) for sl in S.ll_expected(me, cases, e_local, masked={victim})])
-    want = S.expected_ll_combine(x, topk, w, e_local, masked={victim}, me=me)
+    np.testing.assert_array_equal(count, [len(sl) for sl in ll_expected(me, cases, e_local, masked={victim})])
+    want = expected_ll_combine(x, topk, w, e_local, masked={victim}, me=me)
     np.testing.assert_array_equal(_f32(combined), _f32(want.astype(np.float32).astype(BF16)))
-    np.testing.assert_array_equal(count_after, [len(sl) for sl in S.ll_expected(me, cases, e_local)])
+    np.testing.assert_array_equal(count_after, [len(sl) for sl in ll_expected(me, cases, e_local)])

@@ -8,7 +8,7 @@ import weakref
 import ml_dtypes
 import numpy as np
 import pytest
-from _thread_group import run_ranks
+from thread_group import run_ranks
 
 from deepep_cupy import Buffer
 from deepep_cupy.device.group import disagreement, timeout_error

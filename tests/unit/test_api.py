@@ -1,11 +1,11 @@
 """The public API surface: names, Config and size hints, argument validation, framework round trips.
 
-Multi-rank cases run as threads (``_thread_group``) on the reference backend."""
+Multi-rank cases run as threads (``thread_group``) on the reference backend."""
 
 import ml_dtypes
 import numpy as np
 import pytest
-from _thread_group import run_ranks
+from thread_group import run_ranks
 
 import deepep_cupy as deep_ep
 from deepep_cupy import Buffer, Config

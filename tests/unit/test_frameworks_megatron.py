@@ -1,4 +1,4 @@
-"""Megatron-Core's calls (``_fw_megatron.py``) on thread ranks with torch CPU tensors, through ``import deep_ep``.
+"""Megatron-Core's calls (``fw_megatron.py``) on thread ranks with torch CPU tensors, through ``import deep_ep``.
 
 The same scenarios run under mpiexec on gloo groups (tests/mpi/test_frameworks_mpi.py) and on GPUs
 (tests/gpu/test_frameworks.py).
@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import _fw_megatron as M  # noqa: E402
-from _fw_common import deep_ep_alias  # noqa: E402
-from _thread_group import run_ranks  # noqa: E402
+import fw_megatron as M  # noqa: E402
+from fw_common import deep_ep_alias  # noqa: E402
+from thread_group import run_ranks  # noqa: E402
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""SGLang's and vLLM's calls (``_fw_serving.py``) on thread ranks with torch CPU tensors, through ``import deep_ep``.
+"""SGLang's and vLLM's calls (``fw_serving.py``) on thread ranks with torch CPU tensors, through ``import deep_ep``.
 
 The same scenarios run under mpiexec on gloo groups (tests/mpi/test_frameworks_mpi.py) and on GPUs
 (tests/gpu/test_frameworks.py).
@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import _fw_serving as S  # noqa: E402
-from _fw_common import deep_ep_alias  # noqa: E402
-from _thread_group import run_ranks  # noqa: E402
+import fw_serving as S  # noqa: E402
+from fw_common import deep_ep_alias  # noqa: E402
+from thread_group import run_ranks  # noqa: E402
 
 H_NORMAL, H_LL, E, K, T = 256, 512, 16, 4, 32
 
@@ -63,7 +63,7 @@ def test_sglang_normal_ue8m0_packed_scales(deep_ep):
     order, and stay int32."""
     import numpy as np
     import torch
-    from _fw_common import expected_rows
+    from fw_common import expected_rows
 
     def rank(g):
         buffer = S.sglang_buffer(deep_ep, g, S.NORMAL, hidden=H_LL, num_experts=E, param_bytes=1)

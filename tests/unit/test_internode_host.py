@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_intranode_host import _check_packing, _FakeArray, _kernel_params
+from kernel_args import FakeArray, check_packing, kernel_params
 
 from deepep_cupy.config import Config
 from deepep_cupy.ops import kernel_names as K
@@ -111,19 +111,19 @@ def _layouts():
 
 
 def test_notify_args_match_kernel_signature():
-    a = _FakeArray()
+    a = FakeArray()
     _, nvl, sig = _layouts()
     packed = internode.notify_args(
         is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a, num_local_experts=4,
         expert_alignment=1, rdma_channel_prefix_matrix=a, gbl_channel_prefix_matrix=a, recv_rdma_rank_prefix_sum=a,
         recv_gbl_rank_prefix_sum=a, meta=a, sig=1 << 20, signals=sig, nvl_bases=a, nvl=nvl, state=a, err_ptr=9,
         timeout_ns=10, rank=1)
-    _check_packing(_kernel_params(CUDA_SRC / "notify.cu", "notify"), packed)
+    check_packing(kernel_params(CUDA_SRC / "notify.cu", "notify"), packed)
     assert dict(packed)["record_offset"] == sig.record_offset
 
 
 def test_dispatch_args_match_kernel_signature():
-    a = _FakeArray()
+    a = FakeArray()
     rdma, nvl, _ = _layouts()
     packed = internode.dispatch_args(
         x=a, x_scales=None, scale_token_stride=0, scale_block_stride=0, num_scales=0, topk_idx=a, topk_weights=None,
@@ -133,7 +133,7 @@ def test_dispatch_args_match_kernel_signature():
         recv_rdma_channel_prefix_matrix=a, recv_gbl_channel_prefix_matrix=a, recv_src_meta=a, send_rdma_head=a,
         send_nvl_head=a, num_out_rows=10, num_nvl_head_rows=4, rdma=1 << 30, layout=rdma, rdma_chunk=6,
         sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
-    _check_packing(_kernel_params(CUDA_SRC / "dispatch.cu", "dispatch"), packed)
+    check_packing(kernel_params(CUDA_SRC / "dispatch.cu", "dispatch"), packed)
     d = dict(packed)
     assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
     assert d["slot_bytes"] == rdma.slot.slot_bytes and d["x_scales"] == np.uint64(0)
@@ -175,14 +175,14 @@ def test_domain_view_keeps_domain_entries():
 
 
 def test_combine_args_match_kernel_signature():
-    a = _FakeArray()
+    a = FakeArray()
     rdma, nvl, _ = _layouts()
     packed = internode.combine_args(
         x=a, topk_weights=None, num_topk=8, bias_0=a, bias_1=None, recv_rdma_channel_prefix_matrix=a,
         recv_rdma_rank_prefix_sum=a, recv_gbl_channel_prefix_matrix=a, recv_gbl_rank_prefix_sum=a, send_rdma_head=a,
         send_nvl_head=a, num_tokens=100, hidden_int4=896, combined_x=a, combined_topk_weights=None, rdma=1 << 30,
         layout=rdma, rdma_chunk=6, sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
-    _check_packing(_kernel_params(CUDA_SRC / "combine.cu", "combine"), packed)
+    check_packing(kernel_params(CUDA_SRC / "combine.cu", "combine"), packed)
     d = dict(packed)
     assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
     assert d["slot_topk_weights_offset"] == rdma.slot.topk_weights_offset and d["bias_1"] == np.uint64(0)

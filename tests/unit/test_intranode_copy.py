@@ -3,13 +3,18 @@ the sums (cuda_src/intranode/combine_copy.cu) against the reference combine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
-from _thread_group import run_ranks
-from test_intranode_model import _model_inputs, _reference_dispatch
+from intranode_cases import model_inputs, reference_dispatch
+from kernel_args import kernel_params
+from thread_group import run_ranks
 
 from deepep_cupy.ops.intranode import copy as CC
 from deepep_cupy.reference import normal
+
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
 
 
 def _model_copy_combine(ys, ws, handles, chunk_rows):
@@ -67,8 +72,8 @@ def _model_copy_combine(ys, ws, handles, chunk_rows):
                                                      (8, 4, 50, 7), (2, 1, 100, 16)])
 def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows):
     rng = np.random.default_rng(R * 10 + chunk_rows)
-    xs, in_ranks, topks, per_experts = _model_inputs(rng, R, n_tokens, skew=True, H=8)
-    refs = _reference_dispatch(xs, in_ranks, topks, per_experts, C)
+    xs, in_ranks, topks, per_experts = model_inputs(rng, R, n_tokens, skew=True, H=8)
+    refs = reference_dispatch(xs, in_ranks, topks, per_experts, C)
     handles = [refs[me][5] for me in range(R)]
     ys = [rng.standard_normal(refs[me][0].shape).astype(np.float32) for me in range(R)]
     ws = [rng.standard_normal((refs[me][0].shape[0], 3)).astype(np.float32) for me in range(R)]
@@ -125,9 +130,7 @@ def test_handle_keeps_counts_and_is_a_tuple():
 
 
 def test_combine_copy_args_match_kernel_signature():
-    from test_intranode_host import CUDA_SRC, _kernel_params
-
-    params = _kernel_params(CUDA_SRC / "combine_copy.cu", "combine_copy")
+    params = kernel_params(CUDA_SRC / "combine_copy.cu", "combine_copy")
     packed = CC.combine_copy_args(
         x=1, topk_weights=2, num_topk=8, bias_0=0, bias_1=0, rank_prefix_matrix=3, send_head=4, num_tokens=4096,
         hidden_int4=896, combined_x=5, combined_topk_weights=6, bases=7, staging=8, weights_offset=1 << 33,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _thread_group import run_ranks
+from kernel_args import FakeArray, check_packing, kernel_params
+from thread_group import run_ranks
 
 from deepep_cupy.config import Config
 from deepep_cupy.ops.intranode import engine as intranode
@@ -213,7 +214,7 @@ def test_claimed_combine_model_can_deadlock():
 
 
 def test_publish_batch_args():
-    a = _FakeArray()
+    a = FakeArray()
     lay = L.buffer_layout(2, 12, 8, L.combine_slot(7168 * 2, 8))
     d = dict(intranode.combine_args(
         x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=None, rank_prefix_matrix=a, channel_prefix_matrix=a,
@@ -223,62 +224,19 @@ def test_publish_batch_args():
 
 
 # ------------------------------------------------------------------------------------------- argument packing
-_TYPE_RE = re.compile(r"\s+")
-
-
-def _kernel_params(path: Path, kernel: str) -> list[tuple[str, str]]:
-    text = path.read_text()
-    # The kernel's definition: its name followed by "(" after the last __global__ before it.
-    match = re.search(r"__global__[^;{]*?\b" + re.escape(kernel) + r"\(", text, re.S)
-    assert match is not None, f"no __global__ {kernel}( in {path}"
-    start = match.end() - len(kernel) - 1
-    depth, i = 0, start + len(kernel)
-    for i in range(start + len(kernel), len(text)):
-        if text[i] == "(":
-            depth += 1
-        elif text[i] == ")":
-            depth -= 1
-            if depth == 0:
-                break
-    params = text[start + len(kernel) + 1:i]
-    out = []
-    for p in params.split(","):
-        p = _TYPE_RE.sub(" ", p.replace("__restrict__", "")).strip()
-        name = re.findall(r"[A-Za-z_][A-Za-z0-9_]*$", p)[0]
-        out.append((p[: -len(name)].strip(), name))
-    return out
-
-
-def _check_packing(params, packed):
-    assert [n for _, n in params] == [n for n, _ in packed]
-    for (ctype, name), (_, value) in zip(params, packed, strict=True):
-        if "*" in ctype:
-            assert isinstance(value, (np.uint64, _FakeArray)), (name, type(value))
-        elif ctype == "int":
-            assert isinstance(value, np.int32), (name, type(value))
-        elif ctype == "long long":
-            assert isinstance(value, np.int64), (name, type(value))
-        else:
-            pytest.fail(f"unexpected parameter type {ctype!r} for {name}")
-
-
-class _FakeArray:
-    """Stands in for a cupy array in argument lists."""
-
-
 def test_notify_args_match_kernel_signature():
-    params = _kernel_params(CUDA_SRC / "notify.cu", "notify")
-    a = _FakeArray()
+    params = kernel_params(CUDA_SRC / "notify.cu", "notify")
+    a = FakeArray()
     packed = intranode.notify_args(is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a,
                                    num_local_experts=4, expert_alignment=1, rank_prefix_matrix=a,
                                    channel_prefix_matrix=a, recv_channel_prefix_matrix=a, meta=a, bases=a,
                                    notify_offset=128, notify_stride=12, err_ptr=1234, timeout_ns=10**9, rank=1)
-    _check_packing(params, packed)
+    check_packing(params, packed)
 
 
 def test_dispatch_args_match_kernel_signature():
-    params = _kernel_params(CUDA_SRC / "dispatch.cu", "dispatch")
-    a = _FakeArray()
+    params = kernel_params(CUDA_SRC / "dispatch.cu", "dispatch")
+    a = FakeArray()
     lay = L.buffer_layout(2, 12, 256, L.dispatch_slot(7168, 56, 8))
     packed = intranode.dispatch_args(
         x=a, x_scales=None, scale_token_stride=0, scale_block_stride=0, num_scales=0, topk_idx=a, topk_weights=None,
@@ -286,21 +244,21 @@ def test_dispatch_args_match_kernel_signature():
         rank_prefix_matrix=a, channel_prefix_matrix=a, recv_channel_prefix_matrix=a, recv_x=a, recv_x_scales=None,
         recv_topk_idx=a, recv_topk_weights=None, recv_src_idx=a, send_head=a, num_out_rows=10, num_worst_tokens=0,
         bases=a, layout=lay, num_self_warps=12, err_ptr=99, timeout_ns=1, rank=0)
-    _check_packing(params, packed)
+    check_packing(params, packed)
     d = dict(packed)
     assert d["slot_bytes"] == lay.slot.slot_bytes and d["ring_offset"] == lay.ring_offset
     assert d["free_offset"] == lay.free_offset and d["x_scales"] == np.uint64(0)
 
 
 def test_combine_args_match_kernel_signature():
-    params = _kernel_params(CUDA_SRC / "combine.cu", "combine")
-    a = _FakeArray()
+    params = kernel_params(CUDA_SRC / "combine.cu", "combine")
+    a = FakeArray()
     lay = L.buffer_layout(2, 12, 256, L.combine_slot(7168 * 2, 8))
     packed = intranode.combine_args(
         x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=a, rank_prefix_matrix=a, channel_prefix_matrix=a,
         recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
         combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1)
-    _check_packing(params, packed)
+    check_packing(params, packed)
 
 
 def test_op_codes_match_header():

@@ -8,7 +8,8 @@ formula mistakes that would otherwise only show on a GPU.
 
 import numpy as np
 import pytest
-from _thread_group import run_ranks
+from intranode_cases import model_inputs, reference_dispatch
+from thread_group import run_ranks
 
 from deepep_cupy.ops.intranode import engine as intranode
 from deepep_cupy.ops.intranode import layout as L
@@ -151,34 +152,6 @@ def _model_combine(ys, handles, C):
     return outs
 
 
-def _model_inputs(rng, R, n_tokens, skew=False, E_per_rank=8, K=3, H=4):
-    """Per rank: rows, is_token_in_rank, top-k ids and per-expert counts (rank 1 has 5 tokens fewer; with
-    ``skew`` and more than 2 ranks, a third of the tokens go to rank 0 only)."""
-    E = E_per_rank * R
-    xs, in_ranks, topks, per_experts = [], [], [], []
-    for me in range(R):
-        n = n_tokens if me != 1 else max(0, n_tokens - 5)  # unequal token counts
-        topk = rng.integers(-1, E, size=(n, K)).astype(np.int64)
-        if skew and n and R > 2:
-            topk[: n // 3] = rng.integers(0, E // R, size=(n // 3, K))  # many tokens only for rank 0
-        _, _, per_expert, in_rank = normal.dispatch_layout(topk, E, R, R)
-        xs.append(rng.standard_normal((n, H)).astype(np.float32))
-        in_ranks.append(in_rank)
-        topks.append(topk)
-        per_experts.append(per_expert)
-    return xs, in_ranks, topks, per_experts
-
-
-def _reference_dispatch(xs, in_ranks, topks, per_experts, C):
-    def body(group):
-        me = group.rank
-        return normal.dispatch(group, xs[me], None, handle=None, is_token_in_rank=in_ranks[me],
-                               num_tokens_per_expert=per_experts[me], topk_idx=topks[me], topk_weights=None,
-                               expert_alignment=4, num_worst_tokens=0, num_channels=C)
-
-    return run_ranks(len(xs), body)
-
-
 def _model_direct_dispatch(xs, in_ranks, topks, per_experts, C):
     """The direct mode of dispatch_kernel (dispatch_direct.cuh): chunk masks and prefix counts per channel and
     destination, items (chunk, destination, part) in claim order, each token written straight into its row of
@@ -234,9 +207,9 @@ def _model_direct_dispatch(xs, in_ranks, topks, per_experts, C):
 
 @pytest.mark.parametrize("R,C,n_tokens", [(2, 3, 37), (3, 2, 0), (4, 5, 23), (2, 12, 1), (8, 4, 50), (2, 1, 100)])
 def test_direct_dispatch_model_matches_reference(R, C, n_tokens):
-    xs, in_ranks, topks, per_experts = _model_inputs(np.random.default_rng(R * 1000 + C), R, n_tokens)
+    xs, in_ranks, topks, per_experts = model_inputs(np.random.default_rng(R * 1000 + C), R, n_tokens)
     outs = _model_direct_dispatch(xs, in_ranks, topks, per_experts, C)
-    refs = _reference_dispatch(xs, in_ranks, topks, per_experts, C)
+    refs = reference_dispatch(xs, in_ranks, topks, per_experts, C)
     for me in range(R):
         rx, _, rtopk, _, _, rhandle = refs[me]
         np.testing.assert_array_equal(outs[me]["x"], rx)
@@ -263,9 +236,9 @@ def test_direct_shared_bytes_and_done_words():
                                               (8, 4, 50, 3)])
 def test_kernel_index_model_matches_reference(R, C, n_tokens, cap):
     rng = np.random.default_rng(R * 100 + C)
-    xs, in_ranks, topks, per_experts = _model_inputs(rng, R, n_tokens, skew=True)
+    xs, in_ranks, topks, per_experts = model_inputs(rng, R, n_tokens, skew=True)
     outs, metas, handles = _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, 24, 12, alignment=4)
-    refs = _reference_dispatch(xs, in_ranks, topks, per_experts, C)
+    refs = reference_dispatch(xs, in_ranks, topks, per_experts, C)
     for me in range(R):
         rx, _, rtopk, _, rlist, rhandle = refs[me]
         np.testing.assert_array_equal(outs[me]["x"], rx)

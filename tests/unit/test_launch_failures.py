@@ -4,7 +4,7 @@ own, quickly, with the error named; nothing may hang at construction, in an op o
 import textwrap
 
 import pytest
-from _mpi_job import MARKS, run_job
+from mpi_job import MARKS, run_job
 
 pytest.importorskip("mpi4py")
 pytestmark = MARKS

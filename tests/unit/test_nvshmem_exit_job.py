@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from _mpi_job import MARKS, run_job
+from mpi_job import MARKS, run_job
 
 pytest.importorskip("mpi4py")
 pytestmark = MARKS

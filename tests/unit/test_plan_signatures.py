@@ -3,11 +3,11 @@ blocks are written by hand; a kernel signature change must show up here, not as 
 
 from __future__ import annotations
 
-import re
 import types
 from pathlib import Path
 
 import pytest
+from kernel_args import kernel_params
 
 from deepep_cupy.device import launch
 from deepep_cupy.ops.low_latency import plans as lp
@@ -45,18 +45,8 @@ def _engine(staged: bool):
 
 
 def _names(path: Path, kernel: str) -> list[str]:
-    """Parameter names of ``__global__ ... kernel(...)`` in ``path`` (line comments dropped first: they
-    hold shapes with commas)."""
-    text = re.sub(r"//[^\n]*", "", path.read_text())
-    match = re.search(r"__global__[^;{]*?\b" + re.escape(kernel) + r"\(", text, re.S)
-    assert match is not None, f"no __global__ {kernel}( in {path}"
-    depth, start = 1, match.end()
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            break
-    params = [p.strip() for p in text[start:i].split(",")]
-    return [re.findall(r"[A-Za-z_]\w*$", p)[0] for p in params]
+    """Parameter names of ``__global__ ... kernel(...)`` in ``path``."""
+    return [name for _, name in kernel_params(path, kernel)]
 
 
 @pytest.mark.parametrize("staged", [False, True])

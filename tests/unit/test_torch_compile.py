@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _thread_group import ThreadGroup, _Shared  # noqa: E402
+from thread_group import ThreadGroup, _Shared  # noqa: E402
 
 import deepep_cupy.buffer as buffer_module  # noqa: E402
 import deepep_cupy.buffer_low_latency as ll_module  # noqa: E402

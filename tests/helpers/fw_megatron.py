@@ -13,7 +13,7 @@ compared with autograd over the dense float64 computation.
 from __future__ import annotations
 
 import numpy as np
-from _fw_common import (
+from fw_common import (
     bf16,
     close,
     expected_rows,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from _fw_common import (
+from fw_common import (
     bf16,
     close,
     dequant,

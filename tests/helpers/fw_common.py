@@ -1,7 +1,7 @@
 """What the framework call-pattern tests share: random per-rank inputs every rank can rebuild, the dense oracle,
 and the checks.
 
-The scenarios (``_fw_megatron.py``, ``_fw_serving.py``) run on every rank with a process group (thread ranks
+The scenarios (``fw_megatron.py``, ``fw_serving.py``) run on every rank with a process group (thread ranks
 in tests/unit, gloo groups under mpiexec in tests/mpi, CUDA tensors in tests/gpu). Rank ``r``'s inputs come
 from seeds ``[seed, r, ...]``, so a rank rebuilds any other rank's inputs to know what it must receive; the
 oracle of a token's combined output needs only that token's own inputs (float64, dense).
