@@ -73,6 +73,8 @@ def ll(env):
 LL_CASES = {
     "bf16": {}, "fp8_ue8m0_logfmt": {"use_fp8": True, "round_scale": True, "use_ue8m0": True, "use_logfmt": True},
     "fp8_zero_copy": {"use_fp8": True, "zero_copy": True},
+    "fp8_hooks": {"use_fp8": True, "hook": True},
+    # Tensors the graph mutates (out, stats): inductor keeps such a graph out of CUDA graphs.
     "hooks_out_stats": {"hook": True, "out": True, "stats": True},
 }
 
