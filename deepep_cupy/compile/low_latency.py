@@ -194,7 +194,7 @@ def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: 
                          async_finish: bool = False, return_recv_hook: bool = False):
     """``Buffer.low_latency_dispatch`` while dynamo traces (same arguments and results; the event is empty)."""
     bid = buffer_id(buffer)
-    t_max, num_experts, hidden = int(num_max_dispatch_tokens_per_rank), int(num_experts), x.shape[1]
+    t_max, num_experts, hidden = _int(num_max_dispatch_tokens_per_rank), _int(num_experts), x.shape[1]
     fp8 = bool(use_fp8)
     ue8m0 = bool(use_ue8m0) and fp8
     stats, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
