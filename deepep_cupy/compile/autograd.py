@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .common import buffer_of
-from .normal import combine_op, dispatch_op, in_rank_index
+from .normal import in_rank_index
 
 __all__: list[str] = []
 
@@ -61,6 +61,6 @@ def _combine_backward(ctx, grads):
     return None, grad_x, [None] * ctx.num_handle, None, bias_0, bias_1, None
 
 
-torch.library.register_autograd("deepep_cupy::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+for _name in ("dispatch", "dispatch_host_wait"):
+    torch.library.register_autograd(f"deepep_cupy::{_name}", _dispatch_backward, setup_context=_dispatch_setup)
 torch.library.register_autograd("deepep_cupy::combine", _combine_backward, setup_context=_combine_setup)
-del combine_op, dispatch_op

@@ -119,6 +119,7 @@ def test_normal_ops_match_their_fakes(buf):
     config = list(Buffer.get_dispatch_config(1).key())
     args = (bid, x, None, per_rank, None, in_rank, per_expert, idx, w, 1, 16, config)
     _opcheck(ops.dispatch.default, args)
+    _opcheck(ops.dispatch_host_wait.default, (*args[:10], 0, config))
     outs = ops.dispatch(*args)
     handle = [*outs[3:7], in_rank, outs[7]]  # the 6-tuple holds the caller's is_token_in_rank at index 4
     _opcheck(ops.cached_dispatch.default, (bid, x, None, handle, config))
