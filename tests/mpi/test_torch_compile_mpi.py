@@ -329,3 +329,34 @@ def test_training_step(nvl_buffer, worst, backend):
     if results[1][1] is not None and not results[1][1].float().any():
         failures.append("the gradient of x is all zero")
     _agree(failures)
+
+
+# ---------------------------------------------------------------------------------------------------- gloo group
+def test_buffer_on_a_gloo_group():
+    """A Buffer made on a torch.distributed (gloo) group compiles the same: both families in one graph."""
+    import torch.distributed as dist
+
+    from deepep_cupy.device.group import init_torch_distributed
+
+    init_torch_distributed(COMM, "gloo")
+    # A group of its own: its message tags start afresh on every rank, whatever other tests made before.
+    group = dist.new_group(list(range(SIZE)), backend="gloo")
+    buf = Buffer(group=group, low_latency_mode=True, explicitly_destroy=True, backend="reference")
+    x, idx, w, num_experts = _normal_inputs(51)
+    x = x[:T]
+    idx, w = idx[:T], w[:T]
+
+    def step(x, idx, w):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, num_experts, use_fp8=False)
+        decoded = buf.low_latency_combine(_expert(recv), idx, w, handle)[0]
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+        recv, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=WORST)
+        return decoded, count, buf.combine(_expert(recv), handle, topk_weights=recv_w)[:2]
+
+    eager = step(x, idx, w)
+    compiled = _compile(step, "aot_eager")(x, idx, w)
+    COMM.Barrier()
+    buf.destroy()
+    _agree(_same(eager, compiled, "gloo"))
