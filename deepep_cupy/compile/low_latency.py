@@ -194,7 +194,7 @@ def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: 
                          async_finish: bool = False, return_recv_hook: bool = False):
     """``Buffer.low_latency_dispatch`` while dynamo traces (same arguments and results; the event is empty)."""
     bid = buffer_id(buffer)
-    t_max, num_experts, hidden = int(num_max_dispatch_tokens_per_rank), int(num_experts), x.shape[1]
+    t_max, num_experts, hidden = _int(num_max_dispatch_tokens_per_rank), _int(num_experts), x.shape[1]
     fp8 = bool(use_fp8)
     ue8m0 = bool(use_ue8m0) and fp8
     stats, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
@@ -252,16 +252,32 @@ def _combine_fake(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max,
     return topk_weights.new_empty(shape, dtype=torch.bfloat16)
 
 
-@define("ll_combine", mutates_args=("out", "wait_stats"))
+@define("ll_combine")
 def ll_combine(bid: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                src_info: torch.Tensor, layout_range: torch.Tensor, t_max: int, hidden: int, num_experts: int,
-               use_logfmt: bool, zero_copy: bool, out: torch.Tensor | None,
-               wait_stats: torch.Tensor | None) -> torch.Tensor:
+               use_logfmt: bool, zero_copy: bool) -> torch.Tensor:
+    return _combine(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max, hidden, num_experts, use_logfmt,
+                    zero_copy, None, None, False)[0]
+
+
+@ll_combine.register_fake
+def _(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max, hidden, num_experts, use_logfmt, zero_copy):
+    return _combine_fake(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max, hidden, num_experts,
+                         use_logfmt, zero_copy, None, None)
+
+
+# With out or the wait stats: an op that declares them mutated. (A separate op: inductor mishandles the
+# result of an op whose optional mutated arguments are all None.)
+@define("ll_combine_into", mutates_args=("out", "wait_stats"))
+def ll_combine_into(bid: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    src_info: torch.Tensor, layout_range: torch.Tensor, t_max: int, hidden: int, num_experts: int,
+                    use_logfmt: bool, zero_copy: bool, out: torch.Tensor | None,
+                    wait_stats: torch.Tensor | None) -> torch.Tensor:
     return _combine(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max, hidden, num_experts, use_logfmt,
                     zero_copy, out, wait_stats, False)[0]
 
 
-ll_combine.register_fake(_combine_fake)
+ll_combine_into.register_fake(_combine_fake)
 
 
 @define("ll_combine_send", mutates_args=("out", "wait_stats"))
@@ -313,8 +329,10 @@ def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, use_logfmt: b
 
         def hook():
             torch.ops.deepep_cupy.ll_combine_recv(ticket, target, wait)
+    elif out is None and wait is None:
+        result = torch.ops.deepep_cupy.ll_combine(*args[:-2])
     else:
-        result = torch.ops.deepep_cupy.ll_combine(*args)
+        result = torch.ops.deepep_cupy.ll_combine_into(*args)
     return (out if out is not None else result), NO_EVENT, hook
 
 

@@ -153,16 +153,9 @@ def get_dispatch_layout(buffer, topk_idx, num_experts: int, previous_event=None,
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
-# It waits for the received counts on the host: never inside a CUDA graph (inductor leaves it out).
-_HOST_WAIT = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-@define("dispatch", tags=_HOST_WAIT)
-def dispatch_op(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_tokens_per_rank: torch.Tensor | None,
-                num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor,
-                num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor | None,
-                topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int,
-                config: list[int]) -> list[torch.Tensor]:
+def _dispatch(bid: int, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment: int, num_worst_tokens: int,
+              config: list[int]) -> list:
     buffer = buffer_of(bid)
     cfg = config_of(config)
     recv, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
@@ -182,9 +175,8 @@ def dispatch_op(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_to
                         num_tokens_per_expert, topk_idx, topk_weights])
 
 
-@dispatch_op.register_fake
-def _(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config):
+def _dispatch_fake(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config):
     buffer = buffer_of(bid)
     rows = nvl_rows = num_worst_tokens
     if num_worst_tokens == 0:  # the received rows are known once the counts came back to the host
@@ -194,6 +186,37 @@ def _(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_
     specs = _dispatch_specs(buffer, config_of(config), x, x_scales, num_tokens_per_expert, topk_idx, topk_weights,
                             num_worst_tokens, rows, nvl_rows)
     return [x.new_empty(shape, dtype=dtype, device="cpu" if host else None) for shape, dtype, host in specs]
+
+
+@define("dispatch")
+def dispatch_op(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_tokens_per_rank: torch.Tensor | None,
+                num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+                num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor | None,
+                topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int,
+                config: list[int]) -> list[torch.Tensor]:
+    """With ``num_worst_tokens``: fixed sizes, no host wait (CUDA graphs may hold it)."""
+    return _dispatch(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
+
+
+dispatch_op.register_fake(_dispatch_fake)
+
+# The same op without num_worst_tokens waits for the received counts on the host: tagged so that inductor
+# keeps it out of CUDA graphs.
+_HOST_WAIT = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@define("dispatch_host_wait", tags=_HOST_WAIT)
+def dispatch_host_wait(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None,
+                       num_tokens_per_rank: torch.Tensor | None, num_tokens_per_rdma_rank: torch.Tensor | None,
+                       is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                       topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, expert_alignment: int,
+                       num_worst_tokens: int, config: list[int]) -> list[torch.Tensor]:
+    return _dispatch(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
+
+
+dispatch_host_wait.register_fake(_dispatch_fake)
 
 
 @define("cached_dispatch")
@@ -286,7 +309,8 @@ def combine(buffer, x, handle, topk_weights=None, bias=None, config=None, previo
 
 
 def _dispatch_fn(*args):
-    return torch.ops.deepep_cupy.dispatch(*args)
+    worst = args[10]
+    return (torch.ops.deepep_cupy.dispatch if worst > 0 else torch.ops.deepep_cupy.dispatch_host_wait)(*args)
 
 
 def _combine_fn(*args):
@@ -347,6 +371,6 @@ def _combine_backward(ctx, grads):
     return None, grad_x, [None] * ctx.num_handle, None, bias_0, bias_1, None
 
 
-torch.library.register_autograd("deepep_cupy::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+for _name in ("dispatch", "dispatch_host_wait"):
+    torch.library.register_autograd(f"deepep_cupy::{_name}", _dispatch_backward, setup_context=_dispatch_setup)
 torch.library.register_autograd("deepep_cupy::combine", _combine_backward, setup_context=_combine_setup)
-del combine_op, dispatch_op

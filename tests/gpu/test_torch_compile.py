@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_common import COMM, bf16, bits, to_np, with_reference_buffer
+from gpu_common import COMM, agree, bf16, bits, to_np, together, with_reference_buffer
 from graph_common import GRAPH_MARKS, seeded, to_torch
-from ll_common import NEEDS_NVSHMEM, agree, hint, routing, together
+from ll_common import NEEDS_NVSHMEM, hint, routing
 
 pytestmark = GRAPH_MARKS
 MODES = ["default", "reduce-overhead"]
@@ -72,6 +72,8 @@ def ll(env):
 LL_CASES = {
     "bf16": {}, "fp8_ue8m0_logfmt": {"use_fp8": True, "round_scale": True, "use_ue8m0": True, "use_logfmt": True},
     "fp8_zero_copy": {"use_fp8": True, "zero_copy": True},
+    "fp8_hooks": {"use_fp8": True, "hook": True},
+    # Tensors the graph mutates (out, stats): inductor keeps such a graph out of CUDA graphs.
     "hooks_out_stats": {"hook": True, "out": True, "stats": True},
 }
 

@@ -103,9 +103,11 @@ def test_low_latency_ops_match_their_fakes(buf, fp8):
     recv_x, small = ops.ll_dispatch(bid, x, idx, None, None, T, E, False, False, False)
     views = traced_ll.unpack(small, traced_ll.small_layout(1, T, E, H, False, False))
     handle = (views[1], views[2], T, H, E)
-    _opcheck(ops.ll_combine.default, (bid, recv_x, idx, w, *handle, fp8, False, None, None))
+    _opcheck(ops.ll_combine.default, (bid, recv_x, idx, w, *handle, fp8, False))
     out = torch.empty(T, H, dtype=torch.bfloat16)
-    _opcheck(ops.ll_combine.default, (bid, recv_x, idx, w, *handle, False, False, out, torch.zeros(1, dtype=torch.int64)))
+    wait = torch.zeros(1, dtype=torch.int64)
+    _opcheck(ops.ll_combine_into.default, (bid, recv_x, idx, w, *handle, False, False, out, wait))
+    _opcheck(ops.ll_combine_into.default, (bid, recv_x, idx, w, *handle, False, False, None, wait))
     _opcheck(ops.ll_combine_buffer.default, (bid, *handle))
 
 
@@ -117,6 +119,7 @@ def test_normal_ops_match_their_fakes(buf):
     config = list(Buffer.get_dispatch_config(1).key())
     args = (bid, x, None, per_rank, None, in_rank, per_expert, idx, w, 1, 16, config)
     _opcheck(ops.dispatch.default, args)
+    _opcheck(ops.dispatch_host_wait.default, (*args[:10], 0, config))
     outs = ops.dispatch(*args)
     handle = [*outs[3:7], in_rank, outs[7]]  # the 6-tuple holds the caller's is_token_in_rank at index 4
     _opcheck(ops.cached_dispatch.default, (bid, x, None, handle, config))
