@@ -7,7 +7,8 @@
 # tools/build_deepep.sh). This library is loaded as `deep_ep` through DEEPEP_CUPY_AS_DEEP_EP=1.
 # Each run's log goes to $OUT (default ./gpu-logs); the lines the tests print their timings on are
 # printed at the end, one block per library. NGPU (default: all GPUs) processes; TEST_TIMEOUT (default 300 s)
-# bounds each script.
+# bounds each script (--pressure-test never ends by itself); LIBS (default "deepep deepep_cupy") picks the
+# libraries.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -47,7 +48,10 @@ run_one() {  # library (deepep_cupy | deepep), test
     if [ $rc -ne 0 ]; then tail -8 "$log"; fi
 }
 
+LIBS=${LIBS:-deepep deepep_cupy}
 for test in $TESTS; do
-    if compgen -G "$DEEPEP/deep_ep_cpp*.so" >/dev/null; then run_one deepep "$test"; fi
-    run_one deepep_cupy "$test"
+    for lib in $LIBS; do
+        if [ "$lib" = deepep ] && ! compgen -G "$DEEPEP/deep_ep_cpp*.so" >/dev/null; then continue; fi
+        run_one "$lib" "$test"
+    done
 done
