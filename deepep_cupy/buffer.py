@@ -15,6 +15,7 @@ from . import checks
 from .backends import make_backend
 from .buffer_low_latency import LowLatencyOps
 from .compile import outside, tracing_check
+from .compile import register as register_for_compile
 from .config import Config, low_latency_rdma_size_hint
 from .device.gpus import gpu_count
 from .device.group import make_group
@@ -121,6 +122,7 @@ class Buffer(LowLatencyOps):
         self.num_nvl_ranks = self._nvl_domain_size(num_nvl_ranks)
         self.backend = _choose_backend(backend)
         self._destroyed = False
+        self._compiled_op_key = str(register_for_compile(self))  # how torch.compile's custom ops name it
         # Plans per op, keyed by the metadata of the tensors and the flags of a call (see ``_lookup``).
         self._layout_plans: dict = {}
         self._dispatch_plans: dict = {}

@@ -20,9 +20,28 @@ import torch; this module does not.
 
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 
-__all__ = ["tracing_check", "outside"]
+__all__ = ["tracing_check", "outside", "register", "registered"]
+
+# Every Buffer by the integer that stands for it in the custom ops' arguments (custom ops take no Python
+# objects). Given at construction, which every rank does in the same order: the same ids everywhere.
+_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
+
+
+def register(buffer) -> int:
+    """A new id for ``buffer`` (called by ``Buffer.__init__``); the registry holds it weakly."""
+    bid = next(_NEXT_ID)
+    _BUFFERS[bid] = buffer
+    return bid
+
+
+def registered(bid: int):
+    """The Buffer of id ``bid``, or None once it is gone."""
+    return _BUFFERS.get(bid)
 
 
 def tracing_check(namespace: dict, name: str = "_compiling"):

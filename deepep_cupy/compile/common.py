@@ -4,14 +4,13 @@ made themselves, and the checks of arguments that only compiled code restricts."
 from __future__ import annotations
 
 import functools
-import itertools
-import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import Config
 from ..event import EventOverlap
+from . import registered
 
 __all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "fresh", "remember_handle",
            "handle_entry", "no_event", "define", "run_outside"]
@@ -25,24 +24,15 @@ NS = "deepep_cupy"
 NO_EVENT = EventOverlap(None)
 
 _any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
-_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_NEXT_ID = itertools.count(1)
-
-
-@torch.compiler.assume_constant_result
 def buffer_id(buffer) -> int:
-    """The integer that stands for ``buffer`` in the ops' arguments (dynamo runs this while tracing and
-    bakes the result into the graph; ids are given in order of first use, so a process that builds its
-    Buffers and compiles in the same order gets the same ids)."""
-    bid = buffer.__dict__.get("_compiled_op_id")
-    if bid is None:
-        bid = buffer._compiled_op_id = next(_NEXT_ID)
-        _BUFFERS[bid] = buffer
-    return bid
+    """The integer that stands for ``buffer`` in the ops' arguments, from the Buffer's attribute made at
+    construction. The attribute holds it as text: dynamo reads a string as a constant of the graph, where it
+    may make an int attribute symbolic (``dynamic=True``), and folds ``int`` of a constant."""
+    return int(buffer._compiled_op_key)
 
 
 def buffer_of(bid: int):
-    buffer = _BUFFERS.get(bid)
+    buffer = registered(bid)
     if buffer is None:
         raise RuntimeError(f"the Buffer of this compiled deepep_cupy op (id {bid}) no longer exists: a compiled "
                            "function must not outlive the Buffer it was traced with")

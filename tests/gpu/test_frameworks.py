@@ -208,6 +208,7 @@ class DecodeStep:
         self.x.copy_(bf16(inp.x, "cuda"))
         self.ids.copy_(tensor(inp.idx, "cuda"))
         self.w.copy_(tensor(inp.w, "cuda"))
+        self.scales.copy_(tensor(inp.local_scales().astype(np.float32), "cuda"))  # the experts change too
 
     def __call__(self):
         recv, count, handle, event, recv_hook = self.buffer.low_latency_dispatch(
