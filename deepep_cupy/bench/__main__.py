@@ -96,6 +96,8 @@ def main() -> None:
         print(f"\n{workload}")
         print(format_table(rows), flush=True)
         why_not = targets.why_not_compared(comm.Get_size(), args, cupy.cuda.runtime.getDeviceCount())
+        if why_not is None and all(entry["status"] == "not measured" for entry in targets.compare(rows)):
+            why_not = "none of the suites run measures a tracked op"
         print(f"\n{targets.format_targets(rows)}" if why_not is None else f"\ntargets not compared: {why_not}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
