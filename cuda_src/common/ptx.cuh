@@ -1,4 +1,5 @@
-// Memory-ordering and vector load/store helpers written in inline PTX.
+// Every inline-PTX wrapper of the kernels: memory ordering, loads and stores, barriers, thread-block
+// clusters and SFU math. Kernel sources hold no asm of their own.
 //
 // Scopes: `.sys` orders against peers reached over NVLink/PCIe (P2P-mapped memory) and the host (mapped
 // host memory); `.gpu` only within this GPU. Use acquire loads to read a flag that another agent set
@@ -268,7 +269,6 @@ __device__ __forceinline__ uint64_t ld_cg_u64(const void* p) {
     asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-
 
 // Ask L2 for the line holding `p` (no register result, no ordering).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
