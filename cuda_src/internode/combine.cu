@@ -1,4 +1,4 @@
-// Internode combine: the reverse path of the dispatch (docs/internode_design.md, "Combine").
+// Internode combine: the reverse path of the dispatch (docs/design/internode.md, "Combine").
 //
 // Grid 2 * ceil(C / S) blocks of S channels each (sub_channels), channels as in the dispatch that produced
 // the handle.

@@ -1,4 +1,4 @@
-// Internode dispatch, step 2: move the rows (docs/internode_design.md, "Dispatch").
+// Internode dispatch, step 2: move the rows (docs/design/internode.md, "Dispatch").
 //
 // Grid 2 * ceil(C / S) blocks, S = sub_channels(L, D) channels per block; channel c = tokens
 // [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group is the RDMA

@@ -1,6 +1,6 @@
 // Shared pieces of the internode normal kernels (groups of several NVLink domains): buffer layouts,
-// progress counters, bounded waits. Design: docs/internode_design.md; the host computes every offset in
-// deepep_cupy/ops/internode_layout.py and passes it as an argument.
+// progress counters, bounded waits. Design: docs/design/internode.md; the host computes every offset in
+// deepep_cupy/ops/internode/layout.py and passes it as an argument.
 //
 // Topology: L = kNumNvlRanks ranks per domain, D = kNumDomains domains, rank r is local rank r % L of
 // domain r / L. A token of source (d_s, l) bound for domain d crosses RDMA once, to the forwarder (d, l),
@@ -41,7 +41,7 @@ using intranode::thread_wait;
 using intranode::WaitCtx;
 using intranode::warp_wait;
 
-// Op codes of the error record (names in deepep_cupy/ops/internode.py).
+// Op codes of the error record (names in deepep_cupy/ops/internode/engine.py).
 enum OpCode : int {
     kOpNotifyRdma = 401,      // forwarder waiting for a source domain's counts (RDMA signal)
     kOpNotifyNvl = 402,       // rank waiting for a forwarder of its domain (NVLink flag)
@@ -152,7 +152,7 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 // rank) and in a combine block (an NVLink sender per (domain, local rank), or a forwarder per domain and
 // the reducer). A block runs kSubChannels consecutive channels side by side: every role of a channel is
 // one warp moving one row at a time, so more channels per SM is what keeps more bytes in flight. Blocks
-// stay within 512 threads (128 registers a thread). Mirrored by internode_layout.sub_channels.
+// stay within 512 threads (128 registers a thread). Mirrored by ops/internode/layout.py sub_channels.
 constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
 constexpr int combine_channel_warps(int L, int D) { return L * D > D + 1 ? L * D : D + 1; }
 constexpr int sub_channels(int L, int D) {

@@ -1,4 +1,4 @@
-// Internode dispatch, step 1: token counts across domains (docs/internode_design.md, "Notify").
+// Internode dispatch, step 1: token counts across domains (docs/design/internode.md, "Notify").
 //
 // One block. (1) Count this rank's tokens per channel and rank / domain: handle entries 1 and 2.
 // (2) Put to each forwarder (d, l_me) one record {tokens for each rank of d, tokens per expert of d,

@@ -6,7 +6,7 @@
 // so they go back with plain device-to-device copies that the copy engines run at link speed while all the
 // SMs sum what has arrived.
 //
-// Before this kernel, on a side stream (deepep_cupy/ops/intranode_copy.py), every rank p copies, for every
+// Before this kernel, on a side stream (deepep_cupy/ops/intranode/copy.py), every rank p copies, for every
 // home h != p, that block (its top-k weights first) into h's staging area, slot of source p, in chunks;
 // after each chunk, a stream write on a second stream (ordered after the chunk by an event) stores
 // (copy_seq << 32) | (rows of the block copied so far) into copy_flag[p] of h's control words (the write

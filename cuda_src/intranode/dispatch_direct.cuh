@@ -2,7 +2,7 @@
 // goes to, with no ring in between.
 //
 // Each rank's outputs of a direct dispatch live in its output pool, device memory mapped into every rank
-// (deepep_cupy/runtime/output_pool.py). A rank's kernel starts by telling every rank where its outputs of
+// (deepep_cupy/device/output_pool.py). A rank's kernel starts by telling every rank where its outputs of
 // this call are (a dest entry in the fixed control area, published with the kernel's sequence number);
 // after that any warp can write any token to any rank: a push over NVLink and the copy of an own token are
 // the same operation with a different base pointer. The ring mode moves every peer's row twice on the

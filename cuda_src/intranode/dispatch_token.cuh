@@ -39,7 +39,7 @@ struct DispatchArgs {
     int rank;
     uint64_t seq;
     int num_recv;
-    int own_rows_copied;  // this rank's own rows reach recv_x through the copy engines (intranode_own.py)
+    int own_rows_copied;  // this rank's own rows reach recv_x through the copy engines (ops/intranode/own_rows.py)
 };
 
 // ---- a token's scales and top-k entries ------------------------------------------------------------

@@ -2,7 +2,7 @@
 // bounded waits and warp copy loops.
 //
 // NVL buffer of every rank (all offsets in bytes from the start of that rank's buffer; the host computes
-// the per-call offsets in deepep_cupy/ops/intranode_layout.py and passes them as kernel arguments):
+// the per-call offsets in deepep_cupy/ops/intranode/layout.py and passes them as kernel arguments):
 //
 //   [0, ctrl_bytes)        control words, fixed for the buffer's lifetime (uint64 each):
 //       arrive[R]          arrive[s] = sequence number of the latest kernel rank s has started; s stores
@@ -51,7 +51,7 @@
 
 namespace deepep_cupy::intranode {
 
-// Op codes of the error record (names in deepep_cupy/ops/intranode.py).
+// Op codes of the error record (names in deepep_cupy/ops/intranode/engine.py).
 enum OpCode : int {
     kOpNotifyArrive = 1,
     kOpNotifyCounts = 2,

@@ -255,7 +255,7 @@ __device__ __forceinline__ void send_partials(const uint16_t* x, const int* src_
         // encoder's mapping; lanes 16..31 idle in a one-block last segment). Float32: c0 .. c0 + 3 and
         // c1 .. c1 + 3, so that each of the warp's two 16-byte stores covers 512 contiguous bytes (with 32
         // bytes per lane in one place every store instruction wrote half of each 32-byte sector, and the
-        // items ended ~12 us later; docs/low_latency_performance.md).
+        // items ended ~12 us later; docs/design/low_latency.md).
         const int seg = static_cast<int>(item % kSegs);
         constexpr int kBlocks = kHidden / kChannelsPerBlock;
         const int nb = kLogfmt ? min(2, kBlocks - 2 * seg) : 0;

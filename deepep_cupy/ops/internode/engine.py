@@ -1,6 +1,6 @@
 """Internode normal dispatch and combine (several NVLink domains): builds, argument blocks, engine.
 
-Kernels (``cuda_src/internode/``, design in ``docs/internode_design.md``): ``notify<L, D>`` (counts across
+Kernels (``cuda_src/internode/``, design in ``docs/design/internode.md``): ``notify<L, D>`` (counts across
 domains, handle entries 1, 2, 4, 6), ``dispatch<L, D>`` (rows over RDMA to the forwarders, over NVLink
 to the destinations; entries 3, 5, 7, 8, 9) and ``combine<L, D>`` (sums inside the domain over NVLink,
 partial sums over RDMA, sum across domains at the source). ``L`` ranks per domain and ``D`` domains are

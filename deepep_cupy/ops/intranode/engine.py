@@ -54,7 +54,7 @@ __all__ = [
 
 NOTIFY_THREADS = 1024
 # Defaults of the compile-time shape of the data kernels. Best guesses for 2 ranks (see
-# docs/intranode_performance.md); the bench sweeps the alternatives.
+# docs/design/intranode.md); the bench sweeps the alternatives.
 DISPATCH_WARPS, DISPATCH_UNROLL = 16, 8
 # Up to 2 ranks the dispatch loads 14 x 16 bytes per lane per round: a 7168-wide row then takes exactly one
 # round (FP8) or two (BF16) instead of 1.75 / 3.5 (2 x H200, 4096 x 7168, 24 SMs, two sweeps: FP8 195.6 /
