@@ -12,12 +12,11 @@ import socket
 import weakref
 
 from . import checks
-from .backends import make_backend
+from .backends import choose_backend, make_backend
 from .buffer_low_latency import LowLatencyOps
 from .compile import outside, tracing_check
 from .compile import register as register_for_compile
 from .config import Config, low_latency_rdma_size_hint
-from .device.gpus import gpu_count
 from .device.group import make_group
 from .event import EventHandle, EventOverlap
 from .frameworks import I32, I64, meta, plain_torch, shape_of
@@ -51,17 +50,6 @@ def _pick_config(table: dict, num_ranks: int, hidden: int | None = None) -> Conf
         return tuned
     key = min(table, key=lambda k: (abs(k - num_ranks), k))
     return Config(Buffer.num_sms, *table[key])
-
-
-def _choose_backend(requested: str | None) -> str:
-    choice = (requested or os.environ.get("DEEPEP_CUPY_BACKEND", "auto")).lower()
-    if choice not in ("auto", "cuda", "reference"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {choice!r}")
-    if choice == "auto":
-        return "cuda" if gpu_count() > 0 else "reference"
-    if choice == "cuda" and gpu_count() == 0:
-        raise RuntimeError("backend='cuda' was requested but no CUDA GPU is visible")
-    return choice
 
 
 class Buffer(LowLatencyOps):
@@ -120,7 +108,7 @@ class Buffer(LowLatencyOps):
         self.enable_shrink = bool(enable_shrink)
         self.num_qps_per_rank = checks.positive_int("num_qps_per_rank", num_qps_per_rank)
         self.num_nvl_ranks = self._nvl_domain_size(num_nvl_ranks)
-        self.backend = _choose_backend(backend)
+        self.backend = choose_backend(backend)
         self._destroyed = False
         self._compiled_op_key = str(register_for_compile(self))  # how torch.compile's custom ops name it
         # Plans per op, keyed by the metadata of the tensors and the flags of a call (see ``_lookup``).

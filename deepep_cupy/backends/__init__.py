@@ -7,9 +7,12 @@ imports the CUDA one.
 
 from __future__ import annotations
 
+import os
+
+from ..device.gpus import gpu_count
 from .base import Backend
 
-__all__ = ["Backend", "make_backend"]
+__all__ = ["Backend", "choose_backend", "make_backend"]
 
 
 def make_backend(kind: str, group, **options) -> Backend:
@@ -22,3 +25,15 @@ def make_backend(kind: str, group, **options) -> Backend:
     from .cuda import CudaBackend
 
     return CudaBackend(group, **options)
+
+
+def choose_backend(requested: str | None) -> str:
+    """'cuda' or 'reference': ``requested``, else ``$DEEPEP_CUPY_BACKEND``, else the GPU when one is visible."""
+    choice = (requested or os.environ.get("DEEPEP_CUPY_BACKEND", "auto")).lower()
+    if choice not in ("auto", "cuda", "reference"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {choice!r}")
+    if choice == "auto":
+        return "cuda" if gpu_count() > 0 else "reference"
+    if choice == "cuda" and gpu_count() == 0:
+        raise RuntimeError("backend='cuda' was requested but no CUDA GPU is visible")
+    return choice
