@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .config import Config, low_latency_rdma_size_hint
+from .config import Config
 from .frameworks import (
     BF16,
     BOOL,
@@ -281,7 +281,7 @@ def _wait_stats(name, stats, r: int) -> None:
         raise ValueError(f"{name} must have shape [{r}] or [{r}, {r}], got {list(s)}")
 
 
-def ll_dispatch_args(num_ranks: int, num_rdma_bytes: int | None, x, topk_idx, t, num_experts,
+def ll_dispatch_args(num_ranks: int, x, topk_idx, t, num_experts,
                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                      use_ue8m0) -> None:
     t = positive_int("num_max_dispatch_tokens_per_rank", t)
@@ -301,11 +301,6 @@ def ll_dispatch_args(num_ranks: int, num_rdma_bytes: int | None, x, topk_idx, t,
     optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtype=I32,
                           shape=(num_experts // num_ranks,))
     _wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, num_ranks)
-    if num_rdma_bytes is not None:
-        need = low_latency_rdma_size_hint(t, hidden, num_ranks, num_experts)
-        if num_rdma_bytes < need:
-            raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for T={t}, hidden={hidden}, "
-                             f"{num_experts} experts: need {need} (Buffer.get_low_latency_rdma_size_hint)")
 
 
 def ll_handle_sizes(handle, num_ranks: int) -> tuple[int, int, int]:
