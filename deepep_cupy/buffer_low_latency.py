@@ -70,7 +70,9 @@ class LowLatencyOps:
         try:
             if self._destroyed:
                 self._alive()
+            # The sizes' types too (8.0 == 8): a float must not find the plan an int made.
             key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
+                   type(num_max_dispatch_tokens_per_rank), type(num_experts),
                    meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8, round_scale,
                    use_ue8m0, async_finish, return_recv_hook)
             plan = lookup(self._ll_dispatch_plans, key)

@@ -16,6 +16,7 @@ import numpy as np
 from ..event import EventOverlap
 from ..frameworks import copy_into, from_numpy, kind_of, to_numpy
 from ..ops import limits
+from ..ops.handles import DispatchHandle, LowLatencyHandle, foreign_handle
 from ..reference import ReferenceOracle, collective
 
 __all__ = ["ReferenceBackend"]
@@ -184,8 +185,9 @@ class ReferenceBackend:
             recv = (recv, from_numpy(recv_scales, like))
         if handle is not None:
             return recv, None, None, None, None, EventOverlap(None)
+        num_topk = 0 if topk_idx is None else int(topk_idx.shape[1])
         return (recv, from_numpy(recv_topk_idx, like), from_numpy(recv_topk_weights, like), counts,
-                _handle_from_numpy(new_handle, like), EventOverlap(None))
+                DispatchHandle(_handle_from_numpy(new_handle, like), num_topk), EventOverlap(None))
 
     def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
         like = kind_of(x)
@@ -220,7 +222,7 @@ class ReferenceBackend:
         if not return_recv_hook:
             publish()
         recv_out = tuple(outs[:-1]) if isinstance(recv, tuple) else outs[0]
-        user_handle = _handle_from_numpy(handle, like)
+        user_handle = LowLatencyHandle(_handle_from_numpy(handle, like), owner=self)
         user_hook = None
         if return_recv_hook:
             def user_hook():
@@ -238,6 +240,9 @@ class ReferenceBackend:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, use_logfmt, zero_copy, async_finish,
                             return_recv_hook, out, combine_wait_recv_cost_stats):
+        owner = getattr(handle, "owner", None)
+        if owner is not self and owner is not None:
+            raise foreign_handle()
         like = kind_of(topk_weights) if zero_copy else kind_of(x)
         np_handle = _handle_to_numpy(handle)
         if zero_copy:

@@ -209,8 +209,8 @@ class MPIGroup(CommGroup):
         self._seq = 0
         # Requests of exchanges that timed out, with their buffers: MPI may still read or write them.
         self._abandoned: list = []
+        clock = _Clock()  # first: a bad DEEPEP_CUPY_TIMEOUT_S must not leave a duplicate behind
         own, request = comm.Idup()
-        clock = _Clock()
         while not request.Test():
             if clock.expired():
                 self._abandoned.append((own, request))
@@ -402,17 +402,24 @@ def _is_group_like(obj) -> bool:
         and isinstance(obj.rank, int)
 
 
+def _is_mpi_comm(obj) -> bool:
+    return hasattr(obj, "Get_rank") and hasattr(obj, "Idup")
+
+
 def make_group(group=None, comm=None) -> CommGroup:
     """Wrap whichever of ``group`` (torch) or ``comm`` (mpi4py) was given; an existing CommGroup passes through."""
     for candidate in (group, comm):
         if isinstance(candidate, CommGroup) or _is_group_like(candidate):
             return candidate
     if group is not None:
-        if not (hasattr(group, "rank") and hasattr(group, "size")):
+        if _is_mpi_comm(group):  # Buffer(MPI.COMM_WORLD, ...): DeepEP's first positional argument is a torch group
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got an mpi4py communicator "
+                            f"({type(group).__name__}); pass it as comm=, e.g. Buffer(comm=MPI.COMM_WORLD, ...)")
+        if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         return TorchGroup(group)
     if comm is not None:
-        if not hasattr(comm, "Get_rank") or not hasattr(comm, "Idup"):
+        if not _is_mpi_comm(comm):
             raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}")
         return MPIGroup(comm)
     raise ValueError("Buffer needs a process group: pass group=<torch ProcessGroup> or comm=<mpi4py Comm>")

@@ -14,7 +14,7 @@ from ...device.launch import LaunchPlan
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, U8
 from .. import limits
-from ..handles import OpHandle
+from ..handles import DispatchHandle
 from ..kernel_names import internode_combine, internode_dispatch, internode_notify
 from ..plan import NormalPlan, launch_args, scale_strides
 from . import layout as IL
@@ -160,8 +160,9 @@ class DispatchPlan(NormalPlan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
-        new_handle = OpHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
-                               recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head))
+        new_handle = DispatchHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix,
+                                     recv_gbl_cpm, recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head),
+                                    self.num_topk)
         return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
     def _received_counts(self) -> tuple[int, int, list[int]]:

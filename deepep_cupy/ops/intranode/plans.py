@@ -181,7 +181,7 @@ class DispatchPlan(NormalPlan):
         if self.cached:
             return recv, None, None, None, None, event
         new_handle = IntranodeHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                                      is_token_in_rank, send_head), counts, own_tokens)
+                                      is_token_in_rank, send_head), counts, own_tokens, self.num_topk)
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
