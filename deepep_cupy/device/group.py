@@ -25,7 +25,7 @@ from ..errors import DeepEPTimeoutError
 from .kernel_errors import timeout_seconds
 
 __all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed", "Agreement",
-           "disagreement", "timeout_error"]
+           "disagreement", "timeout_error", "comm_barrier"]
 
 _TAGS = 1 << 15  # MPI guarantees at least 32767 tags; one tag per collective in flight is plenty
 
@@ -423,6 +423,20 @@ def make_group(group=None, comm=None) -> CommGroup:
             raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}")
         return MPIGroup(comm)
     raise ValueError("Buffer needs a process group: pass group=<torch ProcessGroup> or comm=<mpi4py Comm>")
+
+
+_COMM_GROUPS: dict = {}  # id(mpi4py communicator) -> MPIGroup over it, for comm_barrier
+
+
+def comm_barrier(comm, op: str) -> None:
+    """A barrier over an mpi4py communicator that ends in ``DeepEPTimeoutError`` (naming ``op`` and the ranks
+    that did not arrive) after ``DEEPEP_CUPY_TIMEOUT_S``, instead of ``comm.Barrier()``'s wait without end: for
+    tools that hold a bare communicator (benchmarks, the tuner). The library's group over ``comm`` is made at
+    the first call, which every rank makes at the same point, and kept for later ones."""
+    group = _COMM_GROUPS.get(id(comm))
+    if group is None or group.comm is not comm:
+        group = _COMM_GROUPS[id(comm)] = MPIGroup(comm)
+    group.barrier(op=op)
 
 
 def init_torch_distributed(comm, backend: str = "gloo", **kwargs) -> None:

@@ -135,3 +135,18 @@ def test_torch_group_times_out():
     case = _case(buf)
     if RANK != LAST:
         _times_out(lambda: buf.dispatch(**case), "dispatch", LAST)
+
+
+def test_the_tools_barrier_names_the_absent_rank():
+    """The benchmarks' and the tuner's barrier ends in a named timeout where ``comm.Barrier()`` would wait for
+    ever; a later one on every rank works again."""
+    from deepep_cupy.device.group import comm_barrier
+
+    comm = COMM.Dup()  # its own library group, made by the first call on every rank
+    comm_barrier(comm, "tools barrier: start")
+    if RANK != LAST:
+        _times_out(lambda: comm_barrier(comm, "tools barrier"), "tools barrier", LAST)
+    COMM.Barrier()  # the absent rank comes only now; its barrier meets what the others left
+    if RANK == LAST:
+        comm_barrier(comm, "tools barrier")
+    comm_barrier(comm, "tools barrier: again")

@@ -267,15 +267,23 @@ class InternodeEngine(EngineHealth):
                     raise ValueError(f"the shared RDMA buffer has {rdma.nbytes} bytes, {self.num_rdma_bytes} needed")
                 self._rdma = rdma
                 self._sig = nvshmem_runtime.acquire(group, self.device_id, self.signals.end)
-                self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id, self.num_nvl_bytes)
-                self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
-                self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
-                self._sig.array.fill(0)
-                cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
-                self.errors = KernelErrorRecord()
-                cupy.cuda.Device(self.device_id).synchronize()
-            # Nobody may signal a peer before the peer has cleared its words.
-            group.barrier()
+                failure = None
+                try:
+                    self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id,
+                                                self.num_nvl_bytes)
+                    self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
+                    self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
+                    self._sig.array.fill(0)
+                    cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
+                    self.errors = KernelErrorRecord()
+                    cupy.cuda.Device(self.device_id).synchronize()
+                except BaseException as exc:
+                    failure = exc
+                # Every rank learns whether every set-up worked before the collective frees below (see the
+                # low-latency engine); on success this is the barrier: nobody signals a peer before the peer
+                # has cleared its words.
+                owned = [self._sig] + ([self._rdma] if self._own_rdma else [])
+                nvshmem_runtime.settle_setup(group, failure, "internode buffer set-up", owned)
         except BaseException:
             self.destroy()
             raise

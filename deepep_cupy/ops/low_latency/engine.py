@@ -205,6 +205,7 @@ class LowLatencyEngine:
             self.num_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
             self._sym = nvshmem_runtime.acquire(group, self.device_id, self.num_rdma_bytes, allow_nvlink=allow_nvlink,
                                                 num_qps_per_rank=num_qps_per_rank, allow_mnnvl=allow_mnnvl)
+            failure = None
             try:
                 # Peers reachable by loads and stores get direct stores; any other peer needs staging.
                 self.p2p_peers = [self._sym.peer_ptr(pe) != 0 for pe in range(self.num_ranks)]
@@ -232,10 +233,13 @@ class LowLatencyEngine:
                 self._idx = 0
                 self._sym.array.fill(0)
                 cupy.cuda.Device(self.device_id).synchronize()
-            except BaseException:
-                self._sym.free()
-                raise
-        self.group.barrier()
+            except BaseException as exc:
+                failure = exc
+            # Every rank learns whether every set-up worked before anything collective happens: a rank that
+            # failed must not free the buffer (collective) while the others wait in a barrier, nor they in it
+            # while it frees. On success this is the barrier (nobody writes into a peer before the peer has
+            # cleared); on a failure anywhere every rank frees the buffer and raises a named error.
+            nvshmem_runtime.settle_setup(self.group, failure, "low-latency buffer set-up", [self._sym])
 
     # ------------------------------------------------------------------ buffer state
     @property
