@@ -269,7 +269,8 @@ class Buffer(LowLatencyOps):
         with plain_torch():
             if self._destroyed:
                 self._alive()
-            key = (meta(topk_idx), num_experts, async_finish, allocate_on_comm_stream)
+            # The type too: 8.0 == 8, and a float must not find the plan an int made (its checks refuse it).
+            key = (meta(topk_idx), num_experts, type(num_experts), async_finish, allocate_on_comm_stream)
             plan = lookup(self._layout_plans, key)
             if plan is None:
                 num_experts = checks.num_experts_ok(num_experts, self.group_size)
@@ -345,7 +346,7 @@ class Buffer(LowLatencyOps):
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream):
         scales = None
-        if (type(x) is tuple or type(x) is list) and len(x) == 2:
+        if type(x) is tuple and len(x) == 2:  # FP8 (DeepEP's type); a list is refused by the checks
             x, scales = x
         key = (meta(x), meta(scales), handle_meta(handle), meta(num_tokens_per_rank), meta(is_token_in_rank),
                meta(num_tokens_per_expert), meta(topk_idx), meta(topk_weights), expert_alignment, num_worst_tokens,

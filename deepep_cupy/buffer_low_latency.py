@@ -82,14 +82,15 @@ class LowLatencyOps:
             try:
                 if self._destroyed:
                     self._alive()
+                # The sizes' types too (8.0 == 8): a float must not find the plan an int made.
                 key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
-                       meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8, round_scale,
-                       use_ue8m0, async_finish, return_recv_hook)
+                       type(num_max_dispatch_tokens_per_rank), type(num_experts),
+                       meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8,
+                       round_scale, use_ue8m0, async_finish, return_recv_hook)
                 plan = lookup(self._ll_dispatch_plans, key)
                 if plan is None:
                     self._ll_required("low_latency_dispatch")
-                    checks.ll_dispatch_args(self.group_size, self.num_rdma_bytes if self.backend == "cuda" else None, x,
-                                            topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                    checks.ll_dispatch_args(self.group_size, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                                             round_scale, use_ue8m0)
                     plan = store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .config import Config, low_latency_rdma_size_hint
+from .config import Config
 from .frameworks import (
     BF16,
     BOOL,
@@ -149,8 +149,12 @@ def config_values(config) -> tuple:
 def split_x(x):
     """Split BF16 ``x`` or the FP8 tuple ``(x_e4m3, scales)``; return (x, scales, num_tokens, hidden)."""
     if isinstance(x, (tuple, list)):
-        if len(x) != 2:
-            raise ValueError("an FP8 x must be a tuple (x_e4m3 [N, H], scales [N, H/128])")
+        if type(x) is not tuple or len(x) != 2 or not any(is_tensor(v) for v in x):
+            # A list of rows, or any sequence that is not the FP8 pair.
+            kinds = ", ".join(type(v).__name__ for v in x[:2]) + (", ..." if len(x) > 2 else "")
+            raise TypeError(f"x must be a bf16 tensor [num_tokens, hidden], or for FP8 a tuple (x_e4m3 [num_tokens, "
+                            f"hidden], scales [num_tokens, hidden // 128]) of two tensors; got a {type(x).__name__} of "
+                            f"{len(x)} ({kinds})")
         data, scales = x
         n, h = tensor("x[0]", data, dtype=FP8, ndim=2)
         if h % 128 != 0:
@@ -181,7 +185,9 @@ def internode_handle(handle, num_ranks: int, num_rdma_ranks: int, num_tokens=Non
     r, d = num_ranks, num_rdma_ranks
     _tensor_handle(handle, 10, "an internode dispatch (a group of several NVLink domains)",
                    (BOOL, I32, I32, I32, I32, I32, I32, _U8, I32, I32))
-    n, _ = tensor("handle[0] (is_token_in_rank)", handle[0], dtype=BOOL, shape=(num_tokens, r))
+    n, _ = tensor("handle[0] (is_token_in_rank)", handle[0], dtype=BOOL, shape=(None, r))
+    if num_tokens is not None:
+        _same_rows("handle[0] (is_token_in_rank)", (n, r), num_tokens)
     _, c = tensor("handle[1] (rdma_channel_prefix_matrix)", handle[1], dtype=I32, shape=(d, None))
     tensor("handle[2] (gbl_channel_prefix_matrix)", handle[2], dtype=I32, shape=(r, c))
     tensor("handle[3] (recv_rdma_channel_prefix_matrix)", handle[3], dtype=I32, shape=(d, c))
@@ -213,10 +219,11 @@ def dispatch_args(num_ranks: int, x, handle, num_tokens_per_rank, is_token_in_ra
         c = shape_of(handle[1])[1]
         tensor("handle[2] (recv_channel_prefix_matrix)", handle[2], dtype=I32, shape=(r, c))
         tensor("handle[3] (recv_src_idx)", handle[3], dtype=I32, ndim=1)
-        tensor("handle[4] (is_token_in_rank)", handle[4], dtype=BOOL, shape=(n, r))
+        _same_rows("handle[4] (is_token_in_rank)",
+                   tensor("handle[4] (is_token_in_rank)", handle[4], dtype=BOOL, shape=(None, r)), n)
         return
     tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=I32, shape=(r,))
-    tensor("is_token_in_rank", is_token_in_rank, dtype=BOOL, shape=(n, r))
+    _same_rows("is_token_in_rank", tensor("is_token_in_rank", is_token_in_rank, dtype=BOOL, shape=(None, r)), n)
     if num_tokens_per_expert is None:
         raise ValueError("num_tokens_per_expert is required (from get_dispatch_layout)")
     (e,) = tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=I32, ndim=1)
@@ -226,10 +233,19 @@ def dispatch_args(num_ranks: int, x, handle, num_tokens_per_rank, is_token_in_ra
     if (topk_idx is None) != (topk_weights is None):
         raise ValueError("topk_idx and topk_weights must be given together")
     if topk_idx is not None:
-        _, k = tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
-        if shape_of(topk_idx)[0] != n:
-            raise ValueError(f"topk_idx must have {n} rows like x, got {shape_of(topk_idx)[0]}")
-        tensor("topk_weights", topk_weights, dtype=F32, shape=(n, k))
+        _same_rows("topk_idx", tensor("topk_idx", topk_idx, dtype=I64, ndim=2), n)
+        k = shape_of(topk_idx)[1]
+        _same_rows("topk_weights", tensor("topk_weights", topk_weights, dtype=F32, ndim=2), n)
+        if shape_of(topk_weights)[1] != k:
+            raise ValueError(f"topk_weights must have one column per column of topk_idx ({k}), got "
+                             f"{shape_of(topk_weights)[1]}")
+
+
+def _same_rows(name: str, shape, n: int) -> None:
+    """``name`` has one row per token of ``x`` (``n`` of them); which of the two is off is unknown, so the
+    message names both."""
+    if shape[0] != n:
+        raise ValueError(f"{name} has {shape[0]} rows but x has {n} tokens: they must match (one row per token)")
 
 
 def split_bias(bias):
@@ -252,7 +268,7 @@ def combine_args(num_ranks: int, x, handle, topk_weights, bias, config, num_rdma
     config_values(config)
     if num_rdma_ranks > 1:
         n, _ = shape_of(handle[0])
-        _combine_rest(m, hidden, shape_of(handle[7])[0], n, topk_weights, bias)
+        _combine_rest(m, hidden, shape_of(handle[7])[0], n, topk_weights, bias, getattr(handle, "num_topk", 0))
         return
     tensor("handle[0] (rank_prefix_matrix)", handle[0], dtype=I32, shape=(r, r))
     tensor("handle[1] (channel_prefix_matrix)", handle[1], dtype=I32, ndim=2)
@@ -261,16 +277,19 @@ def combine_args(num_ranks: int, x, handle, topk_weights, bias, config, num_rdma
     (num_recv,) = tensor("handle[3] (recv_src_idx)", handle[3], dtype=I32, ndim=1)
     n, _ = tensor("handle[4] (is_token_in_rank)", handle[4], dtype=BOOL, shape=(None, r))
     tensor("handle[5] (send_head)", handle[5], dtype=I32, shape=(n, r))
-    _combine_rest(m, hidden, num_recv, n, topk_weights, bias)
+    _combine_rest(m, hidden, num_recv, n, topk_weights, bias, getattr(handle, "num_topk", 0))
 
 
-def _combine_rest(m, hidden, num_recv, n, topk_weights, bias) -> None:
+def _combine_rest(m, hidden, num_recv, n, topk_weights, bias, num_topk) -> None:
     if m < num_recv:
         raise ValueError(f"x has {m} rows but the handle describes {num_recv} received tokens")
     if topk_weights is not None:
-        tensor("topk_weights", topk_weights, dtype=F32, ndim=2)
-        if shape_of(topk_weights)[0] != m:
-            raise ValueError(f"topk_weights must have {m} rows like x, got {shape_of(topk_weights)[0]}")
+        rows, k = tensor("topk_weights", topk_weights, dtype=F32, ndim=2)
+        if rows != m:
+            raise ValueError(f"topk_weights must have {m} rows like x, got {rows}")
+        if num_topk and k != num_topk:
+            raise ValueError(f"topk_weights has {k} columns, but the dispatch that returned the handle had "
+                             f"top-{num_topk} (recv_topk_weights has {num_topk} columns)")
     bias_0, bias_1 = split_bias(bias)
     optional_tensor("bias[0]", bias_0, dtype=BF16, shape=(n, hidden))
     optional_tensor("bias[1]", bias_1, dtype=BF16, shape=(n, hidden))
@@ -284,7 +303,7 @@ def _wait_stats(name, stats, r: int) -> None:
         raise ValueError(f"{name} must have shape [{r}] or [{r}, {r}], got {list(s)}")
 
 
-def ll_dispatch_args(num_ranks: int, num_rdma_bytes: int | None, x, topk_idx, t, num_experts,
+def ll_dispatch_args(num_ranks: int, x, topk_idx, t, num_experts,
                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                      use_ue8m0) -> None:
     t = positive_int("num_max_dispatch_tokens_per_rank", t)
@@ -304,11 +323,6 @@ def ll_dispatch_args(num_ranks: int, num_rdma_bytes: int | None, x, topk_idx, t,
     optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtype=I32,
                           shape=(num_experts // num_ranks,))
     _wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, num_ranks)
-    if num_rdma_bytes is not None:
-        need = low_latency_rdma_size_hint(t, hidden, num_ranks, num_experts)
-        if num_rdma_bytes < need:
-            raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for T={t}, hidden={hidden}, "
-                             f"{num_experts} experts: need {need} (Buffer.get_low_latency_rdma_size_hint)")
 
 
 def ll_handle_sizes(handle, num_ranks: int) -> tuple[int, int, int]:

@@ -14,6 +14,7 @@ from ..device.kernel_errors import KernelErrorRecord
 from ..device.streams import current_stream
 from ..errors import DeepEPTimeoutError
 from ..frameworks import frame_for, framework_of, is_torch_dtype, to_cupy
+from ..ops import limits
 from ..ops.internode import plans as internode_plans
 from ..ops.internode.engine import InternodeEngine
 from ..ops.intranode import plans as intranode_plans
@@ -33,12 +34,16 @@ class CudaBackend:
 
     def __init__(self, group, *, num_nvl_bytes, num_rdma_bytes, num_nvl_ranks, low_latency_mode,
                  num_qps_per_rank, allow_nvlink, allow_mnnvl, use_fabric, enable_shrink, **_reference_only):
+        # What the engines would refuse, before any of them allocates (the reference backend makes the same
+        # check, so a CPU run refuses these sizes too).
+        limits.buffer_sizes(group.size, num_nvl_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
         import cupy
 
         self.group = group
         self.num_ranks = group.size
         self.rank = group.rank
         self.num_nvl_ranks = num_nvl_ranks
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.device_id = current_device_id()
         cupy.cuda.Device(self.device_id).use()
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
@@ -78,10 +83,7 @@ class CudaBackend:
         error naming it (the GPU path has no host exchange to join)."""
 
     def require_internode(self, op: str) -> None:
-        if self.spans_domains and self.internode is None:
-            raise RuntimeError(f"{op}: this Buffer spans {self.num_ranks // self.num_nvl_ranks} NVLink domains and "
-                               "has no internode buffers: create it with num_nvl_bytes > 0 and num_rdma_bytes > 0 "
-                               "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
+        limits.internode_buffers(op, self.num_ranks, self.num_nvl_ranks, self.num_nvl_bytes, self.num_rdma_bytes)
 
     def _engine(self, name: str):
         engine = getattr(self, name)
@@ -93,11 +95,10 @@ class CudaBackend:
     def _normal_ops(self, op: str):
         """``(engine, plans module)`` of the high-throughput ops: the internode kernels when the group spans
         several NVLink domains, the intranode ones otherwise."""
+        limits.normal_buffers(op, self.num_ranks, self.num_nvl_ranks, self.num_nvl_bytes, self.num_rdma_bytes)
         if self.spans_domains:
-            self.require_internode(op)
             return self.internode, internode_plans
-
-        return self._engine("intranode"), intranode_plans
+        return self.intranode, intranode_plans
 
     def frame(self, obj):
         """The framework adapter for a caller's tensor (torch or CuPy on this device)."""
@@ -249,6 +250,7 @@ class CudaBackend:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         engine = self._engine("low_latency")
+        engine.make_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)  # the limits, before any wait
         stream = current_stream(None, self.device_id)
         engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=stream)
 

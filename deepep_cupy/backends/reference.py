@@ -3,7 +3,10 @@ framework.
 
 Inputs are copied to NumPy, results converted back to the framework and device of the caller's ``x``.
 Handles hold caller-framework arrays like the GPU path's handles do, so user code cannot tell the
-backends apart except by speed.
+backends apart except by speed. Buffer sizes and kernel limits are checked as on a GPU (the same
+functions, ``ops/limits.py``, with the same messages), except the GPU's SM count, which is unknown here:
+code tested on this backend is not refused for its arguments on its first GPU run unless its config
+needs more SMs than that GPU has.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import numpy as np
 
 from ..event import EventOverlap
 from ..frameworks import copy_into, from_numpy, kind_of, to_numpy
+from ..ops import limits
+from ..ops.handles import DispatchHandle, LowLatencyHandle, foreign_handle
 from ..reference import ReferenceOracle, collective
 
 __all__ = ["ReferenceBackend"]
@@ -43,7 +48,11 @@ class ReferenceBackend:
     #: Set by the Buffer; the reference backend has no tuning that would invalidate its plans.
     plans_invalidated = None
 
-    def __init__(self, group, *, num_nvl_ranks, low_latency_mode, enable_shrink, num_channels, **_gpu_only):
+    def __init__(self, group, *, num_nvl_bytes, num_rdma_bytes, num_nvl_ranks, low_latency_mode, enable_shrink,
+                 num_channels, **_gpu_only):
+        limits.buffer_sizes(group.size, num_nvl_ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+        self.num_ranks, self.num_nvl_ranks = group.size, num_nvl_ranks
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.oracle = ReferenceOracle(group, num_nvl_ranks=num_nvl_ranks, low_latency_mode=low_latency_mode,
                                         enable_shrink=enable_shrink, num_channels=num_channels)
         self.group = group
@@ -68,17 +77,25 @@ class ReferenceBackend:
         return None
 
     def require_internode(self, op: str) -> None:
-        """Every topology is one all-to-all for the reference backend."""
+        """Every topology is one all-to-all here, but the GPU's buffers are required all the same."""
+        limits.internode_buffers(op, self.num_ranks, self.num_nvl_ranks, self.num_nvl_bytes, self.num_rdma_bytes)
 
     def local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer):
         raise RuntimeError("get_local_buffer_tensor needs the GPU backend (the reference backend has no raw buffer)")
 
     # ------------------------------------------------------------------ plans (the Buffer's entry points)
+    # Each first makes the GPU path's refusals (``ops/limits.py``) from the same arguments, so that a call the
+    # GPU would refuse is refused here too; the GPU's SM count is unknown here (None skips that check alone).
     def plan_layout(self, topk_idx, num_experts, **_stream_args):
+        n, k = topk_idx.shape
+        limits.layout_args(int(n), int(k), num_experts, self.num_ranks, self.num_nvl_ranks)
         return _BoundOp(lambda topk_idx, previous_event=None: self.get_dispatch_layout(topk_idx, num_experts))
 
     def plan_dispatch(self, x, x_scales, *, handle, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                       num_worst_tokens, config, **_stream_args):
+        self._normal_limits("dispatch", x, x_scales=x_scales, handle=handle,
+                            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, config=config)
+
         def run(x, x_scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                 topk_weights, previous_event=None):
             return self.dispatch(x, x_scales, handle=handle, num_tokens_per_rank=num_tokens_per_rank,
@@ -88,12 +105,46 @@ class ReferenceBackend:
         return _BoundOp(run)
 
     def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
+        self._normal_limits("combine", x, handle=handle, topk_weights=topk_weights, config=config)
+
         def run(x, handle, topk_weights, bias_0, bias_1, previous_event=None):
             return self.combine(x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config)
         return _BoundOp(run)
 
+    def _normal_limits(self, op, x, *, handle, config, x_scales=None, num_tokens_per_expert=None, topk_idx=None,
+                       topk_weights=None) -> None:
+        """The refusals of the GPU's intranode or internode plan for these arguments."""
+        limits.normal_buffers(op, self.num_ranks, self.num_nvl_ranks, self.num_nvl_bytes, self.num_rdma_bytes)
+        num_tokens, hidden = (int(s) for s in x.shape)
+        channels = None if handle is None else int(handle[1].shape[1])
+        lsize, domains = self.num_nvl_ranks, self.num_ranks // self.num_nvl_ranks
+        if op == "combine":
+            num_topk = 0 if topk_weights is None else int(topk_weights.shape[1])
+            if domains > 1:
+                limits.internode_combine(lsize, domains, self.num_nvl_bytes, self.num_rdma_bytes, config, hidden=hidden,
+                                         num_topk=num_topk, handle_channels=channels, num_device_sms=None)
+            else:
+                limits.intranode_combine(self.num_ranks, self.num_nvl_bytes, config, hidden=hidden, num_topk=num_topk,
+                                         handle_channels=channels, num_device_sms=None)
+            return
+        shape = dict(hidden=hidden, fp8=x_scales is not None,
+                     num_scales=0 if x_scales is None else int(x_scales.shape[1]),
+                     num_topk=0 if topk_idx is None or handle is not None else int(topk_idx.shape[1]),
+                     num_local_experts=0 if handle is not None else int(num_tokens_per_expert.shape[0]) // self.num_ranks,
+                     handle_channels=channels, num_device_sms=None)
+        if domains > 1:
+            limits.internode_dispatch(lsize, domains, self.num_nvl_bytes, self.num_rdma_bytes, config, **shape)
+        else:
+            limits.intranode_dispatch(self.num_ranks, self.num_nvl_bytes, config, num_tokens=num_tokens, **shape)
+
+    def _ll_limits(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
+        limits.low_latency_layout(self.num_ranks, self.num_rdma_bytes, num_max_dispatch_tokens_per_rank, hidden,
+                                  num_experts)
+
     def plan_low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                   round_scale, use_ue8m0, async_finish, return_recv_hook, **_unused):
+        self._ll_limits(num_max_dispatch_tokens_per_rank, int(x.shape[1]), num_experts)
+
         def run(x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
             return self.low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -105,6 +156,8 @@ class ReferenceBackend:
 
     def plan_low_latency_combine(self, x, topk_idx, handle, *, use_logfmt, zero_copy, async_finish, return_recv_hook,
                                  **_unused):
+        self._ll_limits(int(handle[2]), int(handle[3]), int(handle[4]))
+
         def run(x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
             return self.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt=use_logfmt,
                                             zero_copy=zero_copy, async_finish=async_finish,
@@ -132,8 +185,9 @@ class ReferenceBackend:
             recv = (recv, from_numpy(recv_scales, like))
         if handle is not None:
             return recv, None, None, None, None, EventOverlap(None)
+        num_topk = 0 if topk_idx is None else int(topk_idx.shape[1])
         return (recv, from_numpy(recv_topk_idx, like), from_numpy(recv_topk_weights, like), counts,
-                _handle_from_numpy(new_handle, like), EventOverlap(None))
+                DispatchHandle(_handle_from_numpy(new_handle, like), num_topk), EventOverlap(None))
 
     def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
         like = kind_of(x)
@@ -168,7 +222,7 @@ class ReferenceBackend:
         if not return_recv_hook:
             publish()
         recv_out = tuple(outs[:-1]) if isinstance(recv, tuple) else outs[0]
-        user_handle = _handle_from_numpy(handle, like)
+        user_handle = LowLatencyHandle(_handle_from_numpy(handle, like), owner=self)
         user_hook = None
         if return_recv_hook:
             def user_hook():
@@ -186,6 +240,9 @@ class ReferenceBackend:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, use_logfmt, zero_copy, async_finish,
                             return_recv_hook, out, combine_wait_recv_cost_stats):
+        owner = getattr(handle, "owner", None)
+        if owner is not self and owner is not None:
+            raise foreign_handle()
         like = kind_of(topk_weights) if zero_copy else kind_of(x)
         np_handle = _handle_to_numpy(handle)
         if zero_copy:
@@ -213,6 +270,7 @@ class ReferenceBackend:
         return result, EventOverlap(None), user_hook
 
     def get_next_low_latency_combine_buffer(self, handle):
+        self._ll_limits(int(handle[2]), int(handle[3]), int(handle[4]))
         buf = self.oracle.get_next_low_latency_combine_buffer(_handle_to_numpy(handle))
         like = kind_of(handle[0])
         if like.framework == "numpy":
@@ -223,6 +281,7 @@ class ReferenceBackend:
         return staged
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        self._ll_limits(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.oracle.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_update_mask_buffer(self, rank, mask):

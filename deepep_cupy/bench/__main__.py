@@ -15,6 +15,7 @@ import os
 import sys
 
 from ..device.gpus import no_gpu_reason
+from ..device.group import comm_barrier
 from ..tuning import gpu_model
 from . import targets
 from .plot import plot
@@ -88,7 +89,7 @@ def main() -> None:
         for r in got:
             r.setdefault("suite", suite)
         rows += got
-        comm.Barrier()
+        comm_barrier(comm, f"bench: end of the {suite} suite")
         faulthandler.cancel_dump_traceback_later()
     if comm.Get_rank() == 0:
         workload = (f"{comm.Get_size()} ranks, {args.tokens} tokens x {args.hidden} hidden, top-{args.topk} of "

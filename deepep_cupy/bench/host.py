@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from ..device.group import comm_barrier
 from ..device.streams import current_stream
 from ..frameworks import TensorKind, cupy_holds, from_numpy
 from .timing import format_table, park, row
@@ -115,7 +116,7 @@ class _Suite:
         sums, gpu = None, 0.0
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         for _ in range(CALLS // BATCH):
-            self.comm.Barrier()
+            comm_barrier(self.comm, "bench host: before a batch of calls")
             if park_us:
                 park(stream, park_us)
                 start.record(stream)
@@ -192,7 +193,7 @@ class _Suite:
             buf.low_latency_combine(lout, lidx, lw, handle)
 
         def per_step_us(fn, n, park_us=0.0):
-            self.comm.Barrier()
+            comm_barrier(self.comm, "bench host: before the decode steps")
             if park_us:
                 park(stream, park_us)
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -321,7 +322,7 @@ def run(comm, args) -> list[dict]:
         rows += decode
     finally:
         cupy.cuda.Device().synchronize()
-        comm.Barrier()
+        comm_barrier(comm, "bench host: before destroy")
         buf.destroy()
         if saved is None:
             os.environ.pop("DEEPEP_CUPY_VALIDATE", None)

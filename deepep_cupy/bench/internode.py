@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from .. import Buffer, Config
+from ..device.group import comm_barrier
 from ..device.streams import current_stream
 from .baselines import naive_ep
 from .timing import row, time_op
@@ -112,7 +113,7 @@ def run(comm, args) -> list[dict]:
                 print(f"[{r['op']}] {r['us']:8.2f} us {nvl}{extra}{vs}", flush=True)
     finally:
         stream.synchronize()
-        comm.Barrier()
+        comm_barrier(comm, "bench internode: before destroy")
         buf.destroy()
     return rows
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ..buffer import Buffer
 from ..config import Config
-from ..device.group import MPIGroup
+from ..device.group import MPIGroup, comm_barrier
 from ..ops.intranode import engine as I
 from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS
 from ..ops.intranode.engine import IntranodeEngine
@@ -293,6 +293,6 @@ def run(comm, args) -> list[dict]:
                 print(f"[{r['op']}] {gbs}{r['us']:8.2f} us{extra}", flush=True)
     finally:
         stream.synchronize()
-        comm.Barrier()
+        comm_barrier(comm, "bench intranode: before destroy")
         engine.destroy()
     return rows

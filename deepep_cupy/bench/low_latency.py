@@ -20,6 +20,7 @@ import statistics
 
 import numpy as np
 
+from ..device.group import comm_barrier
 from ..frameworks import TensorKind, cupy_holds, from_numpy
 from ..ops.low_latency.engine import warp_split
 from .timing import kernel_durations, park, row
@@ -83,7 +84,7 @@ def run(comm, args) -> list[dict]:
 
         def sample(ops, with_parts=False):
             """One sample: mean GPU microseconds per op (and per part with hooks)."""
-            comm.Barrier()
+            comm_barrier(comm, "bench low_latency: before a sample")
             park(stream, 5000)
             if not with_parts:
                 start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -124,16 +125,19 @@ def run(comm, args) -> list[dict]:
                 hook = ops()
                 if with_parts:  # the peers' sends land first, as when compute runs between the parts
                     cupy.cuda.Device().synchronize()
-                    comm.Barrier()
+                    comm_barrier(comm, "bench low_latency: between send and receive")
                     hook()
+
+            def barrier():
+                comm_barrier(comm, "bench low_latency: before a recorded call")
 
             for _ in range(3):
                 call()
-            comm.Barrier()
+            comm_barrier(comm, "bench low_latency: before the kernel records")
             # Without the hook, the calls queue up behind a parked GPU on every rank, so the kernels run back
             # to back and the fused ones do not wait for a peer's host to issue its call.
             got = kernel_durations(call, reps * 2, "low_latency::", lambda: cupy.cuda.Device().synchronize(),
-                                   before=None if with_parts else lambda: (comm.Barrier(), park(stream, 5000)))
+                                   before=None if with_parts else lambda: (barrier(), park(stream, 5000)))
             per = len(got) // (reps * 2) if got else 0
             if per == 0 or len(got) != per * reps * 2:
                 value = None
@@ -202,6 +206,6 @@ def run(comm, args) -> list[dict]:
             rows.append(row(f"{name} recv (hook)", recv, None, sms, **{"kernel us": k_recv}))
     finally:
         cupy.cuda.Device().synchronize()
-        comm.Barrier()
+        comm_barrier(comm, "bench low_latency: before destroy")
         buf.destroy()
     return rows

@@ -16,6 +16,7 @@ All ranks take the same path: whether pidfd worked everywhere is agreed through 
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import os
@@ -81,6 +82,19 @@ def _peer_pid(conn: socket.socket) -> int:
     return pid
 
 
+def _recv_fd(conn: socket.socket) -> tuple[bytes, list[int]]:
+    """One message byte and the descriptors that came with it, close-on-exec from the start (a child this
+    process starts must not inherit a peer's buffer). ``socket.recv_fds`` does not pass its flags on
+    (CPython 3.11), hence ``recvmsg``."""
+    item = array.array("i").itemsize
+    msg, ancdata, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(item), socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % item])
+    return msg, list(fds)
+
+
 def _exchange_by_socket(group, my_fd: int, pids: list[int]) -> list[int | None]:
     rank, size = group.rank, group.size
     token = group.allgather_object(secrets.token_hex(12) if rank == 0 else None)[0]
@@ -88,12 +102,19 @@ def _exchange_by_socket(group, my_fd: int, pids: list[int]) -> list[int | None]:
     received: list[int | None] = [None] * size
     server_error: list[BaseException] = []
     try:
-        listener.bind(_socket_name(token, rank))
-        listener.listen(max(size, 1))
-        listener.settimeout(_SOCKET_TIMEOUT_S)
-        bound = group.allgather_object(True)
-        if not all(bound):
-            raise FdShareError(errno.EADDRINUSE, "a rank could not open its descriptor socket")
+        try:
+            listener.bind(_socket_name(token, rank))
+            listener.listen(max(size, 1))
+            listener.settimeout(_SOCKET_TIMEOUT_S)
+            failed = ""
+        except OSError as exc:
+            failed = f"rank {rank}: {exc}"
+        # A rank whose socket failed still joins this exchange, so every rank learns it here and raises the
+        # same error (rather than that rank leaving for the next exchange while the others wait in this one).
+        bound = group.allgather_object(failed)
+        if any(bound):
+            raise FdShareError(errno.EADDRINUSE, "a rank could not open its descriptor socket ("
+                               + "; ".join(b for b in bound if b) + ")")
 
         allowed = {pids[p] for p in range(size) if p != rank}
 
@@ -122,7 +143,7 @@ def _exchange_by_socket(group, my_fd: int, pids: list[int]) -> list[int | None]:
                     conn.connect(_socket_name(token, peer))
                     if _peer_pid(conn) != pids[peer]:
                         raise FdShareError(errno.EPERM, f"descriptor socket of rank {peer} is held by another process")
-                    msg, fds, _, _ = socket.recv_fds(conn, 1, 1)
+                    msg, fds = _recv_fd(conn)
                     if msg != b"F" or len(fds) != 1:
                         for fd in fds:
                             close_quietly(fd)

@@ -25,7 +25,7 @@ from ..errors import DeepEPTimeoutError
 from .kernel_errors import timeout_seconds
 
 __all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed", "Agreement",
-           "disagreement", "timeout_error"]
+           "disagreement", "timeout_error", "comm_barrier"]
 
 _TAGS = 1 << 15  # MPI guarantees at least 32767 tags; one tag per collective in flight is plenty
 
@@ -209,8 +209,8 @@ class MPIGroup(CommGroup):
         self._seq = 0
         # Requests of exchanges that timed out, with their buffers: MPI may still read or write them.
         self._abandoned: list = []
+        clock = _Clock()  # first: a bad DEEPEP_CUPY_TIMEOUT_S must not leave a duplicate behind
         own, request = comm.Idup()
-        clock = _Clock()
         while not request.Test():
             if clock.expired():
                 self._abandoned.append((own, request))
@@ -402,20 +402,41 @@ def _is_group_like(obj) -> bool:
         and isinstance(obj.rank, int)
 
 
+def _is_mpi_comm(obj) -> bool:
+    return hasattr(obj, "Get_rank") and hasattr(obj, "Idup")
+
+
 def make_group(group=None, comm=None) -> CommGroup:
     """Wrap whichever of ``group`` (torch) or ``comm`` (mpi4py) was given; an existing CommGroup passes through."""
     for candidate in (group, comm):
         if isinstance(candidate, CommGroup) or _is_group_like(candidate):
             return candidate
     if group is not None:
-        if not (hasattr(group, "rank") and hasattr(group, "size")):
+        if _is_mpi_comm(group):  # Buffer(MPI.COMM_WORLD, ...): DeepEP's first positional argument is a torch group
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got an mpi4py communicator "
+                            f"({type(group).__name__}); pass it as comm=, e.g. Buffer(comm=MPI.COMM_WORLD, ...)")
+        if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
             raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         return TorchGroup(group)
     if comm is not None:
-        if not hasattr(comm, "Get_rank") or not hasattr(comm, "Idup"):
+        if not _is_mpi_comm(comm):
             raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}")
         return MPIGroup(comm)
     raise ValueError("Buffer needs a process group: pass group=<torch ProcessGroup> or comm=<mpi4py Comm>")
+
+
+_COMM_GROUPS: dict = {}  # id(mpi4py communicator) -> MPIGroup over it, for comm_barrier
+
+
+def comm_barrier(comm, op: str) -> None:
+    """A barrier over an mpi4py communicator that ends in ``DeepEPTimeoutError`` (naming ``op`` and the ranks
+    that did not arrive) after ``DEEPEP_CUPY_TIMEOUT_S``, instead of ``comm.Barrier()``'s wait without end: for
+    tools that hold a bare communicator (benchmarks, the tuner). The library's group over ``comm`` is made at
+    the first call, which every rank makes at the same point, and kept for later ones."""
+    group = _COMM_GROUPS.get(id(comm))
+    if group is None or group.comm is not comm:
+        group = _COMM_GROUPS[id(comm)] = MPIGroup(comm)
+    group.barrier(op=op)
 
 
 def init_torch_distributed(comm, backend: str = "gloo", **kwargs) -> None:

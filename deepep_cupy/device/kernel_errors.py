@@ -14,6 +14,7 @@ fences).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import weakref
 from collections.abc import Mapping
@@ -23,7 +24,8 @@ import numpy as np
 from ..errors import DeepEPError, DeepEPTimeoutError
 from ..ops.kernel_names import VALUE_OP_ARGS
 
-__all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "KIND_VALUE", "timeout_seconds", "value_error"]
+__all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "KIND_VALUE", "timeout_seconds",
+           "value_error"]
 
 #: ``kind`` word of a record that reports a bad argument value rather than a timeout.
 KIND_VALUE = 1
@@ -42,15 +44,25 @@ DEFAULT_TIMEOUT_S = 100.0
 _RECORD_BYTES = RECORD_WORDS * 4
 
 
+#: Longest budget (about 31 years): the kernels count it in int64 nanoseconds, which this keeps far from overflow.
+MAX_TIMEOUT_S = 1e9
+
+
 def timeout_seconds() -> float:
-    """Budget of every wait inside the kernels: ``$DEEPEP_CUPY_TIMEOUT_S`` seconds (default 100;
-    zero or negative also means the default)."""
-    text = os.environ.get("DEEPEP_CUPY_TIMEOUT_S", "")
+    """Budget of every wait inside the kernels and on the host: ``$DEEPEP_CUPY_TIMEOUT_S`` seconds (default
+    100 when unset or empty). Anything but a finite positive number of at most ``MAX_TIMEOUT_S`` seconds is
+    refused: ``inf`` would make host waits unbounded and overflow the kernels' nanosecond counters."""
+    text = os.environ.get("DEEPEP_CUPY_TIMEOUT_S", "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
     try:
-        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+        seconds = float(text)
     except ValueError:
-        raise ValueError(f"DEEPEP_CUPY_TIMEOUT_S must be a number of seconds, got {text!r}") from None
-    return seconds if seconds > 0 else DEFAULT_TIMEOUT_S
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # also false for NaN
+        raise ValueError(f"DEEPEP_CUPY_TIMEOUT_S must be a finite positive number of seconds (at most "
+                         f"{MAX_TIMEOUT_S:g}), got {text!r}")
+    return seconds
 
 
 def _free_host(ptr: int) -> None:

@@ -26,11 +26,12 @@ with a one-line warning on stderr naming the missing ranks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
 
-from ..errors import DeepEPTimeoutError
+from ..errors import DeepEPError, DeepEPTimeoutError
 from .group import CommGroup
 from .kernel_errors import timeout_seconds
 
@@ -43,6 +44,7 @@ __all__ = [
     "mark_peers_lost",
     "nvshmem_environment",
     "peers_lost",
+    "settle_setup",
 ]
 
 _MISSING = ("deepep_cupy: the low-latency kernels need nvshmem4py: pip install nvshmem4py-cu13 (or -cu12 for "
@@ -159,6 +161,20 @@ def _own_group(group):
     return twin() if twin is not None else group
 
 
+@contextlib.contextmanager
+def _locked(op: str):
+    """This process's NVSHMEM calls run one at a time; waiting for another thread's is bounded by
+    ``DEEPEP_CUPY_TIMEOUT_S`` (that thread may be stuck in a collective call whose peers never come)."""
+    seconds = timeout_seconds()
+    if not _lock.acquire(timeout=seconds):
+        raise DeepEPTimeoutError(f"{op}: waited {seconds:g} s for another thread's NVSHMEM call in this process "
+                                 "(initialisation, allocation, free or finalize), which did not return")
+    try:
+        yield
+    finally:
+        _lock.release()
+
+
 def _who(ranks) -> str:
     if not ranks:
         return "some ranks (which ones is unknown)"
@@ -254,7 +270,7 @@ def finalize() -> None:
     still allocated: call it after every Buffer using NVSHMEM was destroyed. Bounded: raises
     ``RuntimeError`` naming the ranks that are gone (or did not arrive within ``DEEPEP_CUPY_TIMEOUT_S``)
     instead of waiting for them."""
-    with _lock:
+    with _locked("nvshmem.finalize"):
         if _state["live"]:
             raise RuntimeError(f"deepep_cupy: {_state['live']} NVSHMEM allocation(s) still alive; destroy the "
                                "Buffers first")
@@ -293,7 +309,7 @@ class SymmetricAllocation:
 
     def free(self) -> None:
         """Collective: every PE frees its allocations in the same order."""
-        with _lock:
+        with _locked("nvshmem_free"):
             if self._freed:
                 return
             if _state["lost"] is None and _state["initialized"]:
@@ -306,6 +322,34 @@ class SymmetricAllocation:
             _state["live"] -= 1
 
 
+def settle_setup(group, error: BaseException | None, op: str, allocations) -> None:
+    """Agree across the ranks on a set-up step that holds the symmetric ``allocations`` (this rank's
+    ``error``, or None when its part worked) before anything collective is freed or waited for.
+
+    One bounded exchange (``DEEPEP_CUPY_TIMEOUT_S``): when every rank's part worked it returns (and served as
+    a barrier). When some rank failed, every rank frees ``allocations`` (all of them are here, so the
+    collective frees return) and raises: a failed rank its own error, the others ``DeepEPError`` naming the
+    failed ranks and their errors. When a rank does not answer, nothing is freed (a collective free would
+    wait for it for ever): NVSHMEM remembers it as lost (:func:`mark_peers_lost`), the allocations stay with
+    the process, and the exchange's error is raised.
+    """
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        words = group.allgather_object(mine, op=op) if isinstance(group, CommGroup) else group.allgather_object(mine)
+    except BaseException as exc:
+        mark_peers_lost(group, getattr(exc, "missing", None))
+        raise exc from error
+    failed = [(r, w) for r, w in enumerate(words) if w is not None]
+    if not failed:
+        return
+    for alloc in allocations:
+        alloc.free()
+    if error is not None:
+        raise error
+    raise DeepEPError(f"{op}: " + "; ".join(f"rank {r} failed ({w})" for r, w in failed)
+                      + "; the symmetric memory was freed on every rank")
+
+
 def acquire(group, device_id: int, num_bytes: int, *, allow_nvlink: bool = True, num_qps_per_rank: int = 24,
             allow_mnnvl: bool = False) -> SymmetricAllocation:
     """Initialise NVSHMEM if needed and allocate ``num_bytes`` of symmetric memory. Collective."""
@@ -313,7 +357,7 @@ def acquire(group, device_id: int, num_bytes: int, *, allow_nvlink: bool = True,
     if num_bytes <= 0:
         raise ValueError(f"symmetric allocation needs a positive size, got {num_bytes}")
     _modules()
-    with _lock:
+    with _locked("nvshmem_malloc"):
         if _state["lost"] is not None:
             raise RuntimeError(
                 f"deepep_cupy: NVSHMEM lost {_who(_state['lost'])} of {_state['size']} in this process (a "

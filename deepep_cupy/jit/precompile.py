@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from ..ops import FAMILIES as OP_FAMILIES
+from ..ops import BUILD_MODULES
 from .cache import build_with_status, cache_dir, check_entry, entry_for
 from .compiler import first_device_arch, normalize_arch
 from .spec import BuildSpec
@@ -35,7 +35,7 @@ from .spec import BuildSpec
 __all__ = ["FAMILIES", "DEFAULT_ARCH", "Job", "Report", "family_specs", "default_arch", "plan", "run", "main"]
 
 #: Kernel family -> the module whose ``representative_builds()`` lists its shipped kernels (imported lazily).
-FAMILIES = {name: f"deepep_cupy.ops.{name}" for name in OP_FAMILIES}
+FAMILIES = BUILD_MODULES
 DEFAULT_ARCH = "sm_90"
 _FAILURE_LINES = 30  # of a failure's message (compiler log, source lines) repeated after the summary
 

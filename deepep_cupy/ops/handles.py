@@ -14,8 +14,8 @@ from ..frameworks import is_capturing, is_tensor, meta, to_numpy
 from ..reference.normal import channel_prefix_matrix, send_head_matrix
 from .plan import NOT_A_KEY
 
-__all__ = ["handle_meta", "ll_handle_meta", "OpHandle", "LowLatencyHandle", "device_handle_values",
-           "intranode_handle_values", "ll_handle_values"]
+__all__ = ["handle_meta", "ll_handle_meta", "OpHandle", "DispatchHandle", "LowLatencyHandle", "foreign_handle",
+           "device_handle_values", "intranode_handle_values", "ll_handle_values"]
 
 
 def handle_meta(handle):
@@ -42,10 +42,35 @@ class OpHandle(tuple):
     __slots__ = ()
 
 
+class DispatchHandle(OpHandle):
+    """A normal dispatch's handle as the op returned it, with the top-k width of that dispatch
+    (``num_topk``: the columns of its ``topk_idx``, 0 without one), which a combine's ``topk_weights`` must
+    have. A tuple subclass cannot have slots, so the attribute lives in a ``__dict__``."""
+
+    def __new__(cls, entries, num_topk: int = 0):
+        self = super().__new__(cls, entries)
+        self.num_topk = num_topk
+        return self
+
+
 class LowLatencyHandle(OpHandle):
     """A low-latency dispatch's handle, which also keeps the dispatch's row map (``row_map``: the inverse
     of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/layout.cuh ``record_row``) for the
-    partial-sum combine. A tuple subclass cannot have slots, so the attribute lives in a ``__dict__``."""
+    partial-sum combine, and ``owner``: the backend object (GPU engine or reference backend) of the Buffer
+    whose dispatch made it. A combine of another Buffer refuses it (:func:`foreign_handle`): its rows, row
+    map and sequence state belong to the other Buffer's buffers."""
+
+    def __new__(cls, entries, row_map=None, owner=None):
+        self = super().__new__(cls, entries)
+        self.row_map = row_map
+        self.owner = owner
+        return self
+
+
+def foreign_handle() -> ValueError:
+    """The error of a low-latency combine given a handle another Buffer's dispatch returned."""
+    return ValueError("handle was returned by another Buffer's low_latency_dispatch; low_latency_combine takes "
+                      "a handle from a low_latency_dispatch of the same Buffer")
 
 
 # Handles recently checked, by id, with a reference that keeps the id from being reused; a handle is

@@ -11,16 +11,16 @@ from ..device.streams import ForkJoin, OpStreams
 from ..event import EventOverlap
 from ..frameworks import BOOL, I32, frame_for
 from ..jit import BuildSpec, load
-from . import kernel_names
+from . import kernel_names, limits
 
 __all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "representative_builds"]
 
-MAX_TOPK = 128
+MAX_TOPK = limits.LAYOUT_MAX_TOPK
 _SOURCE = "layout/count_tokens.cu"
 _THREADS = 512  # kThreads in layout/count_tokens.cu
 _CLUSTER = 8  # blocks of the kernel's cluster on sm_90 (one block before it)
 #: The kernel counts experts, ranks and RDMA ranks in dynamic shared memory, one int32 each.
-MAX_COUNT_WORDS = 48 * 1024
+MAX_COUNT_WORDS = limits.LAYOUT_MAX_COUNT_WORDS
 
 
 _kernel_name = kernel_names.layout_count_tokens
@@ -60,25 +60,13 @@ class LayoutPlan:
 
     def __init__(self, frame, *, num_tokens: int, num_topk: int, num_experts: int, num_ranks: int,
                  num_nvl_ranks: int, rank: int, errors, comm_stream: int, async_finish: bool) -> None:
-        if not 1 <= num_topk <= MAX_TOPK:
-            raise ValueError(f"top-k must be between 1 and {MAX_TOPK}, got {num_topk}")
-        if num_experts % num_ranks:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
+        count_words = limits.layout_args(num_tokens, num_topk, num_experts, num_ranks, num_nvl_ranks)
         self.has_rdma = num_nvl_ranks < num_ranks
-        if self.has_rdma and num_ranks % num_nvl_ranks:
-            raise ValueError(f"num_ranks ({num_ranks}) must be a multiple of num_nvl_ranks ({num_nvl_ranks})")
-        if num_tokens * num_topk >= 2**31:
-            raise ValueError(f"too many tokens for the layout kernel: {num_tokens} x top-{num_topk}")
         self.frame, self.errors = frame, errors
         self._fork_join = ForkJoin()
         self.num_tokens, self.num_experts, self.num_ranks = num_tokens, num_experts, num_ranks
         self.num_rdma_ranks = num_ranks // num_nvl_ranks
         self.comm_stream, self.async_finish = comm_stream, bool(async_finish)
-        num_rdma_words = self.num_rdma_ranks if self.has_rdma else 0
-        count_words = num_experts + num_ranks + num_rdma_words
-        if count_words > MAX_COUNT_WORDS:
-            raise ValueError(f"num_experts + num_ranks ({num_experts} + {num_ranks}) is too large for the layout "
-                             f"kernel: at most {MAX_COUNT_WORDS - num_ranks - num_rdma_words} experts here")
         cluster = _cluster_for(frame)
         kernel = load(layout_spec(num_topk, cluster)).get_function(_kernel_name(num_topk, cluster))
         # The grid does not depend on num_tokens: with N = 0 the kernel still writes zero counts.

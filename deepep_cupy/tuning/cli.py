@@ -27,6 +27,7 @@ from ..bench.timing import time_op
 from ..buffer import Buffer
 from ..config import Config
 from ..device.gpus import no_gpu_reason
+from ..device.group import comm_barrier
 
 __all__ = ["main", "parse_args", "plan_points", "choose", "builtin_configs", "Progress"]
 
@@ -226,7 +227,7 @@ def _sweep(comm, args, plan: dict, rdma: dict, progress: Progress) -> dict:
     finally:
         progress.close()
         stream.synchronize()
-        comm.Barrier()
+        comm_barrier(comm, "tuning: before destroy")
         buffer.destroy()
     return times
 
@@ -328,6 +329,6 @@ def main(argv=None) -> int:
             path = tuning.save_entry(entry)
             print(f"stored in {path}: Buffer.get_dispatch_config({num_ranks}) and get_combine_config({num_ranks}) "
                   f"return these configs on {gpu}", flush=True)
-    comm.Barrier()
+    comm_barrier(comm, "tuning: end")
     return 0
 

@@ -12,6 +12,9 @@ from deepep_cupy import Buffer
 
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
+# Buffer sizes: the reference backend allocates nothing, but refuses what the GPU would (ops/limits.py).
+NVL_BYTES = 1 << 28
+LL_BYTES = 1 << 28
 pytestmark = pytest.mark.skipif(COMM.Get_size() < 2, reason="run under mpiexec with 2 or more ranks")
 BF16 = ml_dtypes.bfloat16
 
@@ -42,7 +45,7 @@ def test_dispatch_combine_over_mpi(seed):
     num_experts, hidden, k = 4 * size, 128, 3
     n = 0 if (seed == 1 and rank == size - 1) else 5 + 3 * rank + seed
     x, idx, w = _case(100 * seed + rank, n, hidden, num_experts, k)
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     per_rank, in_rank, recv_x, recv_idx, counts, handle, combined = _round_trip(buf, x, idx, w, num_experts)
 
     # What every rank sent to me must be exactly what I received, in rank then token order.
@@ -63,7 +66,7 @@ def test_low_latency_over_mpi():
     rank, size = COMM.Get_rank(), COMM.Get_size()
     num_experts, hidden, k, t = 2 * size, 256, 2, 8
     x, idx, w = _case(7 + rank, 6, hidden, num_experts, k)
-    buf = Buffer(comm=COMM, backend="reference", low_latency_mode=True)
+    buf = Buffer(comm=COMM, backend="reference", low_latency_mode=True, num_rdma_bytes=LL_BYTES)
     recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, num_experts, use_fp8=False)
     # The expert multiplies by (global expert id + 1); combine must give sum_k w_k * (e_k + 1) * x.
     e_local = num_experts // size
@@ -93,8 +96,8 @@ def test_torch_group_matches_mpi():
     rank, size = COMM.Get_rank(), COMM.Get_size()
     num_experts, hidden, k = 2 * size, 64, 2
     x, idx, w = _case(55 + rank, 9, hidden, num_experts, k)
-    with_mpi = _round_trip(Buffer(comm=COMM, backend="reference"), x, idx, w, num_experts)
-    buf = Buffer(group, backend="reference")
+    with_mpi = _round_trip(Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES), x, idx, w, num_experts)
+    buf = Buffer(group, backend="reference", num_nvl_bytes=NVL_BYTES)
     assert buf.rank == rank and buf.group_size == size
     tx = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     with_torch = _round_trip(buf, tx, torch.from_numpy(idx), torch.from_numpy(w), num_experts)

@@ -17,6 +17,9 @@ from deepep_cupy import Buffer
 
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
+# Buffer sizes: the reference backend allocates nothing, but refuses what the GPU would (ops/limits.py).
+NVL_BYTES = 1 << 28
+LL_BYTES = 1 << 28
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 LAST = SIZE - 1
 BF16 = ml_dtypes.bfloat16
@@ -81,7 +84,7 @@ def _round_trip(buf, case):
 
 
 def _ll_buffer():
-    return Buffer(comm=COMM, backend="reference", low_latency_mode=True)
+    return Buffer(comm=COMM, backend="reference", low_latency_mode=True, num_rdma_bytes=LL_BYTES)
 
 
 def _ll_round_trip(buf, t=8, num_experts=None, **kw):
@@ -96,7 +99,7 @@ def _ll_round_trip(buf, t=8, num_experts=None, **kw):
 
 
 def test_wrong_dtype_on_one_rank():
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _normal_case(buf)
     bad = dict(case, x=case["x"].astype(np.float32)) if RANK == 0 else case
     text = _everywhere(lambda: buf.dispatch(**bad), TypeError, "x must have dtype bfloat16", inputs=bad)
@@ -114,7 +117,7 @@ def test_too_many_tokens_for_low_latency_on_one_rank():
 
 
 def test_num_worst_tokens_overflow_on_one_rank():
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _normal_case(buf, n=6 + RANK)
     worst = 1 if RANK == LAST else 64 * SIZE
     _everywhere(lambda: buf.dispatch(**case, num_worst_tokens=worst), ValueError, "num_worst_tokens=1",
@@ -143,7 +146,7 @@ def test_low_latency_disagreement(what):
 
 @pytest.mark.parametrize("what", ["hidden", "num_experts", "topk"])
 def test_normal_disagreement(what):
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     odd = RANK == LAST
     case = _normal_case(buf, hidden=256 if what == "hidden" and odd else 128,
                         num_experts=SIZE if what == "num_experts" and odd else 2 * SIZE,
@@ -155,7 +158,7 @@ def test_normal_disagreement(what):
 
 
 def test_bad_handles_on_one_rank():
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _normal_case(buf)
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(**case)
     junk = (1, 2, 3, 4, 5, 6) if RANK == 0 else handle
@@ -173,7 +176,7 @@ def test_bad_handles_on_one_rank():
 
 
 def test_num_tokens_per_expert_of_the_wrong_length():
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _normal_case(buf, num_experts=4 * SIZE)
     if RANK == 0:  # a multiple of the rank count, but shorter than the experts topk_idx names
         case["num_tokens_per_expert"] = case["num_tokens_per_expert"][:SIZE].copy()
@@ -199,7 +202,7 @@ def test_low_latency_bad_handles_on_one_rank():
 
 
 def test_different_operations_at_the_same_point():
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _normal_case(buf)
     handle = _round_trip(buf, case)
     recv_x, *_ = buf.dispatch(case["x"], handle=handle)
@@ -220,7 +223,7 @@ def test_torch_group_agrees_on_errors():
     from deepep_cupy.device.group import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
-    buf = Buffer(dist.group.WORLD, backend="reference")
+    buf = Buffer(dist.group.WORLD, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _normal_case(buf)
     tcase = {k: torch.from_numpy(np.asarray(v).view(np.int16) if k == "x" else np.asarray(v)) for k, v in
              case.items()}

@@ -6,8 +6,6 @@ The scenarios are those of tests/unit/test_frameworks_*.py (``fw_megatron.py``, 
 build it: the default group for Megatron-Core and SGLang, a separate gloo group like vLLM's CPU group.
 """
 
-import os
-import sys
 
 import pytest
 
@@ -18,7 +16,6 @@ pytestmark = pytest.mark.skipif(COMM.Get_size() < 2, reason="run under mpiexec w
 #: Seconds a rank waits for the others (a rank whose check fails mid-scenario leaves them waiting).
 TIMEOUT = 30
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
 import fw_megatron as M  # noqa: E402
 import fw_serving as S  # noqa: E402
 from fw_common import deep_ep_alias  # noqa: E402

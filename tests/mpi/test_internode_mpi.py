@@ -16,6 +16,8 @@ from deepep_cupy.reference import quant
 
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
+# Buffer sizes: the reference backend allocates nothing, but refuses what the GPU would (ops/limits.py).
+NVL_BYTES = RDMA_BYTES = 1 << 28
 SIZE = COMM.Get_size()
 
 pytestmark = pytest.mark.skipif(SIZE < 2, reason="run under mpiexec with at least 2 ranks")
@@ -36,7 +38,8 @@ def _cases(seed, hidden=128):
 
 
 def _buffer(nvl):
-    return Buffer(comm=COMM, backend="reference", num_nvl_ranks=nvl)
+    return Buffer(comm=COMM, backend="reference", num_nvl_ranks=nvl, num_nvl_bytes=NVL_BYTES,
+                  num_rdma_bytes=RDMA_BYTES)
 
 
 def _run(buf, x, topk, w, *, worst=0, bias=None):

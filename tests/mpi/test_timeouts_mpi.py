@@ -18,6 +18,9 @@ from deepep_cupy.errors import DeepEPTimeoutError
 
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
+# Buffer sizes: the reference backend allocates nothing, but refuses what the GPU would (ops/limits.py).
+NVL_BYTES = 1 << 28
+LL_BYTES = 1 << 28
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 LAST = SIZE - 1
 BF16 = ml_dtypes.bfloat16
@@ -50,7 +53,7 @@ def _case(buf):
 
 
 def test_absent_rank_in_dispatch_then_back_in_step():
-    buf = Buffer(comm=COMM, backend="reference")
+    buf = Buffer(comm=COMM, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _case(buf)
     if RANK != LAST:
         _times_out(lambda: buf.dispatch(**case), "dispatch", LAST)
@@ -68,7 +71,8 @@ def test_absent_rank_in_dispatch_then_back_in_step():
 
 
 def test_destroy_returns_when_a_rank_never_comes():
-    buf = Buffer(comm=COMM, backend="reference", low_latency_mode=True, enable_shrink=True)
+    buf = Buffer(comm=COMM, backend="reference", low_latency_mode=True, enable_shrink=True,
+                 num_rdma_bytes=LL_BYTES)
     if RANK != LAST:
         buf.low_latency_update_mask_buffer(LAST, True)
         x = np.ones((3, 256), BF16)
@@ -127,7 +131,22 @@ def test_torch_group_times_out():
     from deepep_cupy.device.group import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
-    buf = Buffer(dist.group.WORLD, backend="reference")
+    buf = Buffer(dist.group.WORLD, backend="reference", num_nvl_bytes=NVL_BYTES)
     case = _case(buf)
     if RANK != LAST:
         _times_out(lambda: buf.dispatch(**case), "dispatch", LAST)
+
+
+def test_the_tools_barrier_names_the_absent_rank():
+    """The benchmarks' and the tuner's barrier ends in a named timeout where ``comm.Barrier()`` would wait for
+    ever; a later one on every rank works again."""
+    from deepep_cupy.device.group import comm_barrier
+
+    comm = COMM.Dup()  # its own library group, made by the first call on every rank
+    comm_barrier(comm, "tools barrier: start")
+    if RANK != LAST:
+        _times_out(lambda: comm_barrier(comm, "tools barrier"), "tools barrier", LAST)
+    COMM.Barrier()  # the absent rank comes only now; its barrier meets what the others left
+    if RANK == LAST:
+        comm_barrier(comm, "tools barrier")
+    comm_barrier(comm, "tools barrier: again")

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from thread_group import run_ranks
 
-from deepep_cupy import Buffer
+from deepep_cupy import Buffer, Config
 from deepep_cupy.device.group import disagreement, timeout_error
 from deepep_cupy.errors import DeepEPError, DeepEPTimeoutError
 from deepep_cupy.reference import collective
 
 BF16 = ml_dtypes.bfloat16
+LL_BYTES = Buffer.get_low_latency_rdma_size_hint(8, 128, 1, 4)
 
 
 def _outcomes(size, fn):
@@ -79,7 +80,7 @@ def test_timeout_error_names_op_rank_and_missing_ranks():
 
 def test_bad_argument_on_one_rank_every_rank_raises_and_the_next_call_works():
     def fn(g):
-        buf = Buffer(comm=g, backend="reference")
+        buf = Buffer(comm=g, backend="reference", num_nvl_bytes=Config().get_nvl_buffer_size_hint(128, 3))
         rng = np.random.default_rng(g.rank)
         idx = np.stack([rng.choice(6, 2, replace=False) for _ in range(4)]).astype(np.int64)
         x = np.ones((4, 64), BF16)
@@ -103,7 +104,7 @@ def test_collective_methods_hand_their_errors_to_the_backend():
     per call, from the class's own methods: nothing is installed per instance, so a Buffer goes without a GC
     pass."""
     def fn(g):
-        failing = Buffer(comm=g, backend="reference", low_latency_mode=True)
+        failing = Buffer(comm=g, backend="reference", low_latency_mode=True, num_rdma_bytes=LL_BYTES)
         seen = []
         failing.runtime.report_failure = lambda op, exc: seen.append((op, type(exc)))
         not_a_tensor = [[1.0, 2.0]]
@@ -116,7 +117,7 @@ def test_collective_methods_hand_their_errors_to_the_backend():
                 call()
             assert seen.pop()[0] == op and not seen
         assert not {"dispatch", "combine", "low_latency_dispatch"} & set(vars(failing))
-        buf = Buffer(comm=g, backend="reference", low_latency_mode=True)
+        buf = Buffer(comm=g, backend="reference", low_latency_mode=True, num_rdma_bytes=LL_BYTES)
         ref = weakref.ref(buf)
         gc.disable()
         try:

@@ -137,7 +137,7 @@ def test_low_latency_validation():
             buf.low_latency_dispatch(np.ones((5, 200), BF16), idx, 8, 8)
         with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):
             buf.low_latency_dispatch(x, idx, 8, 8, cumulative_local_expert_recv_stats=np.zeros(3, np.int32))
-    _single(body, low_latency_mode=True)
+    _single(body, low_latency_mode=True, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(8, 256, 1, 8))
 
 
 def test_low_latency_needs_the_mode():
@@ -159,7 +159,8 @@ def test_round_trip_leaves_inputs_untouched(num_ranks):
         x = rng.integers(-8, 8, size=(n, hidden)).astype(BF16)
         w = rng.random((n, k)).astype(np.float32)
         keep = (x.copy(), idx.copy(), w.copy())
-        buf = Buffer(comm=group, backend="reference")
+        nvl_bytes = Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+        buf = Buffer(comm=group, backend="reference", num_nvl_bytes=nvl_bytes)
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
         assert per_rdma is None
         recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
@@ -182,7 +183,7 @@ def test_torch_tensors_come_back_as_torch():
     torch = pytest.importorskip("torch")
 
     def body(group):
-        buf = Buffer(comm=group, backend="reference")
+        buf = Buffer(comm=group, backend="reference", num_nvl_bytes=Config().get_nvl_buffer_size_hint(128, 2))
         gen = torch.Generator().manual_seed(3 + group.rank)
         idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)])
         x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)

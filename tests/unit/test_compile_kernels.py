@@ -1,6 +1,6 @@
 """NVRTC compile (and NVSHMEM link) of every kernel instantiation the ops modules ship. No GPU needed.
 
-Every family of ``deepep_cupy.ops.FAMILIES`` gives its ``representative_builds()``; each spec is built for
+Every family of ``deepep_cupy.ops.FAMILIES`` gives its ``representative_builds()`` (``ops.BUILD_MODULES``); each spec is built for
 sm_90, and for sm_80 unless it uses NVSHMEM.
 """
 
@@ -17,7 +17,7 @@ from deepep_cupy.jit import build
 def _collect():
     params = []
     for family in deepep_cupy.ops.FAMILIES:
-        name = f"deepep_cupy.ops.{family}"
+        name = deepep_cupy.ops.BUILD_MODULES[family]
         try:
             builds = importlib.import_module(name).representative_builds
         except Exception as exc:  # report it as a failing test instead of breaking collection

@@ -30,11 +30,11 @@ SCRIPT = textwrap.dedent('''
             if rank == 0:
                 Buffer(comm=comm, backend="reference")
         elif mode == "skip":  # rank 1 makes it but never calls dispatch
-            buf = Buffer(comm=comm, backend="reference")
+            buf = Buffer(comm=comm, backend="reference", num_nvl_bytes=1 << 24)
             if rank == 0:
                 dispatch(buf)
         elif mode == "raise":  # rank 0's own code fails; rank 1 waits in dispatch (for far longer than the test)
-            buf = Buffer(comm=comm, backend="reference")
+            buf = Buffer(comm=comm, backend="reference", num_nvl_bytes=1 << 24)
             if rank == 0:
                 raise RuntimeError("the user's code failed on rank 0")
             dispatch(buf)

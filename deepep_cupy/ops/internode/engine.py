@@ -19,7 +19,7 @@ from ...device import nvshmem as nvshmem_runtime
 from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
-from .. import kernel_names
+from .. import kernel_names, limits
 from ..health import EngineHealth
 from ..plan import kernel_pointer as _ptr  # short: the argument lists below are dense
 from . import layout as IL
@@ -28,8 +28,8 @@ __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "repre
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
            "combine_block_threads", "check_combine_shape", "num_blocks"]
 
-MAX_NVL_RANKS = 8   # one byte of SourceMeta bits used, one forwarder warp per local rank
-MAX_DOMAINS = 32    # one lane per domain
+MAX_NVL_RANKS = limits.INTERNODE_MAX_NVL_RANKS
+MAX_DOMAINS = limits.INTERNODE_MAX_DOMAINS
 NOTIFY_THREADS = 1024
 
 OP_NOTIFY_RDMA, OP_NOTIFY_NVL = 401, 402
@@ -51,11 +51,7 @@ OP_NAMES = {
 }
 
 
-def _check_shape(num_nvl_ranks: int, num_domains: int) -> None:
-    if not 1 <= num_nvl_ranks <= MAX_NVL_RANKS:
-        raise ValueError(f"internode kernels support 1..{MAX_NVL_RANKS} ranks per domain, got {num_nvl_ranks}")
-    if not 2 <= num_domains <= MAX_DOMAINS:
-        raise ValueError(f"internode kernels need 2..{MAX_DOMAINS} domains, got {num_domains}")
+_check_shape = limits.internode_shape
 
 
 @functools.cache
@@ -246,13 +242,13 @@ class InternodeEngine(EngineHealth):
                  rdma=None) -> None:
         import cupy
 
-
         if group.size % num_nvl_ranks:
             raise ValueError(f"group size {group.size} is not a multiple of num_nvl_ranks {num_nvl_ranks}")
         self.group, self.rank, self.num_ranks = group, group.rank, group.size
         self.num_nvl_ranks, self.num_domains = int(num_nvl_ranks), group.size // int(num_nvl_ranks)
         _check_shape(self.num_nvl_ranks, self.num_domains)
         self.device_id = int(device_id)
+        self.num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         if self.num_nvl_bytes <= 0 or self.num_rdma_bytes <= 0:
             raise ValueError("internode ops need num_nvl_bytes > 0 and num_rdma_bytes > 0 "
@@ -271,15 +267,23 @@ class InternodeEngine(EngineHealth):
                     raise ValueError(f"the shared RDMA buffer has {rdma.nbytes} bytes, {self.num_rdma_bytes} needed")
                 self._rdma = rdma
                 self._sig = nvshmem_runtime.acquire(group, self.device_id, self.signals.end)
-                self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id, self.num_nvl_bytes)
-                self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
-                self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
-                self._sig.array.fill(0)
-                cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
-                self.errors = KernelErrorRecord()
-                cupy.cuda.Device(self.device_id).synchronize()
-            # Nobody may signal a peer before the peer has cleared its words.
-            group.barrier()
+                failure = None
+                try:
+                    self.nvl = PeerMappedBuffer(_DomainView(group, self.num_nvl_ranks), self.device_id,
+                                                self.num_nvl_bytes)
+                    self.nvl_bases = cupy.asarray(np.asarray(self.nvl.peer_ptrs, dtype=np.int64))
+                    self.state = cupy.zeros(IL.state_words(self.num_nvl_ranks, self.num_domains), dtype=cupy.int64)
+                    self._sig.array.fill(0)
+                    cupy.cuda.runtime.memset(self.nvl.local_ptr, 0, self.nvl.size)
+                    self.errors = KernelErrorRecord()
+                    cupy.cuda.Device(self.device_id).synchronize()
+                except BaseException as exc:
+                    failure = exc
+                # Every rank learns whether every set-up worked before the collective frees below (see the
+                # low-latency engine); on success this is the barrier: nobody signals a peer before the peer
+                # has cleared its words.
+                owned = [self._sig] + ([self._rdma] if self._own_rdma else [])
+                nvshmem_runtime.settle_setup(group, failure, "internode buffer set-up", owned)
         except BaseException:
             self.destroy()
             raise

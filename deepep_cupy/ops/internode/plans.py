@@ -13,7 +13,8 @@ from __future__ import annotations
 from ...device.launch import LaunchPlan
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, U8
-from ..handles import OpHandle
+from .. import limits
+from ..handles import DispatchHandle
 from ..kernel_names import internode_combine, internode_dispatch, internode_notify
 from ..plan import NormalPlan, launch_args, scale_strides, scales_dtype
 from . import layout as IL
@@ -27,7 +28,6 @@ from .engine import (
     dispatch_spec,
     notify_args,
     notify_spec,
-    num_blocks,
 )
 
 __all__ = ["DispatchPlan", "CombinePlan", "check_sizes", "default_channels"]
@@ -35,33 +35,10 @@ __all__ = ["DispatchPlan", "CombinePlan", "check_sizes", "default_channels"]
 
 def check_sizes(engine, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
     """The layouts must fit the buffers the engine was created with."""
-    if rdma.end > engine.num_rdma_bytes:
-        raise ValueError(f"internode ops need {rdma.end} bytes of RDMA buffer for this config and hidden size, "
-                         f"the Buffer has num_rdma_bytes={engine.num_rdma_bytes} (Config.get_rdma_buffer_size_hint)")
-    if nvl.end > engine.num_nvl_bytes:
-        raise ValueError(f"internode ops need {nvl.end} bytes of NVLink buffer for this config and hidden size, "
-                         f"the Buffer has num_nvl_bytes={engine.num_nvl_bytes} (Config.get_nvl_buffer_size_hint)")
+    limits.internode_sizes(engine.num_nvl_bytes, engine.num_rdma_bytes, rdma, nvl)
 
 
-def _grid(engine, num_channels: int) -> int:
-    """Blocks of a launch for ``num_channels`` channels. Senders, forwarders and receivers wait for each
-    other, so every block must be resident at once: one per SM."""
-    import cupy
-
-    if not 1 <= num_channels <= IL.MAX_CHANNELS:
-        raise ValueError(f"internode ops support 1..{IL.MAX_CHANNELS} channels, got {num_channels}")
-    blocks = 2 * num_blocks(num_channels, engine.num_nvl_ranks, engine.num_domains)
-    sms = int(cupy.cuda.Device(engine.device_id).attributes["MultiProcessorCount"])
-    if blocks > sms:
-        raise ValueError(f"{num_channels} channels need {blocks} SMs, but the GPU has {sms}; lower config.num_sms")
-    return blocks
-
-
-def default_channels(config, num_nvl_ranks: int, num_domains: int) -> int:
-    """Channels of a dispatch without handle: ``sub_channels`` per SM pair of ``config.num_sms``, as many as
-    the combine's progress words allow (``C * D <= MAX_CHANNELS``)."""
-    pairs = max(int(config.num_sms) // 2, 1)
-    return max(1, min(pairs * IL.sub_channels(num_nvl_ranks, num_domains), IL.MAX_CHANNELS // num_domains))
+default_channels = limits.default_channels
 
 
 class DispatchPlan(NormalPlan):
@@ -75,9 +52,6 @@ class DispatchPlan(NormalPlan):
         R = L * D
         self.num_tokens, self.hidden = (int(s) for s in x.shape)
         self.hidden_bytes = hidden_bytes = self.hidden * (1 if x_scales is not None else 2)
-        if hidden_bytes == 0 or hidden_bytes % 16:
-            raise ValueError(f"a token row must be a multiple of 16 bytes (8 bf16 / 16 fp8 elements), got "
-                             f"{hidden_bytes}")
         self.x_key = FP8 if x_scales is not None else BF16
         self.num_scales, s_tok, s_blk = 0, 0, 0
         self.scales_shape = None
@@ -86,20 +60,14 @@ class DispatchPlan(NormalPlan):
             self.scales_shape = tuple(x_scales.shape[1:])
             self.scales_dtype = scales_dtype(x_scales)
         self.cached = handle is not None
-        self.num_channels = int(handle[1].shape[1]) if self.cached else default_channels(config, L, D)
-        grid = _grid(engine, self.num_channels)
         self.num_topk = int(topk_idx.shape[1]) if (topk_idx is not None and not self.cached) else 0
-        if self.num_topk > IL.MAX_TOPK or self.num_scales > IL.MAX_SCALES:
-            raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k entries and {IL.MAX_SCALES} scales")
         self.num_local_experts = 0 if self.cached else int(num_tokens_per_expert.shape[0]) // R
-        if self.num_local_experts > IL.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"internode notify supports up to {IL.MAX_LOCAL_EXPERTS} experts per rank")
+        self.num_channels, grid, self.rdma, self.nvl, chunk = limits.internode_dispatch(
+            L, D, engine.num_nvl_bytes, engine.num_rdma_bytes, config, hidden=self.hidden, fp8=x_scales is not None,
+            num_scales=self.num_scales, num_topk=self.num_topk, num_local_experts=self.num_local_experts,
+            handle_channels=int(handle[1].shape[1]) if self.cached else None, num_device_sms=engine.num_device_sms)
         self.num_worst_tokens = int(num_worst_tokens or 0)
-        slot = IL.slot_for(self.hidden)
-        rdma_cap, chunk, nvl_cap = IL.ring_sizes(config, IL.sub_channels(L, D))
-        self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
-        self.nvl = IL.nvl_layout(L, D, self.num_channels, nvl_cap, slot, self.num_local_experts)
-        check_sizes(engine, self.rdma, self.nvl)
+        rdma_cap = self.rdma.cap
         self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
         self.has_weights = topk_weights is not None and not self.cached
@@ -193,8 +161,9 @@ class DispatchPlan(NormalPlan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
-        new_handle = OpHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm,
-                               recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head))
+        new_handle = DispatchHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix,
+                                     recv_gbl_cpm, recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head),
+                                    self.num_topk)
         return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
     def _received_counts(self) -> tuple[int, int, list[int]]:
@@ -225,28 +194,14 @@ class CombinePlan(NormalPlan):
         engine.check_usable()
         L, D = engine.num_nvl_ranks, engine.num_domains
         self.num_rows, self.hidden = (int(s) for s in x.shape)
-        if self.hidden == 0 or (2 * self.hidden) % 16:
-            raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {self.hidden}")
         self.num_channels = int(handle[1].shape[1])
-        grid = _grid(engine, self.num_channels)
         self.num_tokens = int(handle[0].shape[0])
         self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
         self.has_weights = topk_weights is not None
-        if self.num_topk > IL.MAX_TOPK:
-            raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k weights")
-        if self.num_channels * D > IL.MAX_CHANNELS:
-            raise ValueError(f"the internode combine needs channels x domains <= {IL.MAX_CHANNELS}, got "
-                             f"{self.num_channels} x {D}")
-        slot = IL.slot_for(self.hidden)
-        sub = IL.sub_channels(L, D)
-        rdma_cap, chunk, nvl_cap = IL.ring_sizes(config, sub)
-        self.rdma = IL.rdma_layout(L, D, self.num_channels, rdma_cap, slot)
-        self.nvl = IL.nvl_layout(L, D, self.num_channels, nvl_cap, slot, 0)
-        if self.nvl.cap < D:
-            raise ValueError(f"the internode combine needs at least {D} NVLink ring slots per channel (one per "
-                             f"domain), got {self.nvl.cap}: config.num_max_nvl_chunked_recv_tokens must be at least "
-                             f"{D * sub} ({sub} channels share an SM pair's ring)")
-        check_sizes(engine, self.rdma, self.nvl)
+        grid, self.rdma, self.nvl, chunk = limits.internode_combine(
+            L, D, engine.num_nvl_bytes, engine.num_rdma_bytes, config, hidden=self.hidden, num_topk=self.num_topk,
+            handle_channels=self.num_channels, num_device_sms=engine.num_device_sms)
+        rdma_cap = self.rdma.cap
         self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
         kernel = engine.kernel(combine_spec(L, D), internode_combine(L, D))

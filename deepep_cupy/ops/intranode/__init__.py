@@ -1,7 +1,3 @@
 """Intranode (one NVLink domain) dispatch and combine: ``layout`` (buffer offsets), ``args`` (kernel
 argument lists), ``engine`` (the NVLink buffer and the kernels' builds), ``copy`` (the combine's copy mode),
 ``own_rows`` (own rows through the copy engines) and ``plans`` (the launch plans)."""
-
-from .engine import representative_builds
-
-__all__ = ["representative_builds"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...device.launch import LaunchPlan
 from ...jit import BuildSpec
-from ..handles import OpHandle
+from ..handles import DispatchHandle
 from ..kernel_names import intranode_combine_copy
 from ..plan import launch_args
 from . import layout as L
@@ -39,14 +39,14 @@ _MEMCPY_DEFAULT = 4
 _DISABLE_TIMING = 0x2
 
 
-class IntranodeHandle(OpHandle):
+class IntranodeHandle(DispatchHandle):
     """An intranode dispatch's handle, which also keeps what the dispatch read back in its host wait:
     ``counts`` (the rank prefix matrix as nested tuples of ints, or None), for the copy-mode combine, and
     ``own_tokens`` (this rank's column of ``is_token_in_rank``, a NumPy bool array, or None), for the own-row
     copies of a cached dispatch (own_rows.py)."""
 
-    def __new__(cls, entries, counts=None, own_tokens=None):
-        self = super().__new__(cls, entries)
+    def __new__(cls, entries, counts=None, own_tokens=None, num_topk: int = 0):
+        self = super().__new__(cls, entries, num_topk)
         self.counts = counts
         self.own_tokens = own_tokens
         return self

@@ -21,7 +21,6 @@ timeout the ranks are out of step: the engine refuses further ops; destroy the B
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 
@@ -31,11 +30,11 @@ from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
 from ...device.output_pool import OutputPool, default_pool_bytes
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
-from .. import kernel_names
+from .. import kernel_names, limits
 from ..health import EngineHealth
-from . import layout as L
 from .args import combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
+from .layout import required_bytes
 from .own_rows import MIN_ROWS as OWN_MIN_ROWS
 from .own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
 
@@ -50,6 +49,7 @@ __all__ = [
     "dispatch_args",
     "combine_args",
     "publish_batch",
+    "required_bytes",
 ]
 
 NOTIFY_THREADS = 1024
@@ -159,13 +159,6 @@ def _leftover_warps(num_ranks: int, warps: int) -> int:
     return max(1, min(warps - (num_ranks - 1) * share, warps - (num_ranks - 1)))
 
 
-# ---------------------------------------------------------------------------------------------------- checks
-def required_bytes(layout: L.BufferLayout, notify_end: int = 0, *, dispatch: bool = False) -> int:
-    """NVL buffer bytes of a call; a dispatch also has its done words after the free words."""
-    end = layout.end + (8 * layout.num_ranks * 2 * layout.num_channels if dispatch else 0)
-    return max(end, notify_end)
-
-
 # ---------------------------------------------------------------------------------------------------- engine
 class IntranodeEngine(EngineHealth):
     """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
@@ -224,8 +217,7 @@ class IntranodeEngine(EngineHealth):
         import cupy
 
 
-        if group.size > L.MAX_RANKS:
-            raise ValueError(f"intranode kernels support up to {L.MAX_RANKS} ranks per NVLink domain, got {group.size}")
+        limits.intranode_ranks(group.size)
         if num_nvl_bytes <= 0:
             raise ValueError(f"num_nvl_bytes must be positive, got {num_nvl_bytes}")
         self.group = group
@@ -253,7 +245,7 @@ class IntranodeEngine(EngineHealth):
         self.broken: str | None = None
         self._destroyed = False
         self._metas: dict = {}
-        self._num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
+        self.num_device_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
         self.buffer = None
         with cupy.cuda.Device(self.device_id):
             self.buffer = PeerMappedBuffer(group, self.device_id, self.num_nvl_bytes, use_fabric=use_fabric)
@@ -265,8 +257,8 @@ class IntranodeEngine(EngineHealth):
                 cupy.cuda.Device(self.device_id).synchronize()
                 self.errors = KernelErrorRecord()
                 # Per-channel work counters: runs of the dispatch's self copy and of the combine's reduction
-                # claimed so far (0 between kernels; at most one channel per 2 SMs, see check_grid).
-                self.work_claims = cupy.zeros(max(1, self._num_device_sms // 2), dtype=cupy.int32)
+                # claimed so far (0 between kernels; at most one channel per 2 SMs, see limits.intranode_grid).
+                self.work_claims = cupy.zeros(max(1, self.num_device_sms // 2), dtype=cupy.int32)
                 # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
                 # means none anywhere).
                 pool_bytes = default_pool_bytes(self.num_ranks) if num_output_bytes is None else int(num_output_bytes)
@@ -311,26 +303,6 @@ class IntranodeEngine(EngineHealth):
 
     kind, op_names, overflow_op = "intranode", OP_NAMES, OP_DISPATCH_OVERFLOW
 
-    def config_channels(self, config) -> int:
-        num_sms = int(config.num_sms)
-        if num_sms < 2 or num_sms % 2:
-            raise ValueError(f"config.num_sms must be an even number >= 2 (one sender and one receiver SM per "
-                             f"channel), got {num_sms}")
-        self.check_grid(num_sms // 2)
-        return num_sms // 2
-
-    def check_grid(self, num_channels: int) -> None:
-        """Senders and receivers wait for each other, so all 2 * C blocks must be resident at once."""
-        if 2 * num_channels > self._num_device_sms:
-            raise ValueError(f"{num_channels} channels need {2 * num_channels} SMs, but the GPU has "
-                             f"{self._num_device_sms}; lower config.num_sms")
-
-    def cap(self, config) -> int:
-        cap = int(config.num_max_nvl_chunked_recv_tokens)
-        if cap <= 0:
-            raise ValueError(f"config.num_max_nvl_chunked_recv_tokens must be positive, got {cap}")
-        return cap
-
     def batch(self, config) -> int:
         batch = self.publish_batch if self.publish_batch is not None else config.num_max_nvl_chunked_send_tokens
         batch = int(batch)
@@ -349,16 +321,6 @@ class IntranodeEngine(EngineHealth):
             raise ValueError(f"self_warps ({send}) and recv_self_warps ({recv}) must each be in "
                              f"[0, {warps - (R - 1)}] for {R} ranks and {warps} warps, and not both 0")
         return send, recv
-
-    def check_size(self, what: str, need: int, config, hidden_bytes: int) -> None:
-        if need > self.num_nvl_bytes:
-            hint = None
-            with contextlib.suppress(Exception):
-                hint = config.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks)
-            extra = f" (Config.get_nvl_buffer_size_hint gives {hint})" if hint else ""
-            raise ValueError(f"{what} needs {need} bytes of NVL buffer for this config and hidden size, but the "
-                             f"Buffer has num_nvl_bytes={self.num_nvl_bytes}{extra}; create the Buffer with at "
-                             f"least {need} bytes or use fewer SMs / a smaller num_max_nvl_chunked_recv_tokens")
 
     def kernel(self, spec: BuildSpec, name: str):
         return load(spec).get_function(name)

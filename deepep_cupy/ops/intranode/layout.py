@@ -36,6 +36,7 @@ __all__ = [
     "dispatch_slot",
     "combine_slot",
     "buffer_layout",
+    "required_bytes",
     "direct_shared_bytes",
     "notify_layout",
     "channel_bounds",
@@ -131,6 +132,12 @@ def buffer_layout(num_ranks: int, num_channels: int, cap: int, slot: SlotLayout)
     free_offset = ring_offset + num_channels * num_ranks * cap * slot.slot_bytes
     end = free_offset + num_channels * num_ranks * cap * 8
     return BufferLayout(num_ranks, num_channels, cap, slot, ring_offset, free_offset, end)
+
+
+def required_bytes(layout: BufferLayout, notify_end: int = 0, *, dispatch: bool = False) -> int:
+    """NVL buffer bytes of a call; a dispatch also has its done words after the free words."""
+    end = layout.end + (8 * layout.num_ranks * 2 * layout.num_channels if dispatch else 0)
+    return max(end, notify_end)
 
 
 def direct_shared_bytes(num_ranks: int, num_tokens: int, num_channels: int) -> int:

@@ -14,6 +14,7 @@ from ...device.launch import LaunchPlan
 from ...device.output_pool import ALIGN as POOL_ALIGN
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, frame_for, meta
+from .. import limits
 from ..handles import handle_meta
 from ..kernel_names import intranode_combine, intranode_dispatch, intranode_notify
 from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, scales_dtype, store
@@ -27,7 +28,6 @@ from .engine import (
     dispatch_spec,
     notify_args,
     notify_spec,
-    required_bytes,
 )
 from .own_rows import OwnRowCopies
 
@@ -44,11 +44,6 @@ class DispatchPlan(NormalPlan):
         engine.check_usable()
         R, me = engine.num_ranks, engine.rank
         num_tokens, hidden = (int(s) for s in x.shape)
-        itemsize = 1 if x_scales is not None else 2
-        self.hidden_bytes = hidden_bytes = hidden * itemsize
-        if hidden_bytes == 0 or hidden_bytes % 16:
-            raise ValueError(f"a token row must be a multiple of 16 bytes (8 bf16 / 16 fp8 elements); got "
-                             f"{hidden} x {itemsize} bytes")
         self.num_scales, s_tok, s_blk = 0, 0, 0
         self.scales_shape = None
         if x_scales is not None:
@@ -59,34 +54,23 @@ class DispatchPlan(NormalPlan):
         if num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
         self.cached = handle is not None
-        self.cap = cap = engine.cap(config)
         self.num_tokens, self.hidden = num_tokens, hidden
         self.x_key = FP8 if x_scales is not None else BF16
-        self.num_topk, num_local_experts = 0, 0
+        self.num_topk = int(topk_idx.shape[1]) if topk_idx is not None and not self.cached else 0
+        num_local_experts = 0 if self.cached else int(num_tokens_per_expert.shape[0]) // R
+        self.num_channels, self.cap, layout, notify = limits.intranode_dispatch(
+            R, engine.num_nvl_bytes, config, num_tokens=num_tokens, hidden=hidden, fp8=x_scales is not None,
+            num_scales=self.num_scales, num_topk=self.num_topk, num_local_experts=num_local_experts,
+            handle_channels=int(handle[1].shape[1]) if self.cached else None, num_device_sms=engine.num_device_sms)
+        self.hidden_bytes = hidden_bytes = hidden * (1 if x_scales is not None else 2)
         if self.cached:
-            self.num_channels = int(handle[1].shape[1])
-            engine.check_grid(self.num_channels)
             self.num_rows = int(handle[3].shape[0])
             self.has_weights = False
         else:
-            self.num_channels = engine.config_channels(config)
-            num_local_experts = int(num_tokens_per_expert.shape[0]) // R
-            if topk_idx is not None:
-                self.num_topk = int(topk_idx.shape[1])
             self.has_topk, self.has_weights = topk_idx is not None, topk_weights is not None
             self.num_rows = num_worst_tokens
         self.num_local_experts = num_local_experts
-        slot = L.dispatch_slot(hidden_bytes, self.num_scales, self.num_topk)
-        layout = L.buffer_layout(R, self.num_channels, cap, slot)
-        notify_end = 0
-        if not self.cached:
-            notify_offset, notify_stride, notify_end = L.notify_layout(R, self.num_channels, num_local_experts)
-        engine.check_size("dispatch", required_bytes(layout, notify_end, dispatch=True), config, hidden_bytes)
         shared = L.direct_shared_bytes(R, num_tokens, self.num_channels)
-        if shared > L.MAX_DIRECT_SHARED:
-            raise ValueError(f"dispatch of {num_tokens} tokens over {self.num_channels} channels needs {shared} bytes "
-                             f"of shared memory per block (at most {L.MAX_DIRECT_SHARED}); use more SMs "
-                             "(config.num_sms) or fewer tokens per call")
         self.pool = engine.output_pool if engine.use_output_pool else None
         self.pool_bases = self.pool.bases.data.ptr if self.pool is not None else 0
         self._pool_layouts: dict = {}
@@ -112,6 +96,7 @@ class DispatchPlan(NormalPlan):
         self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached and x_scales is None else None
         self.notify = None
         if not self.cached:
+            notify_offset, notify_stride, _ = notify
             self._make_notify_meta(1 + num_local_experts, num_tokens * R)
             notify = engine.kernel(notify_spec(R), intranode_notify(R))
             named = notify_args(
@@ -197,7 +182,7 @@ class DispatchPlan(NormalPlan):
         if self.cached:
             return recv, None, None, None, None, event
         new_handle = IntranodeHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                                      is_token_in_rank, send_head), counts, own_tokens)
+                                      is_token_in_rank, send_head), counts, own_tokens, self.num_topk)
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
@@ -280,17 +265,13 @@ class CombinePlan(NormalPlan):
         R, me = engine.num_ranks, engine.rank
         num_x_rows, hidden = (int(s) for s in x.shape)
         hidden_bytes = hidden * 2
-        if hidden_bytes % 16:
-            raise ValueError(f"hidden must be a multiple of 8 bf16 elements, got {hidden}")
         self.num_channels = int(handle[1].shape[1])
-        engine.check_grid(self.num_channels)
         self.num_tokens, self.hidden = int(handle[4].shape[0]), hidden
         self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
         self.has_weights = topk_weights is not None
-        self.cap = engine.cap(config)
-        slot = L.combine_slot(hidden_bytes, self.num_topk)
-        layout = L.buffer_layout(R, self.num_channels, self.cap, slot)
-        engine.check_size("combine", required_bytes(layout), config, hidden_bytes)
+        self.cap, layout = limits.intranode_combine(R, engine.num_nvl_bytes, config, hidden=hidden,
+                                                    num_topk=self.num_topk, handle_channels=self.num_channels,
+                                                    num_device_sms=engine.num_device_sms)
         warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
         kernel = engine.kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
         named = combine_args(

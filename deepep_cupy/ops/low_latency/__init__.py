@@ -1,6 +1,2 @@
 """Low-latency (decoding) dispatch and combine over NVSHMEM: ``layout`` (the symmetric buffer's
 regions), ``engine`` (buffer state and builds) and ``plans`` (the launch plans)."""
-
-from .engine import representative_builds
-
-__all__ = ["representative_builds"]

@@ -38,14 +38,11 @@ from ...device import nvshmem as nvshmem_runtime
 from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
 from ...frameworks import BF16
 from ...jit import BuildSpec, load
-from .. import kernel_names
+from .. import kernel_names, limits
 from .layout import (
     MAX_EXPERTS,
-    MAX_RANKS,
-    MAX_TOKENS,
     REGIONS,
     LowLatencyLayout,
-    rdma_size_hint,
 )
 
 __all__ = [
@@ -207,15 +204,14 @@ class LowLatencyEngine:
         self.num_ranks = int(group.size)
         self.device_id = int(device_id)
         self.enable_shrink = bool(enable_shrink)
-        _require(0 < self.num_ranks <= MAX_RANKS, lambda: f"low-latency mode supports up to {MAX_RANKS} ranks")
-        _require(int(num_rdma_bytes) > 0, "low-latency mode needs num_rdma_bytes > 0 "
-                                          "(see Buffer.get_low_latency_rdma_size_hint)")
+        limits.low_latency_buffer(self.num_ranks, int(num_rdma_bytes))
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.force_rma = os.environ.get("DEEPEP_CUPY_LL_FORCE_RMA", "0") == "1"
         with cupy.cuda.Device(self.device_id):
             self.num_sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
             self._sym = nvshmem_runtime.acquire(group, self.device_id, self.num_rdma_bytes, allow_nvlink=allow_nvlink,
                                                 num_qps_per_rank=num_qps_per_rank, allow_mnnvl=allow_mnnvl)
+            failure = None
             try:
                 # Peers reachable by loads and stores get direct stores; any other peer needs staging.
                 self.p2p_peers = [self._sym.peer_ptr(pe) != 0 for pe in range(self.num_ranks)]
@@ -243,10 +239,13 @@ class LowLatencyEngine:
                 self._idx = 0
                 self._sym.array.fill(0)
                 cupy.cuda.Device(self.device_id).synchronize()
-            except BaseException:
-                self._sym.free()
-                raise
-        self.group.barrier()
+            except BaseException as exc:
+                failure = exc
+            # Every rank learns whether every set-up worked before anything collective happens: a rank that
+            # failed must not free the buffer (collective) while the others wait in a barrier, nor they in it
+            # while it frees. On success this is the barrier (nobody writes into a peer before the peer has
+            # cleared); on a failure anywhere every rank frees the buffer and raises a named error.
+            nvshmem_runtime.settle_setup(self.group, failure, "low-latency buffer set-up", [self._sym])
 
     # ------------------------------------------------------------------ buffer state
     @property
@@ -272,18 +271,8 @@ class LowLatencyEngine:
         return layout
 
     def _new_layout(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> LowLatencyLayout:
-        layout = LowLatencyLayout(int(num_max_dispatch_tokens_per_rank), int(hidden), self.num_ranks,
-                                  int(num_experts))
-        _require(layout.num_experts <= MAX_EXPERTS, lambda: f"low-latency mode supports up to {MAX_EXPERTS} experts")
-        _require(layout.num_max_dispatch_tokens_per_rank <= MAX_TOKENS,
-                 lambda: f"num_max_dispatch_tokens_per_rank must be at most {MAX_TOKENS}")
-        if not layout.fits(self.num_rdma_bytes):
-            raise ValueError(
-                f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency T={layout.num_max_dispatch_tokens_per_rank}, "
-                f"hidden={layout.hidden}, {self.num_ranks} ranks, {layout.num_experts} experts: need "
-                f"{layout.total_bytes} (Buffer.get_low_latency_rdma_size_hint gives "
-                f"{rdma_size_hint(layout.num_max_dispatch_tokens_per_rank, layout.hidden, self.num_ranks, layout.num_experts)})")
-        return layout
+        return limits.low_latency_layout(self.num_ranks, self.num_rdma_bytes, num_max_dispatch_tokens_per_rank,
+                                         hidden, num_experts)
 
     def use_layout(self, layout: LowLatencyLayout) -> None:
         """Make ``layout`` current; a change of sizes cleans the buffer first (collective, synchronous)."""

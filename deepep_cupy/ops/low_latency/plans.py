@@ -13,7 +13,7 @@ from ...device.launch import LaunchPlan
 from ...device.streams import OpStreams
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
-from ..handles import LowLatencyHandle
+from ..handles import LowLatencyHandle, foreign_handle
 from .engine import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -198,8 +198,9 @@ class DispatchPlan(_Plan):
             stage.slot("x").value = x_ptr
             stage.launch(stream)
         hook = self._launch(b, s_phases, stream)
-        handle = LowLatencyHandle((src_info, layout_range, self.t_max, hidden, self.num_experts))
-        handle.row_map = row_map  # None: a combine of this shape does not read it
+        # row_map None: a combine of this shape does not read it.
+        handle = LowLatencyHandle((src_info, layout_range, self.t_max, hidden, self.num_experts), row_map,
+                                  self.engine)
         keep = (x, topk_idx, recv, count, handle) if streams is not None else None
         return recv, count, handle, self._end(streams, keep), hook
 
@@ -245,6 +246,9 @@ class CombinePlan(_Plan):
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
 
     def run(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
+        owner = getattr(handle, "owner", None)  # None: a handle the caller built (its values are checked)
+        if owner is not self.engine and owner is not None:
+            raise foreign_handle()
         stream, streams = self._begin()
         frame = self.frame
         ptr = frame.ptr
