@@ -207,7 +207,7 @@ class _Suite:
         def each_step_us(fn, n):
             """An event pair around every step, as DeepEP's ``bench`` does; the mean of the pairs, the first
             left out."""
-            self.comm.Barrier()
+            comm_barrier(self.comm, "bench host: before the decode steps")
             pairs = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(n)]
             for start, end in pairs:
                 start.record(stream)

@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.skipif(SIZE < 2, reason="run under mpiexec with 2 or m
               pytest.mark.timeout(600, method="thread")]
 
 T, H_LL, E_PER_RANK, K = 8, 512, 3, 3
+# The reference backend refuses calls past the buffer sizes, as the GPU does: room for every shape here.
+RDMA_BYTES = 1 << 26
+NVL_BYTES = 1 << 24  # likewise for the normal ops (Config.get_nvl_buffer_size_hint of the largest shape here)
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +90,7 @@ def _routing(seed, num_tokens, num_experts):
 # ---------------------------------------------------------------------------------------------------- low latency
 @pytest.fixture(scope="module")
 def ll_buffer():
-    buf = Buffer(comm=COMM, low_latency_mode=True, explicitly_destroy=True, backend="reference")
+    buf = Buffer(comm=COMM, low_latency_mode=True, num_rdma_bytes=RDMA_BYTES, explicitly_destroy=True, backend="reference")
     yield buf
     COMM.Barrier()
     buf.destroy()
@@ -175,7 +178,8 @@ def test_low_latency_hook_called_after_the_compiled_region(ll_buffer, backend):
 def nvl_buffer(request):
     # One NVLink domain: the intranode 6-tuple handle; one rank per domain (or two): the internode 10-tuple.
     local = SIZE if request.param == "one_domain" else (2 if SIZE >= 4 else 1)
-    buf = Buffer(comm=COMM, num_nvl_bytes=1 << 20, explicitly_destroy=True, backend="reference", num_nvl_ranks=local)
+    buf = Buffer(comm=COMM, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=RDMA_BYTES, explicitly_destroy=True,
+                 backend="reference", num_nvl_ranks=local)
     yield buf
     COMM.Barrier()
     buf.destroy()
@@ -341,7 +345,9 @@ def test_buffer_on_a_gloo_group():
     init_torch_distributed(COMM, "gloo")
     # A group of its own: its message tags start afresh on every rank, whatever other tests made before.
     group = dist.new_group(list(range(SIZE)), backend="gloo")
-    buf = Buffer(group=group, low_latency_mode=True, explicitly_destroy=True, backend="reference")
+    buf = Buffer(group=group, low_latency_mode=True, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=RDMA_BYTES,
+                 explicitly_destroy=True,
+                 backend="reference")
     x, idx, w, num_experts = _normal_inputs(51)
     x = x[:T]
     idx, w = idx[:T], w[:T]

@@ -26,13 +26,16 @@ from deepep_cupy.compile import normal as traced_normal  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 T, H, E, K = 6, 512, 4, 2
+# The reference backend refuses calls past the buffer sizes, as the GPU does: room for every shape here.
+RDMA_BYTES = 1 << 26
+NVL_BYTES = 1 << 24  # likewise for the normal ops (Config.get_nvl_buffer_size_hint of the largest shape here)
 ops = torch.ops.deepep_cupy
 
 
 @pytest.fixture(scope="module")
 def buf():
     b = Buffer(comm=ThreadGroup(_Shared(1, 60.0), 0, 1), backend="reference", low_latency_mode=True,
-               num_nvl_bytes=1 << 20, explicitly_destroy=True)
+               num_nvl_bytes=NVL_BYTES, num_rdma_bytes=RDMA_BYTES, explicitly_destroy=True)
     yield b
     b.destroy()
 
@@ -243,7 +246,7 @@ def test_gpu_handles_come_back_as_the_ops_made_them():
 def test_other_methods_break_the_graph_and_run_eagerly():
     """Cleaning, rank masks, streams: a graph break each (an error with fullgraph=True), run eagerly."""
     b = Buffer(comm=ThreadGroup(_Shared(1, 60.0), 0, 1), backend="reference", low_latency_mode=True,
-               enable_shrink=True, explicitly_destroy=True)
+               num_rdma_bytes=RDMA_BYTES, enable_shrink=True, explicitly_destroy=True)
     oracle = b.runtime.oracle
 
     def step(x, status):
