@@ -19,6 +19,8 @@ BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 #: The kernels' wait budget (``DEEPEP_CUPY_TIMEOUT_S``) in the modules whose ``env`` sets one: a protocol
 #: bug shows up as an error instead of a hang.
 TEST_TIMEOUT_S = "30"
+#: Buffer sizes of the reference-backend oracles (checked against, never allocated).
+ORACLE_BYTES = 1 << 40
 
 
 def _comm():
@@ -180,6 +182,9 @@ def with_reference_buffer(state):
     """``ENV`` of a module that uses only the public API: the kernels' wait budget at the suite's, and as the
     oracle ``state["ref"]``, a Buffer with backend='reference' (NumPy in, NumPy out; collective over the same
     MPI world). The module's GPU Buffers come from the ``ll`` and ``nvl`` fixtures."""
-    with with_wait_budget(state), collective_buffer(low_latency_mode=True, backend="reference") as ref:
+    # The reference backend allocates nothing by these sizes: they only need to pass the refusals it makes
+    # from them (the GPU path's), which the module's own GPU Buffers pass with their real sizes.
+    with with_wait_budget(state), collective_buffer(low_latency_mode=True, backend="reference",
+                                                    num_nvl_bytes=ORACLE_BYTES, num_rdma_bytes=ORACLE_BYTES) as ref:
         state["ref"] = ref
         yield
