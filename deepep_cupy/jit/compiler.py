@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..device.gpus import current_device_id
 from .spec import BuildSpec
 
 __all__ = [
@@ -238,26 +239,25 @@ def _arch_of_device(device_id: int) -> str:
     return f"sm_{major}{minor}"
 
 
-def current_device_id() -> int:
-    """CuPy's current device ordinal (no context is created)."""
+def device_for_build() -> int:
+    """The caller's current device (``device.gpus.current_device_id``: torch's where torch has initialised
+    CUDA, else CuPy's), with the way round a missing CuPy or GPU in the error."""
     try:
-        import cupy
+        return current_device_id()
     except ImportError as exc:
         raise RuntimeError(
             "deepep_cupy: CuPy is required to find the current GPU (install the cuda12 or cuda13 extra)"
         ) from exc
-    try:
-        return int(cupy.cuda.runtime.getDevice())
     except Exception as exc:
         raise RuntimeError(f"deepep_cupy: no CUDA device found; {_ARCH_HINT}") from exc
 
 
 def current_device_arch() -> str:
-    """``sm_XX`` of CuPy's current device, read through the driver without creating a context."""
+    """``sm_XX`` of the current device, read through the driver without creating a context."""
     # Every way of failing here (no CuPy, no device, a driver error) ends with the way round it: an explicit
     # arch compiles on a machine without a GPU or without CuPy.
     try:
-        return _arch_of_device(current_device_id())
+        return _arch_of_device(device_for_build())
     except RuntimeError as exc:
         if _ARCH_HINT in str(exc):
             raise

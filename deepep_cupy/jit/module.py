@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from .cache import build
-from .compiler import current_device_arch, current_device_id
+from .compiler import current_device_arch, device_for_build
 from .sources import source_root
 from .spec import BuildSpec, CompiledKernel
 
@@ -105,7 +105,7 @@ def load(spec: BuildSpec) -> LoadedModule:
     dictionary lookup. For NVSHMEM specs, ``nvshmemx_cumodule_init`` runs once per loaded module, so
     NVSHMEM must be initialised first.
     """
-    device_id = current_device_id()
+    device_id = device_for_build()
     memo = (device_id, spec, source_root())
     module = _modules_by_spec.get(memo)
     if module is not None:
