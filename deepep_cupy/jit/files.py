@@ -156,16 +156,8 @@ def read_trusted(path: Path) -> bytes:
         UntrustedFileError: it is a symlink, not ours, not a regular file, or writable by others.
         OSError: it cannot be read.
     """
+    fd = _open_trusted(path, os.O_RDONLY)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UntrustedFileError(path, "is a symbolic link") from None
-        raise
-    try:
-        reason = distrust(os.fstat(fd))
-        if reason is not None:
-            raise UntrustedFileError(path, reason)
         chunks = []
         while True:
             chunk = os.read(fd, 1 << 20)
@@ -194,9 +186,10 @@ def lock_timeout_s() -> float:
     return seconds
 
 
-def _open_lock(path: Path) -> int:
+def _open_trusted(path: Path, flags: int, mode: int = 0) -> int:
+    """``os.open(path, flags)`` that never follows a symlink and refuses a file :func:`distrust` rejects."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, FILE_MODE)
+        fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedFileError(path, "is a symbolic link") from None
@@ -205,6 +198,15 @@ def _open_lock(path: Path) -> int:
         reason = distrust(os.fstat(fd))
         if reason is not None:
             raise UntrustedFileError(path, reason)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_lock(path: Path) -> int:
+    fd = _open_trusted(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
         os.fchmod(fd, FILE_MODE)
     except BaseException:
         os.close(fd)
