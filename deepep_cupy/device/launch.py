@@ -3,9 +3,11 @@
 A :class:`LaunchPlan` holds the driver function handle, grid, block and shared memory of one kernel and
 a ctypes parameter block laid out like the kernel's arguments (one C scalar per argument and the
 ``void*[]`` array pointing at them). A call changes only the few slots that differ between calls
-(pointers, counts) by assigning ``.value`` of the slot, then passes the array's address to
-``cuLaunchKernel`` (see :func:`_choose_launcher`): no per-argument conversion happens at launch, which is what makes the host path of
-an op a few microseconds instead of the tens that generic launchers spend packing ~30 arguments.
+(pointers, counts) by assigning ``.value`` of the slot, then calls ``cuLaunchKernel`` with the
+arguments of the call itself prebuilt as C values too (function, grid, block, shared memory, the
+array's address), the stream written into its own slot (see :func:`_choose_launcher`): nothing is
+converted at launch, which is what makes the host path of an op a few microseconds instead of the tens
+that generic launchers spend packing ~30 arguments.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class LaunchPlan:
     plan keeps a reference to the kernel (and so to its module).
     """
 
-    __slots__ = ("kernel", "grid", "block", "shared_mem", "names", "_slots", "_array", "_address", "_fn", "_prefix")
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "names", "_slots", "_array", "_address", "_fn", "_stream",
+                 "_call")
 
     def __init__(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
         self.grid = _dim3(grid)
@@ -75,8 +78,12 @@ class LaunchPlan:
         """Make ``kernel`` the plan's function."""
         self.kernel = kernel
         self._fn = _function_address(kernel)
-        # Everything before the stream in cuLaunchKernel's argument list, fixed for the plan's life.
-        self._prefix = (self._fn, *self.grid, *self.block, self.shared_mem)
+        # cuLaunchKernel's whole argument list as C values, fixed for the plan's life but the stream,
+        # which each launch writes into its slot (one per plan: a plan made by with_kernel has its own).
+        self._stream = ctypes.c_void_p()
+        self._call = (ctypes.c_void_p(self._fn), *(ctypes.c_uint(d) for d in (*self.grid, *self.block)),
+                      ctypes.c_uint(self.shared_mem), self._stream, ctypes.c_void_p(self._address),
+                      ctypes.c_void_p())
         # Static and dynamic shared memory together past 48 KiB need the opt-in for the dynamic part.
         if self.shared_mem > 0 and self.shared_mem + _static_shared(self._fn) > _DEFAULT_SHARED_LIMIT:
             _allow_shared(self._fn, self.shared_mem, kernel)
@@ -104,7 +111,8 @@ class LaunchPlan:
 
     def launch(self, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` (an int; 0 is the legacy default stream)."""
-        err = _launch(*self._prefix, stream, self._address, None)
+        self._stream.value = stream
+        err = _launch(*self._call)
         if err:
             _raise_launch_error(err, self.kernel)
 
@@ -116,26 +124,28 @@ _functions: dict = {}
 
 
 def _bindings_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> int:
-    function = _functions.get(fn)
+    """The same call through ``cuda.bindings`` (its arguments are the plan's C values)."""
+    function = _functions.get(fn.value)
     if function is None:
-        function = _functions[fn] = _driver().CUfunction(fn)
-    err, = _cu_launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        function = _functions[fn.value] = _driver().CUfunction(fn.value)
+    err, = _cu_launch(function, gx.value, gy.value, gz.value, bx.value, by.value, bz.value, smem.value,
+                      stream.value or 0, params.value, 0)
     return err  # a CUresult: an int subclass, 0 on success
 
 
 def _choose_launcher():
-    """``cuLaunchKernel`` through ``cuda.bindings`` (default), or with ``DEEPEP_CUPY_LAUNCHER=ctypes``
-    straight from the driver library through ctypes. Measured on an H200 host
-    (tools/launch_overhead.py), ctypes' conversion of the eleven arguments cost more than the bindings'
-    Cython wrapper: 5.3 against 4.5 us per launch."""
-    if os.environ.get("DEEPEP_CUPY_LAUNCHER", "bindings") == "ctypes":
+    """``cuLaunchKernel`` of the driver library called through ctypes with the plan's prebuilt C values
+    (default: ctypes then converts nothing), or with ``DEEPEP_CUPY_LAUNCHER=bindings`` through
+    ``cuda.bindings``, whose wrapper converts every argument on every call (measured with
+    tools/launch_overhead.py: the numbers are in docs/design/host_path.md). Falls back to the bindings
+    where the driver library cannot be opened by name."""
+    if os.environ.get("DEEPEP_CUPY_LAUNCHER", "ctypes") != "bindings":
         try:
             fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
         except (OSError, AttributeError):
             fn = None
         if fn is not None:
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            fn.restype = ctypes.c_int  # no argtypes: every argument is already a ctypes value
             return fn, "ctypes"
     global _cu_launch
     _cu_launch = _driver().cuLaunchKernel

@@ -35,9 +35,12 @@ def _read_block(address: int, kinds):
 def captured(monkeypatch):
     calls = []
 
-    def fake(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        calls.append({"fn": fn, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem, "stream": stream,
-                      "params": params})
+    def fake(*args):
+        # The launcher gets C values, as cuLaunchKernel through ctypes does.
+        assert all(isinstance(a, ctypes._SimpleCData) for a in args)
+        fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra = (a.value for a in args)
+        calls.append({"fn": fn, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem, "stream": stream or 0,
+                      "params": params, "extra": extra})
         return 0
 
     monkeypatch.setattr(launch, "_launch", fake)
@@ -111,3 +114,34 @@ def test_large_dynamic_shared_memory_is_opted_into(monkeypatch):
     status["err"] = 1
     with pytest.raises(RuntimeError, match="fake<1>"):
         launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=100 * 1024)
+
+
+def test_with_kernel_shares_the_block_but_not_the_function_or_stream(captured):
+    class _Other(_Kernel):
+        class raw:  # noqa: N801
+            class kernel:  # noqa: N801
+                ptr = 0xDEF0
+
+    send = launch.LaunchPlan(_Kernel(), 4, 64, [("a", "ptr", 1), ("phase", "i32", 1)])
+    recv = send.with_kernel(_Other())
+    recv.slot("phase").value = 2
+    send.launch(11)
+    recv.launch(22)
+    first, second = captured
+    assert (first["fn"], first["stream"]) == (0xABC0, 11) and (second["fn"], second["stream"]) == (0xDEF0, 22)
+    assert first["params"] == second["params"] and first["extra"] is None
+    assert _read_block(first["params"], ["ptr", "i32"]) == [1, 2]
+
+
+def test_bindings_launcher_passes_the_same_values(monkeypatch):
+    seen = []
+    monkeypatch.setattr(launch, "_cu_launch", lambda *a: seen.append(a) or (0,))
+    monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {"CUfunction": staticmethod(lambda fn: ("fn", fn))}))
+    monkeypatch.setattr(launch, "_functions", {})
+    monkeypatch.setattr(launch, "_static_shared", lambda fn: 0)
+    plan = launch.LaunchPlan(_Kernel(), (3, 2), 128, [("a", "ptr", 5)], shared_mem=256)
+    monkeypatch.setattr(launch, "_launch", launch._bindings_launch)
+    plan.launch(0)
+    plan.launch(99)
+    assert seen[0] == (("fn", 0xABC0), 3, 2, 1, 128, 1, 1, 256, 0, plan._address, 0)
+    assert seen[1][8] == 99
