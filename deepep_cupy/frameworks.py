@@ -326,7 +326,7 @@ class TorchFrame:
         self._raw_stream = torch._C._cuda_getCurrentRawStream
         self.dtypes = {BF16: torch.bfloat16, FP8: torch.float8_e4m3fn, I32: torch.int32, I64: torch.int64,
                        F32: torch.float32, BOOL: torch.bool, U8: torch.uint8, U16: torch.bfloat16}
-        self._i32, self._f32, self._i64 = torch.int32, torch.float32, torch.int64
+        self._i32 = torch.int32
 
     def stream(self) -> int:
         """The caller's current stream on this device (a ``cudaStream_t`` as int)."""
@@ -356,9 +356,9 @@ class TorchFrame:
     def empty_many(self, layout: SmallOutputs) -> list:
         """Several small 4- and 8-byte outputs carved from one allocation (one ``torch.empty`` and a view
         each cost less than one ``torch.empty`` each)."""
-        words = self._empty((layout.total_words,), dtype=self._i32, device=self.device)
-        bases = {I32: words, F32: words.view(self._f32), I64: words.view(self._i64)}
-        return [bases[dtype].as_strided(shape, strides, offset) for shape, dtype, strides, offset in layout.parts]
+        words = self._empty(layout.total_words, dtype=self._i32, device=self.device)
+        bases = [words] + [words.view(self.dtypes[d]) for d in layout.bases[1:]]
+        return [bases[b].as_strided(shape, strides, offset) for b, shape, strides, offset in layout.views]
 
 
 class CupyFrame:
@@ -390,7 +390,8 @@ class CupyFrame:
 
     def empty_many(self, layout: SmallOutputs) -> list:
         """Several small outputs (CuPy's slicing costs more than its allocations: one each)."""
-        return [self._empty(shape, dtype=self.dtypes[dtype]) for shape, dtype, _, _ in layout.parts]
+        out = [self._empty(shape, dtype=self.dtypes[dtype]) for shape, dtype, _, _ in layout.parts]
+        return [self.transpose_last(a) if swap else a for a, swap in zip(out, layout.swapped, strict=True)]
 
     def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):
         """An array over device memory the library owns (``owner`` must outlive it)."""
@@ -440,14 +441,19 @@ def _torch_meta(t):
 class SmallOutputs:
     """Where several small int32 / float32 / int64 outputs sit inside one int32 allocation: per part
     ``(shape, dtype, strides, offset)`` with strides and offset in elements of the part's dtype, every
-    part starting on a 64-byte boundary."""
+    part starting on a 64-byte boundary. A spec ``(shape, dtype, True)`` asks for its part back with the
+    last two dimensions swapped (column-major scales), as one view rather than a view and a transpose.
+
+    ``views``: per part ``(base, shape, strides, offset)`` of the view handed out, ``base`` indexing
+    ``bases``, the dtypes the allocation is viewed as (int32 first), so a call makes only the dtype views
+    it needs."""
 
     _ALIGN_WORDS = 16
 
     def __init__(self, specs) -> None:
-        self.parts = []
+        self.parts, self.views, self.bases = [], [], [I32]
         words = 0
-        for shape, dtype in specs:
+        for shape, dtype, *swap in specs:
             dtype = np.dtype(dtype)
             if dtype not in (I32, F32, I64):
                 raise ValueError(f"small outputs hold int32, float32 or int64, not {dtype}")
@@ -456,10 +462,19 @@ class SmallOutputs:
             for d in reversed(shape):
                 strides.append(step)
                 step *= max(d, 1)
+            strides = tuple(reversed(strides))
             per_word = dtype.itemsize // 4
-            self.parts.append((shape, dtype, tuple(reversed(strides)), words // per_word))
+            offset = words // per_word
+            self.parts.append((shape, dtype, strides, offset))
+            if dtype not in self.bases:
+                self.bases.append(dtype)
+            if swap and swap[0]:
+                shape = (*shape[:-2], shape[-1], shape[-2])
+                strides = (*strides[:-2], strides[-1], strides[-2])
+            self.views.append((self.bases.index(dtype), shape, strides, offset))
             words += -(-int(np.prod(shape, dtype=np.int64)) * per_word // self._ALIGN_WORDS) * self._ALIGN_WORDS
         self.total_words = max(words, 1)
+        self.swapped = [bool(swap and swap[0]) for _, _, *swap in specs]
 
 
 def _cupy_meta(t):

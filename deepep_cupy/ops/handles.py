@@ -23,10 +23,19 @@ def handle_meta(handle):
         return None
     if not isinstance(handle, (tuple, list)) or len(handle) not in (6, 10):
         return NOT_A_KEY
+    if isinstance(handle, DispatchHandle):
+        # An op's own handle is immutable and its entries' metadata with it: worked out at its first use
+        # (a cached dispatch, the combine and the backward calls reuse one handle).
+        key = handle.__dict__.get("key")
+        if key is None:
+            key = handle.key = tuple(meta(h) for h in handle)
+        return key
     return tuple(meta(h) for h in handle)
 
 
 def ll_handle_meta(handle):
+    if type(handle) is LowLatencyHandle and handle.key is not None:
+        return handle.key  # what the dispatch plan that made it computed once for all its handles
     if not isinstance(handle, (tuple, list)) or len(handle) != 5:
         return NOT_A_KEY
     return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
@@ -58,12 +67,14 @@ class LowLatencyHandle(OpHandle):
     of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/layout.cuh ``record_row``) for the
     partial-sum combine, and ``owner``: the backend object (GPU engine or reference backend) of the Buffer
     whose dispatch made it. A combine of another Buffer refuses it (:func:`foreign_handle`): its rows, row
-    map and sequence state belong to the other Buffer's buffers."""
+    map and sequence state belong to the other Buffer's buffers. ``key``: its part of a combine's plan
+    key (:func:`ll_handle_meta`), the same for every handle of one dispatch plan, or None."""
 
-    def __new__(cls, entries, row_map=None, owner=None):
+    def __new__(cls, entries, row_map=None, owner=None, key=None):
         self = super().__new__(cls, entries)
         self.row_map = row_map
         self.owner = owner
+        self.key = key
         return self
 
 

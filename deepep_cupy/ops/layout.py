@@ -85,8 +85,12 @@ class LayoutPlan:
         frame = self.frame
         ptr = frame.ptr
         compute = frame.stream()
-        streams = OpStreams(self.comm_stream, compute, frame.framework, frame.device_id, previous_event,
-                            self.async_finish, self._fork_join)
+        # The kernel touches no communication buffer, so without async_finish or a previous event it runs
+        # on the caller's stream: the same order as a fork onto the communication stream and a join back,
+        # without their two event records and two waits.
+        direct = not self.async_finish and (previous_event is None or getattr(previous_event, "event", None) is None)
+        streams = None if direct else OpStreams(self.comm_stream, compute, frame.framework, frame.device_id,
+                                                previous_event, self.async_finish, self._fork_join)
         per_rank = frame.empty((self.num_ranks,), I32)
         per_rdma = frame.empty((self.num_rdma_ranks,), I32) if self.has_rdma else None
         per_expert = frame.empty((self.num_experts,), I32)
@@ -98,6 +102,9 @@ class LayoutPlan:
         if per_rdma is not None:
             s_rdma.value = ptr(per_rdma)
         s_in.value = ptr(in_rank)
+        if direct:
+            self.plan.launch(compute)
+            return per_rank, per_rdma, per_expert, in_rank, EventOverlap(None)
         self.plan.launch(self.comm_stream)
         event = streams.finish()
         keep = (topk_idx, per_rank, per_rdma, per_expert, in_rank) if event is not None else None

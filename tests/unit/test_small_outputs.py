@@ -15,7 +15,8 @@ def _cpu_frame():
     frame = object.__new__(TorchFrame)
     frame.device = torch.device("cpu")
     frame._empty = torch.empty
-    frame._i32, frame._f32, frame._i64 = torch.int32, torch.float32, torch.int64
+    frame._i32 = torch.int32
+    frame.dtypes = {I32: torch.int32, F32: torch.float32, I64: torch.int64}
     return frame
 
 
@@ -42,3 +43,16 @@ def test_parts_are_separate_aligned_and_typed(e_local, slab, ranks, scales):
 def test_only_four_and_eight_byte_parts():
     with pytest.raises(ValueError, match="int32, float32 or int64"):
         SmallOutputs([((4,), np.dtype(np.uint8))])
+
+
+def test_a_swapped_part_is_its_stored_part_transposed():
+    """Scales come back column-major: the view of the stored ``[E, S, N]`` part with its last two
+    dimensions swapped, over the same memory."""
+    layout = SmallOutputs([((3,), I32), ((2, 4, 5), F32, True), ((2, 5), I64)])
+    count, scales, ranges = _cpu_frame().empty_many(layout)
+    assert tuple(scales.shape) == (2, 5, 4) and scales.stride() == (20, 1, 5)
+    assert scales.transpose(1, 2).is_contiguous() and scales.dtype == torch.float32
+    assert layout.parts[1][0] == (2, 4, 5) and layout.parts[1][2] == (20, 5, 1)
+    scales.transpose(1, 2).copy_(torch.arange(40, dtype=torch.float32).view(2, 4, 5))
+    assert scales[1, 3, 2].item() == 20 + 2 * 5 + 3
+    assert layout.bases == [I32, F32, I64] and ranges.dtype == torch.int64 and count.dtype == torch.int32

@@ -13,7 +13,7 @@ from ...device.launch import LaunchPlan
 from ...device.streams import OpStreams
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
-from ..handles import LowLatencyHandle, foreign_handle
+from ..handles import LowLatencyHandle, foreign_handle, ll_handle_meta
 from .engine import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -154,55 +154,66 @@ class DispatchPlan(_Plan):
                 self.stages.append(LaunchPlan(stage, stage_blocks, STAGE_THREADS, [
                     ("x", "ptr", None), ("num_tokens", "i32", num_tokens), ("sym_stage", "ptr", r["send"]),
                     ("round_scale", "i32", int(round_scale))]))
-        names = ("x", "topk_idx", "out_x", "out_scales", "out_scales_ue8m0", "out_count", "out_src_info",
-                 "out_row_map", "out_layout_range", "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
+        scales_slot = "out_scales_ue8m0" if self.use_ue8m0 else "out_scales"
+        names = ("x", "topk_idx", "out_x", scales_slot, "out_count", "out_src_info", "out_row_map", "out_layout_range",
+                 "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
         self.num_scales = -(-hidden // 512) if self.use_ue8m0 else hidden // 128
-        # Counts, source info, layout ranges, the scales and the row map (the inverse of the source info,
-        # which the partial-sum combine reads: layout.cuh record_row) come from one allocation.
+        self.recv_shape, self.recv_dtype = (self.e_local, self.slab, hidden), FP8 if self.use_fp8 else BF16
+        self.handle_key = None
+        # Counts, source info, layout ranges, the scales (handed out column-major) and the row map (the
+        # inverse of the source info, which the partial-sum combine reads: layout.cuh record_row) come
+        # from one allocation.
         small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.e_local, self.num_ranks), I64)]
         if self.use_fp8:
-            small.append(((self.e_local, self.num_scales, self.slab), I32 if self.use_ue8m0 else F32))
+            small.append(((self.e_local, self.num_scales, self.slab), I32 if self.use_ue8m0 else F32, True))
         if self.row_map:
             small.append(((self.slab, self.e_local), I32))
         self.small = SmallOutputs(small)
 
     def run(self, x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
         stream, streams = self._begin()
-        frame, e_local, slab, hidden = self.frame, self.e_local, self.slab, self.hidden
+        frame = self.frame
         ptr = frame.ptr
-        recv_x = frame.empty((e_local, slab, hidden), FP8 if self.use_fp8 else BF16)
+        recv_x = frame.empty(self.recv_shape, self.recv_dtype)
         small = frame.empty_many(self.small)
-        count, src_info, layout_range = small[0], small[1], small[2]
-        row_map = small[-1] if self.row_map else None
         b = self.engine.next_buffer()
-        s_x, s_topk, s_out, s_scales, s_ue8m0, s_count, s_src, s_map, s_range, s_cum, s_wait, s_phases = self.slots[b]
-        x_ptr = ptr(x)
-        s_x.value = x_ptr
+        s_x, s_topk, s_out, s_scales, s_count, s_src, s_map, s_range, s_cum, s_wait, s_phases = self.slots[b]
+        x_ptr = s_x.value = ptr(x)
         s_topk.value = ptr(topk_idx)
         s_out.value = ptr(recv_x)
-        recv = recv_x
-        if self.use_fp8:
-            scales = small[3]
-            (s_ue8m0 if self.use_ue8m0 else s_scales).value = ptr(scales)
-            recv = (recv_x, frame.transpose_last(scales))
+        count, src_info, layout_range = small[0], small[1], small[2]
         s_count.value = ptr(count)
         s_src.value = ptr(src_info)
-        s_map.value = 0 if row_map is None else ptr(row_map)
         s_range.value = ptr(layout_range)
-        s_cum.value = 0 if cumulative_local_expert_recv_stats is None else ptr(cumulative_local_expert_recv_stats)
-        s_wait.value = 0 if dispatch_wait_recv_cost_stats is None else \
-            ptr(dispatch_wait_recv_cost_stats) + self.wait_offset
+        if self.use_fp8:
+            scales = small[3]  # column-major: the kernel writes [E_local, scales, R * T]
+            s_scales.value = ptr(scales)
+            recv = (recv_x, scales)
+        else:
+            recv = recv_x
+        if self.row_map:
+            row_map = small[-1]
+            s_map.value = ptr(row_map)
+        else:
+            row_map = None  # a combine of this shape does not read it
+        if cumulative_local_expert_recv_stats is not None or s_cum.value:
+            s_cum.value = 0 if cumulative_local_expert_recv_stats is None else ptr(cumulative_local_expert_recv_stats)
+        if dispatch_wait_recv_cost_stats is not None or s_wait.value:
+            s_wait.value = 0 if dispatch_wait_recv_cost_stats is None else \
+                ptr(dispatch_wait_recv_cost_stats) + self.wait_offset
         if self.stages:
             stage = self.stages[b]
             stage.slot("x").value = x_ptr
             stage.launch(stream)
         hook = self._launch(b, s_phases, stream)
-        # row_map None: a combine of this shape does not read it.
-        handle = LowLatencyHandle((src_info, layout_range, self.t_max, hidden, self.num_experts), row_map,
-                                  self.engine)
-        keep = (x, topk_idx, recv, count, handle) if streams is not None else None
-        return recv, count, handle, self._end(streams, keep), hook
+        handle = LowLatencyHandle((src_info, layout_range, self.t_max, self.hidden, self.num_experts), row_map,
+                                  self.engine, self.handle_key)
+        if self.handle_key is None:  # the same for every handle this plan makes
+            self.handle_key = handle.key = ll_handle_meta(handle)
+        if streams is None:
+            return recv, count, handle, EventOverlap(None), hook
+        return recv, count, handle, self._end(streams, (x, topk_idx, recv, count, handle)), hook
 
 
 class CombinePlan(_Plan):
@@ -244,6 +255,7 @@ class CombinePlan(_Plan):
         names = ("x", "src_info", "layout_range", "row_map", "topk_idx", "topk_weights", "out",
                  "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
+        self.out_shape = (num_tokens, hidden)
 
     def run(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None):
         owner = getattr(handle, "owner", None)  # None: a handle the caller built (its values are checked)
@@ -253,21 +265,24 @@ class CombinePlan(_Plan):
         frame = self.frame
         ptr = frame.ptr
         if out is None:
-            out = frame.empty((self.num_tokens, self.hidden), BF16)
+            out = frame.empty(self.out_shape, BF16)
         b = self.engine.next_buffer()
         s_x, s_src, s_range, s_map, s_topk, s_w, s_out, s_wait, s_phases = self.slots[b]
         if not self.zero_copy:
             s_x.value = ptr(x)
         s_src.value = ptr(handle[0])
-        # A handle the caller built or rebuilt has no row map: the kernel then rebuilds the rows from it.
-        row_map = getattr(handle, "row_map", None) if self.partials else None
-        s_map.value = 0 if row_map is None else ptr(row_map)
         s_range.value = ptr(handle[1])
+        if self.partials:
+            # A handle the caller built or rebuilt has no row map: the kernel then rebuilds the rows from it.
+            row_map = getattr(handle, "row_map", None)
+            s_map.value = 0 if row_map is None else ptr(row_map)
         s_topk.value = ptr(topk_idx)
         s_w.value = ptr(topk_weights)
         s_out.value = ptr(out)
-        s_wait.value = 0 if combine_wait_recv_cost_stats is None else \
-            ptr(combine_wait_recv_cost_stats) + self.wait_offset
+        if combine_wait_recv_cost_stats is not None or s_wait.value:
+            s_wait.value = 0 if combine_wait_recv_cost_stats is None else \
+                ptr(combine_wait_recv_cost_stats) + self.wait_offset
         hook = self._launch(b, s_phases, stream)
-        keep = (x, topk_idx, topk_weights, handle, out) if streams is not None else None
-        return out, self._end(streams, keep), hook
+        if streams is None:
+            return out, EventOverlap(None), hook
+        return out, self._end(streams, (x, topk_idx, topk_weights, handle, out)), hook
