@@ -7,8 +7,9 @@
 torch tensors, one GPU per rank, NCCL process group (set up from Open MPI's or torchrun's variables).
 Rows: the decode step (low-latency FP8 dispatch + combine, 128 x 7168, top-8 of 288) back to back with one
 event pair around all steps, with an event pair around each step (DeepEP's ``tests/utils.py`` ``bench``),
-and replayed from a ``torch.cuda.graph``; one ``get_dispatch_layout`` call with its host time (4096 x 8 of
-256); and a Megatron-style training step (4096 x 7168 BF16, top-8 of 256: layout, dispatch with top-k
+and replayed from a ``torch.cuda.graph``; the host time of each of its two calls in a back-to-back loop; one
+``get_dispatch_layout`` call with its host time (4096 x 8 of 256), and the host time per call of the layout,
+the cached BF16 dispatch and the combine (4096 x 7168) called back to back; and a Megatron-style training step (4096 x 7168 BF16, top-8 of 256: layout, dispatch with top-k
 weights and combine forward; combine of the gradients and cached dispatch backward; ``async_finish`` with
 ``EventOverlap(EventHandle())`` previous events, as Megatron-Core calls them). Rank 0 prints the means
 over ranks.
@@ -88,6 +89,18 @@ def main() -> None:
     rows.append(("decode step, back to back (one event pair)", _events_over(step, 200)))
     dist.barrier(group)
     rows.append(("decode step, an event pair per step", _events_each(step, 200)))
+    dist.barrier(group)
+    host_d, host_c = [], []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        _, _, handle, _, _ = ll.low_latency_dispatch(x, idx, t, ll_experts, use_fp8=True)
+        t1 = time.perf_counter()
+        ll.low_latency_combine(out, idx, w, handle)
+        host_d.append(t1 - t0)
+        host_c.append(time.perf_counter() - t1)
+    torch.cuda.synchronize()
+    rows.append(("low_latency_dispatch, host time per call (median)", statistics.median(host_d) * 1e6))
+    rows.append(("low_latency_combine, host time per call (median)", statistics.median(host_c) * 1e6))
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -121,6 +134,30 @@ def main() -> None:
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) * 1e6)
     rows.append(("get_dispatch_layout, one call with its host time", statistics.median(samples)))
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    host_l = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        buf.get_dispatch_layout(nidx, experts)
+        host_l.append(time.perf_counter() - t0)
+    rows.append(("get_dispatch_layout, host time per call (median)", statistics.median(host_l) * 1e6))
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(nidx, experts)
+    recv_x, _, _, _, handle, _ = buf.dispatch(xs, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    host_d, host_c = [], []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        buf.dispatch(xs, handle=handle)
+        t1 = time.perf_counter()
+        buf.combine(recv_x, handle)
+        host_d.append(t1 - t0)
+        host_c.append(time.perf_counter() - t1)
+    torch.cuda.synchronize()
+    rows.append(("dispatch (cached handle), host time per call (median)", statistics.median(host_d) * 1e6))
+    rows.append(("combine, host time per call (median)", statistics.median(host_c) * 1e6))
 
     def train_step():
         previous = EventOverlap(EventHandle())

@@ -97,7 +97,9 @@ stage_host() {  # each op's host time with its profile and the floors, then the 
     SUMMARY+=("host: $(grep -hE '^(HOST|FLOOR) ' "$OUT/host_profile.txt" 2>/dev/null | tr -s ' ' | tr '\n' ';')")
 }
 
-stage_tests-misc() { run_tests tests-misc "tests/gpu/test_buffer_misc.py tests/gpu/test_mixed_modes.py" 200; }
+stage_tests-misc() {
+    run_tests tests-misc "tests/gpu/test_buffer_misc.py tests/gpu/test_mixed_modes.py tests/gpu/test_handle_values.py" 240
+}
 stage_tests-frameworks() {
     run_tests tests-frameworks "tests/gpu/test_frameworks.py tests/gpu/test_torch_compile.py" ${FW_TIMEOUT:-300}
 }
