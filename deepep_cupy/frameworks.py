@@ -327,6 +327,8 @@ class TorchFrame:
         self.dtypes = {BF16: torch.bfloat16, FP8: torch.float8_e4m3fn, I32: torch.int32, I64: torch.int64,
                        F32: torch.float32, BOOL: torch.bool, U8: torch.uint8, U16: torch.bfloat16}
         self._i32 = torch.int32
+        # ``ptr(t)``: the tensor's device address, one C call (the method itself, not a wrapper around it).
+        self.ptr = torch.Tensor.data_ptr
 
     def stream(self) -> int:
         """The caller's current stream on this device (a ``cudaStream_t`` as int)."""
@@ -334,10 +336,6 @@ class TorchFrame:
 
     def empty(self, shape, dtype: np.dtype):
         return self._empty(shape, dtype=self.dtypes[dtype], device=self.device)
-
-    @staticmethod
-    def ptr(t) -> int:
-        return t.data_ptr()
 
     def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):
         """A tensor over device memory the library owns (``owner`` must outlive it). Built from a
