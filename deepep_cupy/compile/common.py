@@ -59,7 +59,9 @@ def config_list(config) -> list[int]:
 
 
 def config_of(values) -> Config | None:
-    return _config(tuple(values)) if values else None
+    # int(): a caller's Config read while tracing with dynamic=True gives symbolic values; the fake
+    # implementations specialize them (a guard: another config recompiles).
+    return _config(tuple(int(v) for v in values)) if values else None
 
 
 @functools.lru_cache(maxsize=64)

@@ -47,10 +47,16 @@ def small_layout(num_ranks, t_max, num_experts, hidden, fp8: bool, ue8m0: bool) 
         strides, step, count = [], 1, 1
         for d in reversed(shape):
             strides.append(step)
-            step, count = step * torch.sym_max(d, 1), count * d
+            step, count = step * _at_least_1(d), count * d
         parts.append((shape, kind, tuple(reversed(strides)), words // per_word))
         words += -(-(count * per_word) // _ALIGN_WORDS) * _ALIGN_WORDS
-    return tuple(parts), torch.sym_max(words, 1)
+    return tuple(parts), _at_least_1(words)
+
+
+def _at_least_1(n):
+    """``max(n, 1)``, without a guard on a symbolic ``n``. Plain ints take ``max``: dynamo on torch 2.11
+    refuses ``torch.sym_max`` of two constants ("torch.* op returned non-Tensor")."""
+    return torch.sym_max(n, 1) if isinstance(n, torch.SymInt) else max(n, 1)
 
 
 _small = functools.cache(small_layout)  # the real ops' sizes are ints

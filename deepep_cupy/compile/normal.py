@@ -31,12 +31,21 @@ __all__ = ["get_dispatch_layout", "dispatch", "combine"]
 _I32, _I64, _BOOL, _U8 = torch.int32, torch.int64, torch.bool, torch.uint8
 
 
-@torch.compiler.assume_constant_result
 def _resolved(buffer, config, which: str) -> tuple:
     """The config's values, the Buffer's default for ``which`` when None (what an eager call would use)."""
     if config is None:
-        config = buffer.get_dispatch_config(buffer.group_size) if which == "dispatch" else \
-            buffer.get_combine_config(buffer.group_size)
+        return _default_config(buffer._compiled_op_key, which)
+    return tuple(config_list(config))
+
+
+@torch.compiler.assume_constant_result
+def _default_config(key: str, which: str) -> tuple:
+    """The default config's values for the Buffer of ``key`` (its op id as text), baked into the graph.
+    Only constants go in: torch 2.11 refuses a Buffer argument here ("not a constant"), and the default
+    (tuning tables, files) is no code to trace."""
+    buffer = buffer_of(int(key))
+    config = buffer.get_dispatch_config(buffer.group_size) if which == "dispatch" else \
+        buffer.get_combine_config(buffer.group_size)
     return tuple(config_list(config))
 
 

@@ -168,6 +168,26 @@ def test_compiled_normal_round_trip_equals_eager(buf):
     assert torch.equal(compiled[5].float(), (x.float() * (idx >= 0).any(1, keepdim=True)).bfloat16().float())
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_with_explicit_configs(buf, dynamic):
+    """A Config given by the caller is traced (its values become the op's argument); None takes the
+    Buffer's default, read once while tracing."""
+    x, idx, w = _inputs(7)
+    dispatch_config, combine_config = Buffer.get_dispatch_config(1), Buffer.get_combine_config(1)
+
+    def step(x, idx, w, explicit: bool):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=T, config=dispatch_config if explicit else None)
+        return buf.combine(recv, handle, topk_weights=recv_w, config=combine_config if explicit else None)[:2]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for explicit in (True, False):
+        want, got = step(x, idx, w, explicit), compiled(x, idx, w, explicit)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 @pytest.mark.parametrize("fp8,ue8m0", [(False, False), (True, False), (True, True)])
 def test_small_layout_places_parts_as_the_gpu_plan(fp8, ue8m0):
     """The places the traced code cuts its views from are those of the GPU dispatch plan's one allocation
