@@ -2,7 +2,9 @@
 
     mpirun -np 2 python -m deepep_cupy.bench [suite ...] --json out.json --plot out.png
 
-With no suite named, every suite runs (as with ``all``).
+With no suite named, every suite runs (as with ``all``). ``compiled`` (torch.compile against eager calls,
+minutes of compiling) runs only when named; a difference or a compile error there makes the exit status
+non-zero.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from .plot import plot
 from .timing import format_table
 
 SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
+#: Suites that run only when named (not in ``all``).
+OPT_IN = ("compiled",)
+DEFAULT_SUITE_TIMEOUT_S = 240.0
 
-
-_NAMES = SUITES + ("all",)
+_NAMES = SUITES + OPT_IN + ("all",)
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -41,7 +45,11 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
     p.add_argument("--ll-experts", type=int, default=288)
     p.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
-    p.add_argument("--suite-timeout", type=float, default=240, help="seconds before a hung suite is killed")
+    p.add_argument("--compiled-steps", type=int, default=None,
+                   help="decode steps per timing loop of the compiled suite (default 200; training: a tenth)")
+    p.add_argument("--suite-timeout", type=float, default=None,
+                   help=f"seconds before a hung suite is killed (default {DEFAULT_SUITE_TIMEOUT_S:g}; "
+                        "a suite may set its own)")
     p.add_argument("--json", help="write all rows to this file")
     p.add_argument("--plot", help="save a chart of the run to this PNG (each op next to the naive NCCL path and "
                                   "the copy engine; python -m deepep_cupy.bench.plot redraws it from --json)")
@@ -54,7 +62,9 @@ def main() -> None:
     unknown = [name for name in args.suites if name not in _NAMES]
     if unknown:
         parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(_NAMES)}")
-    suites = SUITES if not args.suites or "all" in args.suites else tuple(dict.fromkeys(args.suites))
+    named = tuple(dict.fromkeys(args.suites))
+    suites = named if args.suites and "all" not in args.suites else \
+        SUITES + tuple(name for name in named if name in OPT_IN)
     reason = no_gpu_reason()
     if reason:
         # One line, no traceback: the usual cause is running it on a machine without GPUs.
@@ -77,20 +87,13 @@ def main() -> None:
     except ImportError:
         pass
 
-    rows = []
+    rows, fatal = [], []
     for suite in suites:
-        # A suite that hangs (a peer gone, a collective mismatched) is killed with every thread's stack.
-        faulthandler.dump_traceback_later(args.suite_timeout, exit=True)
         module = importlib.import_module(f".{suite}", __package__)
-        try:
-            got = module.run(comm, args)
-        except Exception as exc:  # one failing suite must not hide the others' numbers
-            got = [{"op": suite, "note": f"failed: {type(exc).__name__}: {exc}"}]
-        for r in got:
-            r.setdefault("suite", suite)
+        got, failure = run_suite(module, suite, comm, args)
         rows += got
-        comm_barrier(comm, f"bench: end of the {suite} suite")
-        faulthandler.cancel_dump_traceback_later()
+        if failure:
+            fatal.append(failure)
     if comm.Get_rank() == 0:
         workload = (f"{comm.Get_size()} ranks, {args.tokens} tokens x {args.hidden} hidden, top-{args.topk} of "
                     f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
@@ -108,6 +111,30 @@ def main() -> None:
                 plot(rows, args.plot, title=f"{gpu_model() or 'GPU'}, {workload}")
             except ImportError as exc:  # the numbers are printed (and in --json) already
                 print(f"--plot skipped: {exc} (pip install matplotlib)", file=sys.stderr)
+    if fatal:
+        sys.exit(f"{parser.prog}: " + "; ".join(fatal))
+
+
+def run_suite(module, suite: str, comm, args) -> tuple[list[dict], str | None]:
+    """A suite's rows, and why the run must end in failure (None: it need not). A suite that raises is
+    reported in its row so that the others' numbers still show; one whose ``FAIL_RUN`` is true (its
+    checks are what it is for) also fails the run."""
+    timeout = args.suite_timeout if args.suite_timeout is not None else \
+        getattr(module, "SUITE_TIMEOUT_S", DEFAULT_SUITE_TIMEOUT_S)
+    # A suite that hangs (a peer gone, a collective mismatched) is killed with every thread's stack.
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    failure = None
+    try:
+        got = module.run(comm, args)
+    except Exception as exc:  # one failing suite must not hide the others' numbers
+        got = [{"op": suite, "note": f"failed: {type(exc).__name__}: {exc}"}]
+        if getattr(module, "FAIL_RUN", False):
+            failure = f"the {suite} suite failed: {type(exc).__name__}: {exc}"
+    for r in got:
+        r.setdefault("suite", suite)
+    comm_barrier(comm, f"bench: end of the {suite} suite")
+    faulthandler.cancel_dump_traceback_later()
+    return got, failure
 
 
 if __name__ == "__main__":

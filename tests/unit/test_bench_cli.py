@@ -3,8 +3,11 @@ one line saying why instead of a traceback."""
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,7 +27,8 @@ def no_gpu():
         pytest.skip("a GPU is present: the benchmarks would run")
 
 
-@pytest.mark.parametrize("argv", [(), ("--quick",), ("all",), ("host",), ("host", "low_latency", "--quick")])
+@pytest.mark.parametrize("argv", [(), ("--quick",), ("all",), ("host",), ("host", "low_latency", "--quick"),
+                                  ("compiled",)])
 def test_without_gpus_one_clear_line(no_gpu, argv):
     got = _bench(*argv)
     assert got.returncode != 0
@@ -39,7 +43,7 @@ def test_without_gpus_one_clear_line(no_gpu, argv):
 def test_help(argv):
     got = _bench(*argv)
     assert got.returncode == 0, got.stderr
-    assert "host" in got.stdout and "low_latency" in got.stdout
+    assert "host" in got.stdout and "low_latency" in got.stdout and "compiled" in got.stdout
 
 
 def test_unknown_suite_is_a_usage_error():
@@ -86,3 +90,90 @@ def test_host_suite_inputs_follow_the_arguments():
     assert idx.shape == (64, 4) and idx.dtype.name == "int64"
     assert all(len(set(r)) == 4 for r in idx.tolist()) and idx.min() >= 0 and idx.max() < 16
     assert suite.host["ll_out"].shape == (12, 16, 256)
+
+
+# ---------------------------------------------------------------------------------------------------- compiled
+def test_compiled_suite_runs_only_when_named():
+    from deepep_cupy.bench import __main__ as cli
+
+    assert "compiled" in cli.OPT_IN and "compiled" not in cli.SUITES
+    assert cli.command_line().parse_args(["compiled"]).suites == ["compiled"]
+
+
+def test_a_failing_suite_fails_the_run_only_where_it_says_so(monkeypatch):
+    from deepep_cupy.bench import __main__ as cli
+
+    monkeypatch.setattr(cli, "comm_barrier", lambda comm, op: None)
+    args = cli.command_line().parse_args([])
+
+    def raising(comm, args):
+        raise RuntimeError("results differ")
+
+    strict = SimpleNamespace(run=raising, FAIL_RUN=True, SUITE_TIMEOUT_S=30)
+    rows, failure = cli.run_suite(strict, "compiled", None, args)
+    assert "results differ" in failure and rows[0]["suite"] == "compiled" and "failed" in rows[0]["note"]
+    rows, failure = cli.run_suite(SimpleNamespace(run=raising), "host", None, args)
+    assert failure is None and "results differ" in rows[0]["note"]
+    rows, failure = cli.run_suite(SimpleNamespace(run=lambda comm, args: [{"op": "x", "us": 1.0}], FAIL_RUN=True),
+                                  "compiled", None, args)
+    assert failure is None and rows == [{"op": "x", "us": 1.0, "suite": "compiled"}]
+
+
+# The compiled suite on the reference backend (CPU, aot_eager), small shapes and few calls. --perturb adds 1
+# to the last output of every compiled step (the combined tokens): the checks must catch it.
+_COMPILED_SUITE = r"""
+import argparse, sys
+from mpi4py import MPI
+from deepep_cupy.bench import compiled
+
+compiled.CALLS, compiled.CHECKS = 10, 2
+if "--perturb" in sys.argv:
+    real = compiled._compile
+
+    def perturbed(fn, mode, backend):
+        inner = real(fn, mode, backend)
+
+        def call(*args):
+            out = inner(*args)
+            return (*out[:-1], out[-1] + 1)
+
+        return call
+
+    compiled._compile = perturbed
+size = MPI.COMM_WORLD.Get_size()
+args = argparse.Namespace(tokens=16, hidden=512, experts=4 * size, topk=2, ll_tokens=8, ll_experts=4 * size,
+                          compiled_steps=4, suite_timeout=None)
+compiled.run(MPI.COMM_WORLD, args)
+"""
+
+
+def _compiled_suite(ranks: int, *argv):
+    pytest.importorskip("torch")
+    pytest.importorskip("mpi4py")
+    command = [sys.executable, "-c", _COMPILED_SUITE, *argv]
+    if ranks > 1:
+        mpiexec = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or \
+            shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+        if mpiexec is None:
+            pytest.skip("no mpiexec on PATH (pip install -e '.[mpi]')")
+        command = [mpiexec, "-n", str(ranks), *command]
+    env = dict(os.environ, DEEPEP_CUPY_FORCE_NO_GPU="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+
+
+def test_compiled_suite_on_the_reference_backend():
+    got = _compiled_suite(2)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "2 ranks, the reference backend (CPU)" in got.stdout and "aot_eager" in got.stdout
+    # Two ways of each step compared with the eager Buffer calls (custom ops eagerly, compiled), all equal.
+    assert got.stdout.count("same, 2 checks") == 4 and "DIFFERS" not in got.stdout
+    for op in ("get_dispatch_layout", "dispatch (cached handle)", "combine", "low_latency_dispatch (FP8)",
+               "low_latency_combine"):
+        assert f"\n{op} " in got.stdout
+
+
+def test_compiled_suite_fails_on_a_difference():
+    got = _compiled_suite(1, "--perturb")
+    assert got.returncode != 0
+    assert got.stdout.count("DIFFERS on rank 0: combined (check 0)") == 2, got.stdout + got.stderr
+    assert "Differs" in got.stderr
