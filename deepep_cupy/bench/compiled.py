@@ -42,7 +42,7 @@ import sys
 import time
 import traceback
 
-from ..device.group import comm_barrier
+from ..device.group import MPIGroup
 from .compiled_steps import (
     LOSS_RTOL,
     Differs,
@@ -79,6 +79,9 @@ class _Env:
 
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         self.deadline = time.monotonic() + seconds
+        # The suite's gathers and barriers: bounded, and a rank at another one is a named error (the
+        # library's messages on a duplicate of comm; only _bounded gathers on comm itself).
+        self.group = MPIGroup(comm)
         self.gpu = buf.backend == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu")
         self.stream = None
@@ -94,10 +97,13 @@ class _Env:
             torch.cuda.synchronize()
 
     def barrier(self, what: str) -> None:
-        comm_barrier(self.comm, f"bench compiled: {what}")
+        self.group.barrier(op=f"bench compiled: {what}")
+
+    def gather(self, obj, what: str) -> list:
+        return self.group.allgather_object(obj, op=f"bench compiled: {what}")
 
     def mean(self, values: list) -> list:
-        got = self.comm.allgather(values)
+        got = self.gather(values, "times")
         return [None if v is None else sum(g[i] for g in got) / len(got) for i, v in enumerate(values)]
 
     def generator(self, *name):
@@ -169,7 +175,7 @@ def _compile(fn, mode: str, backend: str):
 
 def _bounded(env, what: str, body):
     """``body()`` killed with every thread's stack after ``MODE_TIMEOUT_S``; an error on any rank raises
-    ``CompileFailed`` on every rank (the first rank's message), after all ranks got here."""
+    ``CompileFailed`` on every rank (naming each rank's error), after all ranks got here."""
     faulthandler.dump_traceback_later(max(1.0, min(MODE_TIMEOUT_S, env.deadline - time.monotonic())), exit=True)
     error, result = "", None
     try:
@@ -179,14 +185,15 @@ def _bounded(env, what: str, body):
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     finally:  # the rest of the suite stays bounded by the suite's time
         faulthandler.dump_traceback_later(max(1.0, env.deadline - time.monotonic()), exit=True)
+    # On comm itself, bounded by the timer above only: a rank whose peer failed may first wait out the
+    # kernels' own budget for it.
     errors = env.comm.allgather(error)
-    bad = [r for r, e in enumerate(errors) if e]
-    if bad:
-        raise CompileFailed(f"{what}: rank {bad[0]}: {errors[bad[0]]}")
+    if any(errors):  # every rank's: the first to fail may be a peer that waited for the one that failed first
+        raise CompileFailed(f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
     return result
 
 
-def _checked(env, what: str, fn, reference, inputs, differences) -> tuple[float, str]:
+def _checked(env, fn, reference, inputs, differences) -> tuple[float, str]:
     """``CHECKS`` calls of ``fn`` on fresh inputs, each after ``reference`` on the same ones: the first
     call's wall seconds (slowest rank) and a verdict (``differences(got, want, inputs)`` lists what differs)."""
     import torch
@@ -204,8 +211,8 @@ def _checked(env, what: str, fn, reference, inputs, differences) -> tuple[float,
         with torch.no_grad():
             found += [f"{d} (check {check})" for d in differences(got, want, args)]
         del got, want
-    gathered = env.comm.allgather(found)
-    first = max(env.comm.allgather(first))
+    gathered = env.gather(found, "differences")
+    first = max(env.gather(first, "first call"))
     bad = [(r, f) for r, f in enumerate(gathered) if f]
     if bad:
         return first, f"DIFFERS on rank {bad[0][0]}: {', '.join(bad[0][1][:4])}"
@@ -239,9 +246,9 @@ def decode(env, buf, args, report) -> None:
             skips = counters["inductor"]["cudagraph_skips"]
             fn = make()
             first, verdict = (None, "the reference") if way == "eager" else _checked(
-                env, f"{name}: {way}", fn, eager, inputs, lambda got, want, _: decode_differences(got, want))
+                env, fn, eager, inputs, lambda got, want, _: decode_differences(got, want))
             # A step that inductor kept out of CUDA graphs would be timed as the default mode: said, not hidden.
-            if any(env.comm.allgather(counters["inductor"]["cudagraph_skips"] > skips)) and "reduce" in way:
+            if any(env.gather(counters["inductor"]["cudagraph_skips"] > skips, "skips")) and "reduce" in way:
                 verdict = "FAILED: inductor kept the step out of CUDA graphs (its warning above says why)"
             loop = env.loop_us(lambda: fn(*timing_inputs), steps)
             host, gpu = env.host_gpu_us(lambda: fn(*timing_inputs), min(CALLS, steps), BATCH, PARK_US)
@@ -294,7 +301,7 @@ def training(env, buf, args, report) -> None:
             torch._dynamo.reset()
             fn = make()
             first, verdict = (None, "the reference") if way.startswith("eager, autograd") else _checked(
-                env, f"{name}: {way}", fn, eager, inputs, differences)
+                env, fn, eager, inputs, differences)
             loop = env.loop_us(lambda: fn(*timing_inputs), steps)
             # Parked for longer than the host takes to queue a batch (a step's loop time bounds its host time).
             host, gpu = env.host_gpu_us(lambda: fn(*timing_inputs), 2 * max(2, steps // 5), 2, 4 * loop + PARK_US)
@@ -450,6 +457,7 @@ def run(comm, args) -> list[dict]:
         faulthandler.cancel_dump_traceback_later()  # the caller's own bound, if any, is the caller's
         env.sync()
         env.barrier("before destroy")
+        env.group.close()
         buf.destroy()
         if env.rank == 0:
             report.print(env)

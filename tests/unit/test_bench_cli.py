@@ -120,7 +120,8 @@ def test_a_failing_suite_fails_the_run_only_where_it_says_so(monkeypatch):
 
 
 # The compiled suite on the reference backend (CPU, aot_eager), small shapes and few calls. --perturb adds 1
-# to the last output of every compiled step (the combined tokens): the checks must catch it.
+# to the last output of every compiled step (the combined tokens): the checks must catch it. With
+# --rank-1-cannot-compile, torch.compile raises on rank 1 only.
 _COMPILED_SUITE = r"""
 import argparse, sys
 from mpi4py import MPI
@@ -140,6 +141,15 @@ if "--perturb" in sys.argv:
         return call
 
     compiled._compile = perturbed
+if "--rank-1-cannot-compile" in sys.argv:
+    real = compiled._compile
+
+    def broken(fn, mode, backend):
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            raise RuntimeError("no compiler here")
+        return real(fn, mode, backend)
+
+    compiled._compile = broken
 size = MPI.COMM_WORLD.Get_size()
 args = argparse.Namespace(tokens=16, hidden=512, experts=4 * size, topk=2, ll_tokens=8, ll_experts=4 * size,
                           compiled_steps=4, suite_timeout=None)
@@ -147,7 +157,7 @@ compiled.run(MPI.COMM_WORLD, args)
 """
 
 
-def _compiled_suite(ranks: int, *argv):
+def _compiled_suite(ranks: int, *argv, **env):
     pytest.importorskip("torch")
     pytest.importorskip("mpi4py")
     command = [sys.executable, "-c", _COMPILED_SUITE, *argv]
@@ -157,7 +167,8 @@ def _compiled_suite(ranks: int, *argv):
         if mpiexec is None:
             pytest.skip("no mpiexec on PATH (pip install -e '.[mpi]')")
         command = [mpiexec, "-n", str(ranks), *command]
-    env = dict(os.environ, DEEPEP_CUPY_FORCE_NO_GPU="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = dict(os.environ, DEEPEP_CUPY_FORCE_NO_GPU="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               **env)
     return subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
 
 
@@ -177,3 +188,10 @@ def test_compiled_suite_fails_on_a_difference():
     assert got.returncode != 0
     assert got.stdout.count("DIFFERS on rank 0: combined (check 0)") == 2, got.stdout + got.stderr
     assert "Differs" in got.stderr
+
+
+def test_compiled_suite_fails_when_one_rank_cannot_compile():
+    # Rank 0 waits for rank 1 in the dispatch until the library's wait budget (short here) ends it.
+    got = _compiled_suite(2, "--rank-1-cannot-compile", DEEPEP_CUPY_TIMEOUT_S="3")
+    assert got.returncode != 0
+    assert "CompileFailed" in got.stderr and "rank 1: RuntimeError: no compiler here" in got.stderr, got.stderr
