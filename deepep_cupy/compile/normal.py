@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device.output_pool import framework_outputs
 from ..ops.handles import OpHandle
 from .common import (
     NO_EVENT,
@@ -167,9 +168,11 @@ def _dispatch(bid: int, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_ra
               config: list[int]) -> list:
     buffer = buffer_of(bid)
     cfg = config_of(config)
-    recv, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
-        x if x_scales is None else (x, x_scales), None, num_tokens_per_rank, num_tokens_per_rdma_rank,
-        is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, cfg)
+    with framework_outputs():  # never in the output pool: CUDA-graph trees want them in their own
+        recv, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
+            x if x_scales is None else (x, x_scales), None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+            cfg)
     outs = list(recv) if x_scales is not None else [recv]
     outs += [t for t in (recv_topk_idx, recv_topk_weights) if t is not None]
     skip = in_rank_index(buffer)
@@ -232,8 +235,9 @@ dispatch_host_wait.register_fake(_dispatch_fake)
 def cached_dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, handle: list[torch.Tensor],
                     config: list[int]) -> list[torch.Tensor]:
     buffer = buffer_of(bid)
-    recv = buffer.dispatch(x if x_scales is None else (x, x_scales), _handle(buffer, handle),
-                           config=config_of(config))[0]
+    with framework_outputs():  # as in _dispatch
+        recv = buffer.dispatch(x if x_scales is None else (x, x_scales), _handle(buffer, handle),
+                               config=config_of(config))[0]
     outs = list(recv) if x_scales is not None else [recv]
     rows = _cached_rows(buffer, handle)
     if outs[0].shape[0] < rows:

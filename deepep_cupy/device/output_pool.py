@@ -22,7 +22,7 @@ import threading
 
 from .vmm import PeerMappedBuffer
 
-__all__ = ["OutputPool", "PoolBlock", "default_pool_bytes"]
+__all__ = ["OutputPool", "PoolBlock", "default_pool_bytes", "framework_outputs", "outputs_refused"]
 
 ALIGN = 256
 _ENV = "DEEPEP_CUPY_OUTPUT_POOL_BYTES"
@@ -31,6 +31,27 @@ MAX_DEFAULT_RANKS = 2
 #: The staging area of the combine's copy mode takes this fraction of the pool (1 GiB: 256 MiB, which holds
 #: 18724 rows of 7168 bf16 from one peer).
 STAGING_FRACTION = 4
+
+
+_refusals = threading.local()
+
+
+class framework_outputs:  # noqa: N801 - used like a function: ``with framework_outputs(): ...``
+    """Within it (on this thread) ops allocate their outputs with the caller's framework, never in the
+    output pool. torch.compile's ops run in it: CUDA-graph trees run a compiled function's warm-up calls
+    with torch allocating into the graph's memory pool and require its outputs to live there."""
+
+    def __enter__(self):
+        _refusals.depth = getattr(_refusals, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _refusals.depth -= 1
+
+
+def outputs_refused() -> bool:
+    """Whether this thread is inside :class:`framework_outputs`."""
+    return getattr(_refusals, "depth", 0) > 0
 
 
 def default_pool_bytes(num_ranks: int = 2) -> int:

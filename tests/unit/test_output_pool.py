@@ -100,3 +100,21 @@ def test_default_pool_bytes_rejects(monkeypatch, raw):
     monkeypatch.setenv("DEEPEP_CUPY_OUTPUT_POOL_BYTES", raw)
     with pytest.raises(ValueError, match="DEEPEP_CUPY_OUTPUT_POOL_BYTES"):
         P.default_pool_bytes()
+
+
+def test_framework_outputs_refuses_the_pool_on_its_thread_only():
+    """torch.compile's ops run inside it: their outputs must come from the framework's allocator."""
+    import threading
+
+    from deepep_cupy.device.output_pool import framework_outputs, outputs_refused
+
+    seen = []
+    assert not outputs_refused()
+    with framework_outputs():
+        with framework_outputs():
+            assert outputs_refused()
+        assert outputs_refused()
+        worker = threading.Thread(target=lambda: seen.append(outputs_refused()))
+        worker.start()
+        worker.join()
+    assert not outputs_refused() and seen == [False]

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...device.launch import LaunchPlan
 from ...device.output_pool import ALIGN as POOL_ALIGN
+from ...device.output_pool import outputs_refused
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, frame_for, meta
 from .. import limits
@@ -226,10 +227,10 @@ class DispatchPlan(NormalPlan):
 
     def _pool_outputs(self, num_rows: int) -> list | None:
         """The outputs in the output pool, so that peers write them in place (the direct mode), or None
-        when the pool cannot hold them now or the caller's stream is being captured (a graph keeps writing
+        when the pool cannot hold them now, the caller's stream is being captured (a graph keeps writing
         its outputs on every replay: those come from the framework's allocator, as a graph's memory pool
-        expects)."""
-        if self._capture_status(self.comm_stream):
+        expects), or the call is one of torch.compile's ops (:func:`outputs_refused`)."""
+        if outputs_refused() or self._capture_status(self.comm_stream):
             return None
         out: list = [None] * 5
         wrap, alloc = self.frame.wrap, self.pool.alloc
