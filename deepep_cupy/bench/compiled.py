@@ -381,7 +381,7 @@ def low_latency_op_pairs(env, buf, args) -> list:
     return [
         ("low_latency_dispatch (FP8)", "ll_dispatch",
          lambda: lambda: buf.low_latency_dispatch(x, idx, t, e, use_fp8=True),
-         lambda: lambda: ops.ll_dispatch(bid, x, idx, None, None, t, e, True, False, False)),
+         lambda: lambda: ops.ll_dispatch(bid, x, idx, t, e, True, False, False)),
         ("low_latency_combine", "ll_combine", method_combine, op_combine),
     ]
 

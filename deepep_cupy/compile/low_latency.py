@@ -133,16 +133,31 @@ def _dispatch_fake(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_ex
 _STATS = ("cumulative_stats", "wait_stats")
 
 
-@define("ll_dispatch", mutates_args=_STATS)
-def ll_dispatch(bid: int, x: torch.Tensor, topk_idx: torch.Tensor, cumulative_stats: torch.Tensor | None,
-                wait_stats: torch.Tensor | None, t_max: int, num_experts: int, use_fp8: bool, round_scale: bool,
-                use_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@define("ll_dispatch")
+def ll_dispatch(bid: int, x: torch.Tensor, topk_idx: torch.Tensor, t_max: int, num_experts: int, use_fp8: bool,
+                round_scale: bool, use_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    recv_x, small, _ = _dispatch(bid, x, topk_idx, None, None, t_max, num_experts, use_fp8, round_scale, use_ue8m0,
+                                 False)
+    return recv_x, small
+
+
+@ll_dispatch.register_fake
+def _(bid, x, topk_idx, t_max, num_experts, use_fp8, round_scale, use_ue8m0):
+    return _dispatch_fake(bid, x, topk_idx, None, None, t_max, num_experts, use_fp8, round_scale, use_ue8m0)
+
+
+# With statistics: an op that declares them mutated. (A separate op, as for the combine: torch's eager path
+# of an op with mutated arguments costs tens of microseconds more per call.)
+@define("ll_dispatch_stats", mutates_args=_STATS)
+def ll_dispatch_stats(bid: int, x: torch.Tensor, topk_idx: torch.Tensor, cumulative_stats: torch.Tensor | None,
+                      wait_stats: torch.Tensor | None, t_max: int, num_experts: int, use_fp8: bool,
+                      round_scale: bool, use_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     recv_x, small, _ = _dispatch(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts, use_fp8,
                                  round_scale, use_ue8m0, False)
     return recv_x, small
 
 
-ll_dispatch.register_fake(_dispatch_fake)
+ll_dispatch_stats.register_fake(_dispatch_fake)
 
 
 @define("ll_dispatch_send", mutates_args=_STATS)
@@ -211,8 +226,10 @@ def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: 
 
         def hook():
             torch.ops.deepep_cupy.ll_dispatch_recv(ticket, recv_x, small, stats, wait)
+    elif stats is None and wait is None:
+        recv_x, small = torch.ops.deepep_cupy.ll_dispatch(bid, x, topk_idx, *args[5:])
     else:
-        recv_x, small = torch.ops.deepep_cupy.ll_dispatch(*args)
+        recv_x, small = torch.ops.deepep_cupy.ll_dispatch_stats(*args)
     views = unpack(small, small_layout(buffer.group_size, t_max, num_experts, x.shape[1], fp8, ue8m0))
     recv = (recv_x, views[3].transpose(1, 2)) if fp8 else recv_x
     return recv, views[0], (views[1], views[2], t_max, hidden, num_experts), NO_EVENT, hook
