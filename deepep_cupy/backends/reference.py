@@ -16,10 +16,20 @@ import numpy as np
 from ..event import EventOverlap
 from ..frameworks import copy_into, from_numpy, kind_of, to_numpy
 from ..ops import limits
-from ..ops.handles import DispatchHandle, LowLatencyHandle, foreign_handle
+from ..ops.handles import DispatchHandle, LowLatencyHandle, cached_rows, foreign_handle
 from ..reference import ReferenceOracle, collective
 
 __all__ = ["ReferenceBackend"]
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """``a`` with zero rows appended up to ``rows``, in its memory order (column-major scales stay so)."""
+    if a.shape[0] >= rows:
+        return a
+    order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+    out = np.zeros((rows, *a.shape[1:]), dtype=a.dtype, order=order)
+    out[:a.shape[0]] = a
+    return out
 
 
 def _handle_to_numpy(handle):
@@ -180,6 +190,10 @@ class ReferenceBackend:
             num_tokens_per_expert=to_numpy(num_tokens_per_expert), topk_idx=to_numpy(topk_idx),
             topk_weights=to_numpy(topk_weights), expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens)
+        if handle is not None:  # as many rows as the handle has, as on the GPU: zeros past the received ones
+            rows = cached_rows(handle)
+            recv_x = _pad_rows(recv_x, rows)
+            recv_scales = None if recv_scales is None else _pad_rows(recv_scales, rows)
         recv = from_numpy(recv_x, like)
         if x_scales is not None:
             recv = (recv, from_numpy(recv_scales, like))

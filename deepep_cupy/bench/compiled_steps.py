@@ -105,17 +105,12 @@ def training_autograd(buf, num_experts: int, num_worst_tokens: int):
     class Combine(torch.autograd.Function):
         @staticmethod
         def forward(ctx, y, handle):
-            ctx.handle, ctx.rows = handle, y.shape[0]
+            ctx.handle = handle
             return buf.combine(y, handle)[0]
 
         @staticmethod
         def backward(ctx, grad):
-            grad_y = buf.dispatch(grad.contiguous(), handle=ctx.handle)[0]
-            if grad_y.shape[0] < ctx.rows:
-                # The reference backend's cached dispatch returns the received rows only (the kernels, as
-                # DeepEP's, the handle's num_worst_tokens rows); the padding rows get no gradient.
-                grad_y = torch.cat([grad_y, grad_y.new_zeros((ctx.rows - grad_y.shape[0], *grad_y.shape[1:]))])
-            return grad_y, None
+            return buf.dispatch(grad.contiguous(), handle=ctx.handle)[0], None
 
     def layout(idx, num_experts):  # the Function does both calls: the layout is its input here
         return None, None, None, None, None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..device.output_pool import framework_outputs
-from ..ops.handles import OpHandle
+from ..ops.handles import OpHandle, cached_rows
 from .common import (
     NO_EVENT,
     buffer_id,
@@ -239,22 +239,12 @@ def cached_dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, ha
         recv = buffer.dispatch(x if x_scales is None else (x, x_scales), _handle(buffer, handle),
                                config=config_of(config))[0]
     outs = list(recv) if x_scales is not None else [recv]
-    rows = _cached_rows(buffer, handle)
-    if outs[0].shape[0] < rows:
-        # The reference backend returns only the received rows for a handle of a num_worst_tokens dispatch;
-        # the kernels (and DeepEP) return as many rows as the handle has, as the traced graph expects.
-        outs = [torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]) for t in outs]
     return fresh(outs, [x, x_scales, *handle])
-
-
-def _cached_rows(buffer, handle):
-    """Rows a cached dispatch returns: those of the handle's ``recv_src_idx`` (internode: ``recv_src_meta``)."""
-    return handle[3].shape[0] if in_rank_index(buffer) == 4 else handle[7].shape[0]
 
 
 @cached_dispatch.register_fake
 def _(bid, x, x_scales, handle, config):
-    rows = _cached_rows(buffer_of(bid), handle)
+    rows = cached_rows(handle)
     outs = [x.new_empty((rows, x.shape[1]))]
     if x_scales is not None:
         outs.append(x_scales.new_empty((rows, *x_scales.shape[1:]), dtype=torch.float32))

@@ -14,7 +14,7 @@ from ..frameworks import is_capturing, is_tensor, meta, to_numpy
 from ..reference.normal import channel_prefix_matrix, send_head_matrix
 from .plan import NOT_A_KEY
 
-__all__ = ["handle_meta", "ll_handle_meta", "OpHandle", "DispatchHandle", "LowLatencyHandle", "foreign_handle",
+__all__ = ["cached_rows", "handle_meta", "ll_handle_meta", "OpHandle", "DispatchHandle", "LowLatencyHandle", "foreign_handle",
            "device_handle_values", "intranode_handle_values", "ll_handle_values"]
 
 
@@ -31,6 +31,14 @@ def handle_meta(handle):
             key = handle.key = tuple(meta(h) for h in handle)
         return key
     return tuple(meta(h) for h in handle)
+
+
+def cached_rows(handle):
+    """Rows a cached dispatch with this normal ``handle`` returns: one per entry of its ``recv_src_idx``
+    (the internode 10-tuple: ``recv_src_meta``), so with the handle of a ``num_worst_tokens`` dispatch that
+    many rows, the ones past the received count unwritten (as DeepEP's). A size as the tensor has it
+    (symbolic while torch.compile traces a row count known only at run time)."""
+    return (handle[3] if len(handle) == 6 else handle[7]).shape[0]
 
 
 def ll_handle_meta(handle):

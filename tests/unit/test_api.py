@@ -212,3 +212,27 @@ def test_interop_keeps_column_major_layout():
     np.testing.assert_array_equal(to_numpy(t), colmajor)
     b = from_numpy(np.arange(6, dtype=np.float32).astype(BF16), TensorKind("torch", None))
     assert b.dtype == torch.bfloat16 and to_numpy(b).dtype == BF16
+
+
+def test_cached_dispatch_returns_the_handles_rows():
+    """With the handle of a num_worst_tokens dispatch a cached dispatch returns that many rows, as the
+    kernels do: the received ones first, zeros after them on this backend (the GPU leaves them unwritten)."""
+    from deepep_cupy.ops.handles import cached_rows
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 128)).astype(BF16)
+    topk = routing(rng, 8, 2, 4)
+    worst = 24
+
+    def run(b):
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk, 4)
+        recv, _, _, _, handle, _ = b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert, topk_idx=topk,
+                                              topk_weights=rng.random((8, 2)).astype(np.float32),
+                                              num_worst_tokens=worst)
+        return recv, handle, b.dispatch(x, handle=handle)[0]
+
+    recv, handle, again = _single(run, num_nvl_bytes=Config().get_nvl_buffer_size_hint(256, 1))
+    assert recv.shape[0] == worst == cached_rows(handle) and again.shape == (worst, 128)
+    np.testing.assert_array_equal(again[:8].astype(np.float32), x.astype(np.float32))
+    assert not again[8:].astype(np.float32).any()

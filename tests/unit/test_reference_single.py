@@ -566,3 +566,4 @@ def test_ll_combine_uses_fused_multiply_add():
         return True
 
     assert run_ranks(1, fn)[0]
+
