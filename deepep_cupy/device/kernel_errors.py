@@ -14,8 +14,6 @@ fences).
 from __future__ import annotations
 
 import ctypes
-import math
-import os
 import weakref
 from collections.abc import Mapping
 
@@ -23,6 +21,7 @@ import numpy as np
 
 from ..errors import DeepEPError, DeepEPTimeoutError
 from ..ops.kernel_names import VALUE_OP_ARGS
+from ..settings import env_seconds
 
 __all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "KIND_VALUE", "timeout_seconds",
            "value_error"]
@@ -52,17 +51,7 @@ def timeout_seconds() -> float:
     """Budget of every wait inside the kernels and on the host: ``$DEEPEP_CUPY_TIMEOUT_S`` seconds (default
     100 when unset or empty). Anything but a finite positive number of at most ``MAX_TIMEOUT_S`` seconds is
     refused: ``inf`` would make host waits unbounded and overflow the kernels' nanosecond counters."""
-    text = os.environ.get("DEEPEP_CUPY_TIMEOUT_S", "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds <= MAX_TIMEOUT_S:  # also false for NaN
-        raise ValueError(f"DEEPEP_CUPY_TIMEOUT_S must be a finite positive number of seconds (at most "
-                         f"{MAX_TIMEOUT_S:g}), got {text!r}")
-    return seconds
+    return env_seconds("DEEPEP_CUPY_TIMEOUT_S", DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S)
 
 
 def _free_host(ptr: int) -> None:

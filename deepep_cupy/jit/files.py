@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import math
 import os
 import stat
 import tempfile
@@ -23,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import DeepEPTimeoutError
+from ..settings import env_seconds
 
 __all__ = [
     "LOCK_TIMEOUT_ENV",
@@ -174,16 +174,7 @@ def lock_timeout_s() -> float:
     Raises:
         ValueError: the variable is set to something other than a finite positive number.
     """
-    text = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_LOCK_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{LOCK_TIMEOUT_ENV} must be a finite positive number of seconds, got {text!r}")
-    return seconds
+    return env_seconds(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S)
 
 
 def _open_trusted(path: Path, flags: int, mode: int = 0) -> int:
