@@ -12,7 +12,7 @@ import functools
 import torch
 
 __all__ = ["Differs", "decode_step", "decode_inputs", "decode_differences", "training_forward", "training_inputs",
-           "training_differences", "training_autograd", "LOSS_RTOL"]
+           "training_differences", "training_autograd", "combine_function", "LOSS_RTOL"]
 
 #: The loss is a float32 sum over tokens x hidden terms; compiled code sums in another order (inductor
 #: splits the reduction differently), so it is compared within this share of the sum of |terms|.
@@ -84,6 +84,22 @@ def training_forward(layout, dispatch, combine, num_experts: int, num_worst_toke
     return forward
 
 
+def combine_function(buf):
+    """``combine`` as an ``autograd.Function`` (``apply(y, handle)``), as frameworks wrap it for eager
+    training: its backward is the cached dispatch of the gradient along the handle."""
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, handle):
+            ctx.handle = handle
+            return buf.combine(y, handle)[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return buf.dispatch(grad.contiguous(), handle=ctx.handle)[0], None
+
+    return Combine
+
+
 def training_autograd(buf, num_experts: int, num_worst_tokens: int):
     """The same forward written as frameworks wrap DeepEP for eager training: ``autograd.Function``s
     around the Buffer calls (a dispatch's backward is a combine, a combine's a cached dispatch)."""
@@ -102,15 +118,7 @@ def training_autograd(buf, num_experts: int, num_worst_tokens: int):
         def backward(ctx, grad_recv, *_):
             return buf.combine(grad_recv.contiguous(), ctx.handle)[0], None, None, None
 
-    class Combine(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y, handle):
-            ctx.handle = handle
-            return buf.combine(y, handle)[0]
-
-        @staticmethod
-        def backward(ctx, grad):
-            return buf.dispatch(grad.contiguous(), handle=ctx.handle)[0], None
+    Combine = combine_function(buf)
 
     def layout(idx, num_experts):  # the Function does both calls: the layout is its input here
         return None, None, None, None, None

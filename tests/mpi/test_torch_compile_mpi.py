@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 MPI = pytest.importorskip("mpi4py.MPI")
 
 from deepep_cupy import Buffer  # noqa: E402
+from deepep_cupy.bench.compiled_steps import combine_function  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -276,17 +277,7 @@ def _eager_functions(buf):
             gx, gw, _ = buf.combine(grad_x.contiguous(), ctx.handle, topk_weights=grad_w.contiguous())
             return gx, gw, None, None, None
 
-    class Combine(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y, handle):
-            ctx.handle = handle
-            return buf.combine(y, handle)[0]
-
-        @staticmethod
-        def backward(ctx, grad):
-            return buf.dispatch(grad.contiguous(), handle=ctx.handle)[0], None
-
-    return Dispatch, Combine
+    return Dispatch, combine_function(buf)
 
 
 def _experts(recv, recv_w, recv_idx, weight):
