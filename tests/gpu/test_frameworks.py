@@ -44,12 +44,8 @@ def env():
         mp.setenv("DEEPEP_CUPY_TIMEOUT_S", TEST_TIMEOUT_S)
         size = state["size"]
         init_torch_distributed(COMM, "gloo")
-        saved = (deep_ep.Buffer.num_sms, deep_ep.Buffer._num_sms_set)
-        try:
-            yield {"deep_ep": deep_ep, "nccl": dist.new_group(backend="nccl"), "gloo": dist.group.WORLD,
-                   "size": size, "experts": 4 * size}
-        finally:
-            deep_ep.Buffer.num_sms, deep_ep.Buffer._num_sms_set = saved
+        yield {"deep_ep": deep_ep, "nccl": dist.new_group(backend="nccl"), "gloo": dist.group.WORLD,
+               "size": size, "experts": 4 * size}
 
 
 @contextlib.contextmanager

@@ -27,15 +27,18 @@ def torch():
 @contextlib.contextmanager
 def deep_ep_alias():
     """``import deep_ep`` gives deepep_cupy inside the block, as ``as_deep_ep()`` makes it (undone at exit
-    unless the alias was already in place); yields the ``deep_ep`` module."""
+    unless the alias was already in place); yields the ``deep_ep`` module. The process-wide SM count that
+    frameworks set (``Buffer.set_num_sms``) is restored at exit too."""
     import deepep_cupy
     from deepep_cupy import alias
 
     before = (list(sys.meta_path), alias._requested, sys.modules.get("deep_ep"))
     module = deepep_cupy.as_deep_ep()
+    sms = (module.Buffer.num_sms, module.Buffer._num_sms_set)
     try:
         yield module
     finally:
+        module.Buffer.num_sms, module.Buffer._num_sms_set = sms
         if before[2] is None:
             sys.meta_path[:] = before[0]
             alias._requested = before[1]
