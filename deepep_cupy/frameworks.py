@@ -449,7 +449,7 @@ class SmallOutputs:
     _ALIGN_WORDS = 16
 
     def __init__(self, specs) -> None:
-        self.parts, self.views, self.bases = [], [], [I32]
+        self.parts, self.views, self.bases, self.swapped = [], [], [I32], []
         words = 0
         for shape, dtype, *swap in specs:
             dtype = np.dtype(dtype)
@@ -466,13 +466,13 @@ class SmallOutputs:
             self.parts.append((shape, dtype, strides, offset))
             if dtype not in self.bases:
                 self.bases.append(dtype)
-            if swap and swap[0]:
+            self.swapped.append(bool(swap and swap[0]))
+            if self.swapped[-1]:
                 shape = (*shape[:-2], shape[-1], shape[-2])
                 strides = (*strides[:-2], strides[-1], strides[-2])
             self.views.append((self.bases.index(dtype), shape, strides, offset))
             words += -(-int(np.prod(shape, dtype=np.int64)) * per_word // self._ALIGN_WORDS) * self._ALIGN_WORDS
         self.total_words = max(words, 1)
-        self.swapped = [bool(swap and swap[0]) for _, _, *swap in specs]
 
 
 def _cupy_meta(t):
