@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -85,7 +86,8 @@ def _is_contiguous(obj) -> bool:
 
 def handle_tuple(value, length: int, source: str) -> None:
     """A handle must be the tuple an earlier call returned (``length`` elements)."""
-    if not isinstance(value, (tuple, list)) or len(value) != length:
+    # A low-latency handle is a Sequence of its own (ops/handles.py), not a tuple.
+    if not isinstance(value, (tuple, list, Sequence)) or isinstance(value, (str, bytes)) or len(value) != length:
         raise ValueError(f"handle must be the {length}-tuple returned by {source}")
 
 

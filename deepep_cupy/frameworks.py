@@ -346,17 +346,17 @@ class TorchFrame:
         t = torch.as_tensor(_DeviceMemory(ptr, tuple(shape), storage, owner), device=self.device)
         return t.view(self.dtypes[dtype]) if dtype in (BF16, FP8) else t
 
-    @staticmethod
-    def transpose_last(t):
-        """The view with the last two dimensions swapped (column-major scales)."""
-        return t.transpose(-1, -2)
+    def empty_words(self, layout: SmallOutputs):
+        """The one int32 allocation that holds ``layout``'s parts (cut with :meth:`part`)."""
+        return self._empty(layout.total_words, dtype=self._i32, device=self.device)
 
-    def empty_many(self, layout: SmallOutputs) -> list:
-        """Several small 4- and 8-byte outputs carved from one allocation (one ``torch.empty`` and a view
-        each cost less than one ``torch.empty`` each)."""
-        words = self._empty(layout.total_words, dtype=self._i32, device=self.device)
-        bases = [words] + [words.view(self.dtypes[d]) for d in layout.bases[1:]]
-        return [bases[b].as_strided(shape, strides, offset) for b, shape, strides, offset in layout.views]
+    def part(self, words, layout: SmallOutputs, i: int):
+        """Part ``i`` of ``layout`` as a view of ``words`` (one ``as_strided``, and a dtype view for a part
+        that is not int32: each costs about what an allocation does, so a call makes only those it hands
+        out)."""
+        b, shape, strides, offset = layout.views[i]
+        base = words if b == 0 else words.view(self.dtypes[layout.bases[b]])
+        return base.as_strided(shape, strides, offset)
 
 
 class CupyFrame:
@@ -386,10 +386,17 @@ class CupyFrame:
     def ptr(t) -> int:
         return t.data.ptr
 
-    def empty_many(self, layout: SmallOutputs) -> list:
-        """Several small outputs (CuPy's slicing costs more than its allocations: one each)."""
-        out = [self._empty(shape, dtype=self.dtypes[dtype]) for shape, dtype, _, _ in layout.parts]
-        return [self.transpose_last(a) if swap else a for a, swap in zip(out, layout.swapped, strict=True)]
+    def empty_words(self, layout: SmallOutputs):
+        """The one int32 allocation that holds ``layout``'s parts (cut with :meth:`part`)."""
+        return self._empty(layout.total_words, dtype=I32)
+
+    def part(self, words, layout: SmallOutputs, i: int):
+        """Part ``i`` of ``layout`` as an array over ``words``' memory."""
+        b, shape, strides, offset = layout.views[i]
+        dtype = layout.bases[b]
+        size = dtype.itemsize
+        return self._cupy.ndarray(shape, dtype=dtype, memptr=words.data + offset * size,
+                                  strides=tuple(s * size for s in strides))
 
     def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):
         """An array over device memory the library owns (``owner`` must outlive it)."""
@@ -399,11 +406,6 @@ class CupyFrame:
         mem = cupy.cuda.UnownedMemory(int(ptr), nbytes, owner, self.device_id)
         return cupy.ndarray(tuple(shape), dtype=want, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    @staticmethod
-    def transpose_last(t):
-        axes = list(range(t.ndim))
-        axes[-1], axes[-2] = axes[-2], axes[-1]
-        return t.transpose(axes)
 
 
 _STORAGE_TYPESTR = {BF16: "<i2", FP8: "|u1", I32: "<i4", I64: "<i8", F32: "<f4", U8: "|u1", U16: "<i2"}
@@ -444,12 +446,12 @@ class SmallOutputs:
 
     ``views``: per part ``(base, shape, strides, offset)`` of the view handed out, ``base`` indexing
     ``bases``, the dtypes the allocation is viewed as (int32 first), so a call makes only the dtype views
-    it needs."""
+    it needs. ``byte_offsets``: where each part starts, for the kernels' pointers (no view needed)."""
 
     _ALIGN_WORDS = 16
 
     def __init__(self, specs) -> None:
-        self.parts, self.views, self.bases, self.swapped = [], [], [I32], []
+        self.parts, self.views, self.bases, self.byte_offsets = [], [], [I32], []
         words = 0
         for shape, dtype, *swap in specs:
             dtype = np.dtype(dtype)
@@ -464,10 +466,10 @@ class SmallOutputs:
             per_word = dtype.itemsize // 4
             offset = words // per_word
             self.parts.append((shape, dtype, strides, offset))
+            self.byte_offsets.append(4 * words)
             if dtype not in self.bases:
                 self.bases.append(dtype)
-            self.swapped.append(bool(swap and swap[0]))
-            if self.swapped[-1]:
+            if swap and swap[0]:
                 shape = (*shape[:-2], shape[-1], shape[-2])
                 strides = (*strides[:-2], strides[-1], strides[-2])
             self.views.append((self.bases.index(dtype), shape, strides, offset))

@@ -245,10 +245,8 @@ def _handle(buffer, src_info, layout_range, t_max, hidden, num_experts):
     found = handle_entry(src_info)
     if found is None or found[0] != "low_latency":
         return entries
-    handle = LowLatencyHandle(entries)
     place = found[1]
-    handle.row_map = None if place is None else src_info.as_strided(*place)
-    return handle
+    return LowLatencyHandle(entries, None if place is None else src_info.as_strided(*place))
 
 
 def _combine(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max, hidden, num_experts, use_logfmt,

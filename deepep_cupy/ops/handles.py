@@ -1,11 +1,13 @@
 """Handles: the tuples a dispatch returns and later ops take back.
 
-Their plan-key parts (:func:`handle_meta`, :func:`ll_handle_meta`), the tuple subclasses that mark a
-handle an op returned unchanged, and the host checks of the index values of a handle a caller built or
+Their plan-key parts (:func:`handle_meta`, :func:`ll_handle_meta`), the classes that mark a handle an op
+returned unchanged, and the host checks of the index values of a handle a caller built or
 rebuilt (the GPU kernels index memory with them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -14,8 +16,8 @@ from ..frameworks import is_capturing, is_tensor, meta, to_numpy
 from ..reference.normal import channel_prefix_matrix, send_head_matrix
 from .plan import NOT_A_KEY
 
-__all__ = ["cached_rows", "handle_meta", "ll_handle_meta", "OpHandle", "DispatchHandle", "LowLatencyHandle", "foreign_handle",
-           "device_handle_values", "intranode_handle_values", "ll_handle_values"]
+__all__ = ["cached_rows", "handle_meta", "ll_handle_meta", "OpHandle", "DispatchHandle", "LowLatencyHandle",
+           "HANDLE_TYPES", "foreign_handle", "device_handle_values", "intranode_handle_values", "ll_handle_values"]
 
 
 def handle_meta(handle):
@@ -44,7 +46,7 @@ def cached_rows(handle):
 def ll_handle_meta(handle):
     if type(handle) is LowLatencyHandle and handle.key is not None:
         return handle.key  # what the dispatch plan that made it computed once for all its handles
-    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+    if not isinstance(handle, HANDLE_TYPES) or len(handle) != 5:
         return NOT_A_KEY
     return (meta(handle[0]), meta(handle[1]), handle[2], handle[3], handle[4])
 
@@ -70,20 +72,91 @@ class DispatchHandle(OpHandle):
         return self
 
 
-class LowLatencyHandle(OpHandle):
-    """A low-latency dispatch's handle, which also keeps the dispatch's row map (``row_map``: the inverse
+class LowLatencyHandle:
+    """A low-latency dispatch's handle: to its users the 5-tuple ``(src_info, layout_range, T, hidden,
+    num_experts)`` (indexing, unpacking, ``len``), and also the dispatch's row map (``row_map``: the inverse
     of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/layout.cuh ``record_row``) for the
-    partial-sum combine, and ``owner``: the backend object (GPU engine or reference backend) of the Buffer
-    whose dispatch made it. A combine of another Buffer refuses it (:func:`foreign_handle`): its rows, row
-    map and sequence state belong to the other Buffer's buffers. ``key``: its part of a combine's plan
-    key (:func:`ll_handle_meta`), the same for every handle of one dispatch plan, or None."""
+    partial-sum combine.
 
-    def __new__(cls, entries, row_map=None, owner=None, key=None):
-        self = super().__new__(cls, entries)
-        self.row_map = row_map
+    A GPU dispatch makes it with :meth:`of_dispatch` over the one allocation that holds those tensors
+    and the kernels' pointers into it (``ptrs``): the tensors themselves are cut from it only when
+    something asks for them (a combine reads the pointers), which keeps three views off every call.
+
+    ``owner``: the backend object (GPU engine or reference backend) of the Buffer whose dispatch made it;
+    a combine of another Buffer refuses it (:func:`foreign_handle`): its rows, row map and sequence state
+    belong to the other Buffer's buffers. ``key``: its part of a combine's plan key
+    (:func:`ll_handle_meta`), the same for every handle of one dispatch plan, or None."""
+
+    __slots__ = ("_entries", "_row_map", "_cut", "owner", "key", "ptrs")
+
+    def __init__(self, entries, row_map=None, owner=None, key=None) -> None:
+        self._entries = tuple(entries)
+        self._row_map = row_map
+        self._cut = None
         self.owner = owner
         self.key = key
+        self.ptrs = None  # (src_info, layout_range, row_map or 0) device addresses, from of_dispatch
+
+    @classmethod
+    def of_dispatch(cls, frame, words, parts, sizes, ptrs, owner, key):
+        """The handle over ``words`` (one allocation laid out as ``parts``, a ``SmallOutputs``): the source
+        info is its part 1, the layout ranges part 2, the row map its last part where ``ptrs[2]`` is set;
+        ``sizes`` is ``(T, hidden, num_experts)``."""
+        self = cls.__new__(cls)
+        self._entries = None
+        self._row_map = None
+        self._cut = (frame, words, parts, sizes)
+        self.owner = owner
+        self.key = key
+        self.ptrs = ptrs
         return self
+
+    @property
+    def entries(self) -> tuple:
+        """The 5-tuple, its tensors cut from the dispatch's allocation the first time."""
+        return self._cut_entries() if self._entries is None else self._entries
+
+    def _cut_entries(self) -> tuple:
+        frame, words, parts, sizes = self._cut
+        self._entries = (frame.part(words, parts, 1), frame.part(words, parts, 2), *sizes)
+        if self.ptrs[2]:
+            self._row_map = frame.part(words, parts, len(parts.views) - 1)
+        self._cut = None
+        return self._entries
+
+    @property
+    def row_map(self):
+        if self._entries is None:
+            self._cut_entries()
+        return self._row_map
+
+    def __getitem__(self, i):
+        return self.entries[i]
+
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LowLatencyHandle):
+            other = other.entries
+        return self.entries == other if isinstance(other, tuple) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.entries)
+
+    def __reduce__(self):
+        return LowLatencyHandle, (self.entries, self.row_map, self.owner, self.key)
+
+    def __repr__(self) -> str:
+        return f"LowLatencyHandle{self.entries!r}"
+
+
+Sequence.register(LowLatencyHandle)
+#: What a handle given back to an op may be: the tuples the ops return, a caller's tuple or list.
+HANDLE_TYPES = (tuple, list, LowLatencyHandle)
 
 
 def foreign_handle() -> ValueError:
@@ -167,9 +240,9 @@ def ll_handle_values(h, num_ranks: int) -> None:
 def device_handle_values(buffer, handle) -> None:
     """The index checks of a GPU ``handle`` given to ``buffer``'s op, once per handle, when validation is on,
     no CUDA graph is being captured (the host copy waits for the device) and the handle is not one an op
-    returned as it was (:class:`OpHandle`: eager steps pay no wait for their own). Internode handles are left
+    returned as it was (:class:`OpHandle`, :class:`LowLatencyHandle`: eager steps pay no wait for their own). Internode handles are left
     to their own checks. Raises ``ValueError`` naming the entry."""
-    if isinstance(handle, OpHandle) or not values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
+    if isinstance(handle, (OpHandle, LowLatencyHandle)) or not values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
         return  # an op's own handle, unchanged: the kernels wrote it
     key = (id(handle), buffer.rank, buffer.group_size)
     if key in _CHECKED or is_capturing(handle[0]):

@@ -84,7 +84,7 @@ def test_low_latency_combine_block_matches_the_kernel(partials):
 def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     """The partial-sum combine reads the row map a dispatch's handle carries; a handle rebuilt as a plain tuple
     (or a combine without partial sums) passes none, and the kernel then uses the handle's source info."""
-    from deepep_cupy.ops.handles import LowLatencyHandle, OpHandle
+    from deepep_cupy.ops.handles import LowLatencyHandle
 
     engine, layout = _engine(not partials)
     engine.kernels = lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel), None)
@@ -97,9 +97,8 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
     src_info, layout_range, row_map, x, topk, weights, out = (object() for _ in range(7))
     ptrs.update({id(o): 1000 * (i + 1) for i, o in enumerate((src_info, layout_range, row_map, x, topk, weights, out))})
-    handle = LowLatencyHandle((src_info, layout_range, 32, 2048, 16))
-    handle.row_map = row_map
-    assert isinstance(handle, OpHandle) and handle == (src_info, layout_range, 32, 2048, 16)
+    handle = LowLatencyHandle((src_info, layout_range, 32, 2048, 16), row_map)
+    assert tuple(handle) == (src_info, layout_range, 32, 2048, 16) and len(handle) == 5
     plan.run(x, topk, weights, handle, out=out)
     assert plan.plans[0].value("row_map") == (ptrs[id(row_map)] if partials else 0)
     assert plan.plans[0].value("src_info") == ptrs[id(src_info)]
@@ -115,8 +114,8 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
     engine.check_errors = lambda: None
     engine.next_buffer = lambda: 1
     frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
-                                  empty=lambda *a: object(), empty_many=lambda parts: [object()] * 5,
-                                  transpose_last=lambda t: t)
+                                  empty=lambda *a: object(), empty_words=lambda parts: object(),
+                                  part=lambda words, parts, i: object())
     launched = []
     monkeypatch.setattr(lp.LaunchPlan, "launch",
                         lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
@@ -171,3 +170,61 @@ def test_layout_block_matches_the_kernel(monkeypatch):
 
 def test_launch_module_is_importable_without_a_driver():
     assert launch.LAUNCHER in (None, "bindings", "ctypes")
+
+
+@pytest.mark.parametrize("row_map", [False, True])
+def test_a_dispatch_handle_cuts_its_tensors_where_the_kernel_writes(monkeypatch, row_map):
+    """The dispatch hands the kernel pointers into one allocation and cuts only the counts and the scales
+    into views; the handle cuts its source info, layout ranges and row map on first use, at exactly the
+    addresses the kernel wrote, and a combine reads the pointers without cutting them."""
+    torch = pytest.importorskip("torch")
+    from deepep_cupy.frameworks import F32, I32, I64, TorchFrame
+    from deepep_cupy.ops.handles import LowLatencyHandle
+
+    engine, layout = _engine(not row_map)
+    engine.check_errors = lambda: None
+    engine.next_buffer = lambda: 0
+    frame = object.__new__(TorchFrame)
+    frame.device, frame._empty, frame._i32 = torch.device("cpu"), torch.empty, torch.int32
+    frame.dtypes = {I32: torch.int32, F32: torch.float32, I64: torch.int64, lp.FP8: torch.float8_e4m3fn,
+                    lp.BF16: torch.bfloat16}
+    frame.ptr, frame.stream = torch.Tensor.data_ptr, lambda: 0
+    monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
+    plan = lp.DispatchPlan(engine, frame, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+                           use_ue8m0=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,
+                           comm_stream=0)
+    x, topk = torch.zeros(8, 2048, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.int64)
+    plan.run(x, topk)  # the first call works out the handles' key part (from the tensors)
+    (recv_x, scales), count, handle, _, _ = plan.run(x, topk)
+    block = plan.plans[0]
+    assert type(handle) is LowLatencyHandle and handle._entries is None  # nothing cut yet
+    assert count.data_ptr() == block.value("out_count") and tuple(count.shape) == (8,)
+    assert scales.data_ptr() == block.value("out_scales") and tuple(scales.shape) == (8, 64, 16)
+    assert scales.stride() == (16 * 64, 1, 64)  # column-major in its last two dimensions
+    assert handle.ptrs == (block.value("out_src_info"), block.value("out_layout_range"), block.value("out_row_map"))
+    src_info, layout_range, t, hidden, experts = handle
+    assert (t, hidden, experts) == (32, 2048, 16) and len(handle) == 5
+    assert src_info.data_ptr() == block.value("out_src_info") and tuple(src_info.shape) == (8, 64)
+    assert src_info.dtype == torch.int32 and src_info.is_contiguous()
+    assert layout_range.data_ptr() == block.value("out_layout_range") and layout_range.dtype == torch.int64
+    assert tuple(layout_range.shape) == (8, 2) and handle[0] is src_info
+    if row_map:
+        assert handle.row_map.data_ptr() == block.value("out_row_map") and tuple(handle.row_map.shape) == (64, 8)
+    else:
+        assert handle.row_map is None and block.value("out_row_map") == 0
+    # Every part its own bytes: filling one leaves the others as they were.
+    parts = [count, src_info, layout_range, scales] + ([handle.row_map] if row_map else [])
+    for i, t in enumerate(parts):
+        t.view(torch.int32).fill_(i + 1) if t.dtype == torch.int64 else t.fill_(i + 1)
+    for i, t in enumerate(parts):
+        assert bool((t.view(torch.int32) if t.dtype == torch.int64 else t).eq(i + 1).all())
+
+    # A combine reads the handle's pointers; its tensors stay uncut.
+    engine.kernels = lambda *a, **k: (4, 2, 8, (_Kernel,), None)
+    combine = lp.CombinePlan(engine, frame, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=False,
+                             return_recv_hook=False, wait_stats_row=0, async_finish=False, comm_stream=0)
+    _, _, fresh, _, _ = plan.run(x, topk)
+    out = combine.run(torch.zeros(8, 64, 2048, dtype=torch.bfloat16), topk, torch.zeros(8, 4), fresh)[0]
+    assert fresh._entries is None and tuple(out.shape) == (8, 2048)
+    assert combine.plans[0].value("src_info") == fresh.ptrs[0] and combine.plans[0].value("layout_range") == fresh.ptrs[1]
+    assert combine.plans[0].value("row_map") == (fresh.ptrs[2] if row_map else 0)

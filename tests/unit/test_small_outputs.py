@@ -24,12 +24,14 @@ def _cpu_frame():
 def test_parts_are_separate_aligned_and_typed(e_local, slab, ranks, scales):
     specs = [((e_local,), I32), ((e_local, slab), I32), ((e_local, ranks), I64), ((e_local, scales, slab), F32)]
     layout = SmallOutputs(specs)
-    parts = _cpu_frame().empty_many(layout)
+    frame = _cpu_frame()
+    words = frame.empty_words(layout)
+    parts = [frame.part(words, layout, i) for i in range(len(specs))]
     want_dtypes = [torch.int32, torch.int32, torch.int64, torch.float32]
     spans = []
     for t, (shape, _), dtype in zip(parts, specs, want_dtypes, strict=True):
         assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous()
-        assert t.data_ptr() % 64 == 0
+        assert t.data_ptr() % 64 == 0 and t.data_ptr() == words.data_ptr() + layout.byte_offsets[len(spans)]
         spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
     spans.sort()
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
@@ -49,7 +51,9 @@ def test_a_swapped_part_is_its_stored_part_transposed():
     """Scales come back column-major: the view of the stored ``[E, S, N]`` part with its last two
     dimensions swapped, over the same memory."""
     layout = SmallOutputs([((3,), I32), ((2, 4, 5), F32, True), ((2, 5), I64)])
-    count, scales, ranges = _cpu_frame().empty_many(layout)
+    frame = _cpu_frame()
+    words = frame.empty_words(layout)
+    count, scales, ranges = (frame.part(words, layout, i) for i in range(3))
     assert tuple(scales.shape) == (2, 5, 4) and scales.stride() == (20, 1, 5)
     assert scales.transpose(1, 2).is_contiguous() and scales.dtype == torch.float32
     assert layout.parts[1][0] == (2, 4, 5) and layout.parts[1][2] == (20, 5, 1)

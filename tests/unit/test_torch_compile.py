@@ -255,8 +255,7 @@ def test_gpu_handles_come_back_as_the_ops_made_them():
     small = traced_ll._pack([words[:2], words.as_strided((2, 8), (8, 1), 16),
                              words.view(torch.int64).as_strided((2, 2), (2, 1), 16)], layout)
     assert small.data_ptr() == words.data_ptr()  # already in place: no copy
-    handle = LowLatencyHandle((words, words, 4, 256, 4))
-    handle.row_map = row_map
+    handle = LowLatencyHandle((words, words, 4, 256, 4), row_map)
     traced_ll._remember_ll(handle, small)
     views = traced_ll.unpack(small, layout)
     again = traced_ll._handle(gpu, views[1], views[2], 4, 256, 4)

@@ -170,33 +170,36 @@ class DispatchPlan(_Plan):
         if self.row_map:
             small.append(((self.slab, self.e_local), I32))
         self.small = SmallOutputs(small)
+        offsets = self.small.byte_offsets
+        self.src_offset, self.range_offset = offsets[1], offsets[2]
+        self.scales_offset = offsets[3] if self.use_fp8 else 0
+        self.map_offset = offsets[-1] if self.row_map else 0
+        self.sizes = (t_max, hidden, num_experts)
 
     def run(self, x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
         stream, streams = self._begin()
-        frame = self.frame
+        frame, small = self.frame, self.small
         ptr = frame.ptr
         recv_x = frame.empty(self.recv_shape, self.recv_dtype)
-        small = frame.empty_many(self.small)
+        words = frame.empty_words(small)
         b = self.engine.next_buffer()
         s_x, s_topk, s_out, s_scales, s_count, s_src, s_map, s_range, s_cum, s_wait, s_phases = self.slots[b]
         x_ptr = s_x.value = ptr(x)
         s_topk.value = ptr(topk_idx)
         s_out.value = ptr(recv_x)
-        count, src_info, layout_range = small[0], small[1], small[2]
-        s_count.value = ptr(count)
-        s_src.value = ptr(src_info)
-        s_range.value = ptr(layout_range)
+        # The kernels' pointers come from the allocation's address; only what the call hands out now (the
+        # counts and the scales) is cut into views: the handle cuts its own when asked.
+        base = ptr(words)
+        s_count.value = base
+        src = s_src.value = base + self.src_offset
+        rng = s_range.value = base + self.range_offset
+        count = frame.part(words, small, 0)
         if self.use_fp8:
-            scales = small[3]  # column-major: the kernel writes [E_local, scales, R * T]
-            s_scales.value = ptr(scales)
-            recv = (recv_x, scales)
+            s_scales.value = base + self.scales_offset
+            recv = (recv_x, frame.part(words, small, 3))  # column-major: the kernel writes [E_local, scales, R * T]
         else:
             recv = recv_x
-        if self.row_map:
-            row_map = small[-1]
-            s_map.value = ptr(row_map)
-        else:
-            row_map = None  # a combine of this shape does not read it
+        row_map = s_map.value = base + self.map_offset if self.row_map else 0
         if cumulative_local_expert_recv_stats is not None or s_cum.value:
             s_cum.value = 0 if cumulative_local_expert_recv_stats is None else ptr(cumulative_local_expert_recv_stats)
         if dispatch_wait_recv_cost_stats is not None or s_wait.value:
@@ -207,8 +210,8 @@ class DispatchPlan(_Plan):
             stage.slot("x").value = x_ptr
             stage.launch(stream)
         hook = self._launch(b, s_phases, stream)
-        handle = LowLatencyHandle((src_info, layout_range, self.t_max, self.hidden, self.num_experts), row_map,
-                                  self.engine, self.handle_key)
+        handle = LowLatencyHandle.of_dispatch(frame, words, small, self.sizes, (src, rng, row_map), self.engine,
+                                              self.handle_key)
         if self.handle_key is None:  # the same for every handle this plan makes
             self.handle_key = handle.key = ll_handle_meta(handle)
         if streams is None:
@@ -270,12 +273,17 @@ class CombinePlan(_Plan):
         s_x, s_src, s_range, s_map, s_topk, s_w, s_out, s_wait, s_phases = self.slots[b]
         if not self.zero_copy:
             s_x.value = ptr(x)
-        s_src.value = ptr(handle[0])
-        s_range.value = ptr(handle[1])
-        if self.partials:
+        ptrs = None if owner is None else handle.ptrs
+        if ptrs is not None:  # a dispatch's handle as it was returned
+            s_src.value, s_range.value, row_map = ptrs
+        else:
+            s_src.value = ptr(handle[0])
+            s_range.value = ptr(handle[1])
             # A handle the caller built or rebuilt has no row map: the kernel then rebuilds the rows from it.
             row_map = getattr(handle, "row_map", None)
-            s_map.value = 0 if row_map is None else ptr(row_map)
+            row_map = 0 if row_map is None else ptr(row_map)
+        if self.partials:
+            s_map.value = row_map
         s_topk.value = ptr(topk_idx)
         s_w.value = ptr(topk_weights)
         s_out.value = ptr(out)
