@@ -25,7 +25,6 @@ from __future__ import annotations
 from ..buffer import Buffer
 from ..config import Config
 from ..device.group import MPIGroup, comm_barrier
-from ..ops.intranode import engine as I
 from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS
 from ..ops.intranode.engine import IntranodeEngine
 from ..ops.intranode.own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
@@ -66,8 +65,7 @@ def _default_split(warps: int) -> tuple[int, int]:
 
 
 def _restore_defaults(engine) -> None:
-    engine.dispatch_warps, engine.dispatch_unroll = I.default_dispatch_shape(engine.num_ranks)
-    engine.combine_warps, engine.combine_unroll = I.default_combine_shape(engine.num_ranks)
+    engine.dispatch_warps = engine.dispatch_unroll = engine.combine_warps = engine.combine_unroll = None
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
     engine.use_output_pool = engine.use_copy_combine = True
     engine.use_own_row_copies = OWN_ON_BY_DEFAULT
