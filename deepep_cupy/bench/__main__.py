@@ -21,7 +21,7 @@ from ..device.group import comm_barrier
 from ..tuning import gpu_model
 from . import targets
 from .plot import plot
-from .timing import format_table
+from .timing import format_table, parse_sm_counts, sm_counts
 
 SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
 #: Suites that run only when named (not in ``all``).
@@ -29,6 +29,13 @@ OPT_IN = ("compiled",)
 DEFAULT_SUITE_TIMEOUT_S = 240.0
 
 _NAMES = SUITES + OPT_IN + ("all",)
+
+
+def _sm_counts(text: str) -> tuple[int, ...]:
+    try:
+        return parse_sm_counts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -41,7 +48,9 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--num-sms", type=_sm_counts, default=(24,), metavar="N[,N...]",
+                   help="SMs of the normal kernels, one count or a comma list (8,12,24): the intranode suite "
+                        "runs once per count, the internode suite at the first (default 24)")
     p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
     p.add_argument("--ll-experts", type=int, default=288)
     p.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
@@ -119,8 +128,10 @@ def run_suite(module, suite: str, comm, args) -> tuple[list[dict], str | None]:
     """A suite's rows, and why the run must end in failure (None: it need not). A suite that raises is
     reported in its row so that the others' numbers still show; one whose ``FAIL_RUN`` is true (its
     checks are what it is for) also fails the run."""
-    timeout = args.suite_timeout if args.suite_timeout is not None else \
-        getattr(module, "SUITE_TIMEOUT_S", DEFAULT_SUITE_TIMEOUT_S)
+    timeout = args.suite_timeout
+    if timeout is None:  # a suite that runs once per SM count gets its budget once per count
+        timeout = getattr(module, "SUITE_TIMEOUT_S", DEFAULT_SUITE_TIMEOUT_S) * \
+            (len(sm_counts(args)) if getattr(module, "PER_SM_COUNT", False) else 1)
     # A suite that hangs (a peer gone, a collective mismatched) is killed with every thread's stack.
     faulthandler.dump_traceback_later(timeout, exit=True)
     failure = None

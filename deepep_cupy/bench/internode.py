@@ -17,7 +17,7 @@ from .. import Buffer, Config
 from ..device.group import comm_barrier
 from ..device.streams import current_stream
 from .baselines import naive_ep
-from .timing import row, time_op
+from .timing import row, sm_counts, time_op
 
 __all__ = ["run"]
 
@@ -40,7 +40,7 @@ def run(comm, args) -> list[dict]:
     if num_ranks % lsize or num_ranks // lsize < 2:
         return [{"op": "internode", "note": f"skipped: {num_ranks} ranks do not make 2 or more domains of {lsize}"}]
     num_tokens, hidden, num_experts, num_topk = args.tokens, args.hidden, args.experts, args.topk
-    num_sms = int(args.num_sms)
+    num_sms = sm_counts(args)[0]
     dcfg = Config(num_sms, 8, 512, 16, 128)
     ccfg = Config(num_sms, 8, 512, 16, 128)
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in (dcfg, ccfg))

@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import NamedTuple
 
-from .timing import format_table
+from .timing import format_table, sm_counts
 
 __all__ = ["TARGETS", "WORKLOAD", "Target", "why_not_compared", "compare", "format_targets", "main"]
 
@@ -55,8 +55,13 @@ def why_not_compared(ranks: int, args, gpus: int) -> str | None:
         return f"the targets are for {WORKLOAD['ranks']} ranks, this run had {ranks}"
     if gpus < ranks:
         return f"the {ranks} ranks shared {gpus} GPU{'s' if gpus != 1 else ''}"
-    other = [k for k, v in WORKLOAD.items() if k != "ranks" and getattr(args, k) != v]
+    other = [k for k, v in WORKLOAD.items() if k != "ranks" and not _measured(args, k, v)]
     return f"not the targets' workload ({', '.join(other)} differ)" if other else None
+
+
+def _measured(args, key: str, value) -> bool:
+    # A run over several SM counts measures the workload's when its count is among them.
+    return value in sm_counts(args) if key == "num_sms" else getattr(args, key) == value
 
 
 def compare(rows) -> list[dict]:
@@ -64,7 +69,9 @@ def compare(rows) -> list[dict]:
     ``status``: "met", "missed by X%" or "not measured"."""
     by_op = {}
     for r in rows:
-        by_op.setdefault(r.get("op"), r)
+        # A run over several SM counts has a row per count; the targets are for the workload's.
+        if r.get("SMs", WORKLOAD["num_sms"]) == WORKLOAD["num_sms"]:
+            by_op.setdefault(r.get("op"), r)
     out = []
     for t in TARGETS:
         value = by_op.get(t.op, {}).get(t.field)

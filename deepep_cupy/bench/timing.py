@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["time_op", "park", "row", "format_table", "kernel_durations"]
+__all__ = ["time_op", "park", "row", "format_table", "kernel_durations", "parse_sm_counts", "sm_counts"]
 
 _PARK_SRC = r"""
 extern "C" __global__ void park(unsigned long long ns) {
@@ -112,3 +112,21 @@ def format_table(rows: list[dict]) -> str:
     lines = [" | ".join(k.ljust(widths[k]) for k in keys), "-+-".join("-" * widths[k] for k in keys)]
     lines += [" | ".join(str(r.get(k, "")).ljust(widths[k]) for k in keys) for r in rows]
     return "\n".join(lines)
+
+
+def parse_sm_counts(text: str) -> tuple[int, ...]:
+    """``--num-sms``: one SM count (``24``) or a comma list (``8,12,24``), each a positive int, in the order
+    given, each once."""
+    try:
+        values = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"expected a positive int or a comma list of them (8,12,24), got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def sm_counts(args) -> tuple[int, ...]:
+    """The SM counts of a run's ``args.num_sms`` (a tuple from the command line, or a plain int)."""
+    value = args.num_sms
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)

@@ -53,6 +53,42 @@ def test_unknown_suite_is_a_usage_error():
     assert "Traceback" not in got.stderr
 
 
+def test_num_sms_is_one_count_or_a_comma_list(capsys):
+    from deepep_cupy.bench import __main__ as cli
+    from deepep_cupy.bench.timing import sm_counts
+
+    parse = cli.command_line().parse_args
+    assert parse([]).num_sms == (24,)
+    assert parse(["--num-sms", "20"]).num_sms == (20,)
+    assert parse(["intranode", "--num-sms", "8,12,24"]).num_sms == (8, 12, 24)
+    assert parse(["--num-sms", "24, 8,24"]).num_sms == (24, 8)  # in the order given, each once
+    assert sm_counts(parse(["--num-sms", "8,12"])) == (8, 12)
+    assert sm_counts(SimpleNamespace(num_sms=16)) == (16,)  # a plain int, as older callers pass it
+    for bad in ("", "x", "8,,y", "0", "8,-2"):
+        with pytest.raises(SystemExit):
+            parse(["--num-sms", bad])
+        assert "comma list" in capsys.readouterr().err
+
+
+def test_a_suite_per_sm_count_gets_its_time_per_count(monkeypatch):
+    import faulthandler
+
+    from deepep_cupy.bench import __main__ as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "comm_barrier", lambda comm, op: None)
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, exit: seen.append(timeout))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: None)
+    per_count = SimpleNamespace(run=lambda comm, args: [], PER_SM_COUNT=True, SUITE_TIMEOUT_S=100)
+    once = SimpleNamespace(run=lambda comm, args: [], SUITE_TIMEOUT_S=100)
+    args = cli.command_line().parse_args(["--num-sms", "8,12,24"])
+    cli.run_suite(per_count, "intranode", None, args)
+    cli.run_suite(once, "internode", None, args)
+    cli.run_suite(per_count, "intranode", None, cli.command_line().parse_args(["--num-sms", "8,24",
+                                                                              "--suite-timeout", "50"]))
+    assert seen == [300, 100, 50]
+
+
 def test_host_suite_imports_without_a_gpu():
     from deepep_cupy.bench import __main__ as cli
     from deepep_cupy.bench import host

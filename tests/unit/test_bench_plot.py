@@ -74,6 +74,36 @@ def test_png_from_the_json(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# A run over several SM counts (--num-sms 8,24): a row per op and count.
+MULTI = [r for r in ROWS if "SMs" not in r] + [
+    {**r, "SMs": sms, "us": r["us"] * factor, "GB/s": round(r["GB/s"] / factor, 1)}
+    for sms, factor in ((8, 1.5), (24, 1.0)) for r in ROWS if "SMs" in r]
+
+
+def test_one_bar_per_sm_count():
+    groups = {g["op"]: g for g in plot.compared_ops(MULTI)}
+    assert list(groups) == ["dispatch BF16 (cached)", "dispatch FP8 (cached)", "combine BF16"]
+    at8, at24 = plot.sm_label(8), plot.sm_label(24)
+    assert plot.series_of(groups.values()) == [at8, at24, *plot.SERIES[1:]]
+    combine = groups["combine BF16"]
+    assert combine[at8] == (750.0, 160.0) and combine[at24] == (500.0, 240.0)
+    assert plot.SERIES[0] not in combine
+    assert combine[plot.SERIES[1]] == (1000.0, 105.0)
+    # The copy engine's bar is the op's bytes at its rate, whichever count's row it is computed from.
+    assert combine[plot.SERIES[2]] == pytest.approx((500.0 * 240.0 / 400.0, 400.0))
+    assert plot.other_ops(MULTI) == plot.other_ops(ROWS)
+    # One SM count: the single deepep_cupy series, as before.
+    assert plot.series_of(plot.compared_ops(ROWS)) == list(plot.SERIES)
+
+
+def test_png_of_several_sm_counts(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
+    png = tmp_path / "sms.png"
+    plot.plot(MULTI, str(png), title="test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_nothing_to_plot(tmp_path):
     with pytest.raises(ValueError, match="nothing to plot"):
         plot.plot([{"op": "host: dispatch", "us": 1.0, "suite": "host"}], str(tmp_path / "x.png"))

@@ -59,6 +59,18 @@ def test_only_the_targets_workload_is_compared():
     assert "topk" in targets.why_not_compared(2, SimpleNamespace(**{**vars(args), "topk": 6}), gpus=2)
 
 
+def test_a_run_over_several_sm_counts_is_compared_on_the_targets_count():
+    from deepep_cupy.bench.__main__ import command_line
+
+    assert targets.why_not_compared(2, command_line().parse_args(["--num-sms", "8,12,24"]), gpus=2) is None
+    assert "num_sms" in targets.why_not_compared(2, command_line().parse_args(["--num-sms", "8,12"]), gpus=2)
+    # Rows at 8 SMs (missing every target) come first; the 24-SM rows (meeting them) are the ones compared.
+    at8 = [{**r, "SMs": 8, t.field: 1e6} for r, t in zip(_rows(0.9), targets.TARGETS, strict=True)]
+    at24 = [dict(r, SMs=24) for r in _rows(0.9)]
+    assert {e["status"] for e in targets.compare(at8 + at24)} == {"met"}
+    assert {e["status"] for e in targets.compare(at8)} == {"not measured"}
+
+
 def test_command_line(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_rows(0.5)))

@@ -112,6 +112,37 @@ def test_default_self_warps():
             assert 0 <= s <= w - (r - 1) and 0 <= rs <= w - (r - 1) and s + rs >= 1
 
 
+def test_block_shapes_by_rank_and_sm_count(monkeypatch):
+    # The shipped tables: the same shape at every SM count (16 x 14 / 16 x 8 dispatch, 16 x 8 / 32 x 2 combine).
+    for sms in (None, 8, 12, 24, 132):
+        assert intranode.default_dispatch_shape(2, sms) == (16, 14)
+        assert intranode.default_dispatch_shape(8, sms) == (16, 8)
+        assert intranode.default_combine_shape(2, sms) == (16, 8)
+        assert intranode.default_combine_shape(4, sms) == (32, 2)
+    # A table with rows for few SMs: the first row covering (ranks, SMs) wins; without an SM count, only
+    # the rows for any count apply.
+    table = ((2, 8, 32, 8), (2, None, 16, 14), (None, 12, 24, 6), (None, None, 16, 8))
+    monkeypatch.setattr(intranode, "DISPATCH_SHAPE_TABLE", table)
+    assert intranode.default_dispatch_shape(2, 8) == (32, 8) and intranode.default_dispatch_shape(1, 4) == (32, 8)
+    assert intranode.default_dispatch_shape(2, 10) == intranode.default_dispatch_shape(2) == (16, 14)
+    assert intranode.default_dispatch_shape(4, 12) == (24, 6) and intranode.default_dispatch_shape(8, 8) == (24, 6)
+    assert intranode.default_dispatch_shape(4, 24) == intranode.default_dispatch_shape(4) == (16, 8)
+    assert intranode.table_shapes(table, 2) == [(32, 8), (16, 14)]
+    assert intranode.table_shapes(table, 8) == [(24, 6), (16, 8)]
+    builds = intranode.representative_builds()
+    assert intranode.dispatch_spec(2, 32, 8) in builds and intranode.dispatch_spec(4, 24, 6) in builds
+    assert intranode.dispatch_spec(4, 32, 8) not in builds
+    # The engine takes the table's shape for the launch's SM count unless a tuning attribute is set.
+    engine = object.__new__(intranode.IntranodeEngine)
+    engine.num_ranks = 2
+    engine.dispatch_warps = engine.dispatch_unroll = engine.combine_warps = engine.combine_unroll = None
+    assert engine.dispatch_shape(8) == (32, 8) and engine.dispatch_shape(24) == (16, 14)
+    engine.dispatch_unroll = 4
+    assert engine.dispatch_shape(8) == (32, 4)
+    engine.combine_warps = 24
+    assert engine.combine_shape(8) == (24, 8)
+
+
 @pytest.mark.parametrize("cap", [1, 2, 3, 4, 7, 64, 256, 512])
 @pytest.mark.parametrize("send", [1, 2, 6, 8, 24, 32, 100])
 def test_publish_batch_never_deadlocks(cap, send):
@@ -308,5 +339,6 @@ def test_tuning_variants_compile_sm90():
 
     for spec in (intranode.dispatch_spec(2, 16, 8), intranode.dispatch_spec(2, 32, 2),
                  intranode.dispatch_spec(2, 16, 14), intranode.combine_spec(2, 16, 4),
-                 intranode.combine_spec(3, 24, 2), intranode.combine_spec(2, 24, 4)):
+                 intranode.combine_spec(3, 24, 2), intranode.combine_spec(2, 24, 4),
+                 intranode.dispatch_spec(2, 32, 8), intranode.combine_copy_spec(2, 32, 4)):
         build(spec, arch="sm_90")

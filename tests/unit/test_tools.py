@@ -31,3 +31,101 @@ def test_mps_residency_kernel_compiles():
             pytest.fail(f"the residency probe does not compile:\n{log.decode(errors='replace')}")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+_PTXAS_LOG = """\
+ptxas info    : 79 bytes gmem
+ptxas info    : Compiling entry function '_ZN11deepep_cupy9intranode8dispatchILi2ELi32ELi8EEEv' for 'sm_90'
+ptxas info    : Function properties for _ZN11deepep_cupy9intranode8dispatchILi2ELi32ELi8EEEv
+ptxas         .     512 bytes stack frame, 688 bytes spill stores, 1326 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 512 bytes cumulative stack size, 128 bytes smem
+ptxas info    : Compile time = 852.097 ms
+ptxas info    : Function properties for _ZN11deepep_cupy9intranode15dispatch_directILi2ELi32ELi8EEEb
+ptxas         .     0 bytes stack frame, 52 bytes spill stores, 80 bytes spill loads
+"""
+
+
+def test_kernel_resources_reads_the_ptxas_report():
+    tool = _tool("kernel_resources")
+    got = tool.parse_ptxas(_PTXAS_LOG)
+    assert got["registers"] == 64 and got["smem"] == 128
+    assert list(got["functions"].values()) == [(512, 688, 1326), (0, 52, 80)]
+    row = {"kind": "dispatch", "ranks": 2, "warps": 32, "unroll": 8, **got}
+    line = tool.describe(row)
+    assert "regs  64" in line and "688/1326 + 52/80" in line and line.endswith("launches")
+    # 1024 threads fit at 64 registers a thread, not at 72; 768 threads at 80.
+    assert tool.fits(64, 32) and not tool.fits(72, 32) and tool.fits(80, 24) and not tool.fits(88, 24)
+    assert len(tool.variants([2], [16, 32], [4, 8], [2])) == 2 * 2 + 2 * 2 * 1
+
+
+def test_sm_sweep_arguments():
+    tool = _tool("sm_sweep")
+    args = tool.command_line().parse_args(["--num-sms", "8,12,24", "--dispatch-shapes", "32x8,16X14,32x8",
+                                           "--ops", "bf16,combine"])
+    assert args.num_sms == (8, 12, 24) and args.dispatch_shapes == ((32, 8), (16, 14))
+    assert args.ops == ("bf16", "combine") and args.combine_shapes == tool.COMBINE_SHAPES
+    for option, bad in (("--num-sms", "8,x"), ("--dispatch-shapes", "33x4"), ("--combine-shapes", "16"),
+                        ("--ops", "bf16,nope")):
+        with pytest.raises(SystemExit):
+            tool.command_line().parse_args([option, bad])
+    assert tool.shape_grid(((32, 8), (16, 14), (24, 4)), (16, 14)) == [(16, 14), (32, 8), (24, 4)]
+    # The grid the brief asks for: warps 16 / 24 / 32 with dispatch unrolls 4, 6, 8, 14 and combine 2, 4, 8.
+    assert {w for w, _ in tool.DISPATCH_SHAPES} == {16, 24, 32} == {w for w, _ in tool.COMBINE_SHAPES}
+    assert {u for _, u in tool.DISPATCH_SHAPES} == {4, 6, 8, 14} and {u for _, u in tool.COMBINE_SHAPES} == {2, 4, 8}
+
+
+class _Comm:
+    def allgather(self, value):
+        return [value]
+
+
+class _Engine:
+    def __init__(self):
+        self.broken, self.copy_seq = None, 0
+        self.combine_warps = self.combine_unroll = None
+
+    def check_errors(self, stream):
+        pass
+
+
+def test_sm_sweep_checks_times_and_tabulates_every_shape():
+    np = pytest.importorskip("numpy")
+    tool = _tool("sm_sweep")
+    engine, stream = _Engine(), type("Stream", (), {"synchronize": lambda self: None})()
+    steps = tool.Steps(_Comm(), engine, budget=1e9, start=0.0)
+    sweep = tool.Sweep(engine, stream, steps, rounds=3, say=lambda *a, **k: None, in_pool=lambda a: True)
+
+    def combine():
+        shape = (engine.combine_warps, engine.combine_unroll)
+        if shape == (24, 8):
+            raise RuntimeError("launch failed\nmore lines")
+        engine.copy_seq += 1
+        out = np.arange(64, dtype=np.uint16)
+        if shape == (32, 8):
+            out[3] ^= 1  # one bit off
+        return out, np.ones(8, dtype=np.float32)
+
+    times = {(16, 8): [300.0, 310.0, 305.0], (32, 4): [250.0, 240.0, 260.0], (32, 8): [200.0] * 3}
+
+    def time_op(fn, stream, **timing):
+        fn()
+        return times[(engine.combine_warps, engine.combine_unroll)].pop(0)
+
+    shapes = tool.shape_grid(((32, 4), (24, 8), (32, 8)), (16, 8))
+    rows = sweep.run("combine BF16", 8, combine, ("combine_warps", "combine_unroll"), shapes, (16, 8), time_op, {})
+    by_shape = {(r["warps"], r["unroll"]): r for r in rows}
+    assert by_shape[(16, 8)]["us"] == 305.0 and by_shape[(16, 8)]["default"] and by_shape[(16, 8)]["mode"] == "copy"
+    assert by_shape[(32, 4)]["us"] == 250.0 and by_shape[(32, 4)]["rounds_us"] == [250.0, 240.0, 260.0]
+    assert by_shape[(24, 8)]["error"] == "rank 0: FAILED: RuntimeError: launch failed" and "us" not in by_shape[(24, 8)]
+    assert by_shape[(32, 8)]["mismatch"] == "rank 0: differs from the default"
+    assert (engine.combine_warps, engine.combine_unroll) == (None, None)  # the engine's defaults again
+    table = tool.format_table(rows)
+    assert "MISMATCH" in table and "FAILED" in table and "-18.0%" in table
+    best = table.split("best shape per (op, SMs):")[1]
+    assert "32 x 4" in best and "32 x 8" not in best  # a differing shape never wins
+    assert "4 variants, 2 failed or differing" in table
+    # Past the budget nothing more starts, and the rows say so.
+    steps.budget = -1.0
+    rows = sweep.run("combine BF16", 12, combine, ("combine_warps", "combine_unroll"), [(16, 8), (32, 4)], (16, 8),
+                     time_op, {})
+    assert steps.stopped.startswith("past the budget") and rows[1]["error"].startswith("skipped: past the budget")

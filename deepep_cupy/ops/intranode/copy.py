@@ -165,7 +165,7 @@ class CopyCombine:
         self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
-        warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
+        warps, unroll = engine.combine_shape(2 * num_channels)
         kernel = engine.kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,

@@ -66,14 +66,57 @@ COMBINE_WARPS, COMBINE_UNROLL = 16, 8
 COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 
 
-def default_dispatch_shape(num_ranks: int) -> tuple[int, int]:
-    """``(warps, unroll)`` of the dispatch kernel for ``num_ranks`` ranks."""
-    return (DISPATCH_WARPS, DISPATCH_UNROLL_FEW if num_ranks <= 2 else DISPATCH_UNROLL)
+# Block shapes by rank count and SM count: rows (ranks up to, SMs up to, warps, unroll), None meaning no bound;
+# the first row that covers a launch wins. SMs are those of the launch (2 x channels: config.num_sms for a
+# dispatch without handle, the handle's for a cached dispatch and a combine). A shape measured best at few
+# SMs goes above the catch-all rows, e.g. (2, 8, 32, 8); tools/sm_sweep.py times the candidates.
+DISPATCH_SHAPE_TABLE = (
+    (2, None, DISPATCH_WARPS, DISPATCH_UNROLL_FEW),
+    (None, None, DISPATCH_WARPS, DISPATCH_UNROLL),
+)
+COMBINE_SHAPE_TABLE = (
+    (2, None, COMBINE_WARPS, COMBINE_UNROLL),
+    (None, None, COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY),
+)
 
 
-def default_combine_shape(num_ranks: int) -> tuple[int, int]:
-    """``(warps, unroll)`` of the combine kernel for ``num_ranks`` ranks."""
-    return (COMBINE_WARPS, COMBINE_UNROLL) if num_ranks <= 2 else (COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY)
+def _covers(row, num_ranks: int, num_sms: int | None) -> bool:
+    max_ranks, max_sms = row[0], row[1]
+    # Without an SM count only the rows for any count apply (the shapes of the rank count alone).
+    return (max_ranks is None or num_ranks <= max_ranks) and (max_sms is None or (num_sms is not None and
+                                                                                  num_sms <= max_sms))
+
+
+def shape_from(table, num_ranks: int, num_sms: int | None = None) -> tuple[int, int]:
+    """``(warps, unroll)`` of the first row of ``table`` covering ``num_ranks`` ranks on ``num_sms`` SMs."""
+    for row in table:
+        if _covers(row, num_ranks, num_sms):
+            return int(row[2]), int(row[3])
+    raise ValueError(f"no block shape for {num_ranks} ranks on {num_sms} SMs")
+
+
+def table_shapes(table, num_ranks: int) -> list[tuple[int, int]]:
+    """Every ``(warps, unroll)`` that ``table`` gives ``num_ranks`` ranks at some SM count (the shipped builds)."""
+    out: list[tuple[int, int]] = []
+    for max_ranks, max_sms, warps, unroll in table:
+        if max_ranks is not None and num_ranks > max_ranks:
+            continue
+        if (int(warps), int(unroll)) not in out:
+            out.append((int(warps), int(unroll)))
+        if max_sms is None:
+            break  # the rows below are never reached at this rank count
+    return out
+
+
+def default_dispatch_shape(num_ranks: int, num_sms: int | None = None) -> tuple[int, int]:
+    """``(warps, unroll)`` of the dispatch kernel for ``num_ranks`` ranks on ``num_sms`` SMs (None: any)."""
+    return shape_from(DISPATCH_SHAPE_TABLE, num_ranks, num_sms)
+
+
+def default_combine_shape(num_ranks: int, num_sms: int | None = None) -> tuple[int, int]:
+    """``(warps, unroll)`` of the combine kernels (both modes) for ``num_ranks`` ranks on ``num_sms`` SMs."""
+    return shape_from(COMBINE_SHAPE_TABLE, num_ranks, num_sms)
+
 
 # Op codes of cuda_src/intranode/layout.cuh -> names used in error messages.
 OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = 1, 2
@@ -123,13 +166,16 @@ def combine_spec(num_ranks: int, warps: int | None = None, unroll: int | None = 
 
 
 def representative_builds() -> list[BuildSpec]:
-    """The instantiations shipped by default: 1, 2, 4 and 8 ranks with the default block shapes."""
+    """The instantiations shipped by default: 1, 2, 4 and 8 ranks with every block shape of the shape tables."""
 
     out = []
     for r in (1, 2, 4, 8):
-        out += [notify_spec(r), dispatch_spec(r), combine_spec(r)]
-        if r > 1:
-            out.append(combine_copy_spec(r, *default_combine_shape(r)))
+        out.append(notify_spec(r))
+        out += [dispatch_spec(r, w, u) for w, u in table_shapes(DISPATCH_SHAPE_TABLE, r)]
+        for w, u in table_shapes(COMBINE_SHAPE_TABLE, r):
+            out.append(combine_spec(r, w, u))
+            if r > 1:
+                out.append(combine_copy_spec(r, w, u))
     return out
 
 
@@ -159,6 +205,10 @@ def _leftover_warps(num_ranks: int, warps: int) -> int:
     return max(1, min(warps - (num_ranks - 1) * share, warps - (num_ranks - 1)))
 
 
+def _override(value, default: int) -> int:
+    return default if value is None else int(value)
+
+
 # ---------------------------------------------------------------------------------------------------- engine
 class IntranodeEngine(EngineHealth):
     """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
@@ -175,7 +225,8 @@ class IntranodeEngine(EngineHealth):
 
     Attributes (tuning, may be changed between ops; all ranks must use the same values):
         timeout_s: wait budget of the kernels.
-        dispatch_warps, dispatch_unroll, combine_warps, combine_unroll: block shapes (compile-time).
+        dispatch_warps, dispatch_unroll, combine_warps, combine_unroll: block shapes (compile-time; None, the
+            default: :func:`default_dispatch_shape` / :func:`default_combine_shape` for the launch's SM count).
         self_warps: warps of a dispatch sender block that copy local tokens (None: :func:`default_self_warps`).
         recv_self_warps: warps of a dispatch receiver block that copy local tokens (None:
             :func:`default_recv_self_warps`). The local copy is shared by both groups.
@@ -226,8 +277,11 @@ class IntranodeEngine(EngineHealth):
         self.device_id = int(device_id)
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.timeout_s = timeout_seconds()
-        self.dispatch_warps, self.dispatch_unroll = default_dispatch_shape(self.num_ranks)
-        self.combine_warps, self.combine_unroll = default_combine_shape(self.num_ranks)
+        # None: the shape tables' value for the launch's SM count (dispatch_shape / combine_shape).
+        self.dispatch_warps: int | None = None
+        self.dispatch_unroll: int | None = None
+        self.combine_warps: int | None = None
+        self.combine_unroll: int | None = None
         self.self_warps: int | None = None
         self.recv_self_warps: int | None = None
         self.publish_batch: int | None = None
@@ -321,6 +375,16 @@ class IntranodeEngine(EngineHealth):
             raise ValueError(f"self_warps ({send}) and recv_self_warps ({recv}) must each be in "
                              f"[0, {warps - (R - 1)}] for {R} ranks and {warps} warps, and not both 0")
         return send, recv
+
+    def dispatch_shape(self, num_sms: int) -> tuple[int, int]:
+        """``(warps, unroll)`` of a dispatch launched on ``num_sms`` SMs: the tuning attributes, where set."""
+        warps, unroll = default_dispatch_shape(self.num_ranks, num_sms)
+        return _override(self.dispatch_warps, warps), _override(self.dispatch_unroll, unroll)
+
+    def combine_shape(self, num_sms: int) -> tuple[int, int]:
+        """``(warps, unroll)`` of a combine (either mode) launched on ``num_sms`` SMs (see :meth:`dispatch_shape`)."""
+        warps, unroll = default_combine_shape(self.num_ranks, num_sms)
+        return _override(self.combine_warps, warps), _override(self.combine_unroll, unroll)
 
     def kernel(self, spec: BuildSpec, name: str):
         return load(spec).get_function(name)

@@ -76,7 +76,7 @@ class DispatchPlan(NormalPlan):
         self.pool_bases = self.pool.bases.data.ptr if self.pool is not None else 0
         self._pool_layouts: dict = {}
 
-        warps, unroll = int(engine.dispatch_warps), int(engine.dispatch_unroll)
+        warps, unroll = engine.dispatch_shape(2 * self.num_channels)
         self_warps, recv_self_warps = engine.local_copy_warps(warps)
         kernel = engine.kernel(dispatch_spec(R, warps, unroll), intranode_dispatch(R, warps, unroll))
         named = dispatch_args(
@@ -273,7 +273,7 @@ class CombinePlan(NormalPlan):
         self.cap, layout = limits.intranode_combine(R, engine.num_nvl_bytes, config, hidden=hidden,
                                                     num_topk=self.num_topk, handle_channels=self.num_channels,
                                                     num_device_sms=engine.num_device_sms)
-        warps, unroll = int(engine.combine_warps), int(engine.combine_unroll)
+        warps, unroll = engine.combine_shape(2 * self.num_channels)
         kernel = engine.kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
         named = combine_args(
             x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0,
