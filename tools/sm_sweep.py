@@ -89,6 +89,9 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=240.0, help="seconds after which every rank exits")
     p.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
     p.add_argument("--json", help="write the rows here (after every SM count)")
+    p.add_argument("--own-rows", choices=("on", "off"), default=None,
+                   help="the cached dispatches' own rows through the copy engines, or on the SMs (default: the "
+                        "engine's choice); the mode column says +own where they were")
     return p
 
 
@@ -223,13 +226,13 @@ class Sweep:
         """First call (plan, kernel load): ``(mode, bits, why the bits differ or None)``."""
         engine, stream = self.engine, self.stream
         self._use(names, shape)
-        seq = engine.copy_seq
+        seq, own = engine.copy_seq, engine.own_copies
         outs = fn()
         stream.synchronize()
         if op.startswith("combine"):
             mode = "copy" if engine.copy_seq > seq else "ring"
         else:
-            mode = "direct" if self.in_pool(outs[0]) else "ring"
+            mode = ("direct" if self.in_pool(outs[0]) else "ring") + ("+own" if engine.own_copies > own else "")
         snap = bits(outs)
         del outs
         engine.check_errors(stream)
@@ -329,6 +332,8 @@ def main(argv=None) -> int:
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, R) for pair in configs.values() for c in pair)
     engine = IntranodeEngine(MPIGroup(comm), cupy.cuda.runtime.getDevice(), nvl_bytes)
     engine.timeout_s = args.timeout_s
+    if args.own_rows is not None:  # before the handles are made: they must carry is_token_in_rank
+        engine.use_own_row_copies = args.own_rows == "on"
     stream = cupy.cuda.Stream(non_blocking=True)
     steps = Steps(comm, engine, args.budget, start)
     pool = engine.output_pool

@@ -140,7 +140,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         if in_pool is not None:  # the cached dispatch's own rows: copy engines or SMs (own_rows.py)
             engine = env["buf"].runtime.intranode
             runs = own_runs(r_in[:, me])
-            own_copies = (engine.use_own_row_copies and not fp8 and not worst_rows and len(runs) <= OWN_MAX_RUNS
+            own_copies = (engine.use_own_row_copies and not worst_rows and len(runs) <= OWN_MAX_RUNS
                           and sum(b - a for a, b in runs) >= engine.own_copy_min_rows)
         cached_dispatch_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, fp8=fp8,
                               column_major=column_major, align=align, num_recv=num_recv, cfg=cfg,

@@ -69,7 +69,7 @@ def test_sm_sweep_arguments():
         with pytest.raises(SystemExit):
             tool.command_line().parse_args([option, bad])
     assert tool.shape_grid(((32, 8), (16, 14), (24, 4)), (16, 14)) == [(16, 14), (32, 8), (24, 4)]
-    # The grid the brief asks for: warps 16 / 24 / 32 with dispatch unrolls 4, 6, 8, 14 and combine 2, 4, 8.
+    # The grid worth trying: warps 16 / 24 / 32 with dispatch unrolls 4, 6, 8, 14 and combine 2, 4, 8.
     assert {w for w, _ in tool.DISPATCH_SHAPES} == {16, 24, 32} == {w for w, _ in tool.COMBINE_SHAPES}
     assert {u for _, u in tool.DISPATCH_SHAPES} == {4, 6, 8, 14} and {u for _, u in tool.COMBINE_SHAPES} == {2, 4, 8}
 
@@ -81,7 +81,7 @@ class _Comm:
 
 class _Engine:
     def __init__(self):
-        self.broken, self.copy_seq = None, 0
+        self.broken, self.copy_seq, self.own_copies = None, 0, 0
         self.combine_warps = self.combine_unroll = None
 
     def check_errors(self, stream):

@@ -93,8 +93,9 @@ class DispatchPlan(NormalPlan):
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
             "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows", "pool_bases", "own_rows_copied"))
-        # BF16 rows of a cached dispatch: this rank's own rows may go through the copy engines.
-        self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached and x_scales is None else None
+        # Rows of a cached dispatch: this rank's own rows may go through the copy engines (their scales, where
+        # the call has them, stay with the SMs).
+        self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached else None
         self.notify = None
         if not self.cached:
             notify_offset, notify_stride, _ = notify
