@@ -32,7 +32,6 @@ from ..config import Config
 from ..device.group import MPIGroup, comm_barrier
 from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS
 from ..ops.intranode.engine import IntranodeEngine
-from ..ops.intranode.own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
 from ..ops.intranode.plans import direct_combine, direct_dispatch
 from ..ops.layout import get_dispatch_layout
 from .timing import row, sm_counts, time_op
@@ -75,7 +74,7 @@ def _restore_defaults(engine) -> None:
     engine.dispatch_warps = engine.dispatch_unroll = engine.combine_warps = engine.combine_unroll = None
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
     engine.use_output_pool = engine.use_copy_combine = True
-    engine.use_own_row_copies = OWN_ON_BY_DEFAULT
+    engine.use_own_row_copies = None
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 

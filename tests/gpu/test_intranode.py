@@ -32,7 +32,6 @@ from normal_common import (
 
 from deepep_cupy.ops.intranode.own_rows import MAX_RUNS as OWN_MAX_RUNS
 from deepep_cupy.ops.intranode.own_rows import MIN_ROWS as OWN_MIN_ROWS
-from deepep_cupy.ops.intranode.own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
 from deepep_cupy.ops.intranode.own_rows import own_runs
 
 pytestmark = MULTI_RANK_GPU
@@ -69,8 +68,8 @@ def _new_buffer(deepep_cupy):
     return buf
 
 
-def _cfg(env, recv=256):
-    return env["deepep_cupy"].Config(NUM_SMS, min(8, recv - 1), recv)
+def _cfg(env, recv=256, num_sms=NUM_SMS):
+    return env["deepep_cupy"].Config(num_sms, min(8, recv - 1), recv)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -109,7 +108,7 @@ def _check_dispatch(env, ours, refs, *, fp8, worst, with_topk=True):
 
 
 def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=False, worst=0, align=1,
-           only_rank0=False, bias=0, cached=True, recv=256, in_pool=None):
+           only_rank0=False, bias=0, cached=True, recv=256, in_pool=None, num_sms=NUM_SMS):
     """Layout, dispatch, cached dispatch, combine: everything compared with the reference. ``in_pool``: whether
     the dispatch outputs must lie in the output pool (None: not checked)."""
     buf, ref = env["buf"], env["ref"]
@@ -118,7 +117,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     topk_dev, w_dev = to_dev(topk, fw, env), to_dev(weights, fw, env)
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
     x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
-    cfg = _cfg(env, recv)
+    cfg = _cfg(env, recv, num_sms)
     worst_rows = worst * n * size if worst else 0
     rows_guess = max(worst_rows, n * size)
     poison(env, fw, [rows_guess * hidden * (1 if fp8 else 2), rows_guess * k * 8, rows_guess * k * 4, rows_guess * 4])
@@ -140,7 +139,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
         if in_pool is not None:  # the cached dispatch's own rows: copy engines or SMs (own_rows.py)
             engine = env["buf"].runtime.intranode
             runs = own_runs(r_in[:, me])
-            own_copies = (engine.use_own_row_copies and not worst_rows and len(runs) <= OWN_MAX_RUNS
+            own_copies = (engine.own_row_copies(cfg.num_sms) and not worst_rows and len(runs) <= OWN_MAX_RUNS
                           and sum(b - a for a, b in runs) >= engine.own_copy_min_rows)
         cached_dispatch_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, fp8=fp8,
                               column_major=column_major, align=align, num_recv=num_recv, cfg=cfg,
@@ -190,8 +189,33 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
         engine.use_output_pool = engine.use_copy_combine = True
-        engine.use_own_row_copies = OWN_ON_BY_DEFAULT
+        engine.use_own_row_copies = None
         engine.own_copy_min_rows = OWN_MIN_ROWS
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", ["direct", "ring"])
+def test_few_sms(env, mode, fp8):
+    """8 SMs (4 channels): the block shapes chosen for few SMs (engine.py's tables) in both modes of the dispatch
+    and the combine, with the own rows of the cached dispatch on the copy engines in the direct mode (the
+    default at that count, own_rows.py); DeepEP's row width, fresh data each repeat."""
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.reference.oracle import ReferenceOracle
+
+    rng = np.random.default_rng([8, int(fp8), env["rank"]])
+    engine = env["buf"].runtime.intranode
+    ref = env["ref"]
+    env["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=env["size"], low_latency_mode=False,
+                                 enable_shrink=False, num_channels=4)
+    engine.use_output_pool = engine.use_copy_combine = mode == "direct"
+    try:
+        assert engine.dispatch_shape(8) != engine.dispatch_shape(NUM_SMS) or env["size"] > 2
+        for _ in range(2):
+            _round(env, frameworks()[0], rng, n=2048, hidden=7168, num_experts=64, k=8, fp8=fp8, column_major=fp8,
+                   bias=1, recv=512, in_pool=mode == "direct", num_sms=8)
+    finally:
+        env["ref"] = ref
+        engine.use_output_pool = engine.use_copy_combine = True
 
 
 def test_full_pool_on_one_rank_takes_the_ring_mode(env):

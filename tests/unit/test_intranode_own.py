@@ -59,3 +59,17 @@ def test_runs_are_kept_on_the_handle():
     # The threshold is the engine's at each call, not the one of the first call.
     assert _copies(1, min_rows=9).runs(handle) is None
     assert _copies(1, min_rows=8).runs(handle) == first
+
+
+def test_copy_engines_take_own_rows_at_few_sms_and_two_ranks():
+    from deepep_cupy.ops.intranode.engine import IntranodeEngine
+
+    assert own.wanted(2, 8) and own.wanted(2, own.MAX_SMS) and own.wanted(1, 4)
+    assert not own.wanted(2, own.MAX_SMS + 1) and not own.wanted(4, 8)
+    engine = object.__new__(IntranodeEngine)
+    engine.__dict__.update(num_ranks=2, use_own_row_copies=None)
+    assert engine.own_row_copies(8) and not engine.own_row_copies(24)
+    engine.__dict__["use_own_row_copies"] = True  # the tuning attribute decides where set
+    assert engine.own_row_copies(24)
+    engine.__dict__["use_own_row_copies"] = False
+    assert not engine.own_row_copies(8)

@@ -36,7 +36,7 @@ from .args import combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 from .layout import required_bytes
 from .own_rows import MIN_ROWS as OWN_MIN_ROWS
-from .own_rows import ON_BY_DEFAULT as OWN_ON_BY_DEFAULT
+from .own_rows import wanted as own_rows_wanted
 
 __all__ = [
     "IntranodeEngine",
@@ -69,12 +69,21 @@ COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 # Block shapes by rank count and SM count: rows (ranks up to, SMs up to, warps, unroll), None meaning no bound;
 # the first row that covers a launch wins. SMs are those of the launch (2 x channels: config.num_sms for a
 # dispatch without handle, the handle's for a cached dispatch and a combine). A shape measured best at few
-# SMs goes above the catch-all rows, e.g. (2, 8, 32, 8); tools/sm_sweep.py times the candidates.
+# SMs goes above the catch-all rows; tools/sm_sweep.py times the candidates.
+# Few SMs, 2 ranks (2 x H200, 4096 x 7168, top-8 of 256, tools/sm_sweep.py, two runs): with fewer blocks, more
+# warps per block and fewer loads in flight per lane keep more rows moving. Dispatch 24 x 6 against 16 x 14:
+# FP8 -6.8% / -5.7% at 8 SMs and -7.8% / -6.9% at 12; BF16 within 3% either way (own rows on the copy
+# engines at these counts, own_rows.py: BF16 -9.5% at 8 SMs). Combine 32 x 2 against 16 x 8 at 8 SMs:
+# -8.7% / -9.6%; 24 x 4 at 12 and 16 SMs: -6.3% and -4.4% (32 x 2: -5.8% at 12). Above those counts the
+# sweeps were within their noise, and other rank counts were not measured: the old shapes stay.
 DISPATCH_SHAPE_TABLE = (
+    (2, 12, 24, 6),
     (2, None, DISPATCH_WARPS, DISPATCH_UNROLL_FEW),
     (None, None, DISPATCH_WARPS, DISPATCH_UNROLL),
 )
 COMBINE_SHAPE_TABLE = (
+    (2, 8, 32, 2),
+    (2, 16, 24, 4),
     (2, None, COMBINE_WARPS, COMBINE_UNROLL),
     (None, None, COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY),
 )
@@ -236,8 +245,9 @@ class IntranodeEngine(EngineHealth):
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
             ops/intranode/copy.py); False: always the ring mode.
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
-        use_own_row_copies: let a cached BF16 dispatch copy this rank's own rows with the copy engines
-            (ops/intranode/own_rows.py; off by default, see ``own_rows.ON_BY_DEFAULT``); False: the SMs copy them.
+        use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
+            (ops/intranode/own_rows.py); False: the SMs copy them; None (default): at few SMs
+            (``own_rows.wanted``).
         own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
 
     The handle (all CuPy, the same values as the reference backend's):
@@ -290,7 +300,7 @@ class IntranodeEngine(EngineHealth):
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         # Tests turn it on at any size.
-        self.use_own_row_copies = OWN_ON_BY_DEFAULT
+        self.use_own_row_copies: bool | None = None
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False
@@ -380,6 +390,13 @@ class IntranodeEngine(EngineHealth):
         """``(warps, unroll)`` of a dispatch launched on ``num_sms`` SMs: the tuning attributes, where set."""
         warps, unroll = default_dispatch_shape(self.num_ranks, num_sms)
         return _override(self.dispatch_warps, warps), _override(self.dispatch_unroll, unroll)
+
+    def own_row_copies(self, num_sms: int) -> bool:
+        """Whether a cached dispatch launched on ``num_sms`` SMs copies own rows with the copy engines: the
+        tuning attribute where set, else ``own_rows.wanted``."""
+        if self.use_own_row_copies is not None:
+            return bool(self.use_own_row_copies)
+        return own_rows_wanted(self.num_ranks, num_sms)
 
     def combine_shape(self, num_sms: int) -> tuple[int, int]:
         """``(warps, unroll)`` of a combine (either mode) launched on ``num_sms`` SMs (see :meth:`dispatch_shape`)."""

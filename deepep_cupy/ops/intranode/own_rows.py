@@ -1,13 +1,20 @@
-"""Own rows of a cached BF16 intranode dispatch through the copy engines.
+"""Own rows of a cached intranode dispatch through the copy engines.
 
 The rows a rank keeps for itself (its tokens routed to its own experts) form one block of ``recv_x`` (rows
 ``rank_prefix_matrix[me - 1][me]`` onwards), filled from a few runs of consecutive tokens of ``x``: with 2
 ranks almost every token goes to both, so 4096 tokens make ~13 runs. A side stream copies those runs with
 plain device-to-device copies while the kernel's SMs push the peers' rows over NVLink; the kernel
-(``own_rows_copied``) then leaves own rows out, in either mode. 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs,
-same runs (a prototype of this path): 198-209 us against 208-214 us with the SMs copying own rows too.
-FP8 rows (half the bytes, plus scales the copy engines cannot transpose) were slower that way (124-129
-against 118-122 us), so they stay on the SMs.
+(``own_rows_copied``) then leaves the own rows' data out, in either mode, and still stores their scales (the
+copy engines cannot transpose them).
+
+When: the SMs' copy rate bounds the dispatch when it has few SMs, and the copy engines then take half its
+bytes off them. 2 x H200, 4096 x 7168, top-8 of 256, 2 ranks, one run, SMs copying own rows against copy
+engines (each at its best block shape): BF16 337 against 214 us at 8 SMs, 238 against 209 at 12, 198 against
+200 at 16, 211 against 197 at 24; FP8 with column-major scales 208 against 147 at 8 SMs, 150 against 117 at
+12, 114 against 122 at 16, 121 against 125 at 24. Each run is a copy command of a few microseconds of host
+time, which a saving of 30-120 us of GPU time repays; a saving of nothing at 16 SMs and more does not. So
+the copy engines take own rows at up to :data:`MAX_SMS` SMs, at up to :data:`MAX_RANKS` ranks (the output
+pool's default, and the only rank count measured); ``IntranodeEngine.use_own_row_copies`` decides otherwise.
 
 The runs need ``is_token_in_rank`` on the host: a dispatch without a handle reads this rank's column back
 in its one host wait, together with the counts (:attr:`IntranodeHandle.own_tokens`), and the runs are
@@ -20,17 +27,22 @@ import numpy as np
 
 from .copy import create_events, destroy_events
 
-__all__ = ["ON_BY_DEFAULT", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
+__all__ = ["MAX_RANKS", "MAX_SMS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs", "wanted"]
 
-#: Off by default: each run is one ``memcpyAsync`` of ~5 us of host time on a 2 x H100 host (21 runs,
-#: ~105 us per 4096-token call at 2 ranks), against ~10 us of GPU time saved; a host-bound eager loop
-#: loses more than the kernel gains. ``IntranodeEngine.use_own_row_copies`` turns them on.
-ON_BY_DEFAULT = False
+#: Launches of at most this many SMs, at most this many ranks, copy own rows with the copy engines.
+MAX_SMS = 12
+MAX_RANKS = 2
 #: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
 MIN_ROWS = 1024
 #: More runs than this stay on the SMs (each run is a copy to issue).
 MAX_RUNS = 64
 _MEMCPY_DEFAULT = 4
+
+
+def wanted(num_ranks: int, num_sms: int) -> bool:
+    """Whether a cached dispatch of ``num_ranks`` ranks launched on ``num_sms`` SMs copies its own rows with
+    the copy engines by default."""
+    return num_ranks <= MAX_RANKS and num_sms <= MAX_SMS
 
 
 def own_runs(own_tokens: np.ndarray) -> list[tuple[int, int]]:
@@ -41,7 +53,7 @@ def own_runs(own_tokens: np.ndarray) -> list[tuple[int, int]]:
 
 
 class OwnRowCopies:
-    """The own-row copies of one cached dispatch plan (BF16 rows of ``row_bytes``)."""
+    """The own-row copies of one cached dispatch plan (rows of ``row_bytes``)."""
 
     def __init__(self, engine, row_bytes: int, comm_stream: int) -> None:
         import cupy

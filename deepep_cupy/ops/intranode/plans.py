@@ -140,7 +140,7 @@ class DispatchPlan(NormalPlan):
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
                 # is_token_in_rank comes back too where a cached dispatch may copy own rows (own_rows.py).
-                own = engine.use_own_row_copies
+                own = engine.own_row_copies(2 * self.num_channels)
                 num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank) if own else 0)
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
                 if own:
@@ -250,9 +250,11 @@ class DispatchPlan(NormalPlan):
         return int(host[0]), [int(v) for v in host[1:]]
 
     def _own_rows(self, handle, x_scales):
-        """``OwnRowCopies.runs`` of ``handle`` when this call's own rows go through the copy engines: BF16, the
-        engine lets them, and the stream is not being captured (a graph keeps the kernel's own copies)."""
-        if self.own is None or not self.engine.use_own_row_copies or self._capture_status(self.comm_stream):
+        """``OwnRowCopies.runs`` of ``handle`` when this call's own rows go through the copy engines: the engine
+        wants them at this call's SM count, and the stream is not being captured (a graph keeps the kernel's
+        own copies)."""
+        if (self.own is None or not self.engine.own_row_copies(2 * self.num_channels)
+                or self._capture_status(self.comm_stream)):
             return None
         return self.own.runs(handle)
 
