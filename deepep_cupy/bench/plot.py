@@ -151,7 +151,7 @@ def plot(rows, path: str, title: str | None = None) -> None:
     # Room per op grows with its bars (three when there is one SM count).
     heights = [max(len(groups), 1) * 0.3 * max(len(series), 3) + 1.2] if groups else []
     heights += [len(others) * 0.28 + 1.0] if others else []
-    head = (0.6 if title else 0) + (0.4 if groups else 0)  # room for the title and the legend
+    head = (0.7 if title else 0) + (0.4 if groups else 0)  # room for the title and the legend (inches)
     fig = plt.figure(figsize=(12, sum(heights) + head))
     grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
     row = 0
@@ -166,7 +166,7 @@ def plot(rows, path: str, title: str | None = None) -> None:
             labels = [f"{label} ({both['GB/s']:,.0f} GB/s both ways)" if label == SERIES[2] else label
                       for label in labels]
         fig.legend(handles, labels, loc="upper center", ncol=len(series), fontsize=9,
-                   bbox_to_anchor=(0.5, 1 - 0.55 / fig.get_figheight()) if title else (0.5, 1.0))
+                   bbox_to_anchor=(0.5, 1 - 0.65 / fig.get_figheight()) if title else (0.5, 1.0))
         row += 1
     if others:
         ax = fig.add_subplot(grid[row, :])
@@ -180,8 +180,8 @@ def plot(rows, path: str, title: str | None = None) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("µs per call, deepep_cupy (no baseline in the run)")
         ax.grid(axis="x", alpha=0.3)
-    if title:
-        fig.suptitle(title)
+    if title:  # pinned to the top, above the legend (the default place overlaps it on a tall figure)
+        fig.suptitle(title, y=1 - 0.15 / fig.get_figheight(), va="top")
     fig.tight_layout(rect=(0, 0, 1, 1 - head / fig.get_figheight()))
     fig.savefig(path, dpi=120)
     plt.close(fig)
