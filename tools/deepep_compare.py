@@ -8,7 +8,8 @@ torch tensors, one GPU per rank, NCCL process group (set up from Open MPI's or t
 Rows: the decode step (low-latency FP8 dispatch + combine, 128 x 7168, top-8 of 288) back to back with one
 event pair around all steps, with an event pair around each step (DeepEP's ``tests/utils.py`` ``bench``),
 and replayed from a ``torch.cuda.graph``; the host time of each of its two calls in a back-to-back loop; one
-``get_dispatch_layout`` call with its host time (4096 x 8 of 256), and the host time per call of the layout,
+``get_dispatch_layout`` call with its host time (4096 x 8 of 256), the same calls back to back with an event
+pair around each (as DeepEP's ``test_intranode.py`` times its "[layout]" line), and the host time per call of the layout,
 the cached BF16 dispatch and the combine (4096 x 7168) called back to back; and a Megatron-style training step (4096 x 7168 BF16, top-8 of 256: layout, dispatch with top-k
 weights and combine forward; combine of the gradients and cached dispatch backward; ``async_finish`` with
 ``EventOverlap(EventHandle())`` previous events, as Megatron-Core calls them). Rank 0 prints the means
@@ -51,14 +52,19 @@ def _events_over(fn, n: int) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
-def _events_each(fn, n: int) -> float:
+def _event_times(fn, n: int) -> list[float]:
+    """Microseconds between an event pair around each of ``n`` back-to-back calls, the first left out."""
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for start, end in pairs:
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.fmean(s.elapsed_time(e) * 1e3 for s, e in pairs[1:])
+    return [s.elapsed_time(e) * 1e3 for s, e in pairs[1:]]
+
+
+def _events_each(fn, n: int) -> float:
+    return statistics.fmean(_event_times(fn, n))
 
 
 def main() -> None:
@@ -134,6 +140,13 @@ def main() -> None:
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) * 1e6)
     rows.append(("get_dispatch_layout, one call with its host time", statistics.median(samples)))
+    # As DeepEP's test_intranode.py times its "[layout] Kernel performance" line: 50 calls back to back, an
+    # event pair around each, the mean (an idle GPU: the host's time per call shows).
+    for _ in range(50):
+        buf.get_dispatch_layout(nidx, experts)
+    times = _event_times(lambda: buf.get_dispatch_layout(nidx, experts), 50)
+    rows.append(("get_dispatch_layout, an event pair per call (mean)", statistics.fmean(times)))
+    rows.append(("get_dispatch_layout, an event pair per call (median)", statistics.median(times)))
     torch.cuda.synchronize()
     dist.barrier(group)
     host_l = []
