@@ -20,6 +20,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 
 from deepep_cupy import Buffer  # noqa: E402
 from deepep_cupy.bench.compiled_steps import combine_function  # noqa: E402
+from deepep_cupy.ops.handles import LowLatencyHandle  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -62,9 +63,10 @@ def _bits(t):
 
 
 def _same(eager, compiled, what=""):
-    """Nested results (tuples, lists, tensors, ints, None) equal bit for bit; returns failure strings."""
-    if isinstance(eager, (tuple, list)):
-        if not isinstance(compiled, (tuple, list)) or len(eager) != len(compiled):
+    """Nested results (tuples, lists, low-latency handles, tensors, ints, None) equal bit for bit; returns
+    failure strings."""
+    if isinstance(eager, (tuple, list, LowLatencyHandle)):
+        if not isinstance(compiled, (tuple, list, LowLatencyHandle)) or len(eager) != len(compiled):
             return [f"{what}: {type(compiled).__name__} of {len(compiled)} instead of {len(eager)} entries"]
         return [f for i, (a, b) in enumerate(zip(eager, compiled, strict=True)) for f in _same(a, b, f"{what}[{i}]")]
     if isinstance(eager, torch.Tensor):
