@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -86,8 +85,9 @@ def _is_contiguous(obj) -> bool:
 
 def handle_tuple(value, length: int, source: str) -> None:
     """A handle must be the tuple an earlier call returned (``length`` elements)."""
-    # A low-latency handle is a Sequence of its own (ops/handles.py), not a tuple.
-    if not isinstance(value, (tuple, list, Sequence)) or isinstance(value, (str, bytes)) or len(value) != length:
+    from .ops.handles import HANDLE_TYPES  # here: that module imports this one
+
+    if not isinstance(value, HANDLE_TYPES) or len(value) != length:
         raise ValueError(f"handle must be the {length}-tuple returned by {source}")
 
 

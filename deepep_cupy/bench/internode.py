@@ -109,7 +109,7 @@ def run(comm, args) -> list[dict]:
             for r in rows:
                 extra = f", {r['RDMA GB/s']:7.1f} GB/s (RDMA)" if "RDMA GB/s" in r else ""
                 nvl = f"{r['GB/s']:7.1f} GB/s (NVL)" if "GB/s" in r else ""
-                vs = f", {r['vs_naive']}x the naive path" if "vs_naive" in r else ""
+                vs = f", {r['vs_naive']}x the naive path's speed" if "vs_naive" in r else ""
                 print(f"[{r['op']}] {r['us']:8.2f} us {nvl}{extra}{vs}", flush=True)
     finally:
         stream.synchronize()
