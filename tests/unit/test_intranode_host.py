@@ -330,13 +330,6 @@ def test_exchange_fds(method):
 
 
 # ------------------------------------------------------------------------------------------- compile
-def test_representative_builds_compile_sm90():
-    from deepep_cupy.jit import build
-
-    for spec in intranode.representative_builds():
-        assert build(spec, arch="sm_90").cubin_path.is_file()
-
-
 def test_tuning_variants_compile_sm90():
     from deepep_cupy.jit import build
 
