@@ -240,8 +240,8 @@ def ll_handle_values(h, num_ranks: int) -> None:
 def device_handle_values(buffer, handle) -> None:
     """The index checks of a GPU ``handle`` given to ``buffer``'s op, once per handle, when validation is on,
     no CUDA graph is being captured (the host copy waits for the device) and the handle is not one an op
-    returned as it was (:class:`OpHandle`, :class:`LowLatencyHandle`: eager steps pay no wait for their own). Internode handles are left
-    to their own checks. Raises ``ValueError`` naming the entry."""
+    returned as it was (:class:`OpHandle`, :class:`LowLatencyHandle`: eager steps pay no wait for their
+    own). Internode handles are left to their own checks. Raises ``ValueError`` naming the entry."""
     if isinstance(handle, (OpHandle, LowLatencyHandle)) or not values_enabled() or not is_tensor(handle[0]) or len(handle) not in (5, 6):
         return  # an op's own handle, unchanged: the kernels wrote it
     key = (id(handle), buffer.rank, buffer.group_size)
