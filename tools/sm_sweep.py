@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deepep_cupy.bench.timing import parse_sm_counts  # noqa: E402  (after the path)
+
 # Worth trying (tools/kernel_resources.py): dispatch 24 x 14 and 32 x 14 and combine 24 x 8 and 32 x 8 spill
 # in their copy / sum loops, so they are timed too but are not expected to win.
 DISPATCH_SHAPES = ((16, 14), (16, 8), (16, 6), (16, 4), (24, 8), (24, 6), (24, 4), (24, 14), (32, 8), (32, 6),
@@ -42,16 +44,6 @@ OPS = {"bf16": "dispatch BF16", "fp8": "dispatch FP8", "combine": "combine BF16"
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
-def parse_ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, got {text!r}")
-    return tuple(dict.fromkeys(values))
-
-
 def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     """``16x14,32x8`` -> ((16, 14), (32, 8)); warps at most 32."""
     out = []
@@ -75,7 +67,7 @@ def parse_ops(text: str) -> tuple[str, ...]:
 
 def command_line() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/sm_sweep.py", description=__doc__.splitlines()[0])
-    p.add_argument("--num-sms", type=parse_ints, default=(8, 12, 24), metavar="N[,N...]")
+    p.add_argument("--num-sms", type=parse_sm_counts, default=(8, 12, 24), metavar="N[,N...]")
     p.add_argument("--ops", type=parse_ops, default=tuple(OPS), help=f"some of {','.join(OPS)} (default: all)")
     p.add_argument("--dispatch-shapes", type=parse_shapes, default=DISPATCH_SHAPES, metavar="WxU[,WxU...]")
     p.add_argument("--combine-shapes", type=parse_shapes, default=COMBINE_SHAPES, metavar="WxU[,WxU...]")

@@ -31,13 +31,6 @@ DEFAULT_SUITE_TIMEOUT_S = 240.0
 _NAMES = SUITES + OPT_IN + ("all",)
 
 
-def _sm_counts(text: str) -> tuple[int, ...]:
-    try:
-        return parse_sm_counts(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def command_line() -> argparse.ArgumentParser:
     """The benchmarks' command line; its defaults are the workloads the targets (:mod:`.targets`) were set for."""
     p = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
@@ -48,7 +41,7 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--num-sms", type=_sm_counts, default=(24,), metavar="N[,N...]",
+    p.add_argument("--num-sms", type=parse_sm_counts, default=(24,), metavar="N[,N...]",
                    help="SMs of the normal kernels, one count or a comma list (8,12,24): the intranode suite "
                         "runs once per count, the internode suite at the first (default 24)")
     p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")

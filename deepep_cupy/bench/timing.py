@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 __all__ = ["time_op", "park", "row", "format_table", "kernel_durations", "parse_sm_counts", "sm_counts"]
@@ -115,14 +116,14 @@ def format_table(rows: list[dict]) -> str:
 
 
 def parse_sm_counts(text: str) -> tuple[int, ...]:
-    """``--num-sms``: one SM count (``24``) or a comma list (``8,12,24``), each a positive int, in the order
-    given, each once."""
+    """``--num-sms`` (an argparse ``type``): one SM count (``24``) or a comma list (``8,12,24``), each a
+    positive int, in the order given, each once."""
     try:
         values = tuple(int(v) for v in str(text).split(",") if v.strip())
     except ValueError:
         values = ()
     if not values or any(v <= 0 for v in values):
-        raise ValueError(f"expected a positive int or a comma list of them (8,12,24), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive int or a comma list of them (8,12,24), got {text!r}")
     return tuple(dict.fromkeys(values))
 
 
