@@ -93,9 +93,12 @@ class DispatchPlan(NormalPlan):
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
             "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows", "pool_bases", "own_rows_copied"))
-        # Rows of a cached dispatch: this rank's own rows may go through the copy engines (their scales, where
-        # the call has them, stay with the SMs).
-        self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached else None
+        # Whether a cached dispatch at this SM count copies this rank's own rows with the copy engines (their
+        # scales, where the call has them, stay with the SMs); a dispatch without a handle then reads its
+        # column of is_token_in_rank back for the handle. Fixed per plan: the engine's tuning attributes are
+        # part of the plan key.
+        self.own_rows = engine.own_row_copies(2 * self.num_channels)
+        self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached and self.own_rows else None
         self.notify = None
         if not self.cached:
             notify_offset, notify_stride, _ = notify
@@ -140,7 +143,7 @@ class DispatchPlan(NormalPlan):
                 num_rows, counts_list = self.num_worst_tokens, []
             else:
                 # is_token_in_rank comes back too where a cached dispatch may copy own rows (own_rows.py).
-                own = engine.own_row_copies(2 * self.num_channels)
+                own = self.own_rows
                 num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank) if own else 0)
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
                 if own:
@@ -250,11 +253,10 @@ class DispatchPlan(NormalPlan):
         return int(host[0]), [int(v) for v in host[1:]]
 
     def _own_rows(self, handle, x_scales):
-        """``OwnRowCopies.runs`` of ``handle`` when this call's own rows go through the copy engines: the engine
-        wants them at this call's SM count, and the stream is not being captured (a graph keeps the kernel's
-        own copies)."""
-        if (self.own is None or not self.engine.own_row_copies(2 * self.num_channels)
-                or self._capture_status(self.comm_stream)):
+        """``OwnRowCopies.runs`` of ``handle`` when this call's own rows go through the copy engines: the plan
+        takes them (its SM count), and the stream is not being captured (a graph keeps the kernel's own
+        copies)."""
+        if self.own is None or self._capture_status(self.comm_stream):
             return None
         return self.own.runs(handle)
 
