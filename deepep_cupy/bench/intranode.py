@@ -25,6 +25,7 @@ on a handle made at that count; every row records its count (``SMs``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 from ..buffer import Buffer
@@ -212,11 +213,12 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
             num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
             num_worst_tokens=0, config=dcfg, stream=stream))
 
-    def combine_defaults_us(ring=False):
+    def combine_defaults_us(ring=False, launch_sms=None):
         _restore_defaults(engine)
         engine.use_copy_combine = not ring
+        cfg = ccfg if launch_sms is None else dataclasses.replace(ccfg, num_sms=launch_sms)
         return timed(lambda: direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
-                                            config=ccfg, stream=stream))
+                                            config=cfg, stream=stream))
 
     def sweep_dispatch(data, data_scales, nbytes, name):
         def point(warps, unroll, ss, rs, recv, send, ring=False):
@@ -270,10 +272,16 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
                             dispatch_defaults_us(data, data_scales, ring=True), nbytes, num_sms, best="defaults"))
 
     def add_combine_ring_row():
-        """The combine's ring mode at the defaults, same run (its mode without the copy mode's counts)."""
+        """The combine's ring mode at the defaults, same run (its mode without the copy mode's counts); and
+        the copy mode launched on the most SMs of the run while the handle came from fewer (its sums have no
+        channels, so a combine config may give it more SMs than the dispatch had)."""
         if engine.output_pool is not None and engine.copy_supported:
             rows.append(row("intranode combine BF16 (ring mode)", combine_defaults_us(ring=True), bf16_bytes,
                             num_sms, best="defaults"))
+            most = max(sm_counts(args))
+            if most > num_sms:
+                rows.append(row(f"intranode combine BF16 (copy mode on {most} SMs)",
+                                combine_defaults_us(launch_sms=most), bf16_bytes, num_sms, best="defaults"))
 
     if getattr(args, "quick", False):
         for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),

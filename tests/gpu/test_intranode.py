@@ -108,7 +108,7 @@ def _check_dispatch(env, ours, refs, *, fp8, worst, with_topk=True):
 
 
 def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=False, worst=0, align=1,
-           only_rank0=False, bias=0, cached=True, recv=256, in_pool=None, num_sms=NUM_SMS):
+           only_rank0=False, bias=0, cached=True, recv=256, in_pool=None, num_sms=NUM_SMS, combine_sms=None):
     """Layout, dispatch, cached dispatch, combine: everything compared with the reference. ``in_pool``: whether
     the dispatch outputs must lie in the output pool (None: not checked)."""
     buf, ref = env["buf"], env["ref"]
@@ -147,7 +147,8 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     # The combine's copy mode needs the counts the dispatch read back (none with num_worst_tokens).
     copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.use_copy_combine and not worst_rows)
     combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
-                  rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=cfg, copy_mode=copy_mode)
+                  rows=worst_rows if worst_rows else num_recv, bias=bias,
+                  cfg=cfg if combine_sms is None else _cfg(env, recv, combine_sms), copy_mode=copy_mode)
     return num_recv
 
 
@@ -198,7 +199,9 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
 def test_few_sms(env, mode, fp8):
     """8 SMs (4 channels): the block shapes chosen for few SMs (engine.py's tables) in both modes of the dispatch
     and the combine, with the own rows of the cached dispatch on the copy engines in the direct mode (the
-    default at that count, own_rows.py); DeepEP's row width, fresh data each repeat."""
+    default at that count, own_rows.py); DeepEP's row width, fresh data each repeat. The second repeat's
+    combine has a config of 24 SMs: the copy mode's sums then run on 24 SMs of a handle made on 8 (the ring
+    mode keeps the handle's channels)."""
     from deepep_cupy.device.group import MPIGroup
     from deepep_cupy.reference.oracle import ReferenceOracle
 
@@ -210,9 +213,9 @@ def test_few_sms(env, mode, fp8):
     engine.use_output_pool = engine.use_copy_combine = mode == "direct"
     try:
         assert engine.dispatch_shape(8) != engine.dispatch_shape(NUM_SMS) or env["size"] > 2
-        for _ in range(2):
+        for combine_sms in (None, 24):
             _round(env, frameworks()[0], rng, n=2048, hidden=7168, num_experts=64, k=8, fp8=fp8, column_major=fp8,
-                   bias=1, recv=512, in_pool=mode == "direct", num_sms=8)
+                   bias=1, recv=512, in_pool=mode == "direct", num_sms=8, combine_sms=combine_sms)
     finally:
         env["ref"] = ref
         engine.use_output_pool = engine.use_copy_combine = True

@@ -152,7 +152,7 @@ def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_
 class CopyCombine:
     """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode.plans.CombinePlan` (same shapes)."""
 
-    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_channels: int,
+    def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_sms: int,
                  comm_stream: int) -> None:
         import cupy
 
@@ -165,14 +165,15 @@ class CopyCombine:
         self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
-        warps, unroll = engine.combine_shape(2 * num_channels)
+        warps, unroll = engine.combine_shape(num_sms)
         kernel = engine.kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-        self.plan = LaunchPlan(kernel, 2 * num_channels, warps * 32, launch_args(named))
+        self.num_sms = num_sms
+        self.plan = LaunchPlan(kernel, num_sms, warps * 32, launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
             "combined_topk_weights", "weights_offset", "copy_seq"))

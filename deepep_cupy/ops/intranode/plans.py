@@ -292,8 +292,13 @@ class CombinePlan(NormalPlan):
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
         self.copy = None
         if engine.use_copy_combine and engine.copy_supported and engine.output_pool is not None and R > 1:
+            # The copy mode's sums have no channels: they may take more SMs than the dispatch that made the
+            # handle (a dispatch on few SMs, a combine on the config's count).
+            num_sms = max(2 * self.num_channels, int(config.num_sms))
+            if engine.num_device_sms is not None:
+                num_sms = min(num_sms, max(2 * self.num_channels, int(engine.num_device_sms)))
             self.copy = CopyCombine(engine, hidden=hidden, num_tokens=self.num_tokens, num_topk=self.num_topk,
-                                    num_channels=self.num_channels, comm_stream=comm_stream)
+                                    num_sms=num_sms, comm_stream=comm_stream)
 
     def _copy_mode(self, handle):
         """The copy mode's prepared schedule for this call, or None for the ring mode (see copy.py)."""
