@@ -118,6 +118,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     (per_rank, per_expert, in_rank), (r_rank, r_expert, r_in) = _layout(env, topk_dev, topk, num_experts)
     x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
     cfg = _cfg(env, recv, num_sms)
+    combine_cfg = cfg if combine_sms is None else _cfg(env, recv, combine_sms)
     worst_rows = worst * n * size if worst else 0
     rows_guess = max(worst_rows, n * size)
     poison(env, fw, [rows_guess * hidden * (1 if fp8 else 2), rows_guess * k * 8, rows_guess * k * 4, rows_guess * 4])
@@ -147,8 +148,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
     # The combine's copy mode needs the counts the dispatch read back (none with num_worst_tokens).
     copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.use_copy_combine and not worst_rows)
     combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
-                  rows=worst_rows if worst_rows else num_recv, bias=bias,
-                  cfg=cfg if combine_sms is None else _cfg(env, recv, combine_sms), copy_mode=copy_mode)
+                  rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=combine_cfg, copy_mode=copy_mode)
     return num_recv
 
 
