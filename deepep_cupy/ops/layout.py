@@ -9,7 +9,7 @@ from ..device.kernel_errors import KernelErrorRecord
 from ..device.launch import LaunchPlan
 from ..device.streams import ForkJoin, OpStreams
 from ..event import EventOverlap
-from ..frameworks import BOOL, I32, frame_for
+from ..frameworks import BOOL, I32, SmallOutputs, frame_for
 from ..jit import BuildSpec, load
 from . import kernel_names, limits
 
@@ -78,6 +78,13 @@ class LayoutPlan:
             ("rank", "i32", rank)], shared_mem=4 * count_words)
         self.slots = tuple(self.plan.slot(n) for n in ("topk_idx", "num_tokens_per_expert", "num_tokens_per_rank",
                                                         "num_tokens_per_rdma_rank", "is_token_in_rank"))
+        # The outputs are cut from one allocation (an allocation costs the host about what two views do, and
+        # the kernel writes every element, so they need no clearing): per rank, per expert, the token -> rank
+        # map, and per RDMA rank last when there is one.
+        specs = [((num_ranks,), I32), ((num_experts,), I32), ((num_tokens, num_ranks), BOOL)]
+        if self.has_rdma:
+            specs.append(((self.num_rdma_ranks,), I32))
+        self.outputs = SmallOutputs(specs)
 
     def run(self, topk_idx, previous_event=None):
         if self.errors.flag_word():
@@ -91,17 +98,16 @@ class LayoutPlan:
         direct = not self.async_finish and (previous_event is None or getattr(previous_event, "event", None) is None)
         streams = None if direct else OpStreams(self.comm_stream, compute, frame.framework, frame.device_id,
                                                 previous_event, self.async_finish, self._fork_join)
-        per_rank = frame.empty((self.num_ranks,), I32)
-        per_rdma = frame.empty((self.num_rdma_ranks,), I32) if self.has_rdma else None
-        per_expert = frame.empty((self.num_experts,), I32)
-        in_rank = frame.empty((self.num_tokens, self.num_ranks), BOOL)
+        outputs, part = self.outputs, frame.part
+        words = frame.empty_words(outputs)
+        per_rank, per_expert, in_rank = part(words, outputs, 0), part(words, outputs, 1), part(words, outputs, 2)
+        per_rdma = part(words, outputs, 3) if self.has_rdma else None
+        base = ptr(words)
         s_topk, s_expert, s_rank, s_rdma, s_in = self.slots
         s_topk.value = ptr(topk_idx)
-        s_expert.value = ptr(per_expert)
-        s_rank.value = ptr(per_rank)
+        s_rank.value, s_expert.value, s_in.value = base, base + outputs.byte_offsets[1], base + outputs.byte_offsets[2]
         if per_rdma is not None:
-            s_rdma.value = ptr(per_rdma)
-        s_in.value = ptr(in_rank)
+            s_rdma.value = base + outputs.byte_offsets[3]
         if direct:
             self.plan.launch(compute)
             return per_rank, per_rdma, per_expert, in_rank, EventOverlap(None)

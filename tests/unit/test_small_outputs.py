@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepep_cupy.frameworks import F32, I32, I64, SmallOutputs, TorchFrame
+from deepep_cupy.frameworks import BOOL, F32, I32, I64, SmallOutputs, TorchFrame
 
 torch = pytest.importorskip("torch")
 
@@ -16,7 +16,7 @@ def _cpu_frame():
     frame.device = torch.device("cpu")
     frame._empty = torch.empty
     frame._i32 = torch.int32
-    frame.dtypes = {I32: torch.int32, F32: torch.float32, I64: torch.int64}
+    frame.dtypes = {I32: torch.int32, F32: torch.float32, I64: torch.int64, BOOL: torch.bool}
     return frame
 
 
@@ -43,7 +43,7 @@ def test_parts_are_separate_aligned_and_typed(e_local, slab, ranks, scales):
 
 
 def test_only_four_and_eight_byte_parts():
-    with pytest.raises(ValueError, match="int32, float32 or int64"):
+    with pytest.raises(ValueError, match="int32, float32, int64 or bool"):
         SmallOutputs([((4,), np.dtype(np.uint8))])
 
 
@@ -60,3 +60,21 @@ def test_a_swapped_part_is_its_stored_part_transposed():
     scales.transpose(1, 2).copy_(torch.arange(40, dtype=torch.float32).view(2, 4, 5))
     assert scales[1, 3, 2].item() == 20 + 2 * 5 + 3
     assert layout.bases == [I32, F32, I64] and ranges.dtype == torch.int64 and count.dtype == torch.int32
+
+
+@pytest.mark.parametrize("tokens,ranks,experts", [(0, 2, 16), (1, 1, 1), (4096, 8, 256), (37, 3, 24)])
+def test_bool_parts_sit_on_their_own_bytes(tokens, ranks, experts):
+    """The layout's outputs in one allocation: two int32 counts and a bool matrix, each aligned, each
+    writable without touching the others."""
+    layout = SmallOutputs([((ranks,), I32), ((experts,), I32), ((tokens, ranks), BOOL)])
+    frame = _cpu_frame()
+    words = frame.empty_words(layout)
+    per_rank, per_expert, in_rank = (frame.part(words, layout, i) for i in range(3))
+    assert in_rank.dtype == torch.bool and tuple(in_rank.shape) == (tokens, ranks) and in_rank.is_contiguous()
+    for t, off in zip((per_rank, per_expert, in_rank), layout.byte_offsets, strict=True):
+        assert off % 64 == 0 and (t.numel() == 0 or t.data_ptr() == words.data_ptr() + off)
+    assert words.numel() * 4 >= layout.byte_offsets[2] + tokens * ranks
+    per_rank.fill_(-7)
+    per_expert.fill_(11)
+    in_rank.fill_(True)
+    assert bool(torch.all(per_rank == -7)) and bool(torch.all(per_expert == 11)) and bool(torch.all(in_rank))
