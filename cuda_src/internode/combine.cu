@@ -8,6 +8,8 @@
 //   (ds, l_me) in channel c, sums the copies its domain ranks send back and puts the partial sum (bf16
 //   row, float32 top-k weights) into the RDMA ring of the source. Warp D: the source-side reducer of
 //   channel c: per token, sums the partials of every domain it reached, adds the biases, rounds once.
+// L == 1: no NVLink stage (the domain is this rank): block 2c holds the D forwarders, which read the rows
+//   of x the NVLink senders would have sent (entry 5 + send_nvl_head), block 2c + 1 the reducer (warp 0).
 //
 // Deadlock freedom: the source reduces token t only when every domain's partial for t is there, so each
 // (forwarder, source domain) pipeline must advance on its own. The NVLink ring (c, j -> l) is therefore
@@ -175,12 +177,14 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = ds * L + l_me;
     const int x_ring = c * D + ds, i = c * D + ds, i_peer = c * D + d_me;
     const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
-    // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read.
+    // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read. With
+    // L == 1 there is no NVLink stage: the row the NVLink sender would send is read from x itself.
     long long nbase = 0;
-    if (lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
+    if (L > 1 && lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
     int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back
     // NVLink slots go back in batches (a release store is a system-scope fence), and all before a wait.
     auto hand_back = [&]() {
+        if constexpr (L == 1) return;
         __syncwarp();
         if (lane < L && taken > returned) {
             st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
@@ -195,6 +199,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const int start = c > 0 ? a.recv_rdma_cpm[ds * C + c - 1] : 0;
     const int n = a.recv_rdma_cpm[ds * C + c] - start;
     const long long row0 = (ds > 0 ? a.recv_rdma_prefix[ds - 1] : 0) + start;
+    // L == 1: slot p of sub-ring (c, ds) would hold row entry 5 [ds, c] + p of x (send_nvl's order).
+    const long long x_row0 = L == 1 ? a.recv_gbl_cpm[ds * C + c] : 0;
     // As the dispatch's sender: straight into the ring of a source reachable by stores, else staged and put.
     uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
     uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
@@ -218,24 +224,35 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         // Lane j: position of this row in j's stream, then wait for it.
         const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
-        const bool ready = pos < 0 || ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
-        if (!__all_sync(kFullMask, ready)) hand_back();
-        for (int j = 0; j < L && ok; ++j) {
-            const int p = __shfl_sync(kFullMask, pos, j);
-            const long long nb = __shfl_sync(kFullMask, nbase, j);
-            if (p >= 0)
-                wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
-                              d_me * L + j, __LINE__, &ok);
+        if constexpr (L > 1) {
+            const bool ready =
+                pos < 0 || ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
+            if (!__all_sync(kFullMask, ready)) hand_back();
+            for (int j = 0; j < L && ok; ++j) {
+                const int p = __shfl_sync(kFullMask, pos, j);
+                const long long nb = __shfl_sync(kFullMask, nbase, j);
+                if (p >= 0)
+                    wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
+                                  d_me * L + j, __LINE__, &ok);
+            }
+            if (!ok) break;
         }
-        if (!ok) break;
         uint8_t* out = direct ? peer_ring + static_cast<long long>(k % a.rdma_cap) * a.slot_bytes : g.rdma_slot(0, i, k);
         // Every lane learns every position here: the loops below leave lanes idle, so no shuffle inside.
         int ps[L];
         const int4* rows[L];
+        const float* weights[L];
 #pragma unroll
         for (int j = 0; j < L; ++j) {
             ps[j] = __shfl_sync(kFullMask, pos, j);
-            rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(g.nvl_slot(l_me, c, j, ds, ps[j]) + 16) : nullptr;
+            if (L == 1) {
+                rows[j] = ps[j] >= 0 ? a.x + (x_row0 + ps[j]) * a.hidden_int4 : nullptr;
+                weights[j] = a.topk_weights != nullptr ? a.topk_weights + (x_row0 + ps[j]) * a.num_topk : nullptr;
+            } else {
+                const uint8_t* slot = g.nvl_slot(l_me, c, j, ds, ps[j] >= 0 ? ps[j] : 0);
+                rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(slot + 16) : nullptr;
+                weights[j] = reinterpret_cast<const float*>(slot + a.slot_topk_weights_offset);
+            }
         }
         warp_sum_rows<L>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4, lane);
         if (a.topk_weights != nullptr) {
@@ -243,12 +260,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
 #pragma unroll
-                for (int j = 0; j < L; ++j) {
-                    const int p = ps[j];
-                    if (p >= 0)
-                        sum += ld_cg_f32(
-                            reinterpret_cast<const float*>(g.nvl_slot(l_me, c, j, ds, p) + a.slot_topk_weights_offset) + q);
-                }
+                for (int j = 0; j < L; ++j)
+                    if (ps[j] >= 0) sum += ld_cg_f32(weights[j] + q);
                 ws[q] = sum;
             }
         }
@@ -260,7 +273,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     if (ok) hand_back();
     if (lane == 0) nvshmem_quiet();
     if (ok) {
-        if (lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
+        if (L > 1 && lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
         if (lane == 0) *st.rdma_sent(i) = static_cast<long long>(base + n);
     }
 }
@@ -358,7 +371,13 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                         rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
                         nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
-    if (blockIdx.x % 2 == 0) {
+    if constexpr (L == 1) {  // no NVLink stage: the forwarders read x (block 2c), the reducer in block 2c + 1
+        if (blockIdx.x % 2 == 0) {
+            if (role < D) forward_reduce<L, D>(a, w, c, role, lane);
+        } else if (role == 0) {
+            reduce_domains<L, D>(a, w, c, lane);
+        }
+    } else if (blockIdx.x % 2 == 0) {
         if (role < L * D) send_nvl<L, D>(a, w, c, role / L, role % L, lane);
     } else if (role < D) {
         forward_reduce<L, D>(a, w, c, role, lane);

@@ -257,7 +257,7 @@ def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, 
     rdma_cap, chunk, nvl_cap_ = IL.ring_sizes(config, sub)
     rdma = IL.rdma_layout(L_, D, handle_channels, rdma_cap, slot)
     nvl = IL.nvl_layout(L_, D, handle_channels, nvl_cap_, slot, 0)
-    if nvl.cap < D:
+    if L_ > 1 and nvl.cap < D:  # one rank per domain has no NVLink stage
         raise ValueError(f"the internode combine needs at least {D} NVLink ring slots per channel (one per "
                          f"domain), got {nvl.cap}: config.num_max_nvl_chunked_recv_tokens must be at least "
                          f"{D * sub} ({sub} channels share an SM pair's ring)")

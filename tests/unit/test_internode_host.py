@@ -91,7 +91,10 @@ def test_sub_channels_fill_blocks_of_at_most_512_threads():
             assert sub >= 1
             threads = [internode.block_threads(lsize, ndom), internode.combine_block_threads(lsize, ndom)]
             assert max(threads) <= (512 if sub > 1 else 1024), (lsize, ndom, sub, threads)
-    assert IL.sub_channels(1, 2) == 5 and IL.sub_channels(8, 2) == 1
+    assert IL.sub_channels(1, 2) == 8 and IL.sub_channels(8, 2) == 1
+    # One rank per domain: no NVLink stage, so a combine channel is D forwarder warps and one reducer warp.
+    assert [IL.combine_channel_warps(1, d) for d in (2, 3, 16)] == [2, 3, 16]
+    assert IL.combine_channel_warps(2, 2) == 4 and IL.combine_channel_warps(2, 4) == 8
 
 
 def test_ring_sizes_split_the_configs_rings_between_sub_channels():
@@ -153,7 +156,7 @@ def test_kernel_names_and_specs():
     assert K.internode_combine(8, 2) == "deepep_cupy::internode::combine<8, 2>"
     spec = internode.dispatch_spec(1, 2)
     assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2),)
-    assert internode.block_threads(1, 2) == 64 * 5 and internode.block_threads(8, 4) == 512  # 5 channels a block at 1 x 2
+    assert internode.block_threads(1, 2) == 64 * 8 and internode.block_threads(8, 4) == 512  # 8 channels a block at 1 x 2
     with pytest.raises(ValueError):
         internode.dispatch_spec(1, 1)
     with pytest.raises(ValueError):
@@ -192,9 +195,8 @@ def test_combine_spec_and_block_shape():
     spec = internode.combine_spec(8, 4)
     assert spec.nvshmem and spec.name_expressions == (K.internode_combine(8, 4),)
     assert spec in internode.representative_builds()
-    assert internode.combine_block_threads(1, 2) == 96 * 5 and internode.combine_block_threads(8, 4) == 1024
+    assert internode.combine_block_threads(1, 2) == 64 * 8 and internode.combine_block_threads(8, 4) == 1024
     with pytest.raises(ValueError):
         internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
     assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *" in (CUDA_SRC / "combine.cu").read_text()
-    assert "constexpr int combine_channel_warps(int L, int D) { return L * D > D + 1 ? L * D : D + 1; }" in (
-        CUDA_SRC / "layout.cuh").read_text()
+    assert "return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);" in (CUDA_SRC / "layout.cuh").read_text()

@@ -45,7 +45,10 @@ def dispatch_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
 
 
 def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
-    """Warps of one channel in a combine block (layout.cuh)."""
+    """Warps of one channel in a combine block (layout.cuh): with one rank per domain there are no NVLink
+    senders, and the ``D`` forwarders and the reducer take one block each."""
+    if num_nvl_ranks == 1:
+        return num_domains
     return max(num_nvl_ranks * num_domains, num_domains + 1)
 
 
