@@ -1,6 +1,6 @@
 // Internode combine: the reverse path of the dispatch (docs/design/internode.md, "Combine").
 //
-// Grid 2 * ceil(C / S) blocks of S channels each (sub_channels), channels as in the dispatch that produced
+// Grid 2 * ceil(C / S) blocks of S channels each (a template parameter), channels as in the dispatch that produced
 // the handle.
 // Block 2c, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
 //   s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
@@ -348,9 +348,8 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + used;
 }
 
-template <int kNumNvlRanks, int kNumDomains>
-__global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *
-                                  sub_channels(kNumNvlRanks, kNumDomains), 1)
+template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
+__global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels, 1)
 combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
         const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
         const int* __restrict__ recv_rdma_channel_prefix_matrix, const int* __restrict__ recv_rdma_rank_prefix_sum,
@@ -361,7 +360,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
-    constexpr int W = combine_channel_warps(L, D), S = sub_channels(L, D);
+    constexpr int W = combine_channel_warps(L, D), S = kSubChannels;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
     const int c = (blockIdx.x / 2) * S + warp / W;
     if (c >= num_channels) return;  // the last block's spare channels (no block-wide barrier below)

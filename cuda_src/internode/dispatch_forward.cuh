@@ -1,6 +1,6 @@
 // Internode dispatch, receiver block of a channel: the forwarders (warp j < L: RDMA ring -> NVLink ring
 // of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs); with
-// L == 1, one warp (RDMA ring -> outputs, forward_direct).
+// L == 1, warp d < D: RDMA ring of source domain d -> outputs (forward_direct).
 // Included by dispatch.cu only (needs DispatchArgs and Geometry).
 #pragma once
 
@@ -235,88 +235,73 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     if (lane == 0 && ok) *st.nvl_recvd(k_ring, D, L) = static_cast<long long>(base + 1 + total);
 }
 
-// L == 1: the forwarder is the destination, so the one warp of the channel writes each RDMA slot straight
-// into the outputs (what receive() does with an NVLink slot) and there is no NVLink ring, no receiver and
-// no NVLink meta. The rows of source domain d in this channel start at entry 5 = entry 6 of d - 1 plus the
-// channel's start in the source's gbl_channel_prefix_matrix (the meta's start for this rank); slots arrive in
-// token order, so row = that start + the slot's index among d's slots with bit 0 set (all of them: a token
-// reaching a domain of one rank reaches that rank). send_nvl_head[i, 0] is that index, as the NVLink path
-// records it.
+// L == 1: the forwarder is the destination, so the rows of source domain d in channel c go from the RDMA
+// ring straight into the outputs (what receive() does with an NVLink slot): no NVLink ring, no receiver, no
+// NVLink meta. One warp per source domain (the D warps a sender block has per channel anyway), so each ring
+// has its own reader and the domains do not queue behind each other. The rows of d in this channel start at
+// entry 5 = entry 6 of d - 1 plus the channel's start in the source's gbl_channel_prefix_matrix (the meta's
+// start for this rank); slots arrive in token order, so slot k lands at that start + k. Every slot carries
+// bit 0 (a token reaching a domain of one rank reaches that rank: the sender only sends tokens with bits),
+// and send_nvl_head[i, 0] = k, as the NVLink path records it.
 template <int D>
-__device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardShared<1, D>& sh, int c, int lane) {
+__device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardShared<1, D>& sh, int c, int d,
+                               int lane) {
     const Geometry<1, D> g{a};
     const Signals sig{a.sig, D};
-    const int C = a.num_channels, d_me = a.rank;
+    const int C = a.num_channels, d_me = a.rank, i = c * D + d;
+    const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
     bool ok = true;
-    // Lane d: first output row of source d in this channel, and the channel's RDMA range from d.
-    int row_base = 0, r0 = 0, r1 = 0;
-    for (int d = 0; d < D && ok; ++d) {
-        wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(sh.base[d]) + 1, w, kOpDispatchTail, d, __LINE__,
-                      &ok);
-        if (!ok) break;
-        const int* m = g.rdma_meta(1, c * D + d);
-        const int ns = ld_cg_s32(m), v2 = ld_cg_s32(m + 2), v3 = ld_cg_s32(m + 3);
-        const int rb = (d > 0 ? a.recv_gbl_prefix[d - 1] : 0) + ns;
-        if (lane == d) row_base = rb, r0 = v2, r1 = v3;
-        if (lane == 0) {
-            sh.count[d] = v3 - v2;
-            if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = v3;
-            if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = rb;
-        }
-        __syncwarp();
-        if (lane == 0) {
-            static_cast<volatile int*>(&sh.progress[d][0])[0] = 1;
-            release_rdma<1, D>(sh, sig, c, d, d_me, 0);
-        }
+    wait_at_least(sig.tail(i), base_r + 1, w, kOpDispatchTail, d, __LINE__, &ok);
+    if (!ok) return;
+    const int* m = g.rdma_meta(1, i);
+    const int ns = ld_cg_s32(m), r0 = ld_cg_s32(m + 2), r1 = ld_cg_s32(m + 3);
+    const int first_row = (d > 0 ? a.recv_gbl_prefix[d - 1] : 0) + ns;
+    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, n = r1 - r0;
+    if (lane == 0) {
+        sh.count[d] = n;
+        if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;
+        if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = first_row;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        static_cast<volatile int*>(&sh.progress[d][0])[0] = 1;
+        release_rdma<1, D>(sh, sig, c, d, d_me, 0);
     }
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
-    for (int d = 0; d < D && ok; ++d) {
-        const int n = __shfl_sync(kFullMask, r1 - r0, d);
-        const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + __shfl_sync(kFullMask, r0, d);
-        const int first_row = __shfl_sync(kFullMask, row_base, d);
-        const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
-        int avail = 0, k_j = 0;
-        for (int k = 0; k < n; ++k) {
-            if (k >= avail) {
-                // About to wait for the source: first give back everything done (it may wait for ring space).
-                if (ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) {
-                    if (lane == 0) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
-                    __syncwarp();
-                }
-                const uint64_t v = wait_at_least(sig.tail(c * D + d), base_r + 2 + k, w, kOpDispatchTail, d, __LINE__,
-                                                 &ok);
-                if (!ok) break;
-                avail = static_cast<int>(v - base_r - 1);
+    int avail = 0;
+    for (int k = 0; k < n; ++k) {
+        if (k >= avail) {
+            // About to wait for the source: first give back everything done (it may wait for ring space).
+            if (ld_acquire_sys(sig.tail(i)) < base_r + 2 + k) {
+                if (lane == 0) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
+                __syncwarp();
             }
-            const uint8_t* s = g.rdma_slot(1, c * D + d, k);
-            const int bits = ld_cg_s32(s + 4);
-            int pos = -1;
-            if (bits & 1) {
-                store_row(a, s, first_row + k_j, d, bits, d, lane);
-                pos = k_j++;
-            }
-            // Every lane's loads of the slot returned (their values were stored): the slot may go back.
-            __syncwarp();
-            if (lane == 0) {
-                if (a.send_nvl_head != nullptr) {
-                    if (row0 + k < a.num_nvl_head_rows)
-                        a.send_nvl_head[row0 + k] = pos;
-                    else
-                        report_timeout(a.err, kOpDispatchOverflow, a.rank, d, __LINE__, row0 + k + 1);
-                }
-                static_cast<volatile int*>(&sh.progress[d][0])[0] = 2 + k;
-                if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
-            }
-            __syncwarp();
+            const uint64_t v = wait_at_least(sig.tail(i), base_r + 2 + k, w, kOpDispatchTail, d, __LINE__, &ok);
+            if (!ok) break;
+            avail = static_cast<int>(v - base_r - 1);
         }
+        const uint8_t* s = g.rdma_slot(1, i, k);
+        store_row(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
+        // Every lane's loads of the slot returned (their values were stored): the slot may go back.
+        __syncwarp();
+        if (lane == 0) {
+            if (a.send_nvl_head != nullptr) {
+                if (row0 + k < a.num_nvl_head_rows)
+                    a.send_nvl_head[row0 + k] = k;
+                else
+                    report_timeout(a.err, kOpDispatchOverflow, a.rank, d, __LINE__, row0 + k + 1);
+            }
+            static_cast<volatile int*>(&sh.progress[d][0])[0] = 2 + k;
+            if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
+        }
+        __syncwarp();
     }
     if (lane == 0) nvshmem_quiet();
 }
 
 // Receiver block of channels cb * S .. cb * S + S - 1: padding rows, then one role per warp.
-template <int L, int D>
+template <int L, int D, int S>
 __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int cb, int sub, int role, int lane) {
-    constexpr int S = sub_channels(L, D);
     __shared__ ForwardShared<L, D> shared[S];
     const State st{a.state};
     const int c = cb * S + sub;
@@ -347,7 +332,7 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
     __syncthreads();
     if (c < a.num_channels) {
         if constexpr (L == 1) {
-            if (role == 0) forward_direct<D>(a, w, shared[sub], c, lane);
+            if (role < D) forward_direct<D>(a, w, shared[sub], c, role, lane);
         } else {
             if (role < L)
                 forward<L, D>(a, w, shared[sub], c, role, lane);
