@@ -1,9 +1,9 @@
 // Internode dispatch, step 2: move the rows (docs/design/internode.md, "Dispatch").
 //
-// Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter, sub_channels(L, D) by default); channel c = tokens
-// [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group is the RDMA
-// sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA to
-// local rank j, warp L + l receives over NVLink what forwarder l passes on (with L == 1, warp d < D writes
+// Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter, sub_channels(L, D) by default);
+// channel c = tokens [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group
+// is the RDMA sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA
+// to local rank j, warp L + l receives over NVLink what forwarder l passes on (with L == 1, warp d < D writes
 // what arrives from domain d straight into the outputs: no NVLink hop). Every ring is FIFO, so the rows of one
 // (source, channel) arrive in token order and land at entry 5 + their index: the intranode row order.
 //
