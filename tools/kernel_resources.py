@@ -2,6 +2,7 @@
 
     python tools/kernel_resources.py [--arch sm_90] [--ranks 2,4,8] [--warps 16,24,32]
                                      [--dispatch-unroll 4,6,8,14] [--combine-unroll 2,4,8] [--jobs N]
+    python tools/kernel_resources.py --internode 1x2x8,1x2x16,2x2x4   (internode: L x D x channels a block)
 
 No GPU needed: every variant is compiled with NVRTC (the options the JIT uses, plus ptxas' ``-v``) and its
 ptxas report read back. Kernels: ``dispatch`` (direct and ring modes are one kernel), ``combine`` (ring
@@ -27,7 +28,8 @@ REGISTERS_PER_SM = 65536
 REG_ALLOC_UNIT = 256  # registers are handed out per warp in units of 256
 MAX_SHARED = 227 * 1024
 
-_USED = re.compile(r"Used (\d+) registers.*?(\d+) bytes smem")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")  # not printed for every build (NVSHMEM's relocatable ones)
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PROPS = re.compile(r"Function properties for (\S+)")
 
@@ -48,7 +50,8 @@ def parse_ptxas(log: str) -> dict:
             continue
         m = _USED.search(line)
         if m:
-            out["registers"], out["smem"] = int(m.group(1)), int(m.group(2))
+            smem = _SMEM.search(line)
+            out["registers"], out["smem"] = int(m.group(1)), int(smem.group(1)) if smem else None
     return out
 
 
@@ -67,10 +70,21 @@ def variants(ranks, warps, dispatch_unrolls, combine_unrolls) -> list[tuple[str,
 
 
 def spec_of(kind: str, r: int, w: int, u: int):
+    """Intranode kinds: ``(ranks, warps, unroll)``; internode kinds: ``(L, D, sub_channels)``."""
+    from deepep_cupy.ops.internode import engine as internode
     from deepep_cupy.ops.intranode.copy import combine_copy_spec
     from deepep_cupy.ops.intranode.engine import combine_spec, dispatch_spec
 
-    return {"dispatch": dispatch_spec, "combine": combine_spec, "combine_copy": combine_copy_spec}[kind](r, w, u)
+    return {"dispatch": dispatch_spec, "combine": combine_spec, "combine_copy": combine_copy_spec,
+            "internode_dispatch": internode.dispatch_spec, "internode_combine": internode.combine_spec}[kind](r, w, u)
+
+
+def internode_warps(kind: str, lsize: int, ndom: int, sub: int) -> int:
+    """Warps of an internode block (``block_threads`` / ``combine_block_threads`` / 32)."""
+    from deepep_cupy.ops.internode import engine as internode
+
+    threads = internode.block_threads if kind == "internode_dispatch" else internode.combine_block_threads
+    return threads(lsize, ndom, sub) // 32
 
 
 def measure(job: tuple[str, int, int, int, str]) -> dict:
@@ -90,21 +104,36 @@ def measure(job: tuple[str, int, int, int, str]) -> dict:
 
 
 def describe(row: dict) -> str:
-    head = f"{row['kind']:<13} R={row['ranks']} {row['warps']:>2} x {row['unroll']:<2}"
+    internode = row["kind"].startswith("internode")
+    head = (f"{row['kind']:<18} {row['ranks']} x {row['warps']} S={row['unroll']:<2}" if internode else
+            f"{row['kind']:<13} R={row['ranks']} {row['warps']:>2} x {row['unroll']:<2}")
     if "error" in row:
         return f"{head}  FAILED: {row['error']}"
     funcs = row["functions"]
-    entry = [v for k, v in funcs.items() if "direct" not in k]
-    inner = [v for k, v in funcs.items() if "direct" in k]
+    # Internode builds link NVSHMEM's device functions too: only the kernel itself is of interest there.
+    entry = [v for k, v in funcs.items() if "direct" not in k and (not internode or "deepep_cupy" in k)]
+    inner = [v for k, v in funcs.items() if "direct" in k and not internode]
     stack, st, ld = entry[0] if entry else (0, 0, 0)
     spills = f"{st}/{ld}" + (f" + {inner[0][1]}/{inner[0][2]}" if inner else "")
-    ok = row["registers"] is not None and fits(row["registers"], row["warps"]) and row["smem"] <= MAX_SHARED
-    return (f"{head}  regs {row['registers']:>3}  spill st/ld {spills:<18} stack {stack:>4}  smem {row['smem']:>4}  "
+    warps = internode_warps(row["kind"], row["ranks"], row["warps"], row["unroll"]) if internode else row["warps"]
+    ok = row["registers"] is not None and fits(row["registers"], warps) and (row["smem"] or 0) <= MAX_SHARED
+    return (f"{head}  regs {row['registers']:>3}  spill st/ld {spills:<18} stack {stack:>4}  smem {row['smem']!s:>4}  "
             f"{'launches' if ok else 'DOES NOT LAUNCH'}")
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    """``1x2x8,2x2x4`` -> [(1, 2, 8), (2, 2, 4)]."""
+    try:
+        out = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LxDxS[,...], got {text!r}") from None
+    if not out or any(len(v) != 3 for v in out):
+        raise argparse.ArgumentTypeError(f"expected LxDxS[,...], got {text!r}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -115,8 +144,15 @@ def main(argv=None) -> int:
     p.add_argument("--dispatch-unroll", type=_ints, default=[4, 6, 8, 14])
     p.add_argument("--combine-unroll", type=_ints, default=[2, 4, 8])
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--internode", type=_shapes, default=None, metavar="LxDxS[,...]",
+                   help="the internode dispatch and combine with L ranks a domain, D domains, S channels a block "
+                        "(instead of the intranode kernels)")
     args = p.parse_args(argv)
-    jobs = [(*v, args.arch) for v in variants(args.ranks, args.warps, args.dispatch_unroll, args.combine_unroll)]
+    if args.internode:
+        jobs = [(kind, lsize, ndom, sub, args.arch) for lsize, ndom, sub in args.internode
+                for kind in ("internode_dispatch", "internode_combine")]
+    else:
+        jobs = [(*v, args.arch) for v in variants(args.ranks, args.warps, args.dispatch_unroll, args.combine_unroll)]
     failed = 0
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         for row in pool.map(measure, jobs):

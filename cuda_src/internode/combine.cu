@@ -1,13 +1,16 @@
 // Internode combine: the reverse path of the dispatch (docs/design/internode.md, "Combine").
 //
-// Grid 2 * ceil(C / S) blocks of S channels each (sub_channels), channels as in the dispatch that produced
-// the handle.
+// Grid 2 * ceil(C / S) blocks of S channels each (a template parameter), channels as in the dispatch that
+// produced the handle.
 // Block 2c, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
 //   s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
 // Block 2c + 1, warp ds < D: forwarder for source domain ds: for each row it received over RDMA from
 //   (ds, l_me) in channel c, sums the copies its domain ranks send back and puts the partial sum (bf16
 //   row, float32 top-k weights) into the RDMA ring of the source. Warp D: the source-side reducer of
 //   channel c: per token, sums the partials of every domain it reached, adds the biases, rounds once.
+// L == 1: no NVLink stage (the domain is this rank): block 2c holds the D forwarders, which read the rows
+//   of x the NVLink senders would have sent (entry 5 + send_nvl_head), block 2c + 1 D reducer warps that
+//   take the channel's tokens in turn (ReduceShared).
 //
 // Deadlock freedom: the source reduces token t only when every domain's partial for t is there, so each
 // (forwarder, source domain) pipeline must advance on its own. The NVLink ring (c, j -> l) is therefore
@@ -175,12 +178,14 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = ds * L + l_me;
     const int x_ring = c * D + ds, i = c * D + ds, i_peer = c * D + d_me;
     const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
-    // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read.
+    // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read. With
+    // L == 1 there is no NVLink stage: the row the NVLink sender would send is read from x itself.
     long long nbase = 0;
-    if (lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
+    if (L > 1 && lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
     int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back
     // NVLink slots go back in batches (a release store is a system-scope fence), and all before a wait.
     auto hand_back = [&]() {
+        if constexpr (L == 1) return;
         __syncwarp();
         if (lane < L && taken > returned) {
             st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
@@ -195,6 +200,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const int start = c > 0 ? a.recv_rdma_cpm[ds * C + c - 1] : 0;
     const int n = a.recv_rdma_cpm[ds * C + c] - start;
     const long long row0 = (ds > 0 ? a.recv_rdma_prefix[ds - 1] : 0) + start;
+    // L == 1: slot p of sub-ring (c, ds) would hold row entry 5 [ds, c] + p of x (send_nvl's order).
+    const long long x_row0 = L == 1 ? a.recv_gbl_cpm[ds * C + c] : 0;
     // As the dispatch's sender: straight into the ring of a source reachable by stores, else staged and put.
     uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
     uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
@@ -218,24 +225,35 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         // Lane j: position of this row in j's stream, then wait for it.
         const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
-        const bool ready = pos < 0 || ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
-        if (!__all_sync(kFullMask, ready)) hand_back();
-        for (int j = 0; j < L && ok; ++j) {
-            const int p = __shfl_sync(kFullMask, pos, j);
-            const long long nb = __shfl_sync(kFullMask, nbase, j);
-            if (p >= 0)
-                wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
-                              d_me * L + j, __LINE__, &ok);
+        if constexpr (L > 1) {
+            const bool ready =
+                pos < 0 || ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
+            if (!__all_sync(kFullMask, ready)) hand_back();
+            for (int j = 0; j < L && ok; ++j) {
+                const int p = __shfl_sync(kFullMask, pos, j);
+                const long long nb = __shfl_sync(kFullMask, nbase, j);
+                if (p >= 0)
+                    wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
+                                  d_me * L + j, __LINE__, &ok);
+            }
+            if (!ok) break;
         }
-        if (!ok) break;
         uint8_t* out = direct ? peer_ring + static_cast<long long>(k % a.rdma_cap) * a.slot_bytes : g.rdma_slot(0, i, k);
         // Every lane learns every position here: the loops below leave lanes idle, so no shuffle inside.
         int ps[L];
         const int4* rows[L];
+        const float* weights[L];
 #pragma unroll
         for (int j = 0; j < L; ++j) {
             ps[j] = __shfl_sync(kFullMask, pos, j);
-            rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(g.nvl_slot(l_me, c, j, ds, ps[j]) + 16) : nullptr;
+            if (L == 1) {
+                rows[j] = ps[j] >= 0 ? a.x + (x_row0 + ps[j]) * a.hidden_int4 : nullptr;
+                weights[j] = a.topk_weights != nullptr ? a.topk_weights + (x_row0 + ps[j]) * a.num_topk : nullptr;
+            } else {
+                const uint8_t* slot = g.nvl_slot(l_me, c, j, ds, ps[j] >= 0 ? ps[j] : 0);
+                rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(slot + 16) : nullptr;
+                weights[j] = reinterpret_cast<const float*>(slot + a.slot_topk_weights_offset);
+            }
         }
         warp_sum_rows<L>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4, lane);
         if (a.topk_weights != nullptr) {
@@ -243,12 +261,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
 #pragma unroll
-                for (int j = 0; j < L; ++j) {
-                    const int p = ps[j];
-                    if (p >= 0)
-                        sum += ld_cg_f32(
-                            reinterpret_cast<const float*>(g.nvl_slot(l_me, c, j, ds, p) + a.slot_topk_weights_offset) + q);
-                }
+                for (int j = 0; j < L; ++j)
+                    if (ps[j] >= 0) sum += ld_cg_f32(weights[j] + q);
                 ws[q] = sum;
             }
         }
@@ -260,14 +274,29 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     if (ok) hand_back();
     if (lane == 0) nvshmem_quiet();
     if (ok) {
-        if (lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
+        if (L > 1 && lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
         if (lane == 0) *st.rdma_sent(i) = static_cast<long long>(base + n);
     }
 }
 
-// Block 2c + 1, warp D: the source's sum across domains, token by token.
-template <int L, int D>
-__device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, int lane) {
+// Reducer warps of one channel that take its tokens in turn (NR > 1, only with L == 1, where the block
+// has D warps a channel and one reducer would leave D - 1 idle). A slot may go back to its forwarder only
+// once every token before it is summed, whichever warp owns it: warp r's claim[r][d] says how many slots
+// of domain d the tokens before its next one hold (its own are done, so only the others' may not be), and
+// the minimum over the warps is what may go back; released[d] (atomicMax) hands each increment to exactly
+// one warp. Zeroed by the block before any use.
+template <int D, int NR>
+struct ReduceShared {
+    int claim[NR][D];
+    int released[D];
+};
+
+// Block 2c + 1, warp D (warps 0..NR-1 with L == 1): the source's sum across domains, token by token. With
+// NR warps, warp r sums tokens t_begin + r, t_begin + r + NR, ... and reads the positions of the others
+// only to keep its claim.
+template <int L, int D, int NR>
+__device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, int r, ReduceShared<D, NR>* sh,
+                               int lane) {
     const CombineGeometry<L, D> g{a};
     const Signals sig{a.sig, D};
     const State st{a.state};
@@ -282,7 +311,27 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     // Lane d: slots of domain d read but not yet handed back. They go back in batches, and at once whenever
     // this warp is about to wait: the forwarder may be waiting for exactly those slots.
     int pending = 0;
+    int seen = 0;  // lane d: slots of domain d in the tokens this warp has passed (summed if its own)
     auto hand_back = [&]() {
+        if constexpr (NR > 1) {
+            if (lane < D) {
+                volatile int* claim = &sh->claim[0][0];
+                claim[r * D + lane] = seen;
+                __threadfence_block();  // store, then load the others' claims: one of two racing warps sees both
+                int m = seen;
+#pragma unroll
+                for (int q = 0; q < NR; ++q) m = min(m, claim[q * D + lane]);
+                const int old = atomicMax(&sh->released[lane], m);
+                if (m > old) {
+                    nvshmem_fence();
+                    nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD,
+                                       lane * L + l_me);
+                }
+                pending = 0;
+            }
+            __syncwarp();
+            return;
+        }
         if (lane < D && pending > 0) {
             nvshmem_fence();
             nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(pending), NVSHMEM_SIGNAL_ADD,
@@ -293,6 +342,10 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     };
     for (int t = t_begin; t < t_end && ok; ++t) {
         const int pos = lane < D ? a.send_rdma_head[static_cast<long long>(t) * D + lane] : -1;
+        if (NR > 1 && (t - t_begin) % NR != r) {  // another warp's token: only its slots count
+            if (pos >= 0) seen = pos + 1;
+            continue;
+        }
         const bool ready = pos < 0 || ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
         if (!__all_sync(kFullMask, ready)) hand_back();
         for (int d = 0; d < D && ok; ++d) {
@@ -327,17 +380,17 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         __syncwarp();
-        if (lane < D && pos >= 0) ++used, ++pending;
+        if (lane < D && pos >= 0) ++used, ++pending, seen = pos + 1;
         if (__any_sync(kFullMask, pending >= 8)) hand_back();
     }
     hand_back();
     if (lane == 0) nvshmem_quiet();
-    if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + used;
+    // Every reducer warp of the channel has scanned all its tokens: `seen` is the channel's slot count.
+    if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + (NR > 1 ? seen : used);
 }
 
-template <int kNumNvlRanks, int kNumDomains>
-__global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *
-                                  sub_channels(kNumNvlRanks, kNumDomains), 1)
+template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
+__global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels, 1)
 combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
         const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
         const int* __restrict__ recv_rdma_channel_prefix_matrix, const int* __restrict__ recv_rdma_rank_prefix_sum,
@@ -348,9 +401,17 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
-    constexpr int W = combine_channel_warps(L, D), S = sub_channels(L, D);
+    constexpr int W = combine_channel_warps(L, D), S = kSubChannels;
+    constexpr int NR = L == 1 ? W : 1;  // reducer warps of a channel
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
     const int c = (blockIdx.x / 2) * S + warp / W;
+    __shared__ ReduceShared<D, NR> reduce_shared[NR > 1 ? S : 1];
+    if (NR > 1 && blockIdx.x % 2 == 1) {
+        int* words = &reduce_shared[0].claim[0][0];
+        for (int k = threadIdx.x; k < static_cast<int>(sizeof(reduce_shared) / sizeof(int)); k += blockDim.x)
+            words[k] = 0;
+        __syncthreads();
+    }
     if (c >= num_channels) return;  // the last block's spare channels (no block-wide barrier below)
     const CombineArgs a{x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
                         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
@@ -358,12 +419,18 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                         rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
                         nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
-    if (blockIdx.x % 2 == 0) {
+    if constexpr (L == 1) {  // no NVLink stage: the forwarders read x (block 2c), NR reducers in block 2c + 1
+        if (blockIdx.x % 2 == 0) {
+            if (role < D) forward_reduce<L, D>(a, w, c, role, lane);
+        } else {
+            reduce_domains<L, D, NR>(a, w, c, role, &reduce_shared[warp / W], lane);
+        }
+    } else if (blockIdx.x % 2 == 0) {
         if (role < L * D) send_nvl<L, D>(a, w, c, role / L, role % L, lane);
     } else if (role < D) {
         forward_reduce<L, D>(a, w, c, role, lane);
     } else if (role == D) {
-        reduce_domains<L, D>(a, w, c, lane);
+        reduce_domains<L, D, 1>(a, w, c, 0, nullptr, lane);
     }
 }
 

@@ -1,9 +1,10 @@
 // Internode dispatch, step 2: move the rows (docs/design/internode.md, "Dispatch").
 //
-// Grid 2 * ceil(C / S) blocks, S = sub_channels(L, D) channels per block; channel c = tokens
-// [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group is the RDMA
-// sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA to
-// local rank j, warp L + l receives over NVLink what forwarder l passes on. Every ring is FIFO, so the rows of one
+// Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter, sub_channels(L, D) by default);
+// channel c = tokens [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group
+// is the RDMA sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA
+// to local rank j, warp L + l receives over NVLink what forwarder l passes on (with L == 1, warp d < D writes
+// what arrives from domain d straight into the outputs: no NVLink hop). Every ring is FIFO, so the rows of one
 // (source, channel) arrive in token order and land at entry 5 + their index: the intranode row order.
 //
 // Cached mode (handle given): entries 1, 2, 4, 6 come from the handle; entry 3, 5, 7, 8, 9 pointers are
@@ -197,9 +198,9 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
 
 namespace deepep_cupy::internode {
 
-template <int kNumNvlRanks, int kNumDomains>
-__global__ void __launch_bounds__(32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) *
-                                  sub_channels(kNumNvlRanks, kNumDomains), 1)
+// kSubChannels channels a block (sub_channels(L, D) by default; the engine's sub_channels tuning picks others).
+template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
+__global__ void __launch_bounds__(32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels, 1)
 dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
          long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
          const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
@@ -215,7 +216,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
          int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
-    constexpr int W = dispatch_channel_warps(L, D), S = sub_channels(L, D);
+    constexpr int W = dispatch_channel_warps(L, D), S = kSubChannels;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;
     const int cb = blockIdx.x / 2, c = cb * S + sub;
     const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
@@ -231,7 +232,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     if (blockIdx.x % 2 == 0) {
         if (role < D && c < num_channels) send_rdma<L, D>(a, w, c, role, lane);
     } else {
-        forward_and_receive<L, D>(a, w, cb, sub, role, lane);
+        forward_and_receive<L, D, S>(a, w, cb, sub, role, lane);
     }
 }
 

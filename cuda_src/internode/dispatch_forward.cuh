@@ -1,5 +1,6 @@
 // Internode dispatch, receiver block of a channel: the forwarders (warp j < L: RDMA ring -> NVLink ring
-// of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs).
+// of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs); with
+// L == 1, warp d < D: RDMA ring of source domain d -> outputs (forward_direct).
 // Included by dispatch.cu only (needs DispatchArgs and Geometry).
 #pragma once
 
@@ -143,6 +144,40 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
     }
 }
 
+// Outputs of one received row (slot `s`, from source domain `sd`, destination bits `bits`) at `row`:
+// recv_x, scales (row-major, as the plan allocates them), local top-k ids (-1 for other ranks' experts) and
+// weights, recv_src_meta. A row past the outputs (more than num_worst_tokens) is reported, naming `peer`.
+__device__ __forceinline__ void store_row(const DispatchArgs& a, const uint8_t* s, int row, int sd, int bits, int peer,
+                                          int lane) {
+    const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
+    if (row < a.num_out_rows) {
+        warp_copy_cg(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
+                     hidden_int4, lane);
+        const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
+        for (int q = lane; q < a.num_scales; q += 32)
+            a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = ld_cg_u32(sc + q);
+        if (a.recv_topk_idx != nullptr) {
+            const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
+            const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
+            for (int q = lane; q < a.num_topk; q += 32) {
+                const int e = ld_cg_s32(ids + q);
+                const int local = e - a.rank * El;
+                const bool is_mine = e >= 0 && local >= 0 && local < El;
+                a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
+                if (a.recv_topk_weights != nullptr)
+                    a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + q] =
+                        is_mine ? ld_cg_f32(ws + q) : 0.0f;
+            }
+        }
+        if (lane == 0 && a.recv_src_meta != nullptr) {
+            a.recv_src_meta[2 * static_cast<long long>(row)] = sd;
+            a.recv_src_meta[2 * static_cast<long long>(row) + 1] = bits;
+        }
+    } else if (lane == 0) {
+        report_timeout(a.err, kOpDispatchOverflow, a.rank, peer, __LINE__, row);
+    }
+}
+
 template <int L, int D>
 __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, int lane) {
     const Geometry<L, D> g{a};
@@ -170,7 +205,6 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
     __syncwarp();
     if (lane == 0) st_release_sys(writer.head(c * L + l_me), base + 1);
-    const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
     int avail = 0, released = 0;
     // Slots go back in batches (a release store is a system-scope fence), and all of them before a wait.
     auto give_back = [&](int upto) {
@@ -193,32 +227,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
         const int sd = ld_cg_s32(s) & 31, bits = ld_cg_s32(s + 4);
         const int row = __shfl_sync(kFullMask, row_base, sd);
         if (lane == sd) ++row_base;
-        if (row < a.num_out_rows) {
-            warp_copy_cg(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
-                         hidden_int4, lane);
-            const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
-            for (int q = lane; q < a.num_scales; q += 32)
-                a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = ld_cg_u32(sc + q);
-            if (a.recv_topk_idx != nullptr) {
-                const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
-                const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
-                for (int q = lane; q < a.num_topk; q += 32) {
-                    const int e = ld_cg_s32(ids + q);
-                    const int local = e - a.rank * El;
-                    const bool is_mine = e >= 0 && local >= 0 && local < El;
-                    a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
-                    if (a.recv_topk_weights != nullptr)
-                        a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + q] =
-                            is_mine ? ld_cg_f32(ws + q) : 0.0f;
-                }
-            }
-            if (lane == 0 && a.recv_src_meta != nullptr) {
-                a.recv_src_meta[2 * static_cast<long long>(row)] = sd;
-                a.recv_src_meta[2 * static_cast<long long>(row) + 1] = bits;
-            }
-        } else if (lane == 0) {
-            report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me * L + l, __LINE__, row);
-        }
+        store_row(a, s, row, sd, bits, d_me * L + l, lane);
         // The slot's loads are done (their values were stored): it may go back to the forwarder.
         if (n + 1 - released >= kPublishBatch) give_back(n + 1);
     }
@@ -226,10 +235,73 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     if (lane == 0 && ok) *st.nvl_recvd(k_ring, D, L) = static_cast<long long>(base + 1 + total);
 }
 
+// L == 1: the forwarder is the destination, so the rows of source domain d in channel c go from the RDMA
+// ring straight into the outputs (what receive() does with an NVLink slot): no NVLink ring, no receiver, no
+// NVLink meta. One warp per source domain (the D warps a sender block has per channel anyway), so each ring
+// has its own reader and the domains do not queue behind each other. The rows of d in this channel start at
+// entry 5 = entry 6 of d - 1 plus the channel's start in the source's gbl_channel_prefix_matrix (the meta's
+// start for this rank); slots arrive in token order, so slot k lands at that start + k. Every slot carries
+// bit 0 (a token reaching a domain of one rank reaches that rank: the sender only sends tokens with bits),
+// and send_nvl_head[i, 0] = k, as the NVLink path records it.
+template <int D>
+__device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardShared<1, D>& sh, int c, int d,
+                               int lane) {
+    const Geometry<1, D> g{a};
+    const Signals sig{a.sig, D};
+    const int C = a.num_channels, d_me = a.rank, i = c * D + d;
+    const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
+    bool ok = true;
+    wait_at_least(sig.tail(i), base_r + 1, w, kOpDispatchTail, d, __LINE__, &ok);
+    if (!ok) return;
+    const int* m = g.rdma_meta(1, i);
+    const int ns = ld_cg_s32(m), r0 = ld_cg_s32(m + 2), r1 = ld_cg_s32(m + 3);
+    const int first_row = (d > 0 ? a.recv_gbl_prefix[d - 1] : 0) + ns;
+    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, n = r1 - r0;
+    if (lane == 0) {
+        sh.count[d] = n;
+        if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;
+        if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = first_row;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        static_cast<volatile int*>(&sh.progress[d][0])[0] = 1;
+        release_rdma<1, D>(sh, sig, c, d, d_me, 0);
+    }
+    const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
+    int avail = 0;
+    for (int k = 0; k < n; ++k) {
+        if (k >= avail) {
+            // About to wait for the source: first give back everything done (it may wait for ring space).
+            if (ld_acquire_sys(sig.tail(i)) < base_r + 2 + k) {
+                if (lane == 0) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
+                __syncwarp();
+            }
+            const uint64_t v = wait_at_least(sig.tail(i), base_r + 2 + k, w, kOpDispatchTail, d, __LINE__, &ok);
+            if (!ok) break;
+            avail = static_cast<int>(v - base_r - 1);
+        }
+        const uint8_t* s = g.rdma_slot(1, i, k);
+        store_row(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
+        // Every lane's loads of the slot returned (their values were stored): the slot may go back.
+        __syncwarp();
+        if (lane == 0) {
+            if (a.send_nvl_head != nullptr) {
+                if (row0 + k < a.num_nvl_head_rows)
+                    a.send_nvl_head[row0 + k] = k;
+                else
+                    report_timeout(a.err, kOpDispatchOverflow, a.rank, d, __LINE__, row0 + k + 1);
+            }
+            static_cast<volatile int*>(&sh.progress[d][0])[0] = 2 + k;
+            if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
+        }
+        __syncwarp();
+    }
+    if (lane == 0) nvshmem_quiet();
+}
+
 // Receiver block of channels cb * S .. cb * S + S - 1: padding rows, then one role per warp.
-template <int L, int D>
+template <int L, int D, int S>
 __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int cb, int sub, int role, int lane) {
-    constexpr int S = sub_channels(L, D);
     __shared__ ForwardShared<L, D> shared[S];
     const State st{a.state};
     const int c = cb * S + sub;
@@ -259,10 +331,14 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
     }
     __syncthreads();
     if (c < a.num_channels) {
-        if (role < L)
-            forward<L, D>(a, w, shared[sub], c, role, lane);
-        else if (role < 2 * L)
-            receive<L, D>(a, w, c, role - L, lane);
+        if constexpr (L == 1) {
+            if (role < D) forward_direct<D>(a, w, shared[sub], c, role, lane);
+        } else {
+            if (role < L)
+                forward<L, D>(a, w, shared[sub], c, role, lane);
+            else if (role < 2 * L)
+                receive<L, D>(a, w, c, role - L, lane);
+        }
     }
     __syncthreads();
     for (int t = threadIdx.x; t < S * D; t += blockDim.x) {

@@ -149,12 +149,16 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 }
 
 // Warps of one channel in a dispatch block (a sender per domain, or a forwarder and a receiver per local
-// rank) and in a combine block (an NVLink sender per (domain, local rank), or a forwarder per domain and
-// the reducer). A block runs kSubChannels consecutive channels side by side: every role of a channel is
-// one warp moving one row at a time, so more channels per SM is what keeps more bytes in flight. Blocks
-// stay within 512 threads (128 registers a thread). Mirrored by ops/internode/layout.py sub_channels.
+// rank; with L == 1 one warp forwards straight into the outputs) and in a combine block (an NVLink sender
+// per (domain, local rank), or a forwarder per domain and the reducer; with L == 1 there are no NVLink
+// senders, so the forwarders take the first block and the reducer the second). A block runs several
+// consecutive channels side by side: every role of a channel is one warp moving one row at a time, so more
+// channels per SM is what keeps more bytes in flight. Blocks stay within 512 threads (128 registers a
+// thread). Mirrored by ops/internode/layout.py.
 constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
-constexpr int combine_channel_warps(int L, int D) { return L * D > D + 1 ? L * D : D + 1; }
+constexpr int combine_channel_warps(int L, int D) {
+    return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);
+}
 constexpr int sub_channels(int L, int D) {
     const int w = dispatch_channel_warps(L, D) > combine_channel_warps(L, D) ? dispatch_channel_warps(L, D)
                                                                               : combine_channel_warps(L, D);

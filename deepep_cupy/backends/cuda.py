@@ -66,12 +66,14 @@ class CudaBackend:
                 # One NVSHMEM buffer for both modes, as DeepEP's (the low-latency engine made it).
                 self.internode = InternodeEngine(group, self.device_id, num_nvl_ranks, num_nvl_bytes, num_rdma_bytes,
                                                  rdma=self.low_latency.symmetric_buffer)
+                self.internode.on_tuning_change = self._drop_intranode_plans
         except BaseException:
             self.release_local()
             raise
 
     # ------------------------------------------------------------------ helpers
-    #: Called with no arguments when the intranode engine's tuning changes (the Buffer drops its plans).
+    #: Called with no arguments when the intranode or internode engine's tuning changes (the Buffer drops
+    #: its plans).
     plans_invalidated = None
 
     def _drop_intranode_plans(self) -> None:

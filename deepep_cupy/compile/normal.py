@@ -66,7 +66,9 @@ def _channels(buffer, config) -> int:
         return int(config.num_sms) // 2
     from ..ops.internode.plans import default_channels
 
-    return default_channels(config, local, domains)
+    engine = getattr(buffer.runtime, "internode", None)
+    sub = engine.channels_per_block() if engine is not None else None
+    return default_channels(config, local, domains, sub)
 
 
 def in_rank_index(buffer) -> int:

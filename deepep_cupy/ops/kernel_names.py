@@ -127,14 +127,14 @@ def internode_notify(num_nvl_ranks: int, num_domains: int) -> str:
     return f"deepep_cupy::internode::notify<{_ints(num_nvl_ranks, num_domains)}>"
 
 
-def internode_dispatch(num_nvl_ranks: int, num_domains: int) -> str:
-    """``deepep_cupy::internode::dispatch<L, D>`` (``cuda_src/internode/dispatch.cu``)."""
-    return f"deepep_cupy::internode::dispatch<{_ints(num_nvl_ranks, num_domains)}>"
+def internode_dispatch(num_nvl_ranks: int, num_domains: int, sub_channels: int) -> str:
+    """``deepep_cupy::internode::dispatch<L, D, S>``, ``S`` channels a block (``cuda_src/internode/dispatch.cu``)."""
+    return f"deepep_cupy::internode::dispatch<{_ints(num_nvl_ranks, num_domains, sub_channels)}>"
 
 
-def internode_combine(num_nvl_ranks: int, num_domains: int) -> str:
-    """``deepep_cupy::internode::combine<L, D>`` (``cuda_src/internode/combine.cu``)."""
-    return f"deepep_cupy::internode::combine<{_ints(num_nvl_ranks, num_domains)}>"
+def internode_combine(num_nvl_ranks: int, num_domains: int, sub_channels: int) -> str:
+    """``deepep_cupy::internode::combine<L, D, S>`` (``cuda_src/internode/combine.cu``)."""
+    return f"deepep_cupy::internode::combine<{_ints(num_nvl_ranks, num_domains, sub_channels)}>"
 
 
 # ---------------------------------------------------------------------------------------- layout

@@ -188,19 +188,21 @@ def intranode_combine(num_ranks: int, num_nvl_bytes: int, config, *, hidden: int
 
 
 # ---------------------------------------------------------------------------------------------------- internode
-def default_channels(config, num_nvl_ranks: int, num_domains: int) -> int:
-    """Channels of an internode dispatch without handle: ``sub_channels`` per SM pair of ``config.num_sms``,
-    as many as the combine's progress words allow (``C * D <= MAX_CHANNELS``)."""
+def default_channels(config, num_nvl_ranks: int, num_domains: int, sub: int | None = None) -> int:
+    """Channels of an internode dispatch without handle: ``sub`` (default ``sub_channels``) per SM pair of
+    ``config.num_sms``, as many as the combine's progress words allow (``C * D <= MAX_CHANNELS``)."""
     pairs = max(int(config.num_sms) // 2, 1)
-    return max(1, min(pairs * IL.sub_channels(num_nvl_ranks, num_domains), IL.MAX_CHANNELS // num_domains))
+    sub = IL.sub_channels(num_nvl_ranks, num_domains) if sub is None else int(sub)
+    return max(1, min(pairs * sub, IL.MAX_CHANNELS // num_domains))
 
 
-def internode_grid(num_channels: int, num_nvl_ranks: int, num_domains: int, num_device_sms: int | None) -> int:
-    """Blocks of a launch for ``num_channels`` channels. Senders, forwarders and receivers wait for each
-    other, so every block must be resident at once: one per SM."""
+def internode_grid(num_channels: int, num_nvl_ranks: int, num_domains: int, num_device_sms: int | None,
+                   sub: int | None = None) -> int:
+    """Blocks of a launch for ``num_channels`` channels, ``sub`` (default ``sub_channels``) a block. Senders,
+    forwarders and receivers wait for each other, so every block must be resident at once: one per SM."""
     if not 1 <= num_channels <= IL.MAX_CHANNELS:
         raise ValueError(f"internode ops support 1..{IL.MAX_CHANNELS} channels, got {num_channels}")
-    sub = IL.sub_channels(num_nvl_ranks, num_domains)
+    sub = IL.sub_channels(num_nvl_ranks, num_domains) if sub is None else int(sub)
     blocks = 2 * ((num_channels + sub - 1) // sub)
     if num_device_sms is not None and blocks > num_device_sms:
         raise ValueError(f"{num_channels} channels need {blocks} SMs, but the GPU has {num_device_sms}; "
@@ -220,18 +222,20 @@ def internode_sizes(num_nvl_bytes: int, num_rdma_bytes: int, rdma: IL.RdmaLayout
 
 def internode_dispatch(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, num_rdma_bytes: int, config, *,
                        hidden: int, fp8: bool, num_scales: int, num_topk: int, num_local_experts: int,
-                       handle_channels: int | None, num_device_sms: int | None):
-    """An internode dispatch's limits. Returns ``(num_channels, grid, rdma layout, nvl layout, rdma chunk)``."""
+                       handle_channels: int | None, num_device_sms: int | None, sub: int | None = None):
+    """An internode dispatch's limits, ``sub`` channels a block (default ``sub_channels``). Returns
+    ``(num_channels, grid, rdma layout, nvl layout, rdma chunk)``."""
     _row_bytes(hidden, 1 if fp8 else 2)
     L_, D = num_nvl_ranks, num_domains
-    num_channels = int(handle_channels) if handle_channels is not None else default_channels(config, L_, D)
-    grid = internode_grid(num_channels, L_, D, num_device_sms)
+    sub = IL.sub_channels(L_, D) if sub is None else int(sub)
+    num_channels = int(handle_channels) if handle_channels is not None else default_channels(config, L_, D, sub)
+    grid = internode_grid(num_channels, L_, D, num_device_sms, sub)
     if num_topk > IL.MAX_TOPK or num_scales > IL.MAX_SCALES:
         raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k entries and {IL.MAX_SCALES} scales")
     if num_local_experts > IL.MAX_LOCAL_EXPERTS:
         raise ValueError(f"internode notify supports up to {IL.MAX_LOCAL_EXPERTS} experts per rank")
     slot = IL.slot_for(hidden)
-    rdma_cap, chunk, nvl_cap_ = IL.ring_sizes(config, IL.sub_channels(L_, D))
+    rdma_cap, chunk, nvl_cap_ = IL.ring_sizes(config, sub)
     rdma = IL.rdma_layout(L_, D, num_channels, rdma_cap, slot)
     nvl = IL.nvl_layout(L_, D, num_channels, nvl_cap_, slot, num_local_experts)
     internode_sizes(num_nvl_bytes, num_rdma_bytes, rdma, nvl)
@@ -239,25 +243,26 @@ def internode_dispatch(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int,
 
 
 def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, num_rdma_bytes: int, config, *,
-                      hidden: int, num_topk: int, handle_channels: int, num_device_sms: int | None):
+                      hidden: int, num_topk: int, handle_channels: int, num_device_sms: int | None,
+                      sub: int | None = None):
     """An internode combine's limits. The NVLink ring of each (channel, domain rank -> forwarder) is split
     into one sub-ring per source domain, so the config's NVLink ring needs at least ``D`` slots, and its
     progress words are those of ring ``c * D + d``: ``C * D`` must not exceed ``MAX_CHANNELS``. Returns
     ``(grid, rdma layout, nvl layout, rdma chunk)``."""
     _row_bytes(hidden, 2)
     L_, D = num_nvl_ranks, num_domains
-    grid = internode_grid(handle_channels, L_, D, num_device_sms)
+    sub = IL.sub_channels(L_, D) if sub is None else int(sub)
+    grid = internode_grid(handle_channels, L_, D, num_device_sms, sub)
     if num_topk > IL.MAX_TOPK:
         raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k weights")
     if handle_channels * D > IL.MAX_CHANNELS:
         raise ValueError(f"the internode combine needs channels x domains <= {IL.MAX_CHANNELS}, got "
                          f"{handle_channels} x {D}")
     slot = IL.slot_for(hidden)
-    sub = IL.sub_channels(L_, D)
     rdma_cap, chunk, nvl_cap_ = IL.ring_sizes(config, sub)
     rdma = IL.rdma_layout(L_, D, handle_channels, rdma_cap, slot)
     nvl = IL.nvl_layout(L_, D, handle_channels, nvl_cap_, slot, 0)
-    if nvl.cap < D:
+    if L_ > 1 and nvl.cap < D:  # one rank per domain has no NVLink stage
         raise ValueError(f"the internode combine needs at least {D} NVLink ring slots per channel (one per "
                          f"domain), got {nvl.cap}: config.num_max_nvl_chunked_recv_tokens must be at least "
                          f"{D * sub} ({sub} channels share an SM pair's ring)")

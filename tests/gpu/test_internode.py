@@ -3,8 +3,10 @@ API, against the NumPy reference backend on fresh random data.
 
 Run: ``DEEPEP_CUPY_NVL_RANKS=1 mpirun -np 2 python -m pytest tests/gpu/test_internode.py`` (two GPUs as two
 domains of one: every token crosses NVSHMEM), or with 4 GPUs as 2 x 2 (``DEEPEP_CUPY_NVL_RANKS=2``), which
-also forwards over NVLink. Every test is collective: all ranks run the same tests in the same order with the
-same parameters (data differs per rank). Kernel waits use a 30 s budget, so a protocol bug shows up as
+also forwards over NVLink. One rank per domain takes the kernels' L = 1 path (no NVLink hop), larger
+domains the NVLink forwarding path; ``test_network_path`` runs either over NVSHMEM puts and signals. Every
+test is collective: all ranks run the same tests in the same order with the same parameters (data differs
+per rank). Kernel waits use a 30 s budget, so a protocol bug shows up as
 ``DeepEPTimeoutError`` instead of a hang.
 """
 
@@ -326,3 +328,28 @@ def test_network_path(env, monkeypatch, n, hidden, experts, k, extra):
     finally:
         monkeypatch.delenv("DEEPEP_CUPY_INTERNODE_FORCE_RMA")
         _fresh_buffer(env)
+
+
+@pytest.mark.parametrize("sub", ["one", "most"])
+def test_sub_channels_tuning(env, sub):
+    """Other channel counts per block (the engine's compile-time sub_channels): same rows, and the handle of
+    the reference run with as many channels; the default comes back for the tests after this one."""
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode.plans import default_channels
+    from deepep_cupy.reference.oracle import ReferenceOracle
+
+    engine, lsize, ndom = env["buf"].runtime.internode, env["L"], env["size"] // env["L"]
+    value = 1 if sub == "one" else IL.max_sub_channels(lsize, ndom)
+    saved = env["ref"]
+    engine.sub_channels = value
+    try:
+        channels = default_channels(_cfg(env["deepep_cupy"]), lsize, ndom, value)
+        env["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
+                                     num_channels=channels)
+        rng = np.random.default_rng([value, env["rank"], 11])
+        for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
+            _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+    finally:
+        engine.sub_channels = None
+        env["ref"] = saved

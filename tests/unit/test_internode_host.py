@@ -91,7 +91,10 @@ def test_sub_channels_fill_blocks_of_at_most_512_threads():
             assert sub >= 1
             threads = [internode.block_threads(lsize, ndom), internode.combine_block_threads(lsize, ndom)]
             assert max(threads) <= (512 if sub > 1 else 1024), (lsize, ndom, sub, threads)
-    assert IL.sub_channels(1, 2) == 5 and IL.sub_channels(8, 2) == 1
+    assert IL.sub_channels(1, 2) == 8 and IL.sub_channels(8, 2) == 1
+    # One rank per domain: no NVLink stage, so a combine channel is D forwarder warps and one reducer warp.
+    assert [IL.combine_channel_warps(1, d) for d in (2, 3, 16)] == [2, 3, 16]
+    assert IL.combine_channel_warps(2, 2) == 4 and IL.combine_channel_warps(2, 4) == 8
 
 
 def test_ring_sizes_split_the_configs_rings_between_sub_channels():
@@ -148,17 +151,19 @@ def test_op_codes_match_header():
 
 
 def test_kernel_names_and_specs():
-    assert K.internode_dispatch(2, 4) == "deepep_cupy::internode::dispatch<2, 4>"
+    assert K.internode_dispatch(2, 4, 2) == "deepep_cupy::internode::dispatch<2, 4, 2>"
     assert K.internode_notify(1, 2) == "deepep_cupy::internode::notify<1, 2>"
-    assert K.internode_combine(8, 2) == "deepep_cupy::internode::combine<8, 2>"
+    assert K.internode_combine(8, 2, 1) == "deepep_cupy::internode::combine<8, 2, 1>"
     spec = internode.dispatch_spec(1, 2)
-    assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2),)
-    assert internode.block_threads(1, 2) == 64 * 5 and internode.block_threads(8, 4) == 512  # 5 channels a block at 1 x 2
+    assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2, 8),)
+    assert internode.dispatch_spec(1, 2, 4).name_expressions == (K.internode_dispatch(1, 2, 4),)
+    assert internode.block_threads(1, 2) == 64 * 8 and internode.block_threads(8, 4) == 512  # 8 channels a block at 1 x 2
     with pytest.raises(ValueError):
         internode.dispatch_spec(1, 1)
     with pytest.raises(ValueError):
         internode.notify_spec(16, 2)
-    assert "32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) *" in (CUDA_SRC / "dispatch.cu").read_text()
+    assert "32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels" in (
+        CUDA_SRC / "dispatch.cu").read_text()
     assert "constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }" in (
         CUDA_SRC / "layout.cuh").read_text()
 
@@ -190,11 +195,51 @@ def test_combine_args_match_kernel_signature():
 
 def test_combine_spec_and_block_shape():
     spec = internode.combine_spec(8, 4)
-    assert spec.nvshmem and spec.name_expressions == (K.internode_combine(8, 4),)
+    assert spec.nvshmem and spec.name_expressions == (K.internode_combine(8, 4, 1),)
     assert spec in internode.representative_builds()
-    assert internode.combine_block_threads(1, 2) == 96 * 5 and internode.combine_block_threads(8, 4) == 1024
+    assert internode.combine_block_threads(1, 2) == 64 * 8 and internode.combine_block_threads(8, 4) == 1024
     with pytest.raises(ValueError):
         internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
-    assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) *" in (CUDA_SRC / "combine.cu").read_text()
-    assert "constexpr int combine_channel_warps(int L, int D) { return L * D > D + 1 ? L * D : D + 1; }" in (
-        CUDA_SRC / "layout.cuh").read_text()
+    assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels" in (
+        CUDA_SRC / "combine.cu").read_text()
+    assert "return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);" in (CUDA_SRC / "layout.cuh").read_text()
+
+
+def test_sub_channels_tuning_sets_blocks_channels_and_rings():
+    from deepep_cupy.ops import limits
+
+    assert IL.max_sub_channels(1, 2) == 16 and IL.max_sub_channels(2, 2) == 8 and IL.max_sub_channels(8, 4) == 1
+    for sub in (1, 4, 8, 12, 16):
+        assert internode.block_threads(1, 2, sub) == 64 * sub == internode.combine_block_threads(1, 2, sub)
+        assert internode.num_blocks(24, 1, 2, sub) == -(-24 // sub)
+    for bad in (0, 17):
+        with pytest.raises(ValueError):
+            internode.block_threads(1, 2, bad)
+        with pytest.raises(ValueError):
+            internode.dispatch_spec(1, 2, bad)
+    cfg = Config(24, 8, 512, 16, 128)
+    assert limits.default_channels(cfg, 1, 2) == 12 * 8 and limits.default_channels(cfg, 1, 2, 4) == 48
+    assert limits.internode_grid(48, 1, 2, 132, 4) == 24 and limits.internode_grid(96, 1, 2, 132) == 24
+    big = 1 << 40
+    kw = dict(hidden=7168, fp8=False, num_scales=0, num_topk=8, num_local_experts=128, handle_channels=None,
+              num_device_sms=132)
+    for sub in (2, 4, 8):
+        channels, grid, rdma, nvl, chunk = limits.internode_dispatch(1, 2, big, big, cfg, sub=sub, **kw)
+        assert (channels, grid) == (12 * sub, 24) and (rdma.cap, chunk, nvl.cap) == IL.ring_sizes(cfg, sub)
+        grid_c, rdma_c, nvl_c, chunk_c = limits.internode_combine(1, 2, big, big, cfg, hidden=7168, num_topk=8,
+                                                                  handle_channels=channels, num_device_sms=132,
+                                                                  sub=sub)
+        # Dispatch and combine with the same tuning lay the rings out alike (no geometry change between them).
+        assert grid_c == grid and (rdma_c.cap, chunk_c, nvl_c.cap) == (rdma.cap, chunk, nvl.cap)
+
+
+def test_one_rank_domains_need_no_nvlink_ring_slots_in_combine():
+    from deepep_cupy.ops import limits
+
+    cfg = Config(24, 4, 8, 16, 128)  # 8 NVLink slots per SM pair: 2 per channel at 4 channels a block
+    big = 1 << 40
+    limits.internode_combine(1, 4, big, big, cfg, hidden=256, num_topk=8, handle_channels=48, num_device_sms=132,
+                             sub=4)
+    with pytest.raises(ValueError):  # with NVLink forwarding each of the 4 domains needs a slot
+        limits.internode_combine(2, 4, big, big, cfg, hidden=256, num_topk=8, handle_channels=48, num_device_sms=132,
+                                 sub=4)

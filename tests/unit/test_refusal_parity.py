@@ -28,6 +28,7 @@ from deepep_cupy import backends as backends_module
 from deepep_cupy import buffer as buffer_module
 from deepep_cupy.backends import cuda as cuda_backend
 from deepep_cupy.backends import make_backend
+from deepep_cupy.ops.internode.engine import InternodeEngine
 from deepep_cupy.ops.low_latency.engine import LowLatencyEngine
 from deepep_cupy.reference import normal
 
@@ -163,9 +164,10 @@ CASES = [
          dict(num_nvl_ranks=1, num_nvl_bytes=BIG, num_rdma_bytes=BIG),
          lambda b, r, _: dispatch(b, r, num_experts=2050), ValueError,
          r"^internode notify supports up to 1024 experts per rank$"),
-    Case("internode combine with fewer NVLink slots than domains", 2,
-         dict(num_nvl_ranks=1, num_nvl_bytes=BIG, num_rdma_bytes=BIG),
-         lambda b, r, ref: combine(b, r, ref, config=Config(20, 1, 8, 6, 256)), ValueError,
+    # Domains of one rank have no NVLink stage, so the NVLink ring's size only matters with 2 or more.
+    Case("internode combine with fewer NVLink slots than domains", 4,
+         dict(num_nvl_ranks=2, num_nvl_bytes=BIG, num_rdma_bytes=BIG),
+         lambda b, r, ref: combine(b, r, ref, config=Config(20, 1, 4, 6, 256)), ValueError,
          r"^the internode combine needs at least 2 NVLink ring slots per channel \(one per domain\), got 1: ",
          needs_ref=True),
     # Low latency.
@@ -205,6 +207,9 @@ class _EngineStandIn:
     def check_usable(self) -> None:
         pass
 
+    def channels_per_block(self) -> int:  # internode plans: the engine's tuning, as the real engine reads it
+        return InternodeEngine.channels_per_block(self)
+
 
 def _gpu_backend(kind, group, **options):
     """The GPU backend: its real constructor (which makes the argument refusals first, then would open the
@@ -229,7 +234,8 @@ def _gpu_backend(kind, group, **options):
         b.low_latency = object.__new__(LowLatencyEngine)
         b.low_latency.num_ranks, b.low_latency.num_rdma_bytes, b.low_latency._layouts = group.size, rdma, {}
     if b.spans_domains and nvl > 0 and rdma > 0:
-        b.internode = _EngineStandIn(num_nvl_ranks=lsize, num_domains=group.size // lsize, **common)
+        b.internode = _EngineStandIn(num_nvl_ranks=lsize, num_domains=group.size // lsize, sub_channels=None,
+                                     **common)
     return b
 
 

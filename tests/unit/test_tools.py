@@ -56,6 +56,18 @@ def test_kernel_resources_reads_the_ptxas_report():
     # 1024 threads fit at 64 registers a thread, not at 72; 768 threads at 80.
     assert tool.fits(64, 32) and not tool.fits(72, 32) and tool.fits(80, 24) and not tool.fits(88, 24)
     assert len(tool.variants([2], [16, 32], [4, 8], [2])) == 2 * 2 + 2 * 2 * 1
+    # Internode kernels: L x D x channels a block; their relocatable builds print no smem, and NVSHMEM's
+    # device functions are not the kernel's spills.
+    assert tool._shapes("1x2x8,2X2x4") == [(1, 2, 8), (2, 2, 4)]
+    log = ("ptxas info    : Function properties for _ZN11deepep_cupy9internode8dispatchILi1ELi2ELi16EEEv\n"
+           "ptxas         .     120 bytes stack frame, 160 bytes spill stores, 260 bytes spill loads\n"
+           "ptxas info    : Used 64 registers, used 1 barriers\n"
+           "ptxas info    : Function properties for _Z14nvshmemi_fenceIL13threadgroup_t3EEviPii\n"
+           "ptxas         .     8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n")
+    got = tool.parse_ptxas(log)
+    assert got["registers"] == 64 and got["smem"] is None
+    line = tool.describe({"kind": "internode_dispatch", "ranks": 1, "warps": 2, "unroll": 16, **got})
+    assert "1 x 2 S=16" in line and "160/260 " in line and line.endswith("launches")  # 1024 threads, 64 regs
 
 
 def test_sm_sweep_arguments():

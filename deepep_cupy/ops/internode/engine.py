@@ -61,11 +61,24 @@ def notify_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
                           name_expressions=[kernel_names.internode_notify(num_nvl_ranks, num_domains)], nvshmem=True)
 
 
+def _sub(num_nvl_ranks: int, num_domains: int, sub_channels: int | None) -> int:
+    """``sub_channels`` or, for None, the default; checked against the block limits."""
+    if sub_channels is None:
+        return IL.sub_channels(num_nvl_ranks, num_domains)
+    top = IL.max_sub_channels(num_nvl_ranks, num_domains)
+    if not 1 <= int(sub_channels) <= top:
+        raise ValueError(f"sub_channels must be 1..{top} for {num_nvl_ranks} ranks x {num_domains} domains "
+                         f"(blocks of at most 1024 threads), got {sub_channels}")
+    return int(sub_channels)
+
+
 @functools.cache
-def dispatch_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
+def dispatch_spec(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> BuildSpec:
     _check_shape(num_nvl_ranks, num_domains)
+    sub = _sub(num_nvl_ranks, num_domains, sub_channels)
     return BuildSpec.make("internode/dispatch.cu",
-                          name_expressions=[kernel_names.internode_dispatch(num_nvl_ranks, num_domains)], nvshmem=True)
+                          name_expressions=[kernel_names.internode_dispatch(num_nvl_ranks, num_domains, sub)],
+                          nvshmem=True)
 
 
 def check_combine_shape(num_nvl_ranks: int, num_domains: int) -> None:
@@ -78,10 +91,12 @@ def check_combine_shape(num_nvl_ranks: int, num_domains: int) -> None:
 
 
 @functools.cache
-def combine_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
+def combine_spec(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> BuildSpec:
     check_combine_shape(num_nvl_ranks, num_domains)
+    sub = _sub(num_nvl_ranks, num_domains, sub_channels)
     return BuildSpec.make("internode/combine.cu",
-                          name_expressions=[kernel_names.internode_combine(num_nvl_ranks, num_domains)], nvshmem=True)
+                          name_expressions=[kernel_names.internode_combine(num_nvl_ranks, num_domains, sub)],
+                          nvshmem=True)
 
 
 def representative_builds() -> list[BuildSpec]:
@@ -92,21 +107,23 @@ def representative_builds() -> list[BuildSpec]:
     return out
 
 
-def block_threads(num_nvl_ranks: int, num_domains: int) -> int:
+def block_threads(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> int:
     """Threads of a dispatch block: ``sub_channels`` channels of one warp per domain (senders) or two per
     local rank (forwarders and receivers), whichever is more; the kernel's ``__launch_bounds__`` says the same."""
-    return 32 * IL.dispatch_channel_warps(num_nvl_ranks, num_domains) * IL.sub_channels(num_nvl_ranks, num_domains)
+    return (32 * IL.dispatch_channel_warps(num_nvl_ranks, num_domains)
+            * _sub(num_nvl_ranks, num_domains, sub_channels))
 
 
-def combine_block_threads(num_nvl_ranks: int, num_domains: int) -> int:
+def combine_block_threads(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> int:
     """Threads of a combine block: ``sub_channels`` channels of ``L * D`` NVLink senders, or of ``D``
-    forwarders and the reducer."""
-    return 32 * IL.combine_channel_warps(num_nvl_ranks, num_domains) * IL.sub_channels(num_nvl_ranks, num_domains)
+    forwarders and the reducer (``D`` forwarders, or the reducer, with one rank per domain)."""
+    return (32 * IL.combine_channel_warps(num_nvl_ranks, num_domains)
+            * _sub(num_nvl_ranks, num_domains, sub_channels))
 
 
-def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int) -> int:
+def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> int:
     """Blocks of one kind (senders or receivers) for ``num_channels`` channels."""
-    sub = IL.sub_channels(num_nvl_ranks, num_domains)
+    sub = _sub(num_nvl_ranks, num_domains, sub_channels)
     return (int(num_channels) + sub - 1) // sub
 
 
@@ -234,9 +251,31 @@ class InternodeEngine(EngineHealth):
         rdma: an existing symmetric allocation of at least ``num_rdma_bytes`` to use as the RDMA buffer (the
             low-latency engine's: the two modes share it, as in DeepEP, so a low-latency op after internode
             ops needs ``clean_low_latency_buffer`` first); None allocates one.
+
+    Attributes (tuning, may be changed between ops; all ranks must use the same value):
+        timeout_s: wait budget of the kernels.
+        sub_channels: channels a block runs side by side, in dispatch and combine alike (compile-time; None,
+            the default: ``layout.sub_channels``, blocks of at most 512 threads; up to
+            ``layout.max_sub_channels``, 1024 threads). A dispatch without handle makes ``num_sms / 2 *
+            sub_channels`` channels; the config's rings per SM pair are split between them (``ring_sizes``).
+            A handle keeps its channel count whatever the value later.
     """
 
     kind, op_names, overflow_op = "internode", OP_NAMES, OP_DISPATCH_OVERFLOW
+
+    #: Attributes plans are built from: changing one drops the plans made with the old value.
+    TUNING = ("timeout_s", "sub_channels")
+
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in InternodeEngine.TUNING:
+            listener = self.__dict__.get("on_tuning_change")
+            if listener is not None:
+                listener()
+
+    def channels_per_block(self) -> int:
+        """The ``sub_channels`` of the next plans: the tuning attribute, checked, or the default."""
+        return _sub(self.num_nvl_ranks, self.num_domains, self.sub_channels)
 
     def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  rdma=None) -> None:
@@ -254,6 +293,7 @@ class InternodeEngine(EngineHealth):
             raise ValueError("internode ops need num_nvl_bytes > 0 and num_rdma_bytes > 0 "
                              "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
         self.timeout_s = timeout_seconds()
+        self.sub_channels: int | None = None
         # NVSHMEM puts and signals even to peers reachable by stores: runs the network path on one host.
         self.force_rma = os.environ.get("DEEPEP_CUPY_INTERNODE_FORCE_RMA", "0") == "1"
         self.signals = IL.signal_layout(self.num_nvl_ranks, self.num_domains)

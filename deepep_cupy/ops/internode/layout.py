@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
+__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
            "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words"]
 
 MAX_CHANNELS = 256  # kMaxChannels of layout.cuh
@@ -45,7 +45,10 @@ def dispatch_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
 
 
 def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
-    """Warps of one channel in a combine block (layout.cuh)."""
+    """Warps of one channel in a combine block (layout.cuh): with one rank per domain there are no NVLink
+    senders, and the ``D`` forwarders and the reducer take one block each."""
+    if num_nvl_ranks == 1:
+        return num_domains
     return max(num_nvl_ranks * num_domains, num_domains + 1)
 
 
@@ -53,6 +56,13 @@ def sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
     """Channels a block runs side by side (``sub_channels`` of layout.cuh): blocks of at most 512 threads."""
     w = max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
     return max(1, 16 // w)
+
+
+def max_sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
+    """Most channels a block may run (a tuning choice, not the default): blocks of at most 1024 threads. Above
+    512 threads a thread gets at most 64 registers, so expect spills there (tools/kernel_resources.py)."""
+    w = max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
+    return max(1, 32 // w)
 
 
 def ring_sizes(config, sub: int) -> tuple[int, int, int]:

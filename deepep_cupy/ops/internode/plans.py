@@ -50,6 +50,7 @@ class DispatchPlan(NormalPlan):
         engine.check_usable()
         L, D, me = engine.num_nvl_ranks, engine.num_domains, engine.rank
         R = L * D
+        sub = engine.channels_per_block()
         self.num_tokens, self.hidden = (int(s) for s in x.shape)
         self.hidden_bytes = hidden_bytes = self.hidden * (1 if x_scales is not None else 2)
         self.x_key = FP8 if x_scales is not None else BF16
@@ -65,7 +66,8 @@ class DispatchPlan(NormalPlan):
         self.num_channels, grid, self.rdma, self.nvl, chunk = limits.internode_dispatch(
             L, D, engine.num_nvl_bytes, engine.num_rdma_bytes, config, hidden=self.hidden, fp8=x_scales is not None,
             num_scales=self.num_scales, num_topk=self.num_topk, num_local_experts=self.num_local_experts,
-            handle_channels=int(handle[1].shape[1]) if self.cached else None, num_device_sms=engine.num_device_sms)
+            handle_channels=int(handle[1].shape[1]) if self.cached else None, num_device_sms=engine.num_device_sms,
+            sub=sub)
         self.num_worst_tokens = int(num_worst_tokens or 0)
         rdma_cap = self.rdma.cap
         self.cap = self.nvl.cap
@@ -73,7 +75,7 @@ class DispatchPlan(NormalPlan):
         self.has_weights = topk_weights is not None and not self.cached
         # A cached dispatch returns as many rows as the handle's entry 7 (num_worst_tokens padding included).
         self.num_rows = int(handle[7].shape[0]) if self.cached else self.num_worst_tokens
-        kernel = engine.kernel(dispatch_spec(L, D), internode_dispatch(L, D))
+        kernel = engine.kernel(dispatch_spec(L, D, sub), internode_dispatch(L, D, sub))
         named = dispatch_args(
             x=0, x_scales=0, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=self.num_scales,
             topk_idx=0, topk_weights=0, num_topk=self.num_topk, num_local_experts=self.num_local_experts,
@@ -84,7 +86,7 @@ class DispatchPlan(NormalPlan):
             send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, layout=self.rdma,
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, grid, block_threads(L, D), launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, block_threads(L, D, sub), launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         self.notify = None
         if not self.cached:
@@ -193,6 +195,7 @@ class CombinePlan(NormalPlan):
         super().__init__(engine, frame, comm_stream, async_finish)
         engine.check_usable()
         L, D = engine.num_nvl_ranks, engine.num_domains
+        sub = engine.channels_per_block()
         self.num_rows, self.hidden = (int(s) for s in x.shape)
         self.num_channels = int(handle[1].shape[1])
         self.num_tokens = int(handle[0].shape[0])
@@ -200,11 +203,11 @@ class CombinePlan(NormalPlan):
         self.has_weights = topk_weights is not None
         grid, self.rdma, self.nvl, chunk = limits.internode_combine(
             L, D, engine.num_nvl_bytes, engine.num_rdma_bytes, config, hidden=self.hidden, num_topk=self.num_topk,
-            handle_channels=self.num_channels, num_device_sms=engine.num_device_sms)
+            handle_channels=self.num_channels, num_device_sms=engine.num_device_sms, sub=sub)
         rdma_cap = self.rdma.cap
         self.cap = self.nvl.cap
         self.geometry = (self.hidden, self.num_channels, rdma_cap, self.nvl.cap)
-        kernel = engine.kernel(combine_spec(L, D), internode_combine(L, D))
+        kernel = engine.kernel(combine_spec(L, D, sub), internode_combine(L, D, sub))
         named = combine_args(
             x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, recv_rdma_channel_prefix_matrix=0,
             recv_rdma_rank_prefix_sum=0, recv_gbl_channel_prefix_matrix=0, recv_gbl_rank_prefix_sum=0,
@@ -212,7 +215,7 @@ class CombinePlan(NormalPlan):
             combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D), launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D, sub), launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in _COMBINE_PATCHED)
 
     def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):
