@@ -162,7 +162,8 @@ constexpr int combine_channel_warps(int L, int D) {
 constexpr int sub_channels(int L, int D) {
     const int w = dispatch_channel_warps(L, D) > combine_channel_warps(L, D) ? dispatch_channel_warps(L, D)
                                                                               : combine_channel_warps(L, D);
-    return 16 / w > 1 ? 16 / w : 1;
+    const int warps = L == 1 ? 24 : 16;  // blocks of 768 threads with one rank per domain, else 512
+    return warps / w > 1 ? warps / w : 1;
 }
 
 // Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.

@@ -82,7 +82,8 @@ def test_signal_and_nvl_layouts_match_device_structs():
 
 def test_sub_channels_fill_blocks_of_at_most_512_threads():
     text = (CUDA_SRC / "layout.cuh").read_text()
-    assert "return 16 / w > 1 ? 16 / w : 1;" in text  # the device formula the host mirrors
+    assert "const int warps = L == 1 ? 24 : 16;" in text  # the device formula the host mirrors
+    assert "return warps / w > 1 ? warps / w : 1;" in text
     for lsize in (1, 2, 4, 8):
         for ndom in (2, 3, 4, 8, 16):
             if lsize * ndom > 32:  # check_combine_shape refuses these
@@ -90,8 +91,8 @@ def test_sub_channels_fill_blocks_of_at_most_512_threads():
             sub = IL.sub_channels(lsize, ndom)
             assert sub >= 1
             threads = [internode.block_threads(lsize, ndom), internode.combine_block_threads(lsize, ndom)]
-            assert max(threads) <= (512 if sub > 1 else 1024), (lsize, ndom, sub, threads)
-    assert IL.sub_channels(1, 2) == 8 and IL.sub_channels(8, 2) == 1
+            assert max(threads) <= ((768 if lsize == 1 else 512) if sub > 1 else 1024), (lsize, ndom, sub, threads)
+    assert IL.sub_channels(1, 2) == 12 and IL.sub_channels(2, 2) == 4 and IL.sub_channels(8, 2) == 1
     # One rank per domain: no NVLink stage, so a combine channel is D forwarder warps and one reducer warp.
     assert [IL.combine_channel_warps(1, d) for d in (2, 3, 16)] == [2, 3, 16]
     assert IL.combine_channel_warps(2, 2) == 4 and IL.combine_channel_warps(2, 4) == 8
@@ -155,9 +156,9 @@ def test_kernel_names_and_specs():
     assert K.internode_notify(1, 2) == "deepep_cupy::internode::notify<1, 2>"
     assert K.internode_combine(8, 2, 1) == "deepep_cupy::internode::combine<8, 2, 1>"
     spec = internode.dispatch_spec(1, 2)
-    assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2, 8),)
+    assert spec.nvshmem and spec.name_expressions == (K.internode_dispatch(1, 2, 12),)
     assert internode.dispatch_spec(1, 2, 4).name_expressions == (K.internode_dispatch(1, 2, 4),)
-    assert internode.block_threads(1, 2) == 64 * 8 and internode.block_threads(8, 4) == 512  # 8 channels a block at 1 x 2
+    assert internode.block_threads(1, 2) == 64 * 12 and internode.block_threads(8, 4) == 512  # 12 channels a block at 1 x 2
     with pytest.raises(ValueError):
         internode.dispatch_spec(1, 1)
     with pytest.raises(ValueError):
@@ -197,7 +198,7 @@ def test_combine_spec_and_block_shape():
     spec = internode.combine_spec(8, 4)
     assert spec.nvshmem and spec.name_expressions == (K.internode_combine(8, 4, 1),)
     assert spec in internode.representative_builds()
-    assert internode.combine_block_threads(1, 2) == 64 * 8 and internode.combine_block_threads(8, 4) == 1024
+    assert internode.combine_block_threads(1, 2) == 64 * 12 and internode.combine_block_threads(8, 4) == 1024
     with pytest.raises(ValueError):
         internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
     assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels" in (
@@ -218,8 +219,10 @@ def test_sub_channels_tuning_sets_blocks_channels_and_rings():
         with pytest.raises(ValueError):
             internode.dispatch_spec(1, 2, bad)
     cfg = Config(24, 8, 512, 16, 128)
-    assert limits.default_channels(cfg, 1, 2) == 12 * 8 and limits.default_channels(cfg, 1, 2, 4) == 48
-    assert limits.internode_grid(48, 1, 2, 132, 4) == 24 and limits.internode_grid(96, 1, 2, 132) == 24
+    # 12 SM pairs x 12 channels, capped at MAX_CHANNELS / D
+    assert limits.default_channels(cfg, 1, 2) == IL.MAX_CHANNELS // 2 and limits.default_channels(cfg, 1, 2, 4) == 48
+    assert limits.internode_grid(48, 1, 2, 132, 4) == 24 and limits.internode_grid(96, 1, 2, 132, 8) == 24
+    assert limits.internode_grid(120, 1, 2, 132) == 20  # the default: 12 channels a block
     big = 1 << 40
     kw = dict(hidden=7168, fp8=False, num_scales=0, num_topk=8, num_local_experts=128, handle_channels=None,
               num_device_sms=132)

@@ -53,9 +53,15 @@ def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
 
 
 def sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
-    """Channels a block runs side by side (``sub_channels`` of layout.cuh): blocks of at most 512 threads."""
+    """Channels a block runs side by side (``sub_channels`` of layout.cuh): blocks of at most 768 threads with
+    one rank per domain, else 512. Each role of a channel is one warp moving one row at a time, so more
+    channels keep more rows moving; with one rank per domain, 2 x H200 as 2 domains of 1, 4096 x 7168, top-8 of
+    256, the bench's Config (``tools/internode_sweep.py``, one run), 12 channels a block (768 threads) against
+    8 (512) took BF16 / FP8 dispatch and combine 544 / 408 / 962 us against 665 / 516 / 1226 at 12 SMs, and
+    391 / 284 / 541 against 438 / 354 / 600 at 24; 16 (1024 threads, where registers spill) was between the
+    two at 24 SMs, and bigger rings (256 or 512 slots per SM pair) were slower at every count."""
     w = max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
-    return max(1, 16 // w)
+    return max(1, (24 if num_nvl_ranks == 1 else 16) // w)
 
 
 def max_sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
