@@ -43,7 +43,7 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--num-sms", type=parse_sm_counts, default=(24,), metavar="N[,N...]",
                    help="SMs of the normal kernels, one count or a comma list (8,12,24): the intranode suite "
-                        "runs once per count, the internode suite at the first (default 24)")
+                        "and the internode suite run once per count (default 24)")
     p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
     p.add_argument("--ll-experts", type=int, default=288)
     p.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")

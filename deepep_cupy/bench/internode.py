@@ -40,11 +40,10 @@ def run(comm, args) -> list[dict]:
     if num_ranks % lsize or num_ranks // lsize < 2:
         return [{"op": "internode", "note": f"skipped: {num_ranks} ranks do not make 2 or more domains of {lsize}"}]
     num_tokens, hidden, num_experts, num_topk = args.tokens, args.hidden, args.experts, args.topk
-    num_sms = sm_counts(args)[0]
-    dcfg = Config(num_sms, 8, 512, 16, 128)
-    ccfg = Config(num_sms, 8, 512, 16, 128)
-    nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in (dcfg, ccfg))
-    rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden * 2, num_ranks, lsize) for c in (dcfg, ccfg))
+    counts = sm_counts(args)
+    cfgs = [Config(n, 8, 512, 16, 128) for n in counts]
+    nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in cfgs)
+    rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden * 2, num_ranks, lsize) for c in cfgs)
     buf = Buffer(comm=comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes, num_nvl_ranks=lsize,
                  explicitly_destroy=True)
     import torch
@@ -65,55 +64,64 @@ def run(comm, args) -> list[dict]:
         def layout():
             return buf.get_dispatch_layout(topk_idx, num_experts)
 
-        us = slowest(comm, time_op(layout, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
-        rows.append(row("internode layout", us))
-        per_rank, per_rdma, per_expert, in_rank, _ = layout()
-
-        def dispatch_full():
-            return buf.dispatch(x_bf16, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                topk_weights=topk_weights, config=dcfg)
-
-        recv_x, _, recv_w, _, handle, _ = dispatch_full()
-        num_recv = int(recv_x.shape[0])
-        domains = in_rank.reshape(num_tokens, num_ranks // lsize, lsize).any(dim=2)
-        rdma_bf16 = int(domains.sum().item()) * hidden * 2
-        nvl_bf16 = num_recv * hidden * 2
-        fp8_factor = (1 + 4 / 128) / 2
-
         def timed(fn):
             return slowest(comm, time_op(fn, warmup=WARMUP, iters=ITERS, stream=stream, park_us=PARK_US))
 
-        def add(name, us, factor, naive_us=None):
-            extra = {"RDMA GB/s": round(rdma_bf16 * factor / (us * 1e-6) / 1e9, 1)}
-            if naive_us:
-                extra["vs_naive"] = round(naive_us / us, 2)
-            rows.append(row(name, us, nvl_bf16 * factor, num_sms, **extra))
-
+        rows.append(row("internode layout", timed(layout)))
+        per_rank, per_rdma, per_expert, in_rank, _ = layout()
+        domains = in_rank.reshape(num_tokens, num_ranks // lsize, lsize).any(dim=2)
+        rdma_bf16 = int(domains.sum().item()) * hidden * 2
+        fp8_factor = (1 + 4 / 128) / 2
         naive = {r["op"]: r["us"] for r in naive_ep(comm, num_tokens, hidden, num_experts, num_topk)}
         stream.synchronize()
-        add("internode dispatch BF16 (notify + sync)", timed(dispatch_full), 1, naive.get("naive NCCL dispatch"))
-        for name, data, factor in (("internode dispatch BF16 (cached)", x_bf16, 1),
-                                   ("internode dispatch FP8 (cached, column-major scales)", (x_fp8, scales_col),
-                                    fp8_factor),
-                                   ("internode dispatch FP8 (cached, row-major scales)", (x_fp8, scales_row),
-                                    fp8_factor)):
-            us = timed(lambda data=data: buf.dispatch(data, handle=handle, config=dcfg))
-            add(name, us, factor, naive.get("naive NCCL dispatch") if factor == 1 else None)
-        us = timed(lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg))
-        add("internode combine BF16", us, 1, naive.get("naive NCCL combine"))
+        for cfg in cfgs:
+            at, recv_bytes = _at_sms(buf, timed, cfg, naive, x_bf16, (x_fp8, scales_col), (x_fp8, scales_row),
+                                     topk_idx, topk_weights, per_rank, per_rdma, per_expert, in_rank, rdma_bf16,
+                                     fp8_factor)
+            rows += at
         for op, us in naive.items():
-            rows.append(row(f"internode suite: {op}", us, nvl_bf16, note="same routing, same run"))
+            rows.append(row(f"internode suite: {op}", us, recv_bytes, note="same routing, same run"))
         buf.runtime.internode.check_errors()
         if rank == 0:
             for r in rows:
                 extra = f", {r['RDMA GB/s']:7.1f} GB/s (RDMA)" if "RDMA GB/s" in r else ""
                 nvl = f"{r['GB/s']:7.1f} GB/s (NVL)" if "GB/s" in r else ""
                 vs = f", {r['vs_naive']}x the naive path's speed" if "vs_naive" in r else ""
-                print(f"[{r['op']}] {r['us']:8.2f} us {nvl}{extra}{vs}", flush=True)
+                sms = f", {r['SMs']} SMs" if r.get("SMs") else ""
+                print(f"[{r['op']}{sms}] {r['us']:8.2f} us {nvl}{extra}{vs}", flush=True)
     finally:
         stream.synchronize()
         comm_barrier(comm, "bench internode: before destroy")
         buf.destroy()
     return rows
 
+
+def _at_sms(buf, timed, cfg, naive, x_bf16, fp8_col, fp8_row, topk_idx, topk_weights, per_rank, per_rdma,
+            per_expert, in_rank, rdma_bf16, fp8_factor) -> tuple[list[dict], int]:
+    """The rows of one SM count (``cfg.num_sms``): a dispatch with the layout, on whose handle the cached
+    dispatches and the combine run; and the BF16 bytes this rank receives."""
+    rows: list[dict] = []
+
+    def dispatch_full():
+        return buf.dispatch(x_bf16, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                            topk_weights=topk_weights, config=cfg)
+
+    recv_x, _, recv_w, _, handle, _ = dispatch_full()
+    nvl_bf16 = int(recv_x.shape[0]) * x_bf16.shape[1] * 2
+
+    def add(name, us, factor, naive_us=None):
+        extra = {"RDMA GB/s": round(rdma_bf16 * factor / (us * 1e-6) / 1e9, 1)}
+        if naive_us:
+            extra["vs_naive"] = round(naive_us / us, 2)
+        rows.append(row(name, us, nvl_bf16 * factor, cfg.num_sms, **extra))
+
+    add("internode dispatch BF16 (notify + sync)", timed(dispatch_full), 1, naive.get("naive NCCL dispatch"))
+    for name, data, factor in (("internode dispatch BF16 (cached)", x_bf16, 1),
+                               ("internode dispatch FP8 (cached, column-major scales)", fp8_col, fp8_factor),
+                               ("internode dispatch FP8 (cached, row-major scales)", fp8_row, fp8_factor)):
+        us = timed(lambda data=data: buf.dispatch(data, handle=handle, config=cfg))
+        add(name, us, factor, naive.get("naive NCCL dispatch") if factor == 1 else None)
+    add("internode combine BF16", timed(lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)), 1,
+        naive.get("naive NCCL combine"))
+    return rows, nvl_bf16
