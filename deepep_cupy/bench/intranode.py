@@ -74,8 +74,8 @@ def _default_split(warps: int) -> tuple[int, int]:
 def _restore_defaults(engine) -> None:
     engine.dispatch_warps = engine.dispatch_unroll = engine.combine_warps = engine.combine_unroll = None
     engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
-    engine.use_output_pool = engine.use_copy_combine = True
-    engine.use_own_row_copies = None
+    engine.use_output_pool = True
+    engine.use_copy_combine = engine.use_own_row_copies = None
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
 
 

@@ -146,7 +146,8 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
                               column_major=column_major, align=align, num_recv=num_recv, cfg=cfg,
                               own_copies=own_copies)
     # The combine's copy mode needs the counts the dispatch read back (none with num_worst_tokens).
-    copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.use_copy_combine and not worst_rows)
+    copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.copy_combine(cfg.num_sms)
+                                              and not worst_rows)
     combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
                   rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=combine_cfg, copy_mode=copy_mode)
     return num_recv
@@ -189,7 +190,7 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
         for _ in range(2):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
     finally:
-        engine.use_output_pool = engine.use_copy_combine = True
+        engine.use_output_pool, engine.use_copy_combine = True, None
         engine.use_own_row_copies = None
         engine.own_copy_min_rows = OWN_MIN_ROWS
 
@@ -218,7 +219,7 @@ def test_few_sms(env, mode, fp8):
                    bias=1, recv=512, in_pool=mode == "direct", num_sms=8, combine_sms=combine_sms)
     finally:
         env["ref"] = ref
-        engine.use_output_pool = engine.use_copy_combine = True
+        engine.use_output_pool, engine.use_copy_combine = True, None
 
 
 def test_full_pool_on_one_rank_takes_the_ring_mode(env):

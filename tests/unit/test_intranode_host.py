@@ -146,6 +146,22 @@ def test_block_shapes_by_rank_and_sm_count(monkeypatch):
     assert engine.combine_shape(24) == (24, 8) and engine.combine_shape(8) == (24, 2)
 
 
+def test_copy_combine_by_rank_and_sm_count():
+    """The combine's copy mode by default: at up to 2 ranks always, above on handles of at most
+    COPY_COMBINE_MAX_SMS SMs (where it beat the ring mode at 4 ranks); the tuning attribute overrides."""
+    engine = object.__new__(intranode.IntranodeEngine)
+    engine.use_copy_combine = None
+    for ranks in (1, 2, 4, 8):
+        engine.num_ranks = ranks
+        got = [engine.copy_combine(sms) for sms in (2, 8, 12, 16, 20, 24, 132)]
+        assert got == ([True] * 7 if ranks <= 2 else [True] * 4 + [False] * 3), ranks
+    engine.num_ranks = 4
+    engine.use_copy_combine = True
+    assert engine.copy_combine(24)
+    engine.num_ranks, engine.use_copy_combine = 2, False
+    assert not engine.copy_combine(8)
+
+
 @pytest.mark.parametrize("cap", [1, 2, 3, 4, 7, 64, 256, 512])
 @pytest.mark.parametrize("send", [1, 2, 6, 8, 24, 32, 100])
 def test_publish_batch_never_deadlocks(cap, send):

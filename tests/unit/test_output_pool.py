@@ -90,7 +90,7 @@ def test_default_pool_bytes(monkeypatch, raw, want):
 def test_default_pool_only_where_run_on_gpus(monkeypatch):
     monkeypatch.delenv("DEEPEP_CUPY_OUTPUT_POOL_BYTES", raising=False)
     assert P.default_pool_bytes(2) == P.DEFAULT_BYTES and P.default_pool_bytes(1) == P.DEFAULT_BYTES
-    assert P.default_pool_bytes(4) == 0 and P.default_pool_bytes(8) == 0
+    assert P.default_pool_bytes(4) == P.DEFAULT_BYTES and P.default_pool_bytes(5) == 0 and P.default_pool_bytes(8) == 0
     monkeypatch.setenv("DEEPEP_CUPY_OUTPUT_POOL_BYTES", "4096")
     assert P.default_pool_bytes(8) == 4096
 

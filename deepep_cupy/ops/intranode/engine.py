@@ -89,6 +89,12 @@ COMBINE_SHAPE_TABLE = (
 )
 
 
+# Above 2 ranks the copy mode's sums pay only on handles of few SMs: 4 x H200, 4096 x 7168, top-8 of 256, BF16
+# combine 763 / 833 / 942 us at 24 / 12 / 8 SMs against 687 / 997 / 1524 in the ring mode (the copy mode on 24
+# SMs over a handle of 12: 765 us).
+COPY_COMBINE_MAX_SMS = 16
+
+
 def _covers(row, num_ranks: int, num_sms: int | None) -> bool:
     max_ranks, max_sms = row[0], row[1]
     # Without an SM count only the rows for any count apply (the shapes of the rank count alone).
@@ -229,7 +235,7 @@ class IntranodeEngine(EngineHealth):
         num_nvl_bytes: bytes of NVL buffer per rank (rounded up to the VMM granularity).
         use_fabric: share the buffer with fabric handles (multi-node NVLink) instead of file descriptors.
         num_output_bytes: bytes of output pool per rank (None: ``$DEEPEP_CUPY_OUTPUT_POOL_BYTES``, default
-            1 GiB up to 2 ranks, 0 above; 0: none). Dispatch outputs that fit are allocated there and peers
+            1 GiB up to 4 ranks, 0 above; 0: none). Dispatch outputs that fit are allocated there and peers
             write them in place (deepep_cupy/device/output_pool.py); the smallest value of all ranks is used.
 
     Attributes (tuning, may be changed between ops; all ranks must use the same values):
@@ -243,7 +249,8 @@ class IntranodeEngine(EngineHealth):
         use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
             False: always the ring mode with ordinary allocations.
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
-            ops/intranode/copy.py); False: always the ring mode.
+            ops/intranode/copy.py); False: always the ring mode; None (default): up to 2 ranks always, above
+            on handles of at most :data:`COPY_COMBINE_MAX_SMS` SMs (:meth:`copy_combine`).
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
         use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
             (ops/intranode/own_rows.py); False: the SMs copy them; None (default): at few SMs
@@ -296,7 +303,7 @@ class IntranodeEngine(EngineHealth):
         self.recv_self_warps: int | None = None
         self.publish_batch: int | None = None
         self.use_output_pool = True
-        self.use_copy_combine = True
+        self.use_copy_combine: bool | None = None
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         # Tests turn it on at any size.
@@ -397,6 +404,13 @@ class IntranodeEngine(EngineHealth):
         if self.use_own_row_copies is not None:
             return bool(self.use_own_row_copies)
         return own_rows_wanted(self.num_ranks, num_sms)
+
+    def copy_combine(self, handle_sms: int) -> bool:
+        """Whether a combine of a handle made on ``handle_sms`` SMs may take the copy mode: the tuning
+        attribute where set, else up to 2 ranks always and above on at most :data:`COPY_COMBINE_MAX_SMS`."""
+        if self.use_copy_combine is not None:
+            return bool(self.use_copy_combine)
+        return self.num_ranks <= 2 or handle_sms <= COPY_COMBINE_MAX_SMS
 
     def combine_shape(self, num_sms: int) -> tuple[int, int]:
         """``(warps, unroll)`` of a combine (either mode) launched on ``num_sms`` SMs (see :meth:`dispatch_shape`)."""
