@@ -10,7 +10,8 @@
 //   channel c: per token, sums the partials of every domain it reached, adds the biases, rounds once.
 // L == 1: no NVLink stage (the domain is this rank): block 2c holds the D forwarders, which read the rows
 //   of x the NVLink senders would have sent (entry 5 + send_nvl_head), block 2c + 1 D reducer warps that
-//   take the channel's tokens in turn (ReduceShared).
+//   take the channel's tokens in turn (ReduceShared). The own domain's partial would be one row of x copied
+//   through ring (c, d_me), so the reducers read that row of x instead and its forwarder warp has no work.
 //
 // Deadlock freedom: the source reduces token t only when every domain's partial for t is there, so each
 // (forwarder, source domain) pipeline must advance on its own. The NVLink ring (c, j -> l) is therefore
@@ -300,7 +301,14 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     const CombineGeometry<L, D> g{a};
     const Signals sig{a.sig, D};
     const State st{a.state};
-    const int l_me = a.rank % L, d_me = a.rank / L;
+    const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L;
+    // L == 1: the own domain's partial is one row of this rank's x, read from x itself (forward_reduce does
+    // not run for it, ring (c, d_me) is not used, its words and counts stay as they are on both sides). Slot p
+    // of that ring would have held RDMA receive row own_rdma0 + p, i.e. x row own_x0 + send_nvl_head of it.
+    const int own = L == 1 ? d_me : -1;
+    const int own_rdma0 =
+        L == 1 ? (d_me > 0 ? a.recv_rdma_prefix[d_me - 1] : 0) + (c > 0 ? a.recv_rdma_cpm[d_me * C + c - 1] : 0) : 0;
+    const int own_x0 = L == 1 ? a.recv_gbl_cpm[d_me * C + c] : 0;
     // Lane d: units of ring (c, d) before this op, and slots consumed so far.
     long long base = 0;
     int used = 0;
@@ -314,7 +322,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     int seen = 0;  // lane d: slots of domain d in the tokens this warp has passed (summed if its own)
     auto hand_back = [&]() {
         if constexpr (NR > 1) {
-            if (lane < D) {
+            if (lane < D && lane != own) {
                 volatile int* claim = &sh->claim[0][0];
                 claim[r * D + lane] = seen;
                 __threadfence_block();  // store, then load the others' claims: one of two racing warps sees both
@@ -332,7 +340,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             __syncwarp();
             return;
         }
-        if (lane < D && pending > 0) {
+        if (lane < D && lane != own && pending > 0) {
             nvshmem_fence();
             nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(pending), NVSHMEM_SIGNAL_ADD,
                                lane * L + l_me);
@@ -346,22 +354,35 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             if (pos >= 0) seen = pos + 1;
             continue;
         }
-        const bool ready = pos < 0 || ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
+        // Lane own: the x row of its partial (-1: none, as a partial of no rows adds nothing).
+        int own_row = -1;
+        if (lane == own && pos >= 0) {
+            const int h = a.send_nvl_head[own_rdma0 + pos];
+            own_row = h >= 0 ? own_x0 + h : -1;
+        }
+        const bool ready = pos < 0 || lane == own ||
+                           ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
         if (!__all_sync(kFullMask, ready)) hand_back();
         for (int d = 0; d < D && ok; ++d) {
             const int p = __shfl_sync(kFullMask, pos, d);
             const long long b = __shfl_sync(kFullMask, base, d);
-            if (p >= 0)
+            if (p >= 0 && d != own)
                 wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(b) + 1 + p, w, kOpCombineTail, d * L + l_me,
                               __LINE__, &ok);
         }
         if (!ok) break;
         int ps[D];  // as in the forwarder: no shuffle inside the lane-strided loops
         const int4* rows[D];
+        const int own_x = L == 1 ? __shfl_sync(kFullMask, own_row, own) : -1;
 #pragma unroll
         for (int d = 0; d < D; ++d) {
             ps[d] = __shfl_sync(kFullMask, pos, d);
-            rows[d] = ps[d] >= 0 ? reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, ps[d]) + 16) : nullptr;
+            if (d == own) {
+                ps[d] = own_x;
+                rows[d] = own_x >= 0 ? a.x + static_cast<long long>(own_x) * a.hidden_int4 : nullptr;
+            } else {
+                rows[d] = ps[d] >= 0 ? reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, ps[d]) + 16) : nullptr;
+            }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;
         warp_sum_rows<D>(a.combined_x + off, rows, a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
@@ -372,7 +393,10 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
 #pragma unroll
                 for (int d = 0; d < D; ++d) {
                     const int p = ps[d];
-                    if (p >= 0)
+                    if (p >= 0 && d == own)  // the partial of one row carries that row's weights
+                        sum += a.topk_weights != nullptr ? a.topk_weights[static_cast<long long>(p) * a.num_topk + q]
+                                                         : 0.f;
+                    else if (p >= 0)
                         sum += ld_cg_f32(
                             reinterpret_cast<const float*>(g.rdma_slot(1, c * D + d, p) + a.slot_topk_weights_offset) + q);
                 }
@@ -380,13 +404,13 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         __syncwarp();
-        if (lane < D && pos >= 0) ++used, ++pending, seen = pos + 1;
+        if (lane < D && lane != own && pos >= 0) ++used, ++pending, seen = pos + 1;
         if (__any_sync(kFullMask, pending >= 8)) hand_back();
     }
     hand_back();
     if (lane == 0) nvshmem_quiet();
     // Every reducer warp of the channel has scanned all its tokens: `seen` is the channel's slot count.
-    if (ok && lane < D) *st.rdma_recvd(c * D + lane, D) = base + (NR > 1 ? seen : used);
+    if (ok && lane < D && lane != own) *st.rdma_recvd(c * D + lane, D) = base + (NR > 1 ? seen : used);
 }
 
 template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
@@ -421,7 +445,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     const WaitCtx w{err, timeout_ns, rank};
     if constexpr (L == 1) {  // no NVLink stage: the forwarders read x (block 2c), NR reducers in block 2c + 1
         if (blockIdx.x % 2 == 0) {
-            if (role < D) forward_reduce<L, D>(a, w, c, role, lane);
+            if (role < D && role != rank) forward_reduce<L, D>(a, w, c, role, lane);  // own domain: the reducer reads x
         } else {
             reduce_domains<L, D, NR>(a, w, c, role, &reduce_shared[warp / W], lane);
         }

@@ -4,8 +4,9 @@
 // channel c = tokens [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group
 // is the RDMA sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA
 // to local rank j, warp L + l receives over NVLink what forwarder l passes on (with L == 1, warp d < D writes
-// what arrives from domain d straight into the outputs: no NVLink hop). Every ring is FIFO, so the rows of one
-// (source, channel) arrive in token order and land at entry 5 + their index: the intranode row order.
+// what arrives from domain d straight into the outputs: no NVLink hop, and the rank's own rows go there from
+// its sender warp: send_own). Every ring is FIFO, so the rows of one (source, channel) arrive in token order
+// and land at entry 5 + their index: the intranode row order.
 //
 // Cached mode (handle given): entries 1, 2, 4, 6 come from the handle; entry 3, 5, 7, 8, 9 pointers are
 // null and not written. The protocol is the same.
@@ -192,6 +193,66 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
     }
 }
 
+// L == 1, the rank's own domain (d == d_me): the forwarder of these tokens is this rank, and it would only copy
+// each slot into the outputs, so the sender writes the rows there itself and ring (c, d_me) is not used (its
+// head, tail and `state` counts stay as they are on both sides, so they still agree). Token k of the (channel,
+// own domain) stream lands where forward_direct would put slot k: entry 6 of source d_me - 1 plus this
+// channel's start in entry 2 (what the meta record would carry), plus k; every token reaching the domain
+// reaches its one rank, so k counts them all. Entries 2 and 6 exist before the kernel starts (from the
+// notify kernel, or from the handle). The forwarder writes the bookkeeping entries (forward_own).
+template <int D>
+__device__ void send_own(const DispatchArgs& a, int c, int lane) {
+    const int C = a.num_channels, d_me = a.rank, El = a.num_local_experts;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, C, c, t_begin, t_end);
+    const int first_row =
+        (d_me > 0 ? a.recv_gbl_prefix[d_me - 1] : 0) + (c > 0 ? a.gbl_cpm[d_me * C + c - 1] : 0);
+    const long long num_experts = static_cast<long long>(D) * El;
+    BadValue bad;
+    int count = 0;
+    for (int chunk = t_begin; chunk < t_end; chunk += 32) {
+        const int t = chunk + lane;
+        const bool in = t < t_end && a.is_token_in_rank[static_cast<long long>(t) * D + d_me];
+        unsigned int mask = __ballot_sync(kFullMask, in);
+        if (a.send_rdma_head != nullptr && t < t_end)
+            a.send_rdma_head[static_cast<long long>(t) * D + d_me] = in ? count + __popc(mask & ((1u << lane) - 1u)) : -1;
+        while (mask != 0u) {
+            const int token = chunk + __ffs(mask) - 1;
+            mask &= mask - 1u;
+            const long long row = first_row + count++;
+            const bool fits = row < a.num_out_rows;  // more rows than num_worst_tokens: reported below
+            if (fits) {
+                warp_copy_nc(a.recv_x + row * a.hidden_int4, a.x + static_cast<long long>(token) * a.hidden_int4,
+                             a.hidden_int4, lane);
+                for (int q = lane; q < a.num_scales; q += 32)
+                    a.recv_x_scales[row * a.num_scales + q] =
+                        a.x_scales[token * a.scale_token_stride + q * a.scale_block_stride];
+                if (lane == 0 && a.recv_src_meta != nullptr) {
+                    a.recv_src_meta[2 * row] = d_me;
+                    a.recv_src_meta[2 * row + 1] = 1;  // bit 0: the domain's one rank
+                }
+            } else if (lane == 0) {
+                report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me, __LINE__, row);
+            }
+            // Ids are checked for every token, as the ring path does; out-of-range ones select nothing.
+            for (int q = lane; q < a.num_topk; q += 32) {
+                const long long src = static_cast<long long>(token) * a.num_topk + q;
+                const long long e = a.topk_idx[src];
+                bad.check_expert_id(e, num_experts);
+                const long long local = e - static_cast<long long>(a.rank) * El;
+                const bool is_mine = e >= 0 && local >= 0 && local < El;
+                if (fits && a.recv_topk_idx != nullptr) {
+                    a.recv_topk_idx[row * a.num_topk + q] = is_mine ? local : -1;
+                    if (a.recv_topk_weights != nullptr)
+                        a.recv_topk_weights[row * a.num_topk + q] =
+                            (is_mine && a.topk_weights != nullptr) ? a.topk_weights[src] : 0.0f;
+                }
+            }
+        }
+    }
+    bad.report_from_warp(a.err, kValueOpInternodeDispatch, a.rank, __LINE__);
+}
+
 }  // namespace deepep_cupy::internode
 
 #include "internode/dispatch_forward.cuh"
@@ -230,7 +291,12 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          num_channels, state, err, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
     if (blockIdx.x % 2 == 0) {
-        if (role < D && c < num_channels) send_rdma<L, D>(a, w, c, role, lane);
+        if (role < D && c < num_channels) {
+            if (L == 1 && role == rank)
+                send_own<D>(a, c, lane);
+            else
+                send_rdma<L, D>(a, w, c, role, lane);
+        }
     } else {
         forward_and_receive<L, D, S>(a, w, cb, sub, role, lane);
     }

@@ -1,6 +1,7 @@
 // Internode dispatch, receiver block of a channel: the forwarders (warp j < L: RDMA ring -> NVLink ring
 // of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs); with
-// L == 1, warp d < D: RDMA ring of source domain d -> outputs (forward_direct).
+// L == 1, warp d < D: RDMA ring of source domain d -> outputs (forward_direct), or, for d == d_me, only the
+// handle entries of the rows the sender wrote itself (forward_own).
 // Included by dispatch.cu only (needs DispatchArgs and Geometry).
 #pragma once
 
@@ -299,6 +300,30 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
     if (lane == 0) nvshmem_quiet();
 }
 
+// L == 1, source domain d_me: send_own already wrote the rows, so only the handle entries forward_direct
+// would record for them are left, from what its meta record would have carried (this rank's own entries 1 and
+// 2 for channel c): entry 3 = the channel's end in entry 1, entry 5 = the first row (as in send_own), and
+// send_nvl_head[i, 0] = k for RDMA receive row i = entry 4 of d_me - 1 + the channel's start + k. No wait and
+// no copy; ring (c, d_me) is not read.
+template <int D>
+__device__ void forward_own(const DispatchArgs& a, int c, int lane) {
+    const int C = a.num_channels, d = a.rank;
+    const int r0 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0, r1 = a.rdma_cpm[d * C + c];
+    const int first_row = (d > 0 ? a.recv_gbl_prefix[d - 1] : 0) + (c > 0 ? a.gbl_cpm[d * C + c - 1] : 0);
+    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, n = r1 - r0;
+    if (lane == 0) {
+        if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;
+        if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = first_row;
+    }
+    if (a.send_nvl_head == nullptr) return;
+    for (int k = lane; k < n; k += 32) {
+        if (row0 + k < a.num_nvl_head_rows)
+            a.send_nvl_head[row0 + k] = k;
+        else
+            report_timeout(a.err, kOpDispatchOverflow, a.rank, d, __LINE__, row0 + k + 1);
+    }
+}
+
 // Receiver block of channels cb * S .. cb * S + S - 1: padding rows, then one role per warp.
 template <int L, int D, int S>
 __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int cb, int sub, int role, int lane) {
@@ -332,7 +357,10 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
     __syncthreads();
     if (c < a.num_channels) {
         if constexpr (L == 1) {
-            if (role < D) forward_direct<D>(a, w, shared[sub], c, role, lane);
+            if (role == a.rank)
+                forward_own<D>(a, c, lane);
+            else if (role < D)
+                forward_direct<D>(a, w, shared[sub], c, role, lane);
         } else {
             if (role < L)
                 forward<L, D>(a, w, shared[sub], c, role, lane);
@@ -343,7 +371,8 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
     __syncthreads();
     for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
         const int cc = cb * S + t / D, d = t % D;
-        if (cc < a.num_channels && !timeout_reported(a.err))
+        // L == 1: ring (c, d_me) is not used (send_own), so its count stays, as the sender's does.
+        if (cc < a.num_channels && !(L == 1 && d == a.rank) && !timeout_reported(a.err))
             *st.rdma_recvd(cc * D + d, D) = shared[t / D].base[d] + 1 + shared[t / D].count[d];
     }
 }
