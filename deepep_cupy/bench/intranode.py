@@ -214,8 +214,10 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
             num_worst_tokens=0, config=dcfg, stream=stream))
 
     def combine_defaults_us(ring=False, launch_sms=None):
+        """The combine at the defaults (the engine picks the mode), in the ring mode (``ring``), or in the copy
+        mode launched on ``launch_sms`` SMs."""
         _restore_defaults(engine)
-        engine.use_copy_combine = not ring
+        engine.use_copy_combine = False if ring else (True if launch_sms is not None else None)
         cfg = ccfg if launch_sms is None else dataclasses.replace(ccfg, num_sms=launch_sms)
         return timed(lambda: direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
                                             config=cfg, stream=stream))
