@@ -7,6 +7,7 @@ sm_90, and for sm_80 unless it uses NVSHMEM.
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 
@@ -34,6 +35,13 @@ def _collect():
 
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
+    """The cache the builds share: a fresh one, or ``$DEEPEP_CUPY_TEST_JIT_CACHE`` (CI points both of its passes
+    at one folder; its keys hold the compiler and toolkit versions, so a pass with other versions still
+    compiles everything)."""
+    shared = os.environ.get("DEEPEP_CUPY_TEST_JIT_CACHE")
+    if shared:
+        os.makedirs(shared, exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("jit_cache")
 
 
