@@ -192,7 +192,7 @@ def default_channels(config, num_nvl_ranks: int, num_domains: int, sub: int | No
     """Channels of an internode dispatch without handle: ``sub`` (default ``sub_channels``) per SM pair of
     ``config.num_sms``, as many as the combine's progress words allow (``C * D <= MAX_CHANNELS``)."""
     pairs = max(int(config.num_sms) // 2, 1)
-    sub = IL.sub_channels(num_nvl_ranks, num_domains) if sub is None else int(sub)
+    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub)
     return max(1, min(pairs * sub, IL.MAX_CHANNELS // num_domains))
 
 
@@ -202,7 +202,7 @@ def internode_grid(num_channels: int, num_nvl_ranks: int, num_domains: int, num_
     forwarders and receivers wait for each other, so every block must be resident at once: one per SM."""
     if not 1 <= num_channels <= IL.MAX_CHANNELS:
         raise ValueError(f"internode ops support 1..{IL.MAX_CHANNELS} channels, got {num_channels}")
-    sub = IL.sub_channels(num_nvl_ranks, num_domains) if sub is None else int(sub)
+    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub)
     blocks = 2 * ((num_channels + sub - 1) // sub)
     if num_device_sms is not None and blocks > num_device_sms:
         raise ValueError(f"{num_channels} channels need {blocks} SMs, but the GPU has {num_device_sms}; "
@@ -227,7 +227,7 @@ def internode_dispatch(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int,
     ``(num_channels, grid, rdma layout, nvl layout, rdma chunk)``."""
     _row_bytes(hidden, 1 if fp8 else 2)
     L_, D = num_nvl_ranks, num_domains
-    sub = IL.sub_channels(L_, D) if sub is None else int(sub)
+    sub = IL.channels_per_block(L_, D, sub)
     num_channels = int(handle_channels) if handle_channels is not None else default_channels(config, L_, D, sub)
     grid = internode_grid(num_channels, L_, D, num_device_sms, sub)
     if num_topk > IL.MAX_TOPK or num_scales > IL.MAX_SCALES:
@@ -251,7 +251,7 @@ def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, 
     ``(grid, rdma layout, nvl layout, rdma chunk)``."""
     _row_bytes(hidden, 2)
     L_, D = num_nvl_ranks, num_domains
-    sub = IL.sub_channels(L_, D) if sub is None else int(sub)
+    sub = IL.channels_per_block(L_, D, sub)
     grid = internode_grid(handle_channels, L_, D, num_device_sms, sub)
     if num_topk > IL.MAX_TOPK:
         raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k weights")

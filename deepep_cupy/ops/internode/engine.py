@@ -61,21 +61,10 @@ def notify_spec(num_nvl_ranks: int, num_domains: int) -> BuildSpec:
                           name_expressions=[kernel_names.internode_notify(num_nvl_ranks, num_domains)], nvshmem=True)
 
 
-def _sub(num_nvl_ranks: int, num_domains: int, sub_channels: int | None) -> int:
-    """``sub_channels`` or, for None, the default; checked against the block limits."""
-    if sub_channels is None:
-        return IL.sub_channels(num_nvl_ranks, num_domains)
-    top = IL.max_sub_channels(num_nvl_ranks, num_domains)
-    if not 1 <= int(sub_channels) <= top:
-        raise ValueError(f"sub_channels must be 1..{top} for {num_nvl_ranks} ranks x {num_domains} domains "
-                         f"(blocks of at most 1024 threads), got {sub_channels}")
-    return int(sub_channels)
-
-
 @functools.cache
 def dispatch_spec(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> BuildSpec:
     _check_shape(num_nvl_ranks, num_domains)
-    sub = _sub(num_nvl_ranks, num_domains, sub_channels)
+    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels)
     return BuildSpec.make("internode/dispatch.cu",
                           name_expressions=[kernel_names.internode_dispatch(num_nvl_ranks, num_domains, sub)],
                           nvshmem=True)
@@ -93,7 +82,7 @@ def check_combine_shape(num_nvl_ranks: int, num_domains: int) -> None:
 @functools.cache
 def combine_spec(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> BuildSpec:
     check_combine_shape(num_nvl_ranks, num_domains)
-    sub = _sub(num_nvl_ranks, num_domains, sub_channels)
+    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels)
     return BuildSpec.make("internode/combine.cu",
                           name_expressions=[kernel_names.internode_combine(num_nvl_ranks, num_domains, sub)],
                           nvshmem=True)
@@ -111,19 +100,19 @@ def block_threads(num_nvl_ranks: int, num_domains: int, sub_channels: int | None
     """Threads of a dispatch block: ``sub_channels`` channels of one warp per domain (senders) or two per
     local rank (forwarders and receivers), whichever is more; the kernel's ``__launch_bounds__`` says the same."""
     return (32 * IL.dispatch_channel_warps(num_nvl_ranks, num_domains)
-            * _sub(num_nvl_ranks, num_domains, sub_channels))
+            * IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels))
 
 
 def combine_block_threads(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> int:
     """Threads of a combine block: ``sub_channels`` channels of ``L * D`` NVLink senders, or of ``D``
     forwarders and the reducer (``D`` forwarders, or the reducer, with one rank per domain)."""
     return (32 * IL.combine_channel_warps(num_nvl_ranks, num_domains)
-            * _sub(num_nvl_ranks, num_domains, sub_channels))
+            * IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels))
 
 
 def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> int:
     """Blocks of one kind (senders or receivers) for ``num_channels`` channels."""
-    sub = _sub(num_nvl_ranks, num_domains, sub_channels)
+    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels)
     return (int(num_channels) + sub - 1) // sub
 
 
@@ -255,8 +244,8 @@ class InternodeEngine(EngineHealth):
     Attributes (tuning, may be changed between ops; all ranks must use the same value):
         timeout_s: wait budget of the kernels.
         sub_channels: channels a block runs side by side, in dispatch and combine alike (compile-time; None,
-            the default: ``layout.sub_channels``, blocks of at most 512 threads; up to
-            ``layout.max_sub_channels``, 1024 threads). A dispatch without handle makes ``num_sms / 2 *
+            the default: ``layout.sub_channels``, blocks of at most 768 threads with one rank per domain, else
+            512; up to ``layout.max_sub_channels``, 1024 threads). A dispatch without handle makes ``num_sms / 2 *
             sub_channels`` channels; the config's rings per SM pair are split between them (``ring_sizes``).
             A handle keeps its channel count whatever the value later.
     """
@@ -266,16 +255,9 @@ class InternodeEngine(EngineHealth):
     #: Attributes plans are built from: changing one drops the plans made with the old value.
     TUNING = ("timeout_s", "sub_channels")
 
-    def __setattr__(self, name, value) -> None:
-        object.__setattr__(self, name, value)
-        if name in InternodeEngine.TUNING:
-            listener = self.__dict__.get("on_tuning_change")
-            if listener is not None:
-                listener()
-
     def channels_per_block(self) -> int:
         """The ``sub_channels`` of the next plans: the tuning attribute, checked, or the default."""
-        return _sub(self.num_nvl_ranks, self.num_domains, self.sub_channels)
+        return IL.channels_per_block(self.num_nvl_ranks, self.num_domains, self.sub_channels)
 
     def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  rdma=None) -> None:

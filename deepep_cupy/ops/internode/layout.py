@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
+__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "channels_per_block", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
            "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words"]
 
 MAX_CHANNELS = 256  # kMaxChannels of layout.cuh
@@ -52,6 +52,11 @@ def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
     return max(num_nvl_ranks * num_domains, num_domains + 1)
 
 
+def _channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
+    """Warps of one channel in the larger of a dispatch and a combine block."""
+    return max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
+
+
 def sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
     """Channels a block runs side by side (``sub_channels`` of layout.cuh): blocks of at most 768 threads with
     one rank per domain, else 512. Each role of a channel is one warp moving one row at a time, so more
@@ -60,15 +65,25 @@ def sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
     8 (512) took BF16 / FP8 dispatch and combine 544 / 408 / 962 us against 665 / 516 / 1226 at 12 SMs, and
     391 / 284 / 541 against 438 / 354 / 600 at 24; 16 (1024 threads, where registers spill) was between the
     two at 24 SMs, and bigger rings (256 or 512 slots per SM pair) were slower at every count."""
-    w = max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
-    return max(1, (24 if num_nvl_ranks == 1 else 16) // w)
+    return max(1, (24 if num_nvl_ranks == 1 else 16) // _channel_warps(num_nvl_ranks, num_domains))
 
 
 def max_sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
     """Most channels a block may run (a tuning choice, not the default): blocks of at most 1024 threads. Above
     512 threads a thread gets at most 64 registers, so expect spills there (tools/kernel_resources.py)."""
-    w = max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
-    return max(1, 32 // w)
+    return max(1, 32 // _channel_warps(num_nvl_ranks, num_domains))
+
+
+def channels_per_block(num_nvl_ranks: int, num_domains: int, sub: int | None = None) -> int:
+    """``sub`` channels a block, checked against :func:`max_sub_channels`, or for None the default
+    (:func:`sub_channels`)."""
+    if sub is None:
+        return sub_channels(num_nvl_ranks, num_domains)
+    top = max_sub_channels(num_nvl_ranks, num_domains)
+    if not 1 <= int(sub) <= top:
+        raise ValueError(f"sub_channels must be 1..{top} for {num_nvl_ranks} ranks x {num_domains} domains "
+                         f"(blocks of at most 1024 threads), got {sub}")
+    return int(sub)
 
 
 def ring_sizes(config, sub: int) -> tuple[int, int, int]:

@@ -172,7 +172,6 @@ class CopyCombine:
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-        self.num_sms = num_sms
         self.plan = LaunchPlan(kernel, num_sms, warps * 32, launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",

@@ -273,13 +273,6 @@ class IntranodeEngine(EngineHealth):
               "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows",
               "use_own_row_copies")
 
-    def __setattr__(self, name, value) -> None:
-        object.__setattr__(self, name, value)
-        if name in IntranodeEngine.TUNING:
-            listener = self.__dict__.get("on_tuning_change")
-            if listener is not None:
-                listener()
-
     def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False,
                  num_output_bytes: int | None = None) -> None:
         import cupy
