@@ -170,6 +170,29 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
     if (lane == 0 && ok) *st.nvl_sent(x_ring * L + l, D) = static_cast<long long>(base + n);
 }
 
+// L == 1: the partial sum of a domain of one rank is that rank's row of x, so the slot gets the row copied (a
+// bf16 value goes to float32 and back unchanged, and the source's reducer adds from +0 either way) with the
+// copy's sixteen loads a lane in flight instead of the sum's four; the first 32 weights are loaded before it.
+__device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, const int4* row, const float* weights,
+                                            bool has_row, int lane) {
+    const bool weighted = a.topk_weights != nullptr && has_row;
+    const float w0 = weighted && lane < a.num_topk ? ld_cg_f32(weights + lane) : 0.f;
+    if (row != nullptr) {
+        warp_copy_nc(reinterpret_cast<int4*>(out + 16), row, a.hidden_int4, lane);
+    } else {
+        const int4* const none[1] = {nullptr};
+        warp_sum_rows<1>(reinterpret_cast<int4*>(out + 16), none, nullptr, nullptr, a.hidden_int4, lane);
+    }
+    if (a.topk_weights != nullptr) {
+        float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
+        for (int q = lane; q < a.num_topk; q += 32) {
+            float sum = 0.f;
+            if (weighted) sum += q == lane ? w0 : ld_cg_f32(weights + q);
+            ws[q] = sum;
+        }
+    }
+}
+
 // Block 2c + 1, warp ds: partial sums within this domain of the rows that came from (ds, l_me).
 template <int L, int D>
 __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, int ds, int lane) {
@@ -256,15 +279,19 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 weights[j] = reinterpret_cast<const float*>(slot + a.slot_topk_weights_offset);
             }
         }
-        warp_sum_rows<L>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4, lane);
-        if (a.topk_weights != nullptr) {
-            float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
-            for (int q = lane; q < a.num_topk; q += 32) {
-                float sum = 0.f;
+        if constexpr (L == 1) {
+            forward_row(a, out, rows[0], weights[0], ps[0] >= 0, lane);
+        } else {
+            warp_sum_rows<L>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4, lane);
+            if (a.topk_weights != nullptr) {
+                float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
+                for (int q = lane; q < a.num_topk; q += 32) {
+                    float sum = 0.f;
 #pragma unroll
-                for (int j = 0; j < L; ++j)
-                    if (ps[j] >= 0) sum += ld_cg_f32(weights[j] + q);
-                ws[q] = sum;
+                    for (int j = 0; j < L; ++j)
+                        if (ps[j] >= 0) sum += ld_cg_f32(weights[j] + q);
+                    ws[q] = sum;
+                }
             }
         }
         // The read NVLink slots may go back (their values are stored above).

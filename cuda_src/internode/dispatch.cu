@@ -75,17 +75,66 @@ struct Geometry {
     }
 };
 
+// A token's (or a slot's) first 64 scales and first 32 top-k entries, loaded before its row is copied so that
+// their latency hides behind the copy's instead of following it; entries past those (hidden > 8192, top-k > 32)
+// are read where they are used.
+struct Extras {
+    unsigned int scale[2];
+    long long expert;
+    float weight;
+};
+
+// From the caller's tensors (the senders).
+__device__ __forceinline__ Extras token_extras(const DispatchArgs& a, int token, int lane) {
+    Extras ex;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int q = lane + 32 * u;
+        ex.scale[u] = q < a.num_scales ? a.x_scales[token * a.scale_token_stride + q * a.scale_block_stride] : 0u;
+    }
+    const long long src = static_cast<long long>(token) * a.num_topk + lane;
+    ex.expert = lane < a.num_topk ? a.topk_idx[src] : -1;
+    ex.weight = lane < a.num_topk && a.topk_weights != nullptr ? a.topk_weights[src] : 0.0f;
+    return ex;
+}
+
+__device__ __forceinline__ unsigned int token_scale(const DispatchArgs& a, const Extras& ex, int token, int q, int lane) {
+    return q == lane        ? ex.scale[0]
+           : q == lane + 32 ? ex.scale[1]
+                            : a.x_scales[token * a.scale_token_stride + q * a.scale_block_stride];
+}
+
+// From a ring slot (the forwarders and receivers); the top-k entries only where `topk` (an op that writes them).
+__device__ __forceinline__ Extras slot_extras(const DispatchArgs& a, const uint8_t* s, bool topk, int lane) {
+    Extras ex;
+    const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int q = lane + 32 * u;
+        ex.scale[u] = q < a.num_scales ? ld_cg_u32(sc + q) : 0u;
+    }
+    const bool here = topk && lane < a.num_topk;
+    ex.expert = here ? ld_cg_s32(reinterpret_cast<const int*>(s + a.slot.topk_idx_offset) + lane) : -1;
+    ex.weight = here ? ld_cg_f32(reinterpret_cast<const float*>(s + a.slot.topk_weights_offset) + lane) : 0.0f;
+    return ex;
+}
+
+__device__ __forceinline__ unsigned int slot_scale(const unsigned int* sc, const Extras& ex, int q, int lane) {
+    return q == lane ? ex.scale[0] : q == lane + 32 ? ex.scale[1] : ld_cg_u32(sc + q);
+}
+
 // Copy the payload of one slot (everything after the header that this op uses) with the warp.
 // Only the parts this op fills: header and row, then the scales, top-k ids and weights.
 __device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, const DispatchArgs& a, int lane) {
+    const Extras ex = slot_extras(a, src, true, lane);
     warp_copy_cg(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), 1 + a.hidden_int4, lane);
     const unsigned int* from = reinterpret_cast<const unsigned int*>(src);
     unsigned int* to = reinterpret_cast<unsigned int*>(dst);
     const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
-    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = ld_cg_u32(from + sc + q);
+    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = slot_scale(from + sc, ex, q, lane);
     for (int q = lane; q < a.num_topk; q += 32) {
-        to[ids + q] = ld_cg_u32(from + ids + q);
-        to[ws + q] = ld_cg_u32(from + ws + q);
+        to[ids + q] = q == lane ? static_cast<unsigned int>(ex.expert) : ld_cg_u32(from + ids + q);
+        to[ws + q] = q == lane ? __float_as_uint(ex.weight) : ld_cg_u32(from + ws + q);
     }
 }
 
@@ -144,6 +193,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             const int idx = count++;
             const int token = chunk + k;
             const int tok_bits = __shfl_sync(kFullMask, bits, k);
+            const Extras ex = token_extras(a, token, lane);
             if (idx >= a.rdma_cap)  // slot idx - Rt must be released (unit 1 + idx - Rt)
                 wait_at_least(sig.head(i), base + 2 + idx - a.rdma_cap, w, kOpDispatchHead, pe, __LINE__, &ok);
             if (!ok) break;
@@ -153,17 +203,16 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             warp_copy_nc(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
                          a.hidden_int4, lane);
             unsigned int* sc = reinterpret_cast<unsigned int*>(s + a.slot.scales_offset);
-            for (int q = lane; q < a.num_scales; q += 32)
-                sc[q] = a.x_scales[token * a.scale_token_stride + q * a.scale_block_stride];
+            for (int q = lane; q < a.num_scales; q += 32) sc[q] = token_scale(a, ex, token, q, lane);
             int* ids = reinterpret_cast<int*>(s + a.slot.topk_idx_offset);
             float* ws = reinterpret_cast<float*>(s + a.slot.topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) {
-                const long long e = a.topk_idx[static_cast<long long>(token) * a.num_topk + q];
+                const long long src = static_cast<long long>(token) * a.num_topk + q;
+                const long long e = q == lane ? ex.expert : a.topk_idx[src];
                 bad.check_expert_id(e, num_experts);
                 const bool valid = e >= 0 && e < num_experts;
                 ids[q] = valid ? static_cast<int>(e) : -1;
-                ws[q] = (valid && a.topk_weights != nullptr) ? a.topk_weights[static_cast<long long>(token) * a.num_topk + q]
-                                                           : 0.0f;
+                ws[q] = (valid && a.topk_weights != nullptr) ? (q == lane ? ex.weight : a.topk_weights[src]) : 0.0f;
             }
             // Publish a chunk (Rt is a multiple of the chunk, so a chunk never wraps around the ring).
             if (count - first == a.rdma_chunk) {
@@ -219,14 +268,14 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
         while (mask != 0u) {
             const int token = chunk + __ffs(mask) - 1;
             mask &= mask - 1u;
+            const Extras ex = token_extras(a, token, lane);
             const long long row = first_row + count++;
             const bool fits = row < a.num_out_rows;  // more rows than num_worst_tokens: reported below
             if (fits) {
                 warp_copy_nc(a.recv_x + row * a.hidden_int4, a.x + static_cast<long long>(token) * a.hidden_int4,
                              a.hidden_int4, lane);
                 for (int q = lane; q < a.num_scales; q += 32)
-                    a.recv_x_scales[row * a.num_scales + q] =
-                        a.x_scales[token * a.scale_token_stride + q * a.scale_block_stride];
+                    a.recv_x_scales[row * a.num_scales + q] = token_scale(a, ex, token, q, lane);
                 if (lane == 0 && a.recv_src_meta != nullptr) {
                     a.recv_src_meta[2 * row] = d_me;
                     a.recv_src_meta[2 * row + 1] = 1;  // bit 0: the domain's one rank
@@ -237,7 +286,7 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
             // Ids are checked for every token, as the ring path does; out-of-range ones select nothing.
             for (int q = lane; q < a.num_topk; q += 32) {
                 const long long src = static_cast<long long>(token) * a.num_topk + q;
-                const long long e = a.topk_idx[src];
+                const long long e = q == lane ? ex.expert : a.topk_idx[src];
                 bad.check_expert_id(e, num_experts);
                 const long long local = e - static_cast<long long>(a.rank) * El;
                 const bool is_mine = e >= 0 && local >= 0 && local < El;
@@ -245,7 +294,7 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
                     a.recv_topk_idx[row * a.num_topk + q] = is_mine ? local : -1;
                     if (a.recv_topk_weights != nullptr)
                         a.recv_topk_weights[row * a.num_topk + q] =
-                            (is_mine && a.topk_weights != nullptr) ? a.topk_weights[src] : 0.0f;
+                            (is_mine && a.topk_weights != nullptr) ? (q == lane ? ex.weight : a.topk_weights[src]) : 0.0f;
                 }
             }
         }

@@ -152,22 +152,23 @@ __device__ __forceinline__ void store_row(const DispatchArgs& a, const uint8_t* 
                                           int lane) {
     const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
     if (row < a.num_out_rows) {
+        const Extras ex = slot_extras(a, s, a.recv_topk_idx != nullptr, lane);
         warp_copy_cg(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
                      hidden_int4, lane);
         const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
         for (int q = lane; q < a.num_scales; q += 32)
-            a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = ld_cg_u32(sc + q);
+            a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = slot_scale(sc, ex, q, lane);
         if (a.recv_topk_idx != nullptr) {
             const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
             const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) {
-                const int e = ld_cg_s32(ids + q);
+                const int e = q == lane ? static_cast<int>(ex.expert) : ld_cg_s32(ids + q);
                 const int local = e - a.rank * El;
                 const bool is_mine = e >= 0 && local >= 0 && local < El;
                 a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
                 if (a.recv_topk_weights != nullptr)
                     a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + q] =
-                        is_mine ? ld_cg_f32(ws + q) : 0.0f;
+                        is_mine ? (q == lane ? ex.weight : ld_cg_f32(ws + q)) : 0.0f;
             }
         }
         if (lane == 0 && a.recv_src_meta != nullptr) {

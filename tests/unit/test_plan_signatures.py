@@ -178,17 +178,14 @@ def test_a_dispatch_handle_cuts_its_tensors_where_the_kernel_writes(monkeypatch,
     into views; the handle cuts its source info, layout ranges and row map on first use, at exactly the
     addresses the kernel wrote, and a combine reads the pointers without cutting them."""
     torch = pytest.importorskip("torch")
-    from deepep_cupy.frameworks import F32, I32, I64, TorchFrame
+    from deepep_cupy.frameworks import TorchFrame
     from deepep_cupy.ops.handles import LowLatencyHandle
 
     engine, layout = _engine(not row_map)
     engine.check_errors = lambda: None
     engine.next_buffer = lambda: 0
-    frame = object.__new__(TorchFrame)
-    frame.device, frame._empty, frame._i32 = torch.device("cpu"), torch.empty, torch.int32
-    frame.dtypes = {I32: torch.int32, F32: torch.float32, I64: torch.int64, lp.FP8: torch.float8_e4m3fn,
-                    lp.BF16: torch.bfloat16}
-    frame.ptr, frame.stream = torch.Tensor.data_ptr, lambda: 0
+    frame = TorchFrame(0, device="cpu")
+    frame.stream = lambda: 0
     monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
     plan = lp.DispatchPlan(engine, frame, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
                            use_ue8m0=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,

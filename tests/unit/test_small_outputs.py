@@ -6,18 +6,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepep_cupy.frameworks import BOOL, F32, I32, I64, SmallOutputs, TorchFrame
+from deepep_cupy.frameworks import BF16, BOOL, F32, I32, I64, SmallOutputs, TorchFrame, contiguous_strides
 
 torch = pytest.importorskip("torch")
 
 
 def _cpu_frame():
-    frame = object.__new__(TorchFrame)
-    frame.device = torch.device("cpu")
-    frame._empty = torch.empty
-    frame._i32 = torch.int32
-    frame.dtypes = {I32: torch.int32, F32: torch.float32, I64: torch.int64, BOOL: torch.bool}
-    return frame
+    return TorchFrame(0, device="cpu")
+
+
+@pytest.mark.parametrize("shape", [(144, 256, 64), (128, 7168), (5,), (), (2, 0, 3), (0,)])
+def test_outputs_are_contiguous_tensors_of_their_shape(shape):
+    assert contiguous_strides(shape) == torch.empty(shape).stride()
+    frame = _cpu_frame()
+    for _ in range(2):  # the second call takes the strides from the frame's cache
+        t = frame.empty(shape, BF16)
+        assert tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
 
 
 @pytest.mark.parametrize("e_local,slab,ranks,scales", [(144, 256, 2, 56), (1, 1, 1, 1), (3, 17, 5, 4)])
