@@ -167,13 +167,16 @@ def _combine_prepare(group, x, handle, topk_weights):
     return starts, ends, in_rank
 
 
-def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
+def combine(group, x, handle, *, topk_weights, bias_0, bias_1, num_nvl_ranks: int = 1):
     """``normal.combine`` with the internode handle: the rows ``handle[6]`` assigns to each source rank go
-    back to it, which sums them on the tokens ``handle[0]`` sent that rank (same results, same order)."""
+    back to it, which sums them on the tokens ``handle[0]`` sent that rank (same order). With domains of
+    ``num_nvl_ranks`` > 1 each domain's rows of a token are summed and rounded first (its forwarder's partial
+    sum, one row per token across domains), then the domains' partials at the source."""
     error = starts = ends = in_rank = None
     try:
         starts, ends, in_rank = _combine_prepare(group, x, handle, topk_weights)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by collective.start()
         error = exc
     return normal.combine_rows(group, x, starts, ends, in_rank, None, topk_weights=topk_weights, bias_0=bias_0,
-                               bias_1=bias_1, fields={}, error=error, prefix="handle[6] (recv_gbl_rank_prefix_sum)")
+                               bias_1=bias_1, fields={}, error=error, prefix="handle[6] (recv_gbl_rank_prefix_sum)",
+                               domain_size=num_nvl_ranks)

@@ -282,13 +282,16 @@ def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
 
 
 def combine_rows(group, x, starts, ends, in_rank, recv_src_idx, *, topk_weights, bias_0, bias_1, fields, error,
-                 prefix):
+                 prefix, domain_size: int = 1):
     """``combine`` once the handle is read: rows ``[starts[s], ends[s])`` of ``x`` go back to rank ``s``.
 
     ``recv_src_idx`` names each row's source token; None: the source places the rows from rank ``r`` on its
     tokens with ``in_rank[:, r]``, in token order (the order dispatch delivered them in). ``fields`` (values
     every rank must agree on besides hidden size, dtype and top-k width) and ``error`` (what this rank found
     wrong so far) go to ``collective.start``; ``prefix`` names the handle entry the row ranges come from.
+    ``domain_size`` > 1: the rows of each domain's ranks are first summed per token (float32, rank order) and
+    rounded to ``x``'s dtype, as the domain's forwarder sends one row per token across domains; the source sums
+    those (and the weights' per-domain float32 sums) in domain order.
     """
     me, nranks = group.rank, group.size
     if error is None:
@@ -324,8 +327,20 @@ def combine_rows(group, x, starts, ends, in_rank, recv_src_idx, *, topk_weights,
     acc_w = None
     if topk_weights is not None:
         acc_w = np.zeros((n, np.asarray(topk_weights).shape[1]), dtype=np.float32)
-    for g in got:
-        acc[g["src"]] += g["x"].astype(np.float32)
-        if acc_w is not None:
-            acc_w[g["src"]] += g["w"]
+    for d in range(0, nranks, domain_size):
+        part, part_w, reached = acc, acc_w, None
+        if domain_size > 1:
+            part = np.zeros_like(acc)
+            part_w = None if acc_w is None else np.zeros_like(acc_w)
+            reached = np.zeros(n, dtype=bool)
+        for g in got[d:d + domain_size]:
+            part[g["src"]] += g["x"].astype(np.float32)
+            if part_w is not None:
+                part_w[g["src"]] += g["w"]
+            if reached is not None:
+                reached[g["src"]] = True
+        if reached is not None:
+            acc[reached] += part[reached].astype(x.dtype).astype(np.float32)
+            if acc_w is not None:
+                acc_w[reached] += part_w[reached]
     return acc.astype(x.dtype), acc_w

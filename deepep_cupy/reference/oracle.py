@@ -83,7 +83,8 @@ class ReferenceOracle:
     def combine(self, x, handle, *, topk_weights, bias_0, bias_1):
         """See ``normal.combine``. Returns ``(combined_x, combined_topk_weights or None)``."""
         if self.num_rdma_ranks > 1:
-            return internode.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
+            return internode.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
+                                     num_nvl_ranks=self.num_nvl_ranks)
         return normal.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
 
     # ------------------------------------------------------------------ low-latency mode

@@ -1,9 +1,11 @@
 """Several NVLink domains on the reference backend: ``mpiexec -n 2|4|8 python -m pytest tests/mpi -q``.
 
 Each test runs the same data through a ``Buffer`` whose group is one NVLink domain and through ``Buffer``s
-with domains of 1, 2 and 4 ranks (those that give more than one domain at this size), and checks that the
-results are the single-domain ones, and the internode handle against plain loops over every rank's
-routing (each rank rebuilds every rank's inputs from the shared seeds). All collective calls come first.
+with domains of 1, 2 and 4 ranks (those that give more than one domain at this size), and checks the results
+against the single-domain ones, and the internode handle against plain loops over every rank's
+routing (each rank rebuilds every rank's inputs from the shared seeds). The combine is the single-domain one
+for domains of one; with larger domains each domain's partial sum is rounded first (checked by plain loops).
+All collective calls come first.
 """
 
 import ml_dtypes
@@ -43,17 +45,33 @@ def _buffer(nvl):
 
 
 def _run(buf, x, topk, w, *, worst=0, bias=None):
-    """Layout, dispatch, combine (x scaled by rank + 1) and a cached dispatch, all collective."""
+    """Layout, dispatch, combine (x scaled by (rank + 1) / 3) and a cached dispatch, all collective."""
     me = COMM.Get_rank()
     layout = buf.get_dispatch_layout(topk, E_LOCAL * SIZE)
     recv_x, recv_tk, recv_tw, lst, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
         num_tokens_per_expert=layout[2], topk_idx=topk, topk_weights=w, expert_alignment=2, num_worst_tokens=worst)
-    y = (_f32(recv_x) * (me + 1)).astype(BF16)
+    y = (_f32(recv_x) * ((me + 1) / 3)).astype(BF16)  # thirds: sums that round differently per domain
     comb, comb_w, _ = buf.combine(y, handle, topk_weights=recv_tw, bias=bias)
     cached = buf.dispatch(x, handle=handle)[0]
     return dict(layout=layout, recv_x=recv_x, tk=recv_tk, tw=recv_tw, lst=lst, handle=handle, comb=comb,
                 comb_w=comb_w, cached=cached)
+
+
+def _expected_combine(x, in_rank, nvl, bias):
+    """The combine of ``_run`` on this rank's tokens by plain loops: rank r returns token t scaled by (r + 1) / 3
+    (in bf16); a domain's rows of a token are summed in float32 and rounded (its forwarder's partial, one row per
+    token across domains: exact for domains of one), and the source adds the partials to the bias in float32,
+    in domain order, and rounds once."""
+    acc = _f32(bias).copy()
+    for d in range(0, SIZE, nvl):
+        part = np.zeros_like(acc)
+        for r in range(d, d + nvl):
+            got = in_rank[:, r]
+            part[got] += _f32((_f32(x) * ((r + 1) / 3)).astype(BF16))[got]
+        reached = in_rank[:, d:d + nvl].any(1)
+        acc[reached] += _f32(part[reached].astype(BF16))
+    return acc.astype(BF16)
 
 
 def _channel(t, n, c):
@@ -116,8 +134,14 @@ def test_internode_matches_one_domain(seed):
         want_layout = brute_layout(topk, E_LOCAL * SIZE, SIZE, nvl)
         np.testing.assert_array_equal(got["layout"][1], want_layout[1])  # once per domain reached
         np.testing.assert_array_equal(got["layout"][1], in_ranks[me].reshape(-1, SIZE // nvl, nvl).any(2).sum(0))
-        for key in ("recv_x", "tk", "tw", "comb", "comb_w", "cached"):
+        for key in ("recv_x", "tk", "tw", "comb_w", "cached"):
             np.testing.assert_array_equal(_f32(got[key]), _f32(flat[key]), err_msg=f"{key}, domains of {nvl}")
+        # The combined rows: the single-domain ones for domains of one; with larger domains each domain's
+        # partial sum is rounded before the domains are added.
+        want = _expected_combine(x, in_ranks[me], nvl, bias)
+        np.testing.assert_array_equal(_f32(got["comb"]), _f32(want), err_msg=f"comb, domains of {nvl}")
+        if nvl == 1:
+            np.testing.assert_array_equal(_f32(got["comb"]), _f32(flat["comb"]))
         assert got["lst"] == flat["lst"]
 
         h, fh = got["handle"], flat["handle"]
