@@ -7,12 +7,13 @@ namespace deepep_cupy {
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
-// float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-__device__ __forceinline__ unsigned int f32_to_bf16_rn(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return u >> 16;
+// Two floats -> bf16x2 bits (`lo` in the low half), each rounded to nearest even (a NaN becomes the canonical
+// NaN): one instruction, where rounding in integer arithmetic took about eight a value and left the few-SM
+// combine bound by instruction issue.
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    unsigned int d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
@@ -28,7 +29,7 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
 __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
     unsigned int w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = f32_to_bf16_rn(acc[2 * k]) | (f32_to_bf16_rn(acc[2 * k + 1]) << 16);
+    for (int k = 0; k < 4; ++k) w[k] = pack_bf16x2(acc[2 * k], acc[2 * k + 1]);
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
