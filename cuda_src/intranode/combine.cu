@@ -165,7 +165,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                     }
                 }
 
-                sum_token<R, kUnroll>(rows, rank, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
+                sum_token<R, kUnroll>(rows, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
                                       combined_x, lane);
                 if (combined_topk_weights != nullptr) {
                     const float* w[R];

@@ -108,7 +108,7 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
             weights[r] = (r == rank ? topk_weights : staging_weights) + row * num_topk;
             if (with_weights && lane < num_topk) w[r] = r == rank ? weights[r][lane] : ld_cg_f32(weights[r] + lane);
         }
-        sum_token<R, kUnroll, true>(rows, rank, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
+        sum_token<R, kUnroll, true>(rows, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
                               combined_x, lane);
         if (with_weights) {
             float* out = combined_topk_weights + static_cast<long long>(t) * num_topk;

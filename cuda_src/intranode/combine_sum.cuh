@@ -20,97 +20,91 @@ __device__ __forceinline__ void load_bf16x8(float (&out)[8], const int4& v) {
 }
 
 template <bool kStaged>
-__device__ __forceinline__ int4 peer_load(const int4* p) {
+__device__ __forceinline__ int4 row_load(const int4* p) {
     if constexpr (kStaged) return ld_na_v4(p);
     return ld_cg_v4(p);
 }
 
-// Row of token t: rows[r] is rank r's row (nullptr: rank r did not get the token); this rank's own row is
-// read through the non-coherent path (the caller's input), peers' rows from L2 (peers or copies wrote them;
-// kStaged: rows the copy engines wrote before a flag the caller acquired, read with 256-byte L2 requests).
+// acc = bias_0 + bias_1 at word j of the output row, a missing bias being +0 (the reference's exact float32
+// order); zeros without biases.
+__device__ __forceinline__ void bias_acc(float (&acc)[8], const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
+                                         long long j) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    if (bias_0 == nullptr && bias_1 == nullptr) return;
+    float b[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+    if (bias_0 != nullptr) load_bf16x8(acc, ld_nc_v4(bias_0 + j));
+    if (bias_1 != nullptr) load_bf16x8(b, ld_nc_v4(bias_1 + j));
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
+}
+
+// One step of sum_token: words j, j + 32, ..., j + 32 * (kUnroll - 1) of the row. kChecked: the row's last,
+// partial step (words past hidden_int4 are neither loaded nor stored); the full steps test nothing, as the
+// few-SM combine is bound by instruction issue.
+template <int R, int kUnroll, bool kStaged, bool kChecked>
+__device__ __forceinline__ void sum_step(const int4* const (&rows)[R], const int4* __restrict__ bias_0,
+                                         const int4* __restrict__ bias_1, long long out_row, int j, int hidden_int4,
+                                         int4* __restrict__ combined_x) {
+    if constexpr (R <= 2) {
+        // Few ranks: every rank's loads of the step are issued before any is summed (more bytes in flight),
+        // and one accumulator of 8 floats is live at a time.
+        int4 v[R][kUnroll];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (rows[r] == nullptr) continue;
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (!kChecked || j + u * 32 < hidden_int4) v[r][u] = row_load<kStaged>(rows[r] + j + u * 32);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int k = j + u * 32;
+            if (kChecked && k >= hidden_int4) continue;
+            float acc[8];
+            bias_acc(acc, bias_0, bias_1, out_row + k);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (rows[r] != nullptr) add_bf16x8(acc, v[r][u]);
+            st_na_v4(combined_x + out_row + k, pack_bf16x8(acc));
+        }
+    } else {
+        float acc[kUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (!kChecked || j + u * 32 < hidden_int4) bias_acc(acc[u], bias_0, bias_1, out_row + j + u * 32);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (rows[r] == nullptr) continue;
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (!kChecked || j + u * 32 < hidden_int4) v[u] = row_load<kStaged>(rows[r] + j + u * 32);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (!kChecked || j + u * 32 < hidden_int4) add_bf16x8(acc[u], v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (!kChecked || j + u * 32 < hidden_int4) st_na_v4(combined_x + out_row + j + u * 32, pack_bf16x8(acc[u]));
+    }
+}
+
+// Row of token t: rows[r] is rank r's row (nullptr: rank r did not get the token). Every row is read from L2
+// (peers or copies wrote the peers' rows; this rank's own row, in x, is read once as well), kStaged: rows the
+// copy engines wrote before a flag the caller acquired, read with 256-byte L2 requests. Lane-strided 16-byte
+// words, kUnroll a lane a step.
 template <int R, int kUnroll, bool kStaged = false>
-__device__ __forceinline__ void sum_token(const int4* const (&rows)[R], int self_rank, const int4* __restrict__ bias_0,
+__device__ __forceinline__ void sum_token(const int4* const (&rows)[R], const int4* __restrict__ bias_0,
                                           const int4* __restrict__ bias_1, long long out_row, int hidden_int4,
                                           int4* __restrict__ combined_x, int lane) {
-    const bool has_bias = bias_0 != nullptr || bias_1 != nullptr;
-    // Hidden: lane-strided 16-byte words, kUnroll per lane per step.
-    for (int base = 0; base < hidden_int4; base += 32 * kUnroll) {
-        if constexpr (R <= 2) {
-            // Few ranks: every rank's loads of the step are issued before any is summed (more
-            // bytes in flight), and one accumulator of 8 floats is live at a time.
-            int4 v[R][kUnroll];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (rows[r] == nullptr) continue;
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int j = base + u * 32 + lane;
-                    if (j < hidden_int4)
-                        v[r][u] = (r == self_rank) ? ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int j = base + u * 32 + lane;
-                if (j >= hidden_int4) continue;
-                float acc[8];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                if (has_bias) {
-                    // acc = b0 + b1, a missing bias being +0 (the reference's exact float32 order).
-                    float b[8];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                    if (bias_0 != nullptr) load_bf16x8(acc, ld_nc_v4(bias_0 + out_row + j));
-                    if (bias_1 != nullptr) load_bf16x8(b, ld_nc_v4(bias_1 + out_row + j));
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = acc[e] + b[e];
-                }
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    if (rows[r] != nullptr) add_bf16x8(acc, v[r][u]);
-                st_na_v4(combined_x + out_row + j, pack_bf16x8(acc));
-            }
-        } else {
-            float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int j = base + u * 32 + lane;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-                if (j < hidden_int4 && has_bias) {
-                    float b[8];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-                    if (bias_0 != nullptr) load_bf16x8(acc[u], ld_nc_v4(bias_0 + out_row + j));
-                    if (bias_1 != nullptr) load_bf16x8(b, ld_nc_v4(bias_1 + out_row + j));
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[u][e] = acc[u][e] + b[e];
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (rows[r] == nullptr) continue;
-                int4 v[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int j = base + u * 32 + lane;
-                    if (j < hidden_int4)
-                        v[u] = (r == self_rank) ? ld_nc_v4(rows[r] + j) : peer_load<kStaged>(rows[r] + j);
-                }
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int j = base + u * 32 + lane;
-                    if (j < hidden_int4) add_bf16x8(acc[u], v[u]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int j = base + u * 32 + lane;
-                if (j < hidden_int4) st_na_v4(combined_x + out_row + j, pack_bf16x8(acc[u]));
-            }
-        }
-    }
+    const int full = hidden_int4 - hidden_int4 % (32 * kUnroll);
+    for (int base = 0; base < full; base += 32 * kUnroll)
+        sum_step<R, kUnroll, kStaged, false>(rows, bias_0, bias_1, out_row, base + lane, hidden_int4, combined_x);
+    if (full < hidden_int4)
+        sum_step<R, kUnroll, kStaged, true>(rows, bias_0, bias_1, out_row, full + lane, hidden_int4, combined_x);
 }
 
 // Top-k weights of one token: w[r] is rank r's weights row (nullptr: none).
