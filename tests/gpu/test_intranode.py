@@ -433,8 +433,9 @@ def test_copy_combine_timeout_reports_and_recovers(env):
     names the op, rank 0 and peer 1; a new Buffer works."""
     small = _small_call(env, 32)
     buf, x, layout = small[1], small[8], small[9]
-    recv, _, recv_w, _, handle, _ = buf.dispatch(x, **layout, config=_cfg(env))
     engine = buf.runtime.intranode
+    engine.use_copy_combine = True  # above 2 ranks the default takes it only on handles of few SMs
+    recv, _, recv_w, _, handle, _ = buf.dispatch(x, **layout, config=_cfg(env))
 
     def combine():
         copies = engine.copy_seq
