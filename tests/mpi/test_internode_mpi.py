@@ -59,11 +59,11 @@ def _run(buf, x, topk, w, *, worst=0, bias=None):
 
 
 def _expected_combine(x, in_rank, nvl, bias):
-    """The combine of ``_run`` on this rank's tokens by plain loops: rank r returns token t scaled by (r + 1) / 3
+    """The combine of ``_run`` on this rank's tokens (``bias`` or None) by plain loops: rank r returns token t scaled by (r + 1) / 3
     (in bf16); a domain's rows of a token are summed in float32 and rounded (its forwarder's partial, one row per
     token across domains: exact for domains of one), and the source adds the partials to the bias in float32,
     in domain order, and rounds once."""
-    acc = _f32(bias).copy()
+    acc = np.zeros(np.shape(x), np.float32) if bias is None else _f32(bias).copy()
     for d in range(0, SIZE, nvl):
         part = np.zeros_like(acc)
         for r in range(d, d + nvl):
@@ -196,7 +196,7 @@ def test_internode_num_worst_tokens():
     flat = _run(_buffer(SIZE), x, topk, w)
     runs = {nvl: _run(_buffer(nvl), x, topk, w, worst=worst) for nvl in DOMAINS}
     num_recv = flat["recv_x"].shape[0]
-    for got in runs.values():
+    for nvl, got in runs.items():
         h = got["handle"]
         assert got["lst"] == [] and got["recv_x"].shape[0] == worst and got["cached"].shape[0] == worst
         assert h[7].shape == (worst, 8) and h[-4][-1] == num_recv
@@ -206,7 +206,8 @@ def test_internode_num_worst_tokens():
         meta = h[7].view("<i4").reshape(-1, 2)
         assert (meta[num_recv:, 0] == -1).all() and (meta[num_recv:, 1] == 0).all()
         assert h[9].shape[0] == max(worst, int(h[4][-1])) and (h[9][h[4][-1]:] == -1).all()
-        np.testing.assert_array_equal(_f32(got["comb"]), _f32(flat["comb"]))
+        in_ranks = [brute_layout(c[1], E_LOCAL * SIZE, SIZE, nvl)[3] for c in cases]
+        np.testing.assert_array_equal(_f32(got["comb"]), _f32(_expected_combine(x, in_ranks[me], nvl, None)))
         np.testing.assert_array_equal(got["comb_w"], flat["comb_w"])
 
 
