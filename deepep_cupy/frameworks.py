@@ -312,6 +312,10 @@ def _cupy_logical(arr, dtype: np.dtype):
 U8, U16 = np.dtype(np.uint8), np.dtype(np.uint16)
 
 
+#: Shapes whose strides a frame keeps (a plan's fixed outputs; the rest are computed per call).
+_MAX_CACHED_SHAPES = 256
+
+
 def contiguous_strides(shape: tuple) -> tuple:
     """Element strides of a C-contiguous array of ``shape``."""
     strides, step = [], 1
@@ -351,7 +355,9 @@ class TorchFrame:
     def empty(self, shape: tuple, dtype: np.dtype):
         strides = self._strides.get(shape)
         if strides is None:
-            strides = self._strides[shape] = contiguous_strides(shape)
+            strides = contiguous_strides(shape)
+            if len(self._strides) < _MAX_CACHED_SHAPES:  # received-row counts vary per call: keep it bounded
+                self._strides[shape] = strides
         return self._empty_strided(shape, strides, dtype=self.dtypes[dtype], device=self.device)
 
     def wrap(self, ptr: int, shape, dtype: np.dtype, owner=None):

@@ -24,6 +24,17 @@ def test_outputs_are_contiguous_tensors_of_their_shape(shape):
         assert tuple(t.shape) == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
 
 
+def test_the_stride_cache_stays_bounded():
+    """Received-row counts change per call: shapes past the cache's bound still get contiguous outputs."""
+    from deepep_cupy import frameworks
+
+    frame = _cpu_frame()
+    for rows in range(frameworks._MAX_CACHED_SHAPES + 20):
+        t = frame.empty((rows, 3), BF16)
+        assert tuple(t.shape) == (rows, 3) and t.is_contiguous()
+    assert len(frame._strides) == frameworks._MAX_CACHED_SHAPES
+
+
 @pytest.mark.parametrize("e_local,slab,ranks,scales", [(144, 256, 2, 56), (1, 1, 1, 1), (3, 17, 5, 4)])
 def test_parts_are_separate_aligned_and_typed(e_local, slab, ranks, scales):
     specs = [((e_local,), I32), ((e_local, slab), I32), ((e_local, ranks), I64), ((e_local, scales, slab), F32)]
