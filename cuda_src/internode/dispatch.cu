@@ -242,6 +242,13 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
     }
 }
 
+// L == 1: the output row of this rank's first own-domain token in channel c, entry 6 of source d_me - 1 plus
+// the channel's start in entry 2 (send_own writes the rows from there, forward_own records it as entry 5).
+__device__ __forceinline__ int own_first_row(const DispatchArgs& a, int c) {
+    const int C = a.num_channels, d_me = a.rank;
+    return (d_me > 0 ? a.recv_gbl_prefix[d_me - 1] : 0) + (c > 0 ? a.gbl_cpm[d_me * C + c - 1] : 0);
+}
+
 // L == 1, the rank's own domain (d == d_me): the forwarder of these tokens is this rank, and it would only copy
 // each slot into the outputs, so the sender writes the rows there itself and ring (c, d_me) is not used (its
 // head, tail and `state` counts stay as they are on both sides, so they still agree). Token k of the (channel,
@@ -254,8 +261,7 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
     const int C = a.num_channels, d_me = a.rank, El = a.num_local_experts;
     int t_begin, t_end;
     channel_range(a.num_tokens, C, c, t_begin, t_end);
-    const int first_row =
-        (d_me > 0 ? a.recv_gbl_prefix[d_me - 1] : 0) + (c > 0 ? a.gbl_cpm[d_me * C + c - 1] : 0);
+    const int first_row = own_first_row(a, c);
     const long long num_experts = static_cast<long long>(D) * El;
     BadValue bad;
     int count = 0;

@@ -310,7 +310,7 @@ template <int D>
 __device__ void forward_own(const DispatchArgs& a, int c, int lane) {
     const int C = a.num_channels, d = a.rank;
     const int r0 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0, r1 = a.rdma_cpm[d * C + c];
-    const int first_row = (d > 0 ? a.recv_gbl_prefix[d - 1] : 0) + (c > 0 ? a.gbl_cpm[d * C + c - 1] : 0);
+    const int first_row = own_first_row(a, c);
     const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, n = r1 - r0;
     if (lane == 0) {
         if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;

@@ -156,7 +156,7 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 // senders, so the forwarders take the first block and the reducer the second). A block runs several
 // consecutive channels side by side: every role of a channel is one warp moving one row at a time, so more
 // channels per SM is what keeps more bytes in flight. Blocks stay within 512 threads (128 registers a
-// thread). Mirrored by ops/internode/layout.py.
+// thread), or 768 with one rank a domain (80 registers a thread). Mirrored by ops/internode/layout.py.
 constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
 constexpr int combine_channel_warps(int L, int D) {
     return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);
