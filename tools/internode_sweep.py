@@ -1,12 +1,14 @@
 """Channels per block and ring sizes of the internode kernels at a few SM counts: every setting timed and checked.
 
     mpirun -np 2 -x DEEPEP_CUPY_NVL_RANKS=1 python tools/internode_sweep.py --num-sms 8,12,24 \\
-        --sub-channels 2,4,8,12,16 --rdma-recv 128,256 --rdma-send 8,16
+        --sub-channels 2,4,8,12,16 --rdma-recv 128,256 --rdma-send 8,16 --sms-own-rows
 
-A setting is (SMs, sub_channels, RDMA ring, RDMA chunk): ``sub_channels`` is the engine's tuning attribute
+A setting is (SMs, sub_channels, RDMA ring, RDMA chunk, own rows): ``sub_channels`` is the engine's tuning attribute
 (channels a block runs; a compile-time parameter), the rings are the Config the ops get
 (``num_max_rdma_chunked_recv_tokens`` per SM pair, split between the block's channels, and
-``num_max_rdma_chunked_send_tokens``, the publish chunk), the rest of the Config as the bench's
+``num_max_rdma_chunked_send_tokens``, the publish chunk), own rows by the copy engines where the engine's default
+says so ("ce") or by the SMs ("sm", the engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that
+setting at each SM count), the rest of the Config as the bench's
 (``Config(num_sms, 8, 512, 16, 128)``, which is also the reference setting). For each setting, on a handle made
 by a dispatch with that setting, three ops:
   dispatch BF16  cached
@@ -58,6 +60,8 @@ def command_line() -> argparse.ArgumentParser:
                    help="Config.num_max_rdma_chunked_recv_tokens (RDMA ring slots per SM pair)")
     p.add_argument("--rdma-send", type=int_list, default=(16,), metavar="N[,N...]",
                    help="Config.num_max_rdma_chunked_send_tokens (slots per publish, at most half a ring)")
+    p.add_argument("--sms-own-rows", action="store_true",
+                   help="also time the reference setting with the own rows copied by the SMs (one rank a domain)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
@@ -70,19 +74,22 @@ def command_line() -> argparse.ArgumentParser:
 
 
 def settings(args, lsize: int, ndom: int) -> list[tuple]:
-    """``(sms, sub or None, rdma_recv, rdma_send)``, the reference setting first at each SM count."""
+    """``(sms, sub or None, rdma_recv, rdma_send, own_row_copies)``, the reference setting first at each SM count
+    (``own_row_copies`` None: the engine's default; False: the SMs copy the own rows)."""
     from deepep_cupy.ops.internode import layout as IL
 
     default, top = IL.sub_channels(lsize, ndom), IL.max_sub_channels(lsize, ndom)
     subs = args.sub_channels or tuple(sorted({min(2, top), min(4, top), default, top}))
     out = []
     for sms in args.num_sms:
-        out.append((sms, None, BENCH_CONFIG[3], BENCH_CONFIG[2]))
+        out.append((sms, None, BENCH_CONFIG[3], BENCH_CONFIG[2], None))
+        if args.sms_own_rows and lsize == 1:
+            out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], False))
         for sub, recv, send in itertools.product(subs, args.rdma_recv, args.rdma_send):
             if sub > top or send >= recv:
                 continue
             if (sub, recv, send) != (default, BENCH_CONFIG[3], BENCH_CONFIG[2]):
-                out.append((sms, sub, recv, send))
+                out.append((sms, sub, recv, send, None))
     return out
 
 
@@ -166,11 +173,11 @@ def main() -> int:
     ndom = num_ranks // lsize
     todo = settings(args, lsize, ndom)
     if rank == 0:
-        subs = [sub if sub is not None else IL.sub_channels(lsize, ndom) for _, sub, _, _ in todo]
+        subs = [sub if sub is not None else IL.sub_channels(lsize, ndom) for _, sub, _, _, _ in todo]
         print(precompile(lsize, ndom, subs, args.jobs), flush=True)
     comm.Barrier()
     hidden = args.hidden
-    cfgs = [config(sms, recv, send) for sms, _, recv, send in todo]
+    cfgs = [config(sms, recv, send) for sms, _, recv, send, _ in todo]
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in cfgs)
     # The hint assumes DeepEP's channel count; more channels a block split the same ring bytes, and their
     # meta records (a few KiB) get the slack.
@@ -201,8 +208,8 @@ def main() -> int:
         stream.synchronize()
         layout = buf.get_dispatch_layout(topk_idx, e)
         inputs = (x_bf16, x_fp8, scales_col, topk_idx, topk_weights)
-        for sms, sub, recv, send in todo:
-            engine.sub_channels = sub
+        for sms, sub, recv, send, own in todo:
+            engine.sub_channels, engine.use_own_row_copies = sub, own
             cfg = config(sms, recv, send)
             used = engine.channels_per_block()
             cap, chunk, _ = IL.ring_sizes(cfg, used)
@@ -217,7 +224,9 @@ def main() -> int:
                 ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
                 failures += not ok
                 match = "same" if ok else "DIFFERENT"
-            table.append((sms, used if sub is not None else f"{used}*", channels, recv, send, cap, chunk, t, match))
+            mode = "ce" if engine.own_row_copies() else "sm"
+            table.append((sms, used if sub is not None else f"{used}*", channels, recv, send, cap, chunk, mode, t,
+                          match))
             if rank == 0:
                 print(_fmt(table[-1], naive), flush=True)
     finally:
@@ -236,16 +245,16 @@ def main() -> int:
 
 
 def _header() -> str:
-    return (f"{'SMs':>4} {'sub':>4} {'C':>4} {'rdma_recv':>9} {'send':>5} {'cap/ch':>6} {'chunk':>5} "
+    return (f"{'SMs':>4} {'sub':>4} {'C':>4} {'rdma_recv':>9} {'send':>5} {'cap/ch':>6} {'chunk':>5} {'own':>3} "
             f"{'BF16 us':>9} {'FP8 us':>9} {'comb us':>9} {'BF16/naive':>10} {'FP8/BF16':>8} {'comb/naive':>10}  match")
 
 
 def _fmt(r, naive) -> str:
-    sms, sub, channels, recv, send, cap, chunk, t, match = r
+    sms, sub, channels, recv, send, cap, chunk, own, t, match = r
     nd, nc = naive.get("naive NCCL dispatch"), naive.get("naive NCCL combine")
     rd = f"{t['bf16'] / nd:10.2f}" if nd else f"{'-':>10}"
     rc = f"{t['combine'] / nc:10.2f}" if nc else f"{'-':>10}"
-    return (f"{sms:>4} {sub!s:>4} {channels:>4} {recv:>9} {send:>5} {cap:>6} {chunk:>5} {t['bf16']:9.1f} "
+    return (f"{sms:>4} {sub!s:>4} {channels:>4} {recv:>9} {send:>5} {cap:>6} {chunk:>5} {own:>3} {t['bf16']:9.1f} "
             f"{t['fp8']:9.1f} {t['combine']:9.1f} {rd} {t['fp8'] / t['bf16']:8.2f} {rc}  {match}")
 
 

@@ -53,6 +53,7 @@ struct DispatchArgs {
     ErrorRecord* err;
     int rank;
     int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores (tests the network path)
+    int own_rows_copied;  // L == 1: the copy engines copy the own domain's rows (ops/own_rows.py); send_own skips them
 };
 
 template <int L, int D>
@@ -255,7 +256,8 @@ __device__ __forceinline__ int own_first_row(const DispatchArgs& a, int c) {
 // own domain) stream lands where forward_direct would put slot k: entry 6 of source d_me - 1 plus this
 // channel's start in entry 2 (what the meta record would carry), plus k; every token reaching the domain
 // reaches its one rank, so k counts them all. Entries 2 and 6 exist before the kernel starts (from the
-// notify kernel, or from the handle). The forwarder writes the bookkeeping entries (forward_own).
+// notify kernel, or from the handle). The forwarder writes the bookkeeping entries (forward_own). Where the
+// copy engines move the rows (own_rows_copied), the warp writes everything else: scales, top-k, entries 7, 8.
 template <int D>
 __device__ void send_own(const DispatchArgs& a, int c, int lane) {
     const int C = a.num_channels, d_me = a.rank, El = a.num_local_experts;
@@ -278,8 +280,9 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
             const long long row = first_row + count++;
             const bool fits = row < a.num_out_rows;  // more rows than num_worst_tokens: reported below
             if (fits) {
-                warp_copy_nc(a.recv_x + row * a.hidden_int4, a.x + static_cast<long long>(token) * a.hidden_int4,
-                             a.hidden_int4, lane);
+                if (!a.own_rows_copied)
+                    warp_copy_nc(a.recv_x + row * a.hidden_int4, a.x + static_cast<long long>(token) * a.hidden_int4,
+                                 a.hidden_int4, lane);
                 for (int q = lane; q < a.num_scales; q += 32)
                     a.recv_x_scales[row * a.num_scales + q] = token_scale(a, ex, token, q, lane);
                 if (lane == 0 && a.recv_src_meta != nullptr) {
@@ -330,7 +333,8 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          uint8_t* rdma, long long ring_offset, int slot_bytes, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int rdma_cap, int rdma_chunk, uint8_t* sig,
          const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
-         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
+         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma,
+         int own_rows_copied) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = dispatch_channel_warps(L, D), S = kSubChannels;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;
@@ -343,7 +347,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          send_rdma_head, send_nvl_head, num_out_rows, num_nvl_head_rows, rdma, ring_offset,
                          Slot{slot_bytes, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset},
                          rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
-                         num_channels, state, err, rank, force_rma};
+                         num_channels, state, err, rank, force_rma, own_rows_copied};
     const WaitCtx w{err, timeout_ns, rank};
     if (blockIdx.x % 2 == 0) {
         if (role < D && c < num_channels) {

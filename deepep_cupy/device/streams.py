@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["current_stream", "current_stream_ptr", "external_stream", "DeviceEvent", "ForkJoin", "OpStreams"]
+__all__ = ["current_stream", "current_stream_ptr", "external_stream", "DeviceEvent", "ForkJoin", "OpStreams",
+           "SideStreams", "create_events", "destroy_events"]
 
 _DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 
@@ -61,6 +62,41 @@ def external_stream(ptr: int, device_id: int):
 def current_stream(framework: str | None, device_id: int):
     """The caller's current stream as a CuPy stream object (for code that wants one)."""
     return external_stream(current_stream_ptr(framework, device_id), device_id)
+
+
+def create_events(rt, n: int) -> list[int]:
+    """``n`` CUDA events without timing (the fork and join points between streams), made with ``rt``."""
+    return [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(n)]
+
+
+def destroy_events(owner) -> None:
+    """Destroy ``owner.events`` (CUDA events made with ``owner._rt``), from a ``__del__``."""
+    for event in getattr(owner, "events", ()):
+        try:
+            owner._rt.eventDestroy(event)
+        except Exception:
+            pass  # interpreter shutdown
+
+
+class SideStreams:
+    """``count`` non-blocking streams of one device for copy-engine work beside the communication stream,
+    made on first use (an engine may live where no op ever needs them)."""
+
+    __slots__ = ("device_id", "count", "_streams")
+
+    def __init__(self, device_id: int, count: int) -> None:
+        self.device_id, self.count, self._streams = int(device_id), int(count), None
+
+    def ptr(self, index: int) -> int:
+        if self._streams is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                self._streams = tuple(cupy.cuda.Stream(non_blocking=True) for _ in range(self.count))
+        return self._streams[index].ptr
+
+    def close(self) -> None:
+        self._streams = None
 
 
 class DeviceEvent:

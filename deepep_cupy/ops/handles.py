@@ -64,11 +64,15 @@ class OpHandle(tuple):
 class DispatchHandle(OpHandle):
     """A normal dispatch's handle as the op returned it, with the top-k width of that dispatch
     (``num_topk``: the columns of its ``topk_idx``, 0 without one), which a combine's ``topk_weights`` must
-    have. A tuple subclass cannot have slots, so the attribute lives in a ``__dict__``."""
+    have, and what the dispatch read back for the own-row copies of later dispatches with it (ops/own_rows.py):
+    ``own_tokens``, this rank's column of ``is_token_in_rank`` (a NumPy bool array), and ``own_first_row``, the
+    row of ``recv_x`` where this rank's own rows start; None where it did not. A tuple subclass cannot have
+    slots, so the attributes live in a ``__dict__``."""
 
-    def __new__(cls, entries, num_topk: int = 0):
+    def __new__(cls, entries, num_topk: int = 0, own_tokens=None, own_first_row: int | None = None):
         self = super().__new__(cls, entries)
         self.num_topk = num_topk
+        self.own_tokens, self.own_first_row = own_tokens, own_first_row
         return self
 
 

@@ -117,9 +117,10 @@ class NormalPlan:
         return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
                          self.async_finish, self._fork_join)
 
-    def _make_notify_meta(self, size: int, in_rank_bytes: int = 0) -> None:
+    def _make_notify_meta(self, size: int, in_rank_bytes: int = 0, prefix_shape: tuple | None = None) -> None:
         """Where a dispatch's notify kernel leaves its totals: the engine's persistent device words and a
-        pinned host copy of them (and room for ``in_rank_bytes`` of ``is_token_in_rank``)."""
+        pinned host copy of them (and room for ``in_rank_bytes`` of ``is_token_in_rank`` and for a prefix
+        array of int32 of ``prefix_shape``, by default the rank prefix matrix's ``(R, R)``)."""
         import cupy
 
         engine = self.engine
@@ -128,13 +129,15 @@ class NormalPlan:
             self.meta = engine.meta_buffer(size, stream)
             self.host_meta = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
             R = engine.num_ranks
-            self.host_rank_prefix = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * R * R), dtype=np.int32,
-                                                  count=R * R).reshape(R, R)
+            shape = prefix_shape or (R, R)
+            n = int(np.prod(shape))
+            self.host_rank_prefix = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * n), dtype=np.int32,
+                                                  count=n).reshape(shape)
             n = max(1, in_rank_bytes)
             self.host_in_rank = np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.bool_, count=n)
 
     def _read_notify_meta(self, rank_prefix_ptr: int = 0, in_rank_ptr: int = 0) -> np.ndarray:
-        """The one host wait of a dispatch: the notify kernel's totals (and the rank prefix matrix at
+        """The one host wait of a dispatch: the notify kernel's totals (and the prefix array at
         ``rank_prefix_ptr`` into ``host_rank_prefix``, ``is_token_in_rank`` at ``in_rank_ptr`` into
         ``host_in_rank``), read into pinned memory."""
         import cupy

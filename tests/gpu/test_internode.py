@@ -361,3 +361,29 @@ def test_sub_channels_tuning(env, sub):
     finally:
         engine.sub_channels = None
         env["ref"] = saved
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_own_rows_through_the_copy_engines(env, copies):
+    """With one rank a domain the copy engines move this rank's own rows (ops/own_rows.py) in a dispatch that
+    waits for its counts and in the cached one with its handle, while the sender warps write the rest of those
+    rows' outputs; or the sender warps move them too. Rows as few as one go to the copy engines here, so the
+    small shapes take them (BF16 and FP8, both scale layouts); the results are the reference's either way."""
+    from deepep_cupy.ops.own_rows import MIN_ROWS
+
+    engine = env["buf"].runtime.internode
+    engine.use_own_row_copies, engine.own_copy_min_rows = copies, 1
+    before = engine.own_copies
+    shapes = (SMALL[1], SMALL[2], SMALL[6], SMALL[7])
+    try:
+        rng = np.random.default_rng([int(copies), env["rank"], 13])
+        for n, hidden, experts, k, extra in shapes:
+            _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+    finally:
+        engine.use_own_row_copies, engine.own_copy_min_rows = None, MIN_ROWS
+    moved = engine.own_copies - before
+    # Each round is a dispatch and a cached dispatch; a rank with no own token or too many runs keeps the SMs.
+    if copies and env["L"] == 1:
+        assert moved >= len(shapes), moved
+    else:
+        assert moved == 0, moved

@@ -17,10 +17,12 @@ import numpy as np
 
 from ...device import nvshmem as nvshmem_runtime
 from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
+from ...device.streams import SideStreams
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
 from ..health import EngineHealth
+from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
 from ..plan import kernel_pointer as _ptr  # short: the argument lists below are dense
 from . import layout as IL
 
@@ -152,7 +154,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   recv_x_scales, recv_topk_idx, recv_topk_weights, recv_rdma_channel_prefix_matrix,
                   recv_gbl_channel_prefix_matrix, recv_src_meta, send_rdma_head, send_nvl_head, num_out_rows,
                   num_nvl_head_rows, rdma, layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout,
-                  state, err_ptr, timeout_ns, rank, force_rma=False) -> list[tuple[str, object]]:
+                  state, err_ptr, timeout_ns, rank, force_rma=False, own_rows_copied=False) -> list[tuple[str, object]]:
     """Arguments of ``dispatch<L, D>``, in order, with their parameter names."""
     slot = layout.slot
     return [
@@ -182,7 +184,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
         ("num_channels", np.int32(layout.num_channels)), ("state", state),
         ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
-        ("force_rma", np.int32(bool(force_rma))),
+        ("force_rma", np.int32(bool(force_rma))), ("own_rows_copied", np.int32(bool(own_rows_copied))),
     ]
 
 
@@ -248,12 +250,31 @@ class InternodeEngine(EngineHealth):
             512; up to ``layout.max_sub_channels``, 1024 threads). A dispatch without handle makes ``num_sms / 2 *
             sub_channels`` channels; the config's rings per SM pair are split between them (``ring_sizes``).
             A handle keeps its channel count whatever the value later.
+        use_own_row_copies: with one rank per domain, let a dispatch copy this rank's own rows with the copy
+            engines (ops/own_rows.py) where it knows them (a dispatch that waited for its counts, or a cached
+            one with such a dispatch's handle; not while the stream is being captured); False: the sender
+            warps copy them; None (default): always where it can (:meth:`own_row_copies`).
+        own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
     """
 
     kind, op_names, overflow_op = "internode", OP_NAMES, OP_DISPATCH_OVERFLOW
 
     #: Attributes plans are built from: changing one drops the plans made with the old value.
-    TUNING = ("timeout_s", "sub_channels")
+    TUNING = ("timeout_s", "sub_channels", "use_own_row_copies")
+
+    def own_row_copies(self) -> bool:
+        """Whether a dispatch's own rows may go through the copy engines: only with one rank per domain (the
+        sender warps write them straight into the outputs, ``send_own`` in dispatch.cu; with more, they cross
+        the NVLink forwarder like everyone's). Those warps share the SM with the warps that push the rows for
+        the other domains, so the SM that sends moved twice the bytes of the one that receives; the copy
+        engines take that half off it at every SM count."""
+        if self.num_nvl_ranks != 1:
+            return False
+        return True if self.use_own_row_copies is None else bool(self.use_own_row_copies)
+
+    def copy_stream(self, index: int) -> int:
+        """The side stream of the own-row copies (``index`` 0)."""
+        return self._side.ptr(index)
 
     def channels_per_block(self) -> int:
         """The ``sub_channels`` of the next plans: the tuning attribute, checked, or the default."""
@@ -276,6 +297,10 @@ class InternodeEngine(EngineHealth):
                              "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
         self.timeout_s = timeout_seconds()
         self.sub_channels: int | None = None
+        self.use_own_row_copies: bool | None = None
+        self.own_copy_min_rows = OWN_MIN_ROWS
+        self.own_copies = 0  # dispatches whose own rows the copy engines moved
+        self._side = SideStreams(self.device_id, 1)
         # NVSHMEM puts and signals even to peers reachable by stores: runs the network path on one host.
         self.force_rma = os.environ.get("DEEPEP_CUPY_INTERNODE_FORCE_RMA", "0") == "1"
         self.signals = IL.signal_layout(self.num_nvl_ranks, self.num_domains)
@@ -366,3 +391,5 @@ class InternodeEngine(EngineHealth):
                 if getattr(self, "nvl", None) is not None:
                     self.nvl.close()
                     self.nvl = None
+                if getattr(self, "_side", None) is not None:
+                    self._side.close()

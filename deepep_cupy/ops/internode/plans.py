@@ -16,6 +16,7 @@ from ...frameworks import BF16, F32, FP8, I32, I64, U8
 from .. import limits
 from ..handles import DispatchHandle
 from ..kernel_names import internode_combine, internode_dispatch, internode_notify
+from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, launch_args, scale_strides, scales_dtype
 from . import layout as IL
 from .engine import (
@@ -88,9 +89,15 @@ class DispatchPlan(NormalPlan):
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma)
         self.plan = LaunchPlan(kernel, grid, block_threads(L, D, sub), launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
+        # With one rank a domain the copy engines may move this rank's own rows (ops/own_rows.py); a dispatch
+        # that waits for its counts then reads its column of is_token_in_rank and entry 6 back with them.
+        self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if engine.own_row_copies() else None
         self.notify = None
+        self.reads_own = False
         if not self.cached:
-            self._make_notify_meta(2 + self.num_local_experts)
+            own = self.own is not None and self.num_worst_tokens == 0
+            self._make_notify_meta(2 + self.num_local_experts, self.num_tokens * R if own else 0, (R,))
+            self.reads_own = own
             notify = engine.kernel(notify_spec(L, D), internode_notify(L, D))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=self.num_tokens, num_channels=self.num_channels,
@@ -131,7 +138,7 @@ class DispatchPlan(NormalPlan):
                 num_rows = nvl_rows = self.num_worst_tokens
                 counts = []
             else:
-                num_rows, nvl_rows, counts = self._received_counts()
+                num_rows, nvl_rows, counts = self._received_counts(recv_gbl_prefix, is_token_in_rank)
         recv_x = empty((num_rows, self.hidden), self.x_key)
         recv_scales = empty((num_rows, *self.scales_shape), self.scales_dtype) if x_scales is not None else None
         outs = {"x": x, "x_scales": x_scales, "is_token_in_rank": is_token_in_rank,
@@ -155,7 +162,23 @@ class DispatchPlan(NormalPlan):
             p[name].value = 0 if arr is None else ptr(arr)
         p["num_out_rows"].value = num_rows
         p["num_nvl_head_rows"].value = nvl_rows
+        new_handle = None
+        if not self.cached:
+            own_tokens = own_first_row = None
+            if self.reads_own:
+                me = engine.rank
+                own_tokens = self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, me].copy()
+                own_first_row = int(self.host_rank_prefix[me - 1]) if me > 0 else 0
+            new_handle = DispatchHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix,
+                                         recv_gbl_cpm, recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head),
+                                        self.num_topk, own_tokens, own_first_row)
+        own = self._own_rows(handle if self.cached else new_handle, num_rows)
+        p["own_rows_copied"].value = own is not None
+        if own is not None:
+            self.own.start(own, ptr(x), ptr(recv_x))
         self.plan.launch(self.comm_stream)
+        if own is not None:
+            self.own.finish()
         event = streams.finish()
         # With async_finish the communication stream still uses these after the call returns.
         event = EventOverlap(event, (x, x_scales, topk_idx, topk_weights, recv_x, recv_scales, handle)
@@ -163,15 +186,25 @@ class DispatchPlan(NormalPlan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
-        new_handle = DispatchHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix,
-                                     recv_gbl_cpm, recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head),
-                                    self.num_topk)
         return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
-    def _received_counts(self) -> tuple[int, int, list[int]]:
-        """Rows received, rows forwarded and received tokens per local expert (waits for the notify kernel)."""
-        host = self._read_notify_meta()
+    def _received_counts(self, recv_gbl_prefix, is_token_in_rank) -> tuple[int, int, list[int]]:
+        """Rows received, rows forwarded and received tokens per local expert (waits for the notify kernel;
+        reads entry 6 and ``is_token_in_rank`` back too where the copy engines may take the own rows)."""
+        ptr = self.frame.ptr
+        host = self._read_notify_meta(*((ptr(recv_gbl_prefix), ptr(is_token_in_rank)) if self.reads_own else ()))
         return int(host[0]), int(host[1]), [int(v) for v in host[2:]]
+
+    def _own_rows(self, handle, num_rows: int):
+        """``OwnRowCopies.runs`` of ``handle`` (a cached dispatch's, or the one this call returns) when this
+        call's own rows go through the copy engines: the engine lets them, the handle knows them, they lie
+        inside ``recv_x``, and the stream is not being captured (a graph keeps the kernel's own copies)."""
+        if self.own is None or self._capture_status(self.comm_stream):
+            return None
+        found = self.own.runs(handle)
+        if found is None or found[0] + handle.own_runs[2] > num_rows:
+            return None
+        return found
 
 
 # Launch arguments fixed when the plan is made (everything else is patched per call).
@@ -180,6 +213,7 @@ _DISPATCH_CONSTANTS = frozenset((
     "hidden_int4", "rdma", "ring_offset", "slot_bytes", "slot_scales_offset", "slot_topk_idx_offset",
     "slot_topk_weights_offset", "rdma_cap", "rdma_chunk", "sig", "nvl_bases", "nvl_meta_offset", "nvl_ring_offset",
     "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank", "force_rma"))
+
 
 
 class CombinePlan(NormalPlan):

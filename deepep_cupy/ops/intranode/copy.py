@@ -21,14 +21,14 @@ import functools
 import numpy as np
 
 from ...device.launch import LaunchPlan
+from ...device.streams import create_events, destroy_events
 from ...jit import BuildSpec
 from ..handles import DispatchHandle
 from ..kernel_names import intranode_combine_copy
 from ..plan import launch_args
 from . import layout as L
 
-__all__ = ["IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule", "create_events",
-           "destroy_events", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
+__all__ = ["IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
@@ -36,19 +36,16 @@ ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_B
 DEFAULT_CHUNK_ROWS = 1024
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
-_DISABLE_TIMING = 0x2
 
 
 class IntranodeHandle(DispatchHandle):
-    """An intranode dispatch's handle, which also keeps what the dispatch read back in its host wait:
-    ``counts`` (the rank prefix matrix as nested tuples of ints, or None), for the copy-mode combine, and
-    ``own_tokens`` (this rank's column of ``is_token_in_rank``, a NumPy bool array, or None), for the own-row
-    copies of a cached dispatch (own_rows.py)."""
+    """An intranode dispatch's handle, which also keeps ``counts`` (the rank prefix matrix as nested tuples of
+    ints, or None), read back in the dispatch's host wait, for the copy-mode combine; ``own_tokens`` and
+    ``own_first_row`` as :class:`DispatchHandle`'s."""
 
-    def __new__(cls, entries, counts=None, own_tokens=None, num_topk: int = 0):
-        self = super().__new__(cls, entries, num_topk)
+    def __new__(cls, entries, counts=None, own_tokens=None, num_topk: int = 0, own_first_row: int | None = None):
+        self = super().__new__(cls, entries, num_topk, own_tokens, own_first_row)
         self.counts = counts
-        self.own_tokens = own_tokens
         return self
 
 
@@ -250,17 +247,3 @@ class CopyCombine:
 
     def __del__(self) -> None:
         destroy_events(self)
-
-
-def create_events(rt, n: int) -> list[int]:
-    """``n`` CUDA events without timing (the fork and join points between streams), made with ``rt``."""
-    return [rt.eventCreateWithFlags(_DISABLE_TIMING) for _ in range(n)]
-
-
-def destroy_events(owner) -> None:
-    """Destroy ``owner.events`` (CUDA events made with ``owner._rt``), from a ``__del__``."""
-    for event in getattr(owner, "events", ()):
-        try:
-            owner._rt.eventDestroy(event)
-        except Exception:
-            pass  # interpreter shutdown

@@ -28,15 +28,16 @@ import numpy as np
 
 from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
 from ...device.output_pool import OutputPool, default_pool_bytes
+from ...device.streams import SideStreams
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
 from ..health import EngineHealth
+from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
+from ..own_rows import wanted as own_rows_wanted
 from .args import combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 from .layout import required_bytes
-from .own_rows import MIN_ROWS as OWN_MIN_ROWS
-from .own_rows import wanted as own_rows_wanted
 
 __all__ = [
     "IntranodeEngine",
@@ -253,7 +254,7 @@ class IntranodeEngine(EngineHealth):
             on handles of at most :data:`COPY_COMBINE_MAX_SMS` SMs (:meth:`copy_combine`).
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
         use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
-            (ops/intranode/own_rows.py); False: the SMs copy them; None (default): at few SMs
+            (ops/own_rows.py); False: the SMs copy them; None (default): at few SMs
             (``own_rows.wanted``).
         own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
 
@@ -304,7 +305,7 @@ class IntranodeEngine(EngineHealth):
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False
-        self._copy_streams = None
+        self._side = SideStreams(self.device_id, 2)
         self.output_pool = None
         self.broken: str | None = None
         self._destroyed = False
@@ -349,12 +350,7 @@ class IntranodeEngine(EngineHealth):
     def copy_stream(self, index: int) -> int:
         """Side stream ``index`` for copy-engine work (0: copies, of the combine's copy mode or a dispatch's own
         rows; 1: the copy mode's flags; created on first use)."""
-        if self._copy_streams is None:
-            import cupy
-
-            with cupy.cuda.Device(self.device_id):
-                self._copy_streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True))
-        return self._copy_streams[index].ptr
+        return self._side.ptr(index)
 
     def local_buffer_view(self) -> tuple[int, int]:
         """``(pointer, bytes)`` of this rank's NVL buffer."""
@@ -435,7 +431,8 @@ class IntranodeEngine(EngineHealth):
         buffer, self.buffer = self.buffer, None
         pool, self.output_pool = self.output_pool, None
         self.bases = self.work_claims = None
-        self._copy_streams = None
+        if getattr(self, "_side", None) is not None:
+            self._side.close()
         self._metas = {}
         if pool is not None:
             pool.close()

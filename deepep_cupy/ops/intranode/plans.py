@@ -18,6 +18,7 @@ from ...frameworks import BF16, F32, FP8, I32, I64, frame_for, meta
 from .. import limits
 from ..handles import handle_meta
 from ..kernel_names import intranode_combine, intranode_dispatch, intranode_notify
+from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, scales_dtype, store
 from . import layout as L
 from .copy import CopyCombine, IntranodeHandle
@@ -30,7 +31,6 @@ from .engine import (
     notify_args,
     notify_spec,
 )
-from .own_rows import OwnRowCopies
 
 __all__ = ["DispatchPlan", "CombinePlan"]
 
@@ -186,8 +186,10 @@ class DispatchPlan(NormalPlan):
         recv = recv_x if x_scales is None else (recv_x, recv_scales)
         if self.cached:
             return recv, None, None, None, None, event
+        me = engine.rank
+        first_own = None if counts is None else (counts[me - 1][me] if me > 0 else 0)
         new_handle = IntranodeHandle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                                      is_token_in_rank, send_head), counts, own_tokens, self.num_topk)
+                                      is_token_in_rank, send_head), counts, own_tokens, self.num_topk, first_own)
         return recv, recv_topk_idx, recv_topk_weights, counts_list, new_handle, event
 
     def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:

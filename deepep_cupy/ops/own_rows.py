@@ -1,31 +1,32 @@
-"""Own rows of a cached intranode dispatch through the copy engines.
+"""Own rows of a dispatch through the copy engines (intranode, and internode with one rank a domain).
 
 The rows a rank keeps for itself (its tokens routed to its own experts) form one block of ``recv_x`` (rows
-``rank_prefix_matrix[me - 1][me]`` onwards), filled from a few runs of consecutive tokens of ``x``: with 2
-ranks almost every token goes to both, so 4096 tokens make ~13 runs. A side stream copies those runs with
-plain device-to-device copies while the kernel's SMs push the peers' rows over NVLink; the kernel
-(``own_rows_copied``) then leaves the own rows' data out, in either mode, and still stores their scales (the
-copy engines cannot transpose them).
+from ``own_first_row`` on: intranode ``rank_prefix_matrix[me - 1][me]``, internode entry 6 of source ``me -
+1``), filled from a few runs of consecutive tokens of ``x``: with 2 ranks almost every token goes to both,
+so 4096 tokens make ~13 runs. A side stream copies those runs with plain device-to-device copies while the
+kernel's SMs move the peers' rows; the kernel (``own_rows_copied``) then leaves the own rows' data out and
+still stores their scales (the copy engines cannot transpose them).
 
-When: the SMs' copy rate bounds the dispatch when it has few SMs, and the copy engines then take half its
-bytes off them. 2 x H200, 4096 x 7168, top-8 of 256, 2 ranks, one run, SMs copying own rows against copy
+Intranode, when: the SMs' copy rate bounds the dispatch when it has few SMs, and the copy engines then take
+half its bytes off them. 2 x H200, 4096 x 7168, top-8 of 256, 2 ranks, one run, SMs copying own rows against copy
 engines (each at its best block shape): BF16 337 against 214 us at 8 SMs, 238 against 209 at 12, 198 against
 200 at 16, 211 against 197 at 24; FP8 with column-major scales 208 against 147 at 8 SMs, 150 against 117 at
 12, 114 against 122 at 16, 121 against 125 at 24. Each run is a copy command of a few microseconds of host
 time, which a saving of 30-120 us of GPU time repays; a saving of nothing at 16 SMs and more does not. So
 the copy engines take own rows at up to :data:`MAX_SMS` SMs, at up to :data:`MAX_RANKS` ranks (the output
 pool's default, and the only rank count measured); ``IntranodeEngine.use_own_row_copies`` decides otherwise.
+The internode policy is ``InternodeEngine.own_row_copies``.
 
 The runs need ``is_token_in_rank`` on the host: a dispatch without a handle reads this rank's column back
-in its one host wait, together with the counts (:attr:`IntranodeHandle.own_tokens`), and the runs are
-computed once per handle, at its first cached dispatch.
+in its one host wait, together with the counts, and keeps it on its handle (``DispatchHandle.own_tokens``
+and ``own_first_row``); the runs are computed once per handle.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .copy import create_events, destroy_events
+from ..device.streams import create_events, destroy_events
 
 __all__ = ["MAX_RANKS", "MAX_SMS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs", "wanted"]
 
@@ -53,7 +54,8 @@ def own_runs(own_tokens: np.ndarray) -> list[tuple[int, int]]:
 
 
 class OwnRowCopies:
-    """The own-row copies of one cached dispatch plan (rows of ``row_bytes``)."""
+    """The own-row copies of one dispatch plan (rows of ``row_bytes``). ``engine`` has ``rank``,
+    ``own_copy_min_rows``, ``own_copies`` (a count) and ``copy_stream(0)``."""
 
     def __init__(self, engine, row_bytes: int, comm_stream: int) -> None:
         import cupy
@@ -69,13 +71,11 @@ class OwnRowCopies:
         :data:`MAX_RUNS` runs). The runs are computed once and kept on the handle."""
         found = getattr(handle, "own_runs", None)
         if found is None:
-            own = getattr(handle, "own_tokens", None)
-            counts = getattr(handle, "counts", None)
-            if own is None or counts is None:
+            own, first_row = getattr(handle, "own_tokens", None), getattr(handle, "own_first_row", None)
+            if own is None or first_row is None:
                 return None
-            me = self.engine.rank
             runs = own_runs(own)
-            found = handle.own_runs = (int(counts[me - 1][me]) if me > 0 else 0, runs, sum(b - a for a, b in runs))
+            found = handle.own_runs = (int(first_row), runs, sum(b - a for a, b in runs))
         first_row, runs, rows = found
         if rows < self.engine.own_copy_min_rows or len(runs) > MAX_RUNS:
             return None

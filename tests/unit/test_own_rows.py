@@ -1,5 +1,5 @@
-"""Own rows of a cached BF16 dispatch through the copy engines (deepep_cupy/ops/intranode/own_rows.py): the runs
-of x, where they land in recv_x, and when the SMs keep the own rows; on the CPU."""
+"""Own rows of a dispatch through the copy engines (deepep_cupy/ops/own_rows.py): the runs of x, where they land
+in recv_x, and when the SMs keep the own rows (intranode and internode policies); on the CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from deepep_cupy.ops.intranode import own_rows as own
+from deepep_cupy.ops import own_rows as own
+from deepep_cupy.ops.handles import DispatchHandle
 from deepep_cupy.ops.intranode.copy import IntranodeHandle
 
 
@@ -30,29 +31,35 @@ def _copies(rank, min_rows=4):
     return copies
 
 
-def _handle(mask, counts):
-    return IntranodeHandle(tuple(range(6)), counts, None if mask is None else np.asarray(mask, dtype=bool))
+def _handle(mask, first_row, entries=6):
+    return DispatchHandle(tuple(range(entries)), 0, None if mask is None else np.asarray(mask, dtype=bool),
+                          first_row)
 
 
-def test_first_row_is_after_the_rows_from_earlier_ranks():
-    counts = ((5, 7), (9, 16))  # rank 1 receives 7 rows from rank 0, 9 from itself
+def test_runs_start_at_the_handles_first_own_row():
     mask = [1, 1, 0, 1, 1, 1, 0, 1, 1, 1]
-    assert _copies(1).runs(_handle(mask, counts)) == (7, [(0, 2), (3, 6), (7, 10)])
-    assert _copies(0).runs(_handle(mask, counts)) == (0, [(0, 2), (3, 6), (7, 10)])
+    assert _copies(1).runs(_handle(mask, 7)) == (7, [(0, 2), (3, 6), (7, 10)])
+    assert _copies(0).runs(_handle(mask, 0, entries=10)) == (0, [(0, 2), (3, 6), (7, 10)])
+
+
+def test_intranode_handle_keeps_counts_and_own_rows():
+    counts = ((5, 7), (9, 16))  # rank 1 receives 7 rows from rank 0, 9 from itself
+    handle = IntranodeHandle(tuple(range(6)), counts, np.ones(4, dtype=bool), 3, 7)
+    assert (handle.counts, handle.num_topk, handle.own_first_row, handle.own_tokens.sum()) == (counts, 3, 7, 4)
+    assert _copies(1).runs(handle) == (7, [(0, 4)])
 
 
 def test_the_sms_keep_small_or_scattered_own_rows():
-    counts = ((5, 7), (9, 16))
-    assert _copies(0, min_rows=9).runs(_handle([1] * 8, counts)) is None  # too few rows
+    assert _copies(0, min_rows=9).runs(_handle([1] * 8, 0)) is None  # too few rows
     scattered = [1, 0] * (own.MAX_RUNS + 1)
-    assert _copies(0).runs(_handle(scattered, counts)) is None  # too many copies
-    assert _copies(0).runs(_handle(None, counts)) is None  # the dispatch did not read the column back
+    assert _copies(0).runs(_handle(scattered, 0)) is None  # too many copies
+    assert _copies(0).runs(_handle(None, 0)) is None  # the dispatch did not read the column back
     assert _copies(0).runs(_handle([1] * 8, None)) is None  # nor the counts (num_worst_tokens)
     assert _copies(0).runs(tuple(range(6))) is None  # a handle rebuilt by the caller
 
 
 def test_runs_are_kept_on_the_handle():
-    handle = _handle([1] * 8, ((8, 8), (16, 16)))
+    handle = _handle([1] * 8, 8)
     first = _copies(1).runs(handle)
     handle.own_tokens = None  # a second call does not look at the column again
     assert _copies(1).runs(handle) == first == (8, [(0, 8)])
@@ -73,3 +80,15 @@ def test_copy_engines_take_own_rows_at_few_sms_and_two_ranks():
     assert engine.own_row_copies(24)
     engine.__dict__["use_own_row_copies"] = False
     assert not engine.own_row_copies(8)
+
+
+def test_internode_copy_engines_take_own_rows_with_one_rank_a_domain():
+    from deepep_cupy.ops.internode.engine import InternodeEngine
+
+    engine = object.__new__(InternodeEngine)
+    engine.__dict__.update(num_nvl_ranks=1, use_own_row_copies=None)
+    assert engine.own_row_copies()
+    engine.__dict__["use_own_row_copies"] = False
+    assert not engine.own_row_copies()
+    engine.__dict__.update(num_nvl_ranks=2, use_own_row_copies=True)  # own rows cross the NVLink forwarder
+    assert not engine.own_row_copies()
