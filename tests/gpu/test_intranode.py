@@ -30,9 +30,9 @@ from normal_common import (
     skip_unless_framework_holds,
 )
 
-from deepep_cupy.ops.intranode.own_rows import MAX_RUNS as OWN_MAX_RUNS
-from deepep_cupy.ops.intranode.own_rows import MIN_ROWS as OWN_MIN_ROWS
-from deepep_cupy.ops.intranode.own_rows import own_runs
+from deepep_cupy.ops.own_rows import MAX_RUNS as OWN_MAX_RUNS
+from deepep_cupy.ops.own_rows import MIN_ROWS as OWN_MIN_ROWS
+from deepep_cupy.ops.own_rows import own_runs
 
 pytestmark = MULTI_RANK_GPU
 
