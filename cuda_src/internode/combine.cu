@@ -60,11 +60,56 @@ struct CombineArgs {
 };
 
 
-// dst = one rounding of (bias_0 + bias_1 + the N rows of src that are not null), in that order, over `n`
-// int4 of bf16. Each lane keeps U loads per source in flight (one at a time leaves a warp latency-bound).
-template <int N>
+// dst = one rounding of (the N rows of src that are not null), in order, over `n` int4 of bf16. A warp sums a
+// token's rows alone, so the time of a token is its round trips: each lane issues its U loads of every row
+// before adding any (N * U * 4 registers), one round trip a step for all rows, where loading and adding row
+// after row took one a row. U by rows and the registers a thread has (kRegisters, combine_registers): up to 2 rows
+// 7 with 128 registers, 4 with 80 (7 spills there and was no faster), else 2; up to 4 rows 2 (1 below 80); else 1.
+template <int N, int kRegisters>
+__device__ __forceinline__ void warp_sum_rows_no_bias(int4* dst, const int4* const (&src)[N], int n, int lane) {
+    constexpr int U = N <= 2   ? (kRegisters >= 128 ? 7 : kRegisters >= 80 ? 4 : 2)
+                     : N <= 4 ? (kRegisters >= 80 ? 2 : 1)
+                              : 1;
+    // A missing row is loaded again from a present one (from dst where none is: valid memory, written below) and
+    // not added: no branch among the loads, and no load from a peer's memory for nothing.
+    const int4* any = dst;
+#pragma unroll
+    for (int j = N - 1; j >= 0; --j) any = src[j] != nullptr ? src[j] : any;
+    const int4* from[N];
+    bool has[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) has[j] = src[j] != nullptr, from[j] = has[j] ? src[j] : any;
+    int e = lane;
+    for (; e + (U - 1) * 32 < n; e += U * 32) {
+        int4 v[N][U];
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+#pragma unroll
+            for (int u = 0; u < U; ++u) v[j][u] = ld_cg_v4(from[j] + e + u * 32);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < N; ++j)
+                if (has[j]) add_bf16x8(acc, v[j][u]);
+            dst[e + u * 32] = pack_bf16x8(acc);
+        }
+    }
+    for (; e < n; e += 32) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+            if (src[j] != nullptr) add_bf16x8(acc, ld_cg_v4(src[j] + e));
+        dst[e] = pack_bf16x8(acc);
+    }
+}
+
+// The same with the biases first: bias_0 + bias_1 + the rows, one rounding. Biases are rare, so this keeps
+// fewer loads in flight (U per row, sums as they arrive) and its registers to itself.
+template <int N, int kRegisters>
 __device__ __forceinline__ void warp_sum_rows(int4* dst, const int4* const (&src)[N], const int4* bias_0,
                                               const int4* bias_1, int n, int lane) {
+    if (bias_0 == nullptr && bias_1 == nullptr) return warp_sum_rows_no_bias<N, kRegisters>(dst, src, n, lane);
     constexpr int U = N >= 4 ? 2 : 4;
     int e = lane;
     for (; e + (U - 1) * 32 < n; e += U * 32) {
@@ -181,7 +226,7 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
         warp_copy_nc(reinterpret_cast<int4*>(out + 16), row, a.hidden_int4, lane);
     } else {
         const int4* const none[1] = {nullptr};
-        warp_sum_rows<1>(reinterpret_cast<int4*>(out + 16), none, nullptr, nullptr, a.hidden_int4, lane);
+        warp_sum_rows<1, 80>(reinterpret_cast<int4*>(out + 16), none, nullptr, nullptr, a.hidden_int4, lane);
     }
     if (a.topk_weights != nullptr) {
         float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
@@ -282,7 +327,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         if constexpr (L == 1) {
             forward_row(a, out, rows[0], weights[0], ps[0] >= 0, lane);
         } else {
-            warp_sum_rows<L>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4, lane);
+            warp_sum_rows<L, combine_registers(L, D)>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr,
+                                                      a.hidden_int4, lane);
             if (a.topk_weights != nullptr) {
                 float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
                 for (int q = lane; q < a.num_topk; q += 32) {
@@ -412,8 +458,9 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;
-        warp_sum_rows<D>(a.combined_x + off, rows, a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
-                         a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
+        warp_sum_rows<D, combine_registers(L, D)>(a.combined_x + off, rows,
+                                                  a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
+                                                  a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
         if (a.combined_topk_weights != nullptr) {
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;

@@ -167,6 +167,12 @@ constexpr int sub_channels(int L, int D) {
     const int warps = L == 1 ? 24 : 16;  // blocks of 768 threads with one rank per domain, else 512
     return warps / w > 1 ? warps / w : 1;
 }
+// Registers a thread of a combine block of sub_channels(L, D) channels may hold (what a loop may keep in flight).
+constexpr int combine_registers(int L, int D) {
+    return 65536 / (32 * combine_channel_warps(L, D) * sub_channels(L, D)) > 255
+               ? 255
+               : 65536 / (32 * combine_channel_warps(L, D) * sub_channels(L, D));
+}
 
 // Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.
 constexpr int kPublishBatch = 8;
