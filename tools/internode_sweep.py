@@ -7,8 +7,9 @@ A setting is (SMs, sub_channels, RDMA ring, RDMA chunk, own rows): ``sub_channel
 (channels a block runs; a compile-time parameter), the rings are the Config the ops get
 (``num_max_rdma_chunked_recv_tokens`` per SM pair, split between the block's channels, and
 ``num_max_rdma_chunked_send_tokens``, the publish chunk), own rows by the copy engines where the engine's default
-says so ("ce") or by the SMs ("sm", the engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that
-setting at each SM count), the rest of the Config as the bench's
+lets them (the "own" column says "ce" where they moved any, "sm" where the SMs copied all) or by the SMs (the
+engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that setting at each SM count), the rest of the
+Config as the bench's
 (``Config(num_sms, 8, 512, 16, 128)``, which is also the reference setting). For each setting, on a handle made
 by a dispatch with that setting, three ops:
   dispatch BF16  cached
@@ -213,6 +214,7 @@ def main() -> int:
             cfg = config(sms, recv, send)
             used = engine.channels_per_block()
             cap, chunk, _ = IL.ring_sizes(cfg, used)
+            copies = engine.own_copies
             channels, t, flat = measure(buf, cfg, layout, inputs, timed)
             stream.synchronize()
             engine.check_errors()
@@ -224,7 +226,7 @@ def main() -> int:
                 ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
                 failures += not ok
                 match = "same" if ok else "DIFFERENT"
-            mode = "ce" if engine.own_row_copies() else "sm"
+            mode = "ce" if engine.own_copies > copies else "sm"  # the copy engines moved own rows in this setting
             table.append((sms, used if sub is not None else f"{used}*", channels, recv, send, cap, chunk, mode, t,
                           match))
             if rank == 0:
