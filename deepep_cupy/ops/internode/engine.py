@@ -266,8 +266,10 @@ class InternodeEngine(EngineHealth):
         """Whether a dispatch's own rows may go through the copy engines: only with one rank per domain (the
         sender warps write them straight into the outputs, ``send_own`` in dispatch.cu; with more, they cross
         the NVLink forwarder like everyone's). Those warps share the SM with the warps that push the rows for
-        the other domains, so the SM that sends moved twice the bytes of the one that receives; the copy
-        engines take that half off it at every SM count."""
+        the other domains: with 2 domains the SM that sends moved twice the bytes of the one that receives,
+        and the copy engines took 12-29% off the dispatch at 24-8 SMs (docs/design/internode.md). With 4
+        domains a rank's own tokens of DeepEP's routing make more than ``own_rows.MAX_RUNS`` runs, so the SMs
+        keep them (the same times either way there)."""
         if self.num_nvl_ranks != 1:
             return False
         return True if self.use_own_row_copies is None else bool(self.use_own_row_copies)
