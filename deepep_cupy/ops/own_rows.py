@@ -30,7 +30,8 @@ from ..device.streams import create_events, destroy_events
 
 __all__ = ["MAX_RANKS", "MAX_SMS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs", "wanted"]
 
-#: Launches of at most this many SMs, at most this many ranks, copy own rows with the copy engines.
+#: Intranode: cached dispatches launched on at most this many SMs, of at most this many ranks, copy own rows with
+#: the copy engines.
 MAX_SMS = 12
 MAX_RANKS = 2
 #: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
@@ -41,8 +42,8 @@ _MEMCPY_DEFAULT = 4
 
 
 def wanted(num_ranks: int, num_sms: int) -> bool:
-    """Whether a cached dispatch of ``num_ranks`` ranks launched on ``num_sms`` SMs copies its own rows with
-    the copy engines by default."""
+    """Whether a cached intranode dispatch of ``num_ranks`` ranks launched on ``num_sms`` SMs copies its own rows
+    with the copy engines by default."""
     return num_ranks <= MAX_RANKS and num_sms <= MAX_SMS
 
 
