@@ -92,3 +92,17 @@ def test_internode_copy_engines_take_own_rows_with_one_rank_a_domain():
     assert not engine.own_row_copies()
     engine.__dict__.update(num_nvl_ranks=2, use_own_row_copies=True)  # own rows cross the NVLink forwarder
     assert not engine.own_row_copies()
+
+
+def test_internode_plan_copies_only_rows_inside_recv_x():
+    from deepep_cupy.ops.internode.plans import DispatchPlan
+
+    plan = object.__new__(DispatchPlan)
+    plan.own, plan.comm_stream, plan._capture_status = _copies(0), 0, lambda stream: 0
+    assert plan._own_rows(_handle([1] * 8, 2, entries=10), 10) == (2, [(0, 8)])
+    assert plan._own_rows(_handle([1] * 8, 3, entries=10), 10) is None  # would end past recv_x
+    assert plan._own_rows(_handle([1] * 8, -1, entries=10), 10) is None  # would start before it
+    plan._capture_status = lambda stream: 1  # a graph keeps the kernel's own copies
+    assert plan._own_rows(_handle([1] * 8, 2, entries=10), 10) is None
+    plan.own = None  # the engine keeps own rows on the SMs
+    assert plan._own_rows(_handle([1] * 8, 2, entries=10), 10) is None

@@ -202,7 +202,7 @@ class DispatchPlan(NormalPlan):
         if self.own is None or self._capture_status(self.comm_stream):
             return None
         found = self.own.runs(handle)
-        if found is None or found[0] + handle.own_runs[2] > num_rows:
+        if found is None or not 0 <= found[0] <= num_rows - handle.own_runs[2]:
             return None
         return found
 
@@ -213,7 +213,6 @@ _DISPATCH_CONSTANTS = frozenset((
     "hidden_int4", "rdma", "ring_offset", "slot_bytes", "slot_scales_offset", "slot_topk_idx_offset",
     "slot_topk_weights_offset", "rdma_cap", "rdma_chunk", "sig", "nvl_bases", "nvl_meta_offset", "nvl_ring_offset",
     "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank", "force_rma"))
-
 
 
 class CombinePlan(NormalPlan):
