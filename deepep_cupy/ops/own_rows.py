@@ -66,10 +66,12 @@ class OwnRowCopies:
         self._rt = rt
         self.events = create_events(rt, 2)
 
-    def runs(self, handle) -> tuple[int, list[tuple[int, int]]] | None:
+    def runs(self, handle, num_rows: int) -> tuple[int, list[tuple[int, int]]] | None:
         """``(first own row of recv_x, runs of x)`` for ``handle``, or None when the SMs keep the own rows
         (a handle without what the dispatch read back, fewer than ``own_copy_min_rows`` rows, more than
-        :data:`MAX_RUNS` runs). The runs are computed once and kept on the handle."""
+        :data:`MAX_RUNS` runs, or a block of own rows that would not lie inside the ``num_rows`` rows of
+        ``recv_x``: the first row came back from the device). The runs are computed once and kept on the
+        handle."""
         found = getattr(handle, "own_runs", None)
         if found is None:
             own, first_row = getattr(handle, "own_tokens", None), getattr(handle, "own_first_row", None)
@@ -78,7 +80,7 @@ class OwnRowCopies:
             runs = own_runs(own)
             found = handle.own_runs = (int(first_row), runs, sum(b - a for a, b in runs))
         first_row, runs, rows = found
-        if rows < self.engine.own_copy_min_rows or len(runs) > MAX_RUNS:
+        if rows < self.engine.own_copy_min_rows or len(runs) > MAX_RUNS or not 0 <= first_row <= num_rows - rows:
             return None
         return first_row, runs
 

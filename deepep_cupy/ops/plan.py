@@ -117,6 +117,21 @@ class NormalPlan:
         return OpStreams(self.comm_stream, frame.stream(), frame.framework, frame.device_id, previous_event,
                          self.async_finish, self._fork_join)
 
+    #: The dispatch plans' own-row copies (ops/own_rows.py ``OwnRowCopies``), where the engine lets them.
+    own = None
+
+    def _own_rows(self, handle, num_rows: int):
+        """``own.runs`` of ``handle`` when this call's own rows go through the copy engines: the plan takes
+        them, and the stream is not being captured (a graph keeps the kernel's own copies)."""
+        if self.own is None or self._capture_status(self.comm_stream):
+            return None
+        return self.own.runs(handle, num_rows)
+
+    def _own_column(self) -> np.ndarray:
+        """This rank's column of the ``is_token_in_rank`` the host wait read back (``_read_notify_meta``)."""
+        R = self.engine.num_ranks
+        return self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, self.engine.rank].copy()
+
     def _make_notify_meta(self, size: int, in_rank_bytes: int = 0, prefix_shape: tuple | None = None) -> None:
         """Where a dispatch's notify kernel leaves its totals: the engine's persistent device words and a
         pinned host copy of them (and room for ``in_rank_bytes`` of ``is_token_in_rank`` and for a prefix

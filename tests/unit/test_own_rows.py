@@ -38,34 +38,34 @@ def _handle(mask, first_row, entries=6):
 
 def test_runs_start_at_the_handles_first_own_row():
     mask = [1, 1, 0, 1, 1, 1, 0, 1, 1, 1]
-    assert _copies(1).runs(_handle(mask, 7)) == (7, [(0, 2), (3, 6), (7, 10)])
-    assert _copies(0).runs(_handle(mask, 0, entries=10)) == (0, [(0, 2), (3, 6), (7, 10)])
+    assert _copies(1).runs(_handle(mask, 7), 100) == (7, [(0, 2), (3, 6), (7, 10)])
+    assert _copies(0).runs(_handle(mask, 0, entries=10), 100) == (0, [(0, 2), (3, 6), (7, 10)])
 
 
 def test_intranode_handle_keeps_counts_and_own_rows():
     counts = ((5, 7), (9, 16))  # rank 1 receives 7 rows from rank 0, 9 from itself
     handle = IntranodeHandle(tuple(range(6)), counts, np.ones(4, dtype=bool), 3, 7)
     assert (handle.counts, handle.num_topk, handle.own_first_row, handle.own_tokens.sum()) == (counts, 3, 7, 4)
-    assert _copies(1).runs(handle) == (7, [(0, 4)])
+    assert _copies(1).runs(handle, 100) == (7, [(0, 4)])
 
 
 def test_the_sms_keep_small_or_scattered_own_rows():
-    assert _copies(0, min_rows=9).runs(_handle([1] * 8, 0)) is None  # too few rows
+    assert _copies(0, min_rows=9).runs(_handle([1] * 8, 0), 100) is None  # too few rows
     scattered = [1, 0] * (own.MAX_RUNS + 1)
-    assert _copies(0).runs(_handle(scattered, 0)) is None  # too many copies
-    assert _copies(0).runs(_handle(None, 0)) is None  # the dispatch did not read the column back
-    assert _copies(0).runs(_handle([1] * 8, None)) is None  # nor the counts (num_worst_tokens)
-    assert _copies(0).runs(tuple(range(6))) is None  # a handle rebuilt by the caller
+    assert _copies(0).runs(_handle(scattered, 0), 100) is None  # too many copies
+    assert _copies(0).runs(_handle(None, 0), 100) is None  # the dispatch did not read the column back
+    assert _copies(0).runs(_handle([1] * 8, None), 100) is None  # nor the counts (num_worst_tokens)
+    assert _copies(0).runs(tuple(range(6)), 100) is None  # a handle rebuilt by the caller
 
 
 def test_runs_are_kept_on_the_handle():
     handle = _handle([1] * 8, 8)
-    first = _copies(1).runs(handle)
+    first = _copies(1).runs(handle, 100)
     handle.own_tokens = None  # a second call does not look at the column again
-    assert _copies(1).runs(handle) == first == (8, [(0, 8)])
+    assert _copies(1).runs(handle, 100) == first == (8, [(0, 8)])
     # The threshold is the engine's at each call, not the one of the first call.
-    assert _copies(1, min_rows=9).runs(handle) is None
-    assert _copies(1, min_rows=8).runs(handle) == first
+    assert _copies(1, min_rows=9).runs(handle, 100) is None
+    assert _copies(1, min_rows=8).runs(handle, 100) == first
 
 
 def test_copy_engines_take_own_rows_at_few_sms_and_two_ranks():

@@ -93,11 +93,9 @@ class DispatchPlan(NormalPlan):
         # that waits for its counts then reads its column of is_token_in_rank and entry 6 back with them.
         self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if engine.own_row_copies() else None
         self.notify = None
-        self.reads_own = False
+        self.reads_own = not self.cached and self.own is not None and self.num_worst_tokens == 0
         if not self.cached:
-            own = self.own is not None and self.num_worst_tokens == 0
-            self._make_notify_meta(2 + self.num_local_experts, self.num_tokens * R if own else 0, (R,))
-            self.reads_own = own
+            self._make_notify_meta(2 + self.num_local_experts, self.num_tokens * R if self.reads_own else 0, (R,))
             notify = engine.kernel(notify_spec(L, D), internode_notify(L, D))
             named = notify_args(
                 is_token_in_rank=0, num_tokens=self.num_tokens, num_channels=self.num_channels,
@@ -167,7 +165,7 @@ class DispatchPlan(NormalPlan):
             own_tokens = own_first_row = None
             if self.reads_own:
                 me = engine.rank
-                own_tokens = self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, me].copy()
+                own_tokens = self._own_column()
                 own_first_row = int(self.host_rank_prefix[me - 1]) if me > 0 else 0
             new_handle = DispatchHandle((is_token_in_rank, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix,
                                          recv_gbl_cpm, recv_gbl_prefix, src_meta, send_rdma_head, send_nvl_head),
@@ -194,17 +192,6 @@ class DispatchPlan(NormalPlan):
         ptr = self.frame.ptr
         host = self._read_notify_meta(*((ptr(recv_gbl_prefix), ptr(is_token_in_rank)) if self.reads_own else ()))
         return int(host[0]), int(host[1]), [int(v) for v in host[2:]]
-
-    def _own_rows(self, handle, num_rows: int):
-        """``OwnRowCopies.runs`` of ``handle`` (a cached dispatch's, or the one this call returns) when this
-        call's own rows go through the copy engines: the engine lets them, the handle knows them, they lie
-        inside ``recv_x``, and the stream is not being captured (a graph keeps the kernel's own copies)."""
-        if self.own is None or self._capture_status(self.comm_stream):
-            return None
-        found = self.own.runs(handle)
-        if found is None or not 0 <= found[0] <= num_rows - handle.own_runs[2]:
-            return None
-        return found
 
 
 # Launch arguments fixed when the plan is made (everything else is patched per call).

@@ -147,7 +147,7 @@ class DispatchPlan(NormalPlan):
                 num_rows, counts_list = self._received_counts(ptr(rank_prefix), ptr(is_token_in_rank) if own else 0)
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
                 if own:
-                    own_tokens = self.host_in_rank[:self.num_tokens * R].reshape(-1, R)[:, engine.rank].copy()
+                    own_tokens = self._own_column()
         outs = self._pool_outputs(num_rows) if self.pool is not None else None
         s_pool.value = 0 if outs is None else self.pool_bases
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)
@@ -171,7 +171,7 @@ class DispatchPlan(NormalPlan):
                 if self.has_weights:
                     s_w.value = ptr(topk_weights)
                     s_recv_w.value = ptr(recv_topk_weights)
-        own = self._own_rows(handle, x_scales) if self.cached else None
+        own = self._own_rows(handle, num_rows) if self.cached else None
         s_own.value = own is not None
         if own is not None:
             self.own.start(own, ptr(x), ptr(recv_x))
@@ -254,13 +254,6 @@ class DispatchPlan(NormalPlan):
         host = self._read_notify_meta(rank_prefix_ptr, in_rank_ptr)
         return int(host[0]), [int(v) for v in host[1:]]
 
-    def _own_rows(self, handle, x_scales):
-        """``OwnRowCopies.runs`` of ``handle`` when this call's own rows go through the copy engines: the plan
-        takes them (its SM count), and the stream is not being captured (a graph keeps the kernel's own
-        copies)."""
-        if self.own is None or self._capture_status(self.comm_stream):
-            return None
-        return self.own.runs(handle)
 
 
 class CombinePlan(NormalPlan):
