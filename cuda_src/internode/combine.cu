@@ -429,6 +429,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                         rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
                         nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
+    const WarpClock clock;  // diagnostics builds only (layout.cuh)
     if constexpr (L == 1) {  // no NVLink stage: the forwarders read x (block 2c), NR reducers in block 2c + 1
         if (blockIdx.x % 2 == 0) {
             if (role < D && role != rank) forward_reduce<L, D>(a, w, c, role, lane);  // own domain: the reducer reads x

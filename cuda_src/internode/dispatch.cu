@@ -349,6 +349,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
                          num_channels, state, err, rank, force_rma, own_rows_copied};
     const WaitCtx w{err, timeout_ns, rank};
+    const WarpClock clock;  // diagnostics builds only (layout.cuh)
     if (blockIdx.x % 2 == 0) {
         if (role < D && c < num_channels) {
             if (L == 1 && role == rank)

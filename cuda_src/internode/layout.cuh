@@ -119,19 +119,58 @@ __device__ __forceinline__ uint8_t* nvl_base(const long long* bases, int l) {
     return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(bases[l]));
 }
 
+#if DEEPEP_CUPY_WAIT_PROFILE
+// Diagnostics only (tools/internode_waits.py builds with DEEPEP_CUPY_WAIT_PROFILE=1): by op code - 400 and block
+// parity (even blocks: RDMA senders / combine forwarders; odd: receivers / reducers), the nanoseconds warps
+// waited, the waits that found their word short, the waits that did not; slot 31: warps' time in the kernel
+// and warps. Summed over every launch since the module was loaded (the tool zeroes it).
+extern "C" {
+__device__ unsigned long long deepep_cupy_internode_waits[32][2][3];
+}
+__device__ __forceinline__ void count_wait(int op, int slot, unsigned long long value) {
+    if ((threadIdx.x & 31) == 0) atomicAdd(&deepep_cupy_internode_waits[(op - 400) & 31][blockIdx.x & 1][slot], value);
+}
+#endif
+
 // Warp-wide wait for a progress word to reach `want`; returns the value seen (0 on timeout/abort, with
 // *ok cleared). Every lane reads with acquire semantics, so later loads see what the word publishes.
 __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t want, const WaitCtx& w, int op,
                                                   int peer, int line, bool* ok) {
     if (!*ok) return 0;
     const uint64_t now = ld_acquire_sys(word);
-    if (__all_sync(kFullMask, now >= want)) return __shfl_sync(kFullMask, now, 0);
+    if (__all_sync(kFullMask, now >= want)) {
+#if DEEPEP_CUPY_WAIT_PROFILE
+        count_wait(op, 2, 1);
+#endif
+        return __shfl_sync(kFullMask, now, 0);
+    }
+#if DEEPEP_CUPY_WAIT_PROFILE
+    const uint64_t t0 = globaltimer();
+#endif
     if (!warp_wait(word, [want](uint64_t v) { return v >= want; }, w, op, peer, line)) {
         *ok = false;
         return 0;
     }
+#if DEEPEP_CUPY_WAIT_PROFILE
+    count_wait(op, 0, globaltimer() - t0);
+    count_wait(op, 1, 1);
+#endif
     return __shfl_sync(kFullMask, ld_acquire_sys(word), 0);
 }
+
+// Diagnostics: a warp's time in the kernel (kernels call it first and last; nothing without the define).
+struct WarpClock {
+#if DEEPEP_CUPY_WAIT_PROFILE
+    uint64_t start;
+    __device__ __forceinline__ WarpClock() : start(globaltimer()) {}
+    __device__ __forceinline__ ~WarpClock() {
+        count_wait(400 + 31, 0, globaltimer() - start);
+        count_wait(400 + 31, 1, 1);
+    }
+#else
+    __device__ __forceinline__ WarpClock() {}
+#endif
+};
 
 // Warp-collective put of `bytes` from local symmetric `src` to `dst` on `pe`, then a signal op on `sig`.
 // NVSHMEM's shipped device library has no put-with-signal for NVRTC builds, so the signal is a separate

@@ -1,0 +1,167 @@
+"""Where the internode kernels' warps wait: a diagnostics build of the dispatch and the combine, timed per wait kind.
+
+    mpirun -np 2 -x DEEPEP_CUPY_NVL_RANKS=1 python tools/internode_waits.py --num-sms 12
+
+The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/layout.cuh``): every wait that finds
+its progress word short adds the nanoseconds its warp waited to a counter of its kind (the op codes of
+``ops/internode/engine.py``) and block parity (even blocks: RDMA senders and combine forwarders; odd: receivers
+and reducers), and every warp adds its time in the kernel. On the bench's inputs (4096 tokens x 7168, top-8 of
+256) and Config, ``--iters`` cached BF16 dispatches and then as many combines, each op's counters zeroed before
+it; the table gives, per rank, op, wait kind and block parity, the waits that found their word short and those
+that did not, and the share of the warps' time spent waiting there. Timings of these builds are not the
+library's: the counters cost atomics. Kernel waits give up after ``--timeout-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from internode_sweep import config  # noqa: E402  (after the path)
+
+SYMBOL = "deepep_cupy_internode_waits"
+DEFINES = {"DEEPEP_CUPY_WAIT_PROFILE": 1}
+
+
+def command_line() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/internode_waits.py", description=__doc__.splitlines()[0])
+    p.add_argument("--num-sms", type=int, default=12)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--timeout-s", type=float, default=20.0)
+    return p
+
+
+def use_profiled_builds() -> None:
+    """Every internode dispatch and combine plan made from now on loads the diagnostics build."""
+    from deepep_cupy.jit import BuildSpec
+    from deepep_cupy.ops import kernel_names
+    from deepep_cupy.ops.internode import engine, plans
+    from deepep_cupy.ops.internode import layout as IL
+
+    @functools.cache
+    def dispatch_spec(lsize: int, ndom: int, sub: int | None = None) -> BuildSpec:
+        sub = IL.channels_per_block(lsize, ndom, sub)
+        return BuildSpec.make("internode/dispatch.cu", DEFINES, [kernel_names.internode_dispatch(lsize, ndom, sub)],
+                              nvshmem=True)
+
+    @functools.cache
+    def combine_spec(lsize: int, ndom: int, sub: int | None = None) -> BuildSpec:
+        sub = IL.channels_per_block(lsize, ndom, sub)
+        return BuildSpec.make("internode/combine.cu", DEFINES, [kernel_names.internode_combine(lsize, ndom, sub)],
+                              nvshmem=True)
+
+    engine.dispatch_spec = plans.dispatch_spec = dispatch_spec
+    engine.combine_spec = plans.combine_spec = combine_spec
+
+
+def counters(spec):
+    """The counters of ``spec``'s loaded module, as a CuPy array ``[32, 2, 3]`` of uint64 over its memory."""
+    import cupy
+
+    from deepep_cupy.jit import load
+
+    ptr = load(spec).raw.get_global(SYMBOL)
+    return cupy.ndarray((32, 2, 3), dtype=cupy.uint64, memptr=ptr)
+
+
+def table(rank: int, op: str, values, names: dict) -> list[str]:
+    """Lines for one op's counters (a NumPy array ``[32, 2, 3]``)."""
+    out = []
+    for parity, role in ((0, "even blocks"), (1, "odd blocks")):
+        warp_ns, warps = int(values[31, parity, 0]), int(values[31, parity, 1])
+        if not warps:
+            continue
+        out.append(f"rank {rank} {op:<8} {role:<11} {warps:>6} warp-launches, {warp_ns / warps / 1e3:9.1f} us a warp")
+        for k in range(31):
+            ns, slow, fast = (int(v) for v in values[k, parity])
+            if slow or fast:
+                name = names.get(400 + k, f"op {400 + k}")
+                out.append(f"    {100.0 * ns / max(warp_ns, 1):5.1f}% of warp time  {slow:>8} short {fast:>8} ready  "
+                           f"{name}")
+    return out
+
+
+def main() -> int:
+    args = command_line().parse_args()
+    import cupy
+    import torch
+    from mpi4py import MPI
+
+    from deepep_cupy import Buffer
+    from deepep_cupy.device.group import comm_barrier
+    from deepep_cupy.ops.internode import engine as E
+
+    comm = MPI.COMM_WORLD
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    lsize = int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
+    if num_ranks % lsize or num_ranks // lsize < 2:
+        print(f"{num_ranks} ranks do not make 2 or more domains of {lsize}", file=sys.stderr)
+        return 2
+    ndom = num_ranks // lsize
+    use_profiled_builds()
+    if rank == 0:  # compile before any rank launches (a rank compiling inside a peer's wait would time out)
+        from deepep_cupy.jit.precompile import Job, default_arch, run
+
+        specs = [E.notify_spec(lsize, ndom), E.dispatch_spec(lsize, ndom), E.combine_spec(lsize, ndom)]
+        report = run([Job("internode", s, default_arch()) for s in specs], workers=None)
+        if report.failed:
+            print("\n".join(report.failed), file=sys.stderr)
+    comm.Barrier()
+    cfg = config(args.num_sms, 128, 16)
+    hidden = args.hidden
+    buf = Buffer(comm=comm, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(hidden * 2, num_ranks),
+                 num_rdma_bytes=cfg.get_rdma_buffer_size_hint(hidden * 2, num_ranks, lsize) + (1 << 20),
+                 num_nvl_ranks=lsize, explicitly_destroy=True)
+    engine = buf.runtime.internode
+    engine.timeout_s = args.timeout_s
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    n, e, k = args.tokens, args.experts, args.topk
+    scores = torch.randn(n, e, device="cuda", generator=gen).abs() + 1
+    topk_idx = torch.topk(scores, k, dim=-1).indices.to(torch.int64).contiguous()
+    topk_weights = torch.rand(n, k, device="cuda", generator=gen)
+    x = torch.randn(n, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    lines = []
+    try:
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, e)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, config=cfg)
+        buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)  # loads the combine's module
+        torch.cuda.synchronize()
+        sub = engine.channels_per_block()
+        ops = (("dispatch", E.dispatch_spec(lsize, ndom, sub), lambda: buf.dispatch(x, handle=handle, config=cfg)),
+               ("combine", E.combine_spec(lsize, ndom, sub),
+                lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)))
+        for name, spec, fn in ops:
+            words = counters(spec)
+            comm_barrier(comm, "internode waits: before zeroing")
+            words.fill(0)
+            torch.cuda.synchronize()
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+            engine.check_errors()
+            lines += table(rank, name, words.get(), E.OP_NAMES)
+    finally:
+        torch.cuda.synchronize()
+        comm_barrier(comm, "internode waits: before destroy")
+        buf.destroy()
+    for text in comm.gather("\n".join(lines), root=0) or ():
+        print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
