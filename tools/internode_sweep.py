@@ -79,10 +79,11 @@ def settings(args, lsize: int, ndom: int) -> list[tuple]:
     (``own_row_copies`` None: the engine's default; False: the SMs copy the own rows)."""
     from deepep_cupy.ops.internode import layout as IL
 
-    default, top = IL.sub_channels(lsize, ndom), IL.max_sub_channels(lsize, ndom)
-    subs = args.sub_channels or tuple(sorted({min(2, top), min(4, top), default, top}))
+    top = IL.max_sub_channels(lsize, ndom)
     out = []
     for sms in args.num_sms:
+        default = IL.sub_channels(lsize, ndom, sms)  # the default at this SM count
+        subs = args.sub_channels or tuple(sorted({min(2, top), min(4, top), default, top}))
         out.append((sms, None, BENCH_CONFIG[3], BENCH_CONFIG[2], None))
         if args.sms_own_rows and lsize == 1:
             out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], False))
@@ -174,7 +175,7 @@ def main() -> int:
     ndom = num_ranks // lsize
     todo = settings(args, lsize, ndom)
     if rank == 0:
-        subs = [sub if sub is not None else IL.sub_channels(lsize, ndom) for _, sub, _, _, _ in todo]
+        subs = [sub if sub is not None else IL.sub_channels(lsize, ndom, sms) for sms, sub, _, _, _ in todo]
         print(precompile(lsize, ndom, subs, args.jobs), flush=True)
     comm.Barrier()
     hidden = args.hidden
@@ -212,7 +213,7 @@ def main() -> int:
         for sms, sub, recv, send, own in todo:
             engine.sub_channels, engine.use_own_row_copies = sub, own
             cfg = config(sms, recv, send)
-            used = engine.channels_per_block()
+            used = engine.channels_per_block(sms)
             cap, chunk, _ = IL.ring_sizes(cfg, used)
             copies = engine.own_copies
             channels, t, flat = measure(buf, cfg, layout, inputs, timed)

@@ -140,7 +140,7 @@ def main() -> int:
             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, config=cfg)
         buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)  # loads the combine's module
         torch.cuda.synchronize()
-        sub = engine.channels_per_block()
+        sub = engine.channels_per_block(cfg.num_sms)
         ops = (("dispatch", E.dispatch_spec(lsize, ndom, sub), lambda: buf.dispatch(x, handle=handle, config=cfg)),
                ("combine", E.combine_spec(lsize, ndom, sub),
                 lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)))

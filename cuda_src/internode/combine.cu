@@ -151,7 +151,7 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
 }
 
 // Block 2c + 1, warp ds: partial sums within this domain of the rows that came from (ds, l_me).
-template <int L, int D>
+template <int L, int D, int kRegisters>
 __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, int ds, int lane) {
     const CombineGeometry<L, D> g{a};
     const Signals sig{a.sig, D};
@@ -239,7 +239,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         if constexpr (L == 1) {
             forward_row(a, out, rows[0], weights[0], ps[0] >= 0, lane);
         } else {
-            warp_sum_rows<L, combine_registers(L, D)>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr,
+            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr,
                                                       a.hidden_int4, lane);
             if (a.topk_weights != nullptr) {
                 float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
@@ -280,7 +280,7 @@ struct ReduceShared {
 // Block 2c + 1, warp D (warps 0..NR-1 with L == 1): the source's sum across domains, token by token. With
 // NR warps, warp r sums tokens t_begin + r, t_begin + r + NR, ... and reads the positions of the others
 // only to keep its claim.
-template <int L, int D, int NR>
+template <int L, int D, int NR, int kRegisters>
 __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, int r, ReduceShared<D, NR>* sh,
                                int lane) {
     const CombineGeometry<L, D> g{a};
@@ -370,7 +370,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;
-        warp_sum_rows<D, combine_registers(L, D)>(a.combined_x + off, rows,
+        warp_sum_rows<D, kRegisters>(a.combined_x + off, rows,
                                                   a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
                                                   a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
         if (a.combined_topk_weights != nullptr) {
@@ -413,6 +413,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = combine_channel_warps(L, D), S = kSubChannels;
     constexpr int NR = L == 1 ? W : 1;  // reducer warps of a channel
+    constexpr int kRegs = combine_registers(L, D, S);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
     const int c = (blockIdx.x / 2) * S + warp / W;
     __shared__ ReduceShared<D, NR> reduce_shared[NR > 1 ? S : 1];
@@ -432,16 +433,17 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     const WarpClock clock;  // diagnostics builds only (layout.cuh)
     if constexpr (L == 1) {  // no NVLink stage: the forwarders read x (block 2c), NR reducers in block 2c + 1
         if (blockIdx.x % 2 == 0) {
-            if (role < D && role != rank) forward_reduce<L, D>(a, w, c, role, lane);  // own domain: the reducer reads x
+            // Own domain: the reducer reads x.
+            if (role < D && role != rank) forward_reduce<L, D, kRegs>(a, w, c, role, lane);
         } else {
-            reduce_domains<L, D, NR>(a, w, c, role, &reduce_shared[warp / W], lane);
+            reduce_domains<L, D, NR, kRegs>(a, w, c, role, &reduce_shared[warp / W], lane);
         }
     } else if (blockIdx.x % 2 == 0) {
         if (role < L * D) send_nvl<L, D>(a, w, c, role / L, role % L, lane);
     } else if (role < D) {
-        forward_reduce<L, D>(a, w, c, role, lane);
+        forward_reduce<L, D, kRegs>(a, w, c, role, lane);
     } else if (role == D) {
-        reduce_domains<L, D, 1>(a, w, c, 0, nullptr, lane);
+        reduce_domains<L, D, 1, kRegs>(a, w, c, 0, nullptr, lane);
     }
 }
 

@@ -11,11 +11,11 @@ namespace deepep_cupy::internode {
 // dst = one rounding of (the N rows of src that are not null), in order, over `n` int4 of bf16. A warp sums a
 // token's rows alone, so the time of a token is its round trips: each lane issues its U loads of every row
 // before adding any (N * U * 4 registers) instead of loading and adding a row at a time. U by rows and by the
-// registers a thread has (kRegisters, combine_registers): up to 2 rows 7 with 128 registers, 4 with 80 (7 spills
-// there and was no faster), else 2; up to 4 rows 2 (1 below 80); else 1.
+// registers a thread has (kRegisters, combine_registers): up to 2 rows 7 with 128 registers, 4 with 64 or 80 (7
+// spills at 80 and was no faster), else 2; up to 4 rows 2 (1 below 80); else 1.
 template <int N, int kRegisters>
 __device__ __forceinline__ void warp_sum_rows_no_bias(int4* dst, const int4* const (&src)[N], int n, int lane) {
-    constexpr int U = N <= 2   ? (kRegisters >= 128 ? 7 : kRegisters >= 80 ? 4 : 2)
+    constexpr int U = N <= 2   ? (kRegisters >= 128 ? 7 : kRegisters >= 64 ? 4 : 2)
                      : N <= 4 ? (kRegisters >= 80 ? 2 : 1)
                               : 1;
     // A missing row is loaded again from a present one (from dst where none is: valid memory, written below) and

@@ -1,12 +1,12 @@
 // Internode dispatch, step 2: move the rows (docs/design/internode.md, "Dispatch").
 //
-// Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter, sub_channels(L, D) by default);
-// channel c = tokens [c * ceil(N/C), ...). In the sender block of channel c, warp d < D of the channel's group
-// is the RDMA sender to forwarder (d, l_me); in the receiver block, warp j < L forwards what arrives over RDMA
-// to local rank j, warp L + l receives over NVLink what forwarder l passes on (with L == 1, warp d < D writes
-// what arrives from domain d straight into the outputs: no NVLink hop, and the rank's own rows go there from
-// its sender warp: send_own). Every ring is FIFO, so the rows of one (source, channel) arrive in token order
-// and land at entry 5 + their index: the intranode row order.
+// Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter; by default sub_channels of
+// ops/internode/layout.py); channel c = tokens [c * ceil(N/C), ...). In the sender block of channel c, warp d
+// < D of the channel's group is the RDMA sender to forwarder (d, l_me); in the receiver block, warp j < L
+// forwards what arrives over RDMA to local rank j, warp L + l receives over NVLink what forwarder l passes on
+// (with L == 1, warp d < D writes what arrives from domain d straight into the outputs: no NVLink hop, and the
+// rank's own rows go there from its sender warp: send_own). Every ring is FIFO, so the rows of one (source,
+// channel) arrive in token order and land at entry 5 + their index: the intranode row order.
 //
 // Cached mode (handle given): entries 1, 2, 4, 6 come from the handle; entry 3, 5, 7, 8, 9 pointers are
 // null and not written. The protocol is the same.
@@ -317,7 +317,7 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
 
 namespace deepep_cupy::internode {
 
-// kSubChannels channels a block (sub_channels(L, D) by default; the engine's sub_channels tuning picks others).
+// kSubChannels channels a block (layout.py's sub_channels by default; the engine's sub_channels tuning picks others).
 template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
 __global__ void __launch_bounds__(32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels, 1)
 dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,

@@ -194,23 +194,15 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 // per (domain, local rank), or a forwarder per domain and the reducer; with L == 1 there are no NVLink
 // senders, so the forwarders take the first block and the reducer the second). A block runs several
 // consecutive channels side by side: every role of a channel is one warp moving one row at a time, so more
-// channels per SM is what keeps more bytes in flight. Blocks stay within 512 threads (128 registers a
-// thread), or 768 with one rank a domain (80 registers a thread). Mirrored by ops/internode/layout.py.
+// channels per SM is what keeps more bytes in flight. By default blocks stay within 768 threads (80 registers
+// a thread), or 1024 with one rank a domain on few SMs (sub_channels in ops/internode/layout.py).
 constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
 constexpr int combine_channel_warps(int L, int D) {
     return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);
 }
-constexpr int sub_channels(int L, int D) {
-    const int w = dispatch_channel_warps(L, D) > combine_channel_warps(L, D) ? dispatch_channel_warps(L, D)
-                                                                              : combine_channel_warps(L, D);
-    const int warps = L == 1 ? 24 : 16;  // blocks of 768 threads with one rank per domain, else 512
-    return warps / w > 1 ? warps / w : 1;
-}
-// Registers a thread of a combine block of sub_channels(L, D) channels may hold (what a loop may keep in flight).
-constexpr int combine_registers(int L, int D) {
-    return 65536 / (32 * combine_channel_warps(L, D) * sub_channels(L, D)) > 255
-               ? 255
-               : 65536 / (32 * combine_channel_warps(L, D) * sub_channels(L, D));
+// Registers a thread of a combine block of S channels may hold (what a loop may keep in flight).
+constexpr int combine_registers(int L, int D, int S) {
+    return 65536 / (32 * combine_channel_warps(L, D) * S) > 255 ? 255 : 65536 / (32 * combine_channel_warps(L, D) * S);
 }
 
 // Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.

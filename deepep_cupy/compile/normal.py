@@ -67,7 +67,7 @@ def _channels(buffer, config) -> int:
     from ..ops.internode.plans import default_channels
 
     engine = getattr(buffer.runtime, "internode", None)
-    sub = engine.channels_per_block() if engine is not None else None
+    sub = engine.channels_per_block(config.num_sms) if engine is not None else None
     return default_channels(config, local, domains, sub)
 
 

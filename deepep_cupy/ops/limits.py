@@ -189,10 +189,10 @@ def intranode_combine(num_ranks: int, num_nvl_bytes: int, config, *, hidden: int
 
 # ---------------------------------------------------------------------------------------------------- internode
 def default_channels(config, num_nvl_ranks: int, num_domains: int, sub: int | None = None) -> int:
-    """Channels of an internode dispatch without handle: ``sub`` (default ``sub_channels``) per SM pair of
+    """Channels of an internode dispatch without handle: ``sub`` (default ``sub_channels`` for its SMs) per SM pair of
     ``config.num_sms``, as many as the combine's progress words allow (``C * D <= MAX_CHANNELS``)."""
     pairs = max(int(config.num_sms) // 2, 1)
-    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub)
+    sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub, config.num_sms)
     return max(1, min(pairs * sub, IL.MAX_CHANNELS // num_domains))
 
 
@@ -227,7 +227,7 @@ def internode_dispatch(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int,
     ``(num_channels, grid, rdma layout, nvl layout, rdma chunk)``."""
     _row_bytes(hidden, 1 if fp8 else 2)
     L_, D = num_nvl_ranks, num_domains
-    sub = IL.channels_per_block(L_, D, sub)
+    sub = IL.channels_per_block(L_, D, sub, config.num_sms)
     num_channels = int(handle_channels) if handle_channels is not None else default_channels(config, L_, D, sub)
     grid = internode_grid(num_channels, L_, D, num_device_sms, sub)
     if num_topk > IL.MAX_TOPK or num_scales > IL.MAX_SCALES:
@@ -251,7 +251,7 @@ def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, 
     ``(grid, rdma layout, nvl layout, rdma chunk)``."""
     _row_bytes(hidden, 2)
     L_, D = num_nvl_ranks, num_domains
-    sub = IL.channels_per_block(L_, D, sub)
+    sub = IL.channels_per_block(L_, D, sub, config.num_sms)
     grid = internode_grid(handle_channels, L_, D, num_device_sms, sub)
     if num_topk > IL.MAX_TOPK:
         raise ValueError(f"internode rows carry at most {IL.MAX_TOPK} top-k weights")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -360,6 +361,33 @@ def test_sub_channels_tuning(env, sub):
             _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
     finally:
         engine.sub_channels = None
+        env["ref"] = saved
+
+
+@pytest.mark.parametrize("num_sms", [8, 12])
+def test_default_blocks_on_few_sms(env, monkeypatch, num_sms):
+    """A config of few SMs takes its own default channels a block (1024-thread blocks with one rank a domain):
+    same rows as the reference run with as many channels, small shapes and DeepEP's workload."""
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode.plans import default_channels
+    from deepep_cupy.reference.oracle import ReferenceOracle
+
+    lsize, ndom = env["L"], env["size"] // env["L"]
+    monkeypatch.setattr(sys.modules[__name__], "NUM_SMS", num_sms)
+    used = env["buf"].runtime.internode.channels_per_block(num_sms)
+    assert used == IL.sub_channels(lsize, ndom, num_sms)
+    saved = env["ref"]
+    try:
+        env["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
+                                     num_channels=default_channels(_cfg(env["deepep_cupy"]), lsize, ndom))
+        rng = np.random.default_rng([num_sms, env["rank"], 13])
+        for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
+            _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+        if os.environ.get("DEEPEP_CUPY_SKIP_BIG") != "1":
+            _round(env, frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=True,
+                   column_major=True, bias=1, nvl_recv=512, rdma_recv=64)
+    finally:
         env["ref"] = saved
 
 

@@ -80,10 +80,7 @@ def test_signal_and_nvl_layouts_match_device_structs():
     assert IL.state_words(8, 4) == 8 + 2 * IL.MAX_CHANNELS * 4 + 2 * IL.MAX_CHANNELS * 8
 
 
-def test_sub_channels_fill_blocks_of_at_most_512_threads():
-    text = (CUDA_SRC / "layout.cuh").read_text()
-    assert "const int warps = L == 1 ? 24 : 16;" in text  # the device formula the host mirrors
-    assert "return warps / w > 1 ? warps / w : 1;" in text
+def test_sub_channels_fill_blocks_of_at_most_768_threads():
     for lsize in (1, 2, 4, 8):
         for ndom in (2, 3, 4, 8, 16):
             if lsize * ndom > 32:  # check_combine_shape refuses these
@@ -91,8 +88,33 @@ def test_sub_channels_fill_blocks_of_at_most_512_threads():
             sub = IL.sub_channels(lsize, ndom)
             assert sub >= 1
             threads = [internode.block_threads(lsize, ndom), internode.combine_block_threads(lsize, ndom)]
-            assert max(threads) <= ((768 if lsize == 1 else 512) if sub > 1 else 1024), (lsize, ndom, sub, threads)
-    assert IL.sub_channels(1, 2) == 12 and IL.sub_channels(2, 2) == 4 and IL.sub_channels(8, 2) == 1
+            assert max(threads) <= (768 if sub > 1 else 1024), (lsize, ndom, sub, threads)
+    assert IL.sub_channels(1, 2) == 12 and IL.sub_channels(2, 2) == 6 and IL.sub_channels(4, 2) == 3
+    assert IL.sub_channels(8, 2) == 1 and IL.sub_channels(8, 4) == 1
+
+
+def test_sub_channels_take_1024_threads_with_one_rank_a_domain_on_few_sms():
+    # 1024-thread blocks while every SM pair can run them: num_sms / 2 * S * D <= MAX_CHANNELS.
+    assert [IL.sub_channels(1, 2, n) for n in (2, 8, 12, 16, 18, 24)] == [16, 16, 16, 16, 12, 12]
+    assert [IL.sub_channels(1, 4, n) for n in (8, 12, 16, 18, 24)] == [8, 8, 8, 6, 6]
+    assert IL.sub_channels(2, 2, 8) == IL.sub_channels(2, 2) == 6  # more ranks a domain: always 768
+    assert IL.channels_per_block(1, 2, None, 8) == 16 and IL.channels_per_block(1, 2, 4, 8) == 4
+    for n in (8, 12, 24):
+        cfg = Config(n, 8, 256, 16, 128)
+        sub = IL.sub_channels(1, 2, n)
+        assert limits_default_channels(cfg) == min(n // 2 * sub, IL.MAX_CHANNELS // 2)
+        assert max(internode.block_threads(1, 2, sub), internode.combine_block_threads(1, 2, sub)) <= 1024
+    # The device sizes the combine's loads by the block's channels, not by a default of its own.
+    assert "constexpr int combine_registers(int L, int D, int S)" in (CUDA_SRC / "layout.cuh").read_text()
+    assert "constexpr int kRegs = combine_registers(L, D, S);" in (CUDA_SRC / "combine.cu").read_text()
+
+
+def limits_default_channels(cfg):
+    from deepep_cupy.ops import limits
+
+    return limits.default_channels(cfg, 1, 2)
+
+
     # One rank per domain: no NVLink stage, so a combine channel is D forwarder warps and one reducer warp.
     assert [IL.combine_channel_warps(1, d) for d in (2, 3, 16)] == [2, 3, 16]
     assert IL.combine_channel_warps(2, 2) == 4 and IL.combine_channel_warps(2, 4) == 8

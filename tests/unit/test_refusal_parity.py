@@ -207,8 +207,8 @@ class _EngineStandIn:
     def check_usable(self) -> None:
         pass
 
-    def channels_per_block(self) -> int:  # internode plans: the engine's tuning, as the real engine reads it
-        return InternodeEngine.channels_per_block(self)
+    def channels_per_block(self, num_sms=None) -> int:  # internode plans: the engine's tuning, as the real one
+        return InternodeEngine.channels_per_block(self, num_sms)
 
 
 def _gpu_backend(kind, group, **options):

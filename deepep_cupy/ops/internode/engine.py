@@ -91,10 +91,13 @@ def combine_spec(num_nvl_ranks: int, num_domains: int, sub_channels: int | None 
 
 
 def representative_builds() -> list[BuildSpec]:
-    """2 GPUs as 2 domains of 1 (the first GPU test), 2 x 2, 2 x 4, and 2 to 4 hosts of 8."""
+    """2 GPUs as 2 domains of 1 (the first GPU test; its blocks on few SMs too), 2 x 2, 2 x 4, and 2 to 4 hosts
+    of 8."""
     out = []
     for lsize, ndom in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 4)):
         out += [notify_spec(lsize, ndom), dispatch_spec(lsize, ndom), combine_spec(lsize, ndom)]
+    few = IL.sub_channels(1, 2, 8)
+    out += [dispatch_spec(1, 2, few), combine_spec(1, 2, few)]
     return out
 
 
@@ -246,9 +249,10 @@ class InternodeEngine(EngineHealth):
     Attributes (tuning, may be changed between ops; all ranks must use the same value):
         timeout_s: wait budget of the kernels.
         sub_channels: channels a block runs side by side, in dispatch and combine alike (compile-time; None,
-            the default: ``layout.sub_channels``, blocks of at most 768 threads with one rank per domain, else
-            512; up to ``layout.max_sub_channels``, 1024 threads). A dispatch without handle makes ``num_sms / 2 *
-            sub_channels`` channels; the config's rings per SM pair are split between them (``ring_sizes``).
+            the default: ``layout.sub_channels`` for the config's SMs, blocks of at most 768 threads, or 1024
+            with one rank per domain on few SMs; up to ``layout.max_sub_channels``, 1024 threads). A dispatch
+            without handle makes ``num_sms / 2 * sub_channels`` channels; the config's rings per SM pair are
+            split between them (``ring_sizes``).
             A handle keeps its channel count whatever the value later.
         use_own_row_copies: with one rank per domain, let a dispatch copy this rank's own rows with the copy
             engines (ops/own_rows.py) where it knows them (a dispatch that waited for its counts, or a cached
@@ -278,9 +282,10 @@ class InternodeEngine(EngineHealth):
         """The side stream of the own-row copies (``index`` 0)."""
         return self._side.ptr(index)
 
-    def channels_per_block(self) -> int:
-        """The ``sub_channels`` of the next plans: the tuning attribute, checked, or the default."""
-        return IL.channels_per_block(self.num_nvl_ranks, self.num_domains, self.sub_channels)
+    def channels_per_block(self, num_sms: int | None = None) -> int:
+        """The ``sub_channels`` of the next plans on ``num_sms`` SMs: the tuning attribute, checked, or the
+        default (``layout.sub_channels``)."""
+        return IL.channels_per_block(self.num_nvl_ranks, self.num_domains, self.sub_channels, num_sms)
 
     def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  rdma=None) -> None:

@@ -57,15 +57,31 @@ def _channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
     return max(dispatch_channel_warps(num_nvl_ranks, num_domains), combine_channel_warps(num_nvl_ranks, num_domains))
 
 
-def sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
-    """Channels a block runs side by side (``sub_channels`` of layout.cuh): blocks of at most 768 threads with
-    one rank per domain, else 512. Each role of a channel is one warp moving one row at a time, so more
-    channels keep more rows moving; with one rank per domain, 2 x H200 as 2 domains of 1, 4096 x 7168, top-8 of
-    256, the bench's Config (``tools/internode_sweep.py``, one run), 12 channels a block (768 threads) against
-    8 (512) took BF16 / FP8 dispatch and combine 544 / 408 / 962 us against 665 / 516 / 1226 at 12 SMs, and
-    391 / 284 / 541 against 438 / 354 / 600 at 24; 16 (1024 threads, where registers spill) was between the
-    two at 24 SMs, and bigger rings (256 or 512 slots per SM pair) were slower at every count."""
-    return max(1, (24 if num_nvl_ranks == 1 else 16) // _channel_warps(num_nvl_ranks, num_domains))
+def sub_channels(num_nvl_ranks: int, num_domains: int, num_sms: int | None = None) -> int:
+    """Channels a block runs side by side by default: blocks of at most 768 threads (80 registers a thread);
+    with one rank per domain and a ``num_sms`` whose SM pairs can all run 1024-thread blocks of channels
+    (``num_sms / 2 * S * D <= MAX_CHANNELS``, so up to 16 SMs at 2 domains and 4 domains alike), blocks of
+    1024 (64 registers a thread, where the kernels spill some). Each role of a channel is one warp moving one
+    row at a time, so more channels keep more rows moving.
+
+    Measured on 4 x H200 (4096 x 7168, top-8 of 256, the bench's Config, ``tools/internode_sweep.py``, BF16 /
+    FP8 dispatch and combine, us):
+      * 2 x 2, 768 threads (6 channels) against 512 (4), twice: 3326 / 2466 / 2824 against 3763 / 3045 / 3703
+        at 8 SMs, 2163 / 1554 / 1881 against 2453 / 1903 / 2475 at 12, 1089 / 710 / 1044 against
+        1080 / 799 / 1252 at 24; 1024 threads (8) were slower than 768 at 12 and 24 SMs.
+      * 2 x 1, 1024 threads (16) against 768 (12): 519 / 385 / 662 against 518 / 385 / 827 at 8 SMs,
+        387 / 276 / 490 against 381 / 273 / 581 at 12; at 24 SMs 16 a block leave SMs unused (the channels
+        stop at MAX_CHANNELS / D) and were slower, 306 / 216 / 366 against 272 / 185 / 344.
+      * 4 x 1, 1024 threads (8) against 768 (6): 1359 / 850 / 1344 against 1324 / 843 / 1556 at 8 SMs,
+        952 / 593 / 934 against 917 / 572 / 1068 at 12.
+    """
+    warps = _channel_warps(num_nvl_ranks, num_domains)
+    sub = max(1, 24 // warps)
+    if num_nvl_ranks == 1 and num_sms is not None:
+        wide = max(1, 32 // warps)
+        if max(int(num_sms) // 2, 1) * wide <= MAX_CHANNELS // num_domains:
+            sub = wide
+    return sub
 
 
 def max_sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
@@ -74,11 +90,12 @@ def max_sub_channels(num_nvl_ranks: int, num_domains: int) -> int:
     return max(1, 32 // _channel_warps(num_nvl_ranks, num_domains))
 
 
-def channels_per_block(num_nvl_ranks: int, num_domains: int, sub: int | None = None) -> int:
-    """``sub`` channels a block, checked against :func:`max_sub_channels`, or for None the default
-    (:func:`sub_channels`)."""
+def channels_per_block(num_nvl_ranks: int, num_domains: int, sub: int | None = None,
+                       num_sms: int | None = None) -> int:
+    """``sub`` channels a block, checked against :func:`max_sub_channels`, or for None the default for
+    ``num_sms`` (:func:`sub_channels`)."""
     if sub is None:
-        return sub_channels(num_nvl_ranks, num_domains)
+        return sub_channels(num_nvl_ranks, num_domains, num_sms)
     top = max_sub_channels(num_nvl_ranks, num_domains)
     if not 1 <= int(sub) <= top:
         raise ValueError(f"sub_channels must be 1..{top} for {num_nvl_ranks} ranks x {num_domains} domains "

@@ -51,7 +51,7 @@ class DispatchPlan(NormalPlan):
         engine.check_usable()
         L, D, me = engine.num_nvl_ranks, engine.num_domains, engine.rank
         R = L * D
-        sub = engine.channels_per_block()
+        sub = engine.channels_per_block(config.num_sms)
         self.num_tokens, self.hidden = (int(s) for s in x.shape)
         self.hidden_bytes = hidden_bytes = self.hidden * (1 if x_scales is not None else 2)
         self.x_key = FP8 if x_scales is not None else BF16
@@ -215,7 +215,7 @@ class CombinePlan(NormalPlan):
         super().__init__(engine, frame, comm_stream, async_finish)
         engine.check_usable()
         L, D = engine.num_nvl_ranks, engine.num_domains
-        sub = engine.channels_per_block()
+        sub = engine.channels_per_block(config.num_sms)
         self.num_rows, self.hidden = (int(s) for s in x.shape)
         self.num_channels = int(handle[1].shape[1])
         self.num_tokens = int(handle[0].shape[0])
