@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 
-def _init() -> tuple[int, int]:
+def init_group(port: int = 29533) -> tuple[int, int]:
+    """(rank, size) of an NCCL process group over Open MPI's or torchrun's variables, one GPU a rank."""
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
     size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(port))
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl", rank=rank, world_size=size, device_id=torch.device("cuda", torch.cuda.current_device()))
     return rank, size
@@ -71,7 +72,7 @@ def main() -> None:
     import deep_ep
     from deep_ep.utils import EventHandle, EventOverlap
 
-    rank, size = _init()
+    rank, size = init_group()
     group = dist.new_group(list(range(size)))
     rows: list[tuple[str, float]] = []
     # ---- decode step

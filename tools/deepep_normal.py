@@ -15,25 +15,18 @@ timing for both libraries). Rank 0 prints the slowest rank's time per op as ``NO
 from __future__ import annotations
 
 import argparse
-import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deepep_compare import init_group  # noqa: E402  (after the path)
+
 # DeepEP's recommended chunk sizes (send, recv) for the normal kernels by rank count.
 DISPATCH_CHUNKS = {2: (24, 256), 4: (6, 256), 8: (6, 256)}
 COMBINE_CHUNKS = {2: (10, 256), 4: (9, 256), 8: (4, 256)}
-
-
-def _init() -> tuple[int, int]:
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
-    size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", rank=rank, world_size=size,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    return rank, size
 
 
 def gpu_time(fn, iters: int, park_cycles: int) -> float:
@@ -81,7 +74,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timings per op; the best is printed")
     p.add_argument("--park-cycles", type=int, default=40_000_000)
     args = p.parse_args()
-    rank, size = _init()
+    rank, size = init_group(29534)
     import deep_ep
 
     group = dist.new_group(list(range(size)))

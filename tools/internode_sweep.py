@@ -63,15 +63,37 @@ def command_line() -> argparse.ArgumentParser:
                    help="Config.num_max_rdma_chunked_send_tokens (slots per publish, at most half a ring)")
     p.add_argument("--sms-own-rows", action="store_true",
                    help="also time the reference setting with the own rows copied by the SMs (one rank a domain)")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    workload_arguments(p)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--jobs", type=int, default=None, help="compile workers (default: the precompiler's)")
     p.add_argument("--timeout-s", type=float, default=20.0, help="kernel wait budget (the engine's timeout_s)")
     return p
+
+
+def rank_and_domains(comm):
+    """``(rank, ranks, L, D)`` of ``comm``, this rank's GPU made current for CuPy and torch (as the bench), the
+    domain size from ``DEEPEP_CUPY_NVL_RANKS`` (default 1); None, said on stderr, when the ranks do not make
+    two or more domains of that size."""
+    import cupy
+    import torch
+
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    lsize = int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
+    if num_ranks % lsize or num_ranks // lsize < 2:
+        print(f"{num_ranks} ranks do not make 2 or more domains of {lsize}", file=sys.stderr)
+        return None
+    return rank, num_ranks, lsize, num_ranks // lsize
+
+
+def workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench's workload (tokens x hidden, top-k of experts), as options of ``p``."""
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
 
 
 def settings(args, lsize: int, ndom: int) -> list[tuple]:
@@ -153,7 +175,6 @@ def measure(buf, cfg, layout, inputs, timed):
 
 def main() -> int:
     args = command_line().parse_args()
-    import cupy
     import torch
     from mpi4py import MPI
 
@@ -165,14 +186,10 @@ def main() -> int:
     from deepep_cupy.ops.internode import layout as IL
 
     comm = MPI.COMM_WORLD
-    rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()  # as the bench
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    lsize = int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
-    if num_ranks % lsize or num_ranks // lsize < 2:
-        print(f"{num_ranks} ranks do not make 2 or more domains of {lsize}", file=sys.stderr)
+    shape = rank_and_domains(comm)
+    if shape is None:
         return 2
-    ndom = num_ranks // lsize
+    rank, num_ranks, lsize, ndom = shape
     todo = settings(args, lsize, ndom)
     if rank == 0:
         subs = [sub if sub is not None else IL.sub_channels(lsize, ndom, sms) for sms, sub, _, _, _ in todo]

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from internode_sweep import config  # noqa: E402  (after the path)
+from internode_sweep import config, rank_and_domains, workload_arguments  # noqa: E402  (after the path)
 
 SYMBOL = "deepep_cupy_internode_waits"
 DEFINES = {"DEEPEP_CUPY_WAIT_PROFILE": 1}
@@ -33,10 +32,7 @@ def command_line() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/internode_waits.py", description=__doc__.splitlines()[0])
     p.add_argument("--num-sms", type=int, default=12)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    workload_arguments(p)
     p.add_argument("--timeout-s", type=float, default=20.0)
     return p
 
@@ -93,7 +89,6 @@ def table(rank: int, op: str, values, names: dict) -> list[str]:
 
 def main() -> int:
     args = command_line().parse_args()
-    import cupy
     import torch
     from mpi4py import MPI
 
@@ -102,14 +97,10 @@ def main() -> int:
     from deepep_cupy.ops.internode import engine as E
 
     comm = MPI.COMM_WORLD
-    rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    lsize = int(os.environ.get("DEEPEP_CUPY_NVL_RANKS", "1"))
-    if num_ranks % lsize or num_ranks // lsize < 2:
-        print(f"{num_ranks} ranks do not make 2 or more domains of {lsize}", file=sys.stderr)
+    shape = rank_and_domains(comm)
+    if shape is None:
         return 2
-    ndom = num_ranks // lsize
+    rank, num_ranks, lsize, ndom = shape
     use_profiled_builds()
     if rank == 0:  # compile before any rank launches (a rank compiling inside a peer's wait would time out)
         from deepep_cupy.jit.precompile import Job, default_arch, run
