@@ -130,6 +130,7 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
 // L == 1: the partial sum of a domain of one rank is that rank's row of x, so the slot gets the row copied (a
 // bf16 value goes to float32 and back unchanged, and the source's reducer adds from +0 either way) with the
 // copy's sixteen loads a lane in flight instead of the sum's four; the first 32 weights are loaded before it.
+template <int kRegisters>
 __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, const int4* row, const float* weights,
                                             bool has_row, int lane) {
     const bool weighted = a.topk_weights != nullptr && has_row;
@@ -138,7 +139,7 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
         warp_copy_nc(reinterpret_cast<int4*>(out + 16), row, a.hidden_int4, lane);
     } else {
         const int4* const none[1] = {nullptr};
-        warp_sum_rows<1, 80>(reinterpret_cast<int4*>(out + 16), none, nullptr, nullptr, a.hidden_int4, lane);
+        warp_sum_rows<1, kRegisters>(reinterpret_cast<int4*>(out + 16), none, nullptr, nullptr, a.hidden_int4, lane);
     }
     if (a.topk_weights != nullptr) {
         float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
@@ -237,10 +238,10 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         if constexpr (L == 1) {
-            forward_row(a, out, rows[0], weights[0], ps[0] >= 0, lane);
+            forward_row<kRegisters>(a, out, rows[0], weights[0], ps[0] >= 0, lane);
         } else {
-            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr,
-                                                      a.hidden_int4, lane);
+            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4,
+                                         lane);
             if (a.topk_weights != nullptr) {
                 float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
                 for (int q = lane; q < a.num_topk; q += 32) {
@@ -370,9 +371,8 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;
-        warp_sum_rows<D, kRegisters>(a.combined_x + off, rows,
-                                                  a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
-                                                  a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
+        warp_sum_rows<D, kRegisters>(a.combined_x + off, rows, a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
+                                     a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
         if (a.combined_topk_weights != nullptr) {
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;

@@ -202,7 +202,8 @@ constexpr int combine_channel_warps(int L, int D) {
 }
 // Registers a thread of a combine block of S channels may hold (what a loop may keep in flight).
 constexpr int combine_registers(int L, int D, int S) {
-    return 65536 / (32 * combine_channel_warps(L, D) * S) > 255 ? 255 : 65536 / (32 * combine_channel_warps(L, D) * S);
+    const int registers = 65536 / (32 * combine_channel_warps(L, D) * S);
+    return registers > 255 ? 255 : registers;
 }
 
 // Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.

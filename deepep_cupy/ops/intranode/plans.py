@@ -255,7 +255,6 @@ class DispatchPlan(NormalPlan):
         return int(host[0]), [int(v) for v in host[1:]]
 
 
-
 class CombinePlan(NormalPlan):
     """Intranode ``combine`` for one set of shapes and flags."""
 
