@@ -4,10 +4,11 @@
 
 The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/layout.cuh``): every wait that finds
 its progress word short adds the nanoseconds its warp waited to a counter of its kind (the op codes of
-``ops/internode/engine.py``) and block parity (even blocks: RDMA senders and combine forwarders; odd: receivers
-and reducers), and every warp adds its time in the kernel. On the bench's inputs (4096 tokens x 7168, top-8 of
+``ops/internode/engine.py``) and side (sending: RDMA senders, and the combine's NVLink senders or, with one rank a
+domain, its forwarders; receiving: receivers and forwarders, and the combine's forwarders and reducers), and every
+warp with a role adds its time in that role. On the bench's inputs (4096 tokens x 7168, top-8 of
 256) and Config, ``--iters`` cached BF16 dispatches and then as many combines, each op's counters zeroed before
-it; the table gives, per rank, op, wait kind and block parity, the waits that found their word short and those
+it; the table gives, per rank, op, wait kind and side, the waits that found their word short and those
 that did not, and the share of the warps' time spent waiting there. Timings of these builds are not the
 library's: the counters cost atomics. Kernel waits give up after ``--timeout-s``.
 """
@@ -73,7 +74,7 @@ def counters(spec):
 def table(rank: int, op: str, values, names: dict) -> list[str]:
     """Lines for one op's counters (a NumPy array ``[32, 2, 3]``)."""
     out = []
-    for parity, role in ((0, "even blocks"), (1, "odd blocks")):
+    for parity, role in ((0, "sending"), (1, "receiving")):
         warp_ns, warps = int(values[31, parity, 0]), int(values[31, parity, 1])
         if not warps:
             continue

@@ -1,15 +1,16 @@
 // Internode combine: the reverse path of the dispatch (docs/design/internode.md, "Combine").
 //
 // Grid 2 * ceil(C / S) blocks of S channels each (a template parameter), channels as in the dispatch that
-// produced the handle.
-// Block 2c, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
+// produced the handle. Channel c's two sides run in the two blocks of its SM pair: the sending side in block
+// 2c, or with L == 1 alternating by channel (sends_here in layout.cuh).
+// Sending side, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
 //   s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
-// Block 2c + 1, warp ds < D: forwarder for source domain ds: for each row it received over RDMA from
+// Receiving side, warp ds < D: forwarder for source domain ds: for each row it received over RDMA from
 //   (ds, l_me) in channel c, sums the copies its domain ranks send back and puts the partial sum (bf16
 //   row, float32 top-k weights) into the RDMA ring of the source. Warp D: the source-side reducer of
 //   channel c: per token, sums the partials of every domain it reached, adds the biases, rounds once.
-// L == 1: no NVLink stage (the domain is this rank): block 2c holds the D forwarders, which read the rows
-//   of x the NVLink senders would have sent (entry 5 + send_nvl_head), block 2c + 1 D reducer warps that
+// L == 1: no NVLink stage (the domain is this rank): the sending side holds the D forwarders, which read the
+//   rows of x the NVLink senders would have sent (entry 5 + send_nvl_head), the receiving side D reducer warps that
 //   take the channel's tokens in turn (ReduceShared). The own domain's partial would be one row of x copied
 //   through ring (c, d_me), so the reducers read that row of x instead and its forwarder warp has no work.
 //
@@ -77,7 +78,7 @@ struct CombineGeometry {
     }
 };
 
-// Block 2c, one warp: rows received from source (ds, l) in channel c go back to forwarder l.
+// Sending side, one warp: rows received from source (ds, l) in channel c go back to forwarder l.
 template <int L, int D>
 __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, int l, int lane) {
     const CombineGeometry<L, D> g{a};
@@ -151,7 +152,7 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
     }
 }
 
-// Block 2c + 1, warp ds: partial sums within this domain of the rows that came from (ds, l_me).
+// Receiving side, warp ds: partial sums within this domain of the rows that came from (ds, l_me).
 template <int L, int D, int kRegisters>
 __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, int ds, int lane) {
     const CombineGeometry<L, D> g{a};
@@ -278,7 +279,7 @@ struct ReduceShared {
     int released[D];
 };
 
-// Block 2c + 1, warp D (warps 0..NR-1 with L == 1): the source's sum across domains, token by token. With
+// Receiving side, warp D (warps 0..NR-1 with L == 1): the source's sum across domains, token by token. With
 // NR warps, warp r sums tokens t_begin + r, t_begin + r + NR, ... and reads the positions of the others
 // only to keep its claim.
 template <int L, int D, int NR, int kRegisters>
@@ -415,9 +416,12 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     constexpr int NR = L == 1 ? W : 1;  // reducer warps of a channel
     constexpr int kRegs = combine_registers(L, D, S);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
-    const int c = (blockIdx.x / 2) * S + warp / W;
+    const int sub = warp / W, c = (blockIdx.x / 2) * S + sub;
+    // With one rank a domain the two sides alternate by channel; with more, the forwarders (what the rest
+    // waits for) keep an SM of their own, where they were faster (docs/design/internode.md).
+    const bool sending = L == 1 ? sends_here(sub) : blockIdx.x % 2 == 0;
     __shared__ ReduceShared<D, NR> reduce_shared[NR > 1 ? S : 1];
-    if (NR > 1 && blockIdx.x % 2 == 1) {
+    if (NR > 1) {
         int* words = &reduce_shared[0].claim[0][0];
         for (int k = threadIdx.x; k < static_cast<int>(sizeof(reduce_shared) / sizeof(int)); k += blockDim.x)
             words[k] = 0;
@@ -430,20 +434,26 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                         rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
                         nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
-    const WarpClock clock;  // diagnostics builds only (layout.cuh)
-    if constexpr (L == 1) {  // no NVLink stage: the forwarders read x (block 2c), NR reducers in block 2c + 1
-        if (blockIdx.x % 2 == 0) {
-            // Own domain: the reducer reads x.
-            if (role < D && role != rank) forward_reduce<L, D, kRegs>(a, w, c, role, lane);
-        } else {
-            reduce_domains<L, D, NR, kRegs>(a, w, c, role, &reduce_shared[warp / W], lane);
+    const WarpClock clock(sending);  // diagnostics builds only (layout.cuh)
+    if constexpr (L == 1) {  // no NVLink stage: the forwarders read x, NR reducers on the other side
+        if (!sending) {
+            reduce_domains<L, D, NR, kRegs>(a, w, c, role, &reduce_shared[sub], lane);
+            clock.stop();
+        } else if (role < D && role != rank) {  // own domain: the reducer reads x
+            forward_reduce<L, D, kRegs>(a, w, c, role, lane);
+            clock.stop();
         }
-    } else if (blockIdx.x % 2 == 0) {
-        if (role < L * D) send_nvl<L, D>(a, w, c, role / L, role % L, lane);
+    } else if (sending) {
+        if (role < L * D) {
+            send_nvl<L, D>(a, w, c, role / L, role % L, lane);
+            clock.stop();
+        }
     } else if (role < D) {
         forward_reduce<L, D, kRegs>(a, w, c, role, lane);
+        clock.stop();
     } else if (role == D) {
         reduce_domains<L, D, 1, kRegs>(a, w, c, 0, nullptr, lane);
+        clock.stop();
     }
 }
 

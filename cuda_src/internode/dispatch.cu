@@ -1,12 +1,14 @@
 // Internode dispatch, step 2: move the rows (docs/design/internode.md, "Dispatch").
 //
 // Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter; by default sub_channels of
-// ops/internode/layout.py); channel c = tokens [c * ceil(N/C), ...). In the sender block of channel c, warp d
-// < D of the channel's group is the RDMA sender to forwarder (d, l_me); in the receiver block, warp j < L
-// forwards what arrives over RDMA to local rank j, warp L + l receives over NVLink what forwarder l passes on
-// (with L == 1, warp d < D writes what arrives from domain d straight into the outputs: no NVLink hop, and the
-// rank's own rows go there from its sender warp: send_own). Every ring is FIFO, so the rows of one (source,
-// channel) arrive in token order and land at entry 5 + their index: the intranode row order.
+// ops/internode/layout.py); channel c = tokens [c * ceil(N/C), ...). Channel c's sending side runs in one
+// block of its SM pair and its receiving side in the other, alternating by channel (sends_here in layout.cuh).
+// On the sending side, warp d < D of the channel's group is the RDMA sender to forwarder (d, l_me); on the
+// receiving side, warp j < L forwards what arrives over RDMA to local rank j, warp L + l receives over NVLink
+// what forwarder l passes on (with L == 1, warp d < D writes what arrives from domain d straight into the
+// outputs: no NVLink hop, and the rank's own rows go there from its sender warp: send_own). Every ring is
+// FIFO, so the rows of one (source, channel) arrive in token order and land at entry 5 + their index: the
+// intranode row order.
 //
 // Cached mode (handle given): entries 1, 2, 4, 6 come from the handle; entry 3, 5, 7, 8, 9 pointers are
 // null and not written. The protocol is the same.
@@ -349,17 +351,23 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
                          num_channels, state, err, rank, force_rma, own_rows_copied};
     const WaitCtx w{err, timeout_ns, rank};
-    const WarpClock clock;  // diagnostics builds only (layout.cuh)
-    if (blockIdx.x % 2 == 0) {
-        if (role < D && c < num_channels) {
-            if (L == 1 && role == rank)
-                send_own<D>(a, c, lane);
-            else
-                send_rdma<L, D>(a, w, c, role, lane);
-        }
-    } else {
-        forward_and_receive<L, D, S>(a, w, cb, sub, role, lane);
+    // Channel c's senders run in one block of the pair and its receivers in the other, alternating by c.
+    __shared__ ForwardShared<L, D> shared[S];
+    receive_begin<L, D, S>(a, shared, cb);
+    __syncthreads();
+    WarpClock clock(sends_here(sub));  // diagnostics builds only (layout.cuh)
+    if (c < num_channels && !sends_here(sub)) {
+        receive_role<L, D>(a, w, shared[sub], c, role, lane);
+        if (role < (L == 1 ? D : 2 * L)) clock.stop();
+    } else if (c < num_channels && role < D) {
+        if (L == 1 && role == rank)
+            send_own<D>(a, c, lane);
+        else
+            send_rdma<L, D>(a, w, c, role, lane);
+        clock.stop();
     }
+    __syncthreads();
+    receive_end<L, D, S>(a, shared, cb);
 }
 
 }  // namespace deepep_cupy::internode

@@ -325,23 +325,23 @@ __device__ void forward_own(const DispatchArgs& a, int c, int lane) {
     }
 }
 
-// Receiver block of channels cb * S .. cb * S + S - 1: padding rows, then one role per warp.
+// The receiving side of the channels cb * S + sub whose receivers this block runs (receives_here): shared
+// state, then (every block) its share of the padding rows. Every thread of the block calls it, then the
+// block's barrier, then each warp its role, then the barrier and receive_end.
 template <int L, int D, int S>
-__device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int cb, int sub, int role, int lane) {
-    __shared__ ForwardShared<L, D> shared[S];
+__device__ void receive_begin(const DispatchArgs& a, ForwardShared<L, D>* shared, int cb) {
     const State st{a.state};
-    const int c = cb * S + sub;
     for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
         const int cc = cb * S + t / D, d = t % D;
         ForwardShared<L, D>& sh = shared[t / D];
-        sh.base[d] = cc < a.num_channels ? *st.rdma_recvd(cc * D + d, D) : 0;
+        sh.base[d] = cc < a.num_channels && !sends_here(t / D) ? *st.rdma_recvd(cc * D + d, D) : 0;
         sh.released[d] = 0;
         sh.count[d] = 0;
         for (int j = 0; j < L; ++j) sh.progress[d][j] = 0;
     }
     // num_worst_tokens padding: rows past the received ones, and send_nvl_head rows past the forwarded ones.
-    const long long stride = static_cast<long long>(gridDim.x / 2) * blockDim.x;
-    const long long first = static_cast<long long>(cb) * blockDim.x + threadIdx.x;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int num_recv = a.recv_gbl_prefix[L * D - 1];
     for (long long row = num_recv + first; row < a.num_out_rows; row += stride) {
         if (a.recv_src_meta != nullptr) a.recv_src_meta[2 * row] = -1, a.recv_src_meta[2 * row + 1] = 0;
@@ -355,25 +355,33 @@ __device__ void forward_and_receive(const DispatchArgs& a, const WaitCtx& w, int
         for (long long k = forwarded * L + first; k < static_cast<long long>(a.num_nvl_head_rows) * L; k += stride)
             a.send_nvl_head[k] = -1;
     }
-    __syncthreads();
-    if (c < a.num_channels) {
-        if constexpr (L == 1) {
-            if (role == a.rank)
-                forward_own<D>(a, c, lane);
-            else if (role < D)
-                forward_direct<D>(a, w, shared[sub], c, role, lane);
-        } else {
-            if (role < L)
-                forward<L, D>(a, w, shared[sub], c, role, lane);
-            else if (role < 2 * L)
-                receive<L, D>(a, w, c, role - L, lane);
-        }
+}
+
+// One warp's receiving role in channel c (sub of the block's channels).
+template <int L, int D>
+__device__ void receive_role(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int role,
+                             int lane) {
+    if constexpr (L == 1) {
+        if (role == a.rank)
+            forward_own<D>(a, c, lane);
+        else if (role < D)
+            forward_direct<D>(a, w, sh, c, role, lane);
+    } else {
+        if (role < L)
+            forward<L, D>(a, w, sh, c, role, lane);
+        else if (role < 2 * L)
+            receive<L, D>(a, w, c, role - L, lane);
     }
-    __syncthreads();
+}
+
+// After the block's barrier: the RDMA units each received ring passed, for the next op.
+template <int L, int D, int S>
+__device__ void receive_end(const DispatchArgs& a, const ForwardShared<L, D>* shared, int cb) {
+    const State st{a.state};
     for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
         const int cc = cb * S + t / D, d = t % D;
         // L == 1: ring (c, d_me) is not used (send_own), so its count stays, as the sender's does.
-        if (cc < a.num_channels && !(L == 1 && d == a.rank) && !timeout_reported(a.err))
+        if (cc < a.num_channels && !sends_here(t / D) && !(L == 1 && d == a.rank) && !timeout_reported(a.err))
             *st.rdma_recvd(cc * D + d, D) = shared[t / D].base[d] + 1 + shared[t / D].count[d];
     }
 }

@@ -120,15 +120,21 @@ __device__ __forceinline__ uint8_t* nvl_base(const long long* bases, int l) {
 }
 
 #if DEEPEP_CUPY_WAIT_PROFILE
-// Diagnostics only (tools/internode_waits.py builds with DEEPEP_CUPY_WAIT_PROFILE=1): by op code - 400 and block
-// parity (even blocks: RDMA senders / combine forwarders; odd: receivers / reducers), the nanoseconds warps
-// waited, the waits that found their word short, the waits that did not; slot 31: warps' time in the kernel
-// and warps. Summed over every launch since the module was loaded (the tool zeroes it).
+// Diagnostics only (tools/internode_waits.py builds with DEEPEP_CUPY_WAIT_PROFILE=1): by op code - 400 and side
+// (0: RDMA senders / the combine's first side, NVLink senders or L == 1 forwarders; 1: receivers / forwarders
+// and reducers), the nanoseconds warps waited, the waits that found their word short, the waits that did not;
+// slot 31: warps' time in their role, and warps. Summed over every launch since the module was loaded (the
+// tool zeroes it).
 extern "C" {
 __device__ unsigned long long deepep_cupy_internode_waits[32][2][3];
 }
+// Bit w: warp w of this block has a receiving role (set by its WarpClock before any wait).
+__shared__ unsigned deepep_cupy_receiving_warps;
 __device__ __forceinline__ void count_wait(int op, int slot, unsigned long long value) {
-    if ((threadIdx.x & 31) == 0) atomicAdd(&deepep_cupy_internode_waits[(op - 400) & 31][blockIdx.x & 1][slot], value);
+    if ((threadIdx.x & 31) == 0) {
+        const int side = (deepep_cupy_receiving_warps >> (threadIdx.x / 32)) & 1;
+        atomicAdd(&deepep_cupy_internode_waits[(op - 400) & 31][side][slot], value);
+    }
 }
 #endif
 
@@ -158,19 +164,35 @@ __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t
     return __shfl_sync(kFullMask, ld_acquire_sys(word), 0);
 }
 
-// Diagnostics: a warp's time in the kernel (kernels call it first and last; nothing without the define).
+// Diagnostics: a warp's time in its role, from construction to stop() (nothing without the define).
 struct WarpClock {
 #if DEEPEP_CUPY_WAIT_PROFILE
     uint64_t start;
-    __device__ __forceinline__ WarpClock() : start(globaltimer()) {}
-    __device__ __forceinline__ ~WarpClock() {
+    __device__ __forceinline__ explicit WarpClock(bool sending) : start(globaltimer()) {
+        if ((threadIdx.x & 31) == 0) {
+            const unsigned bit = 1u << (threadIdx.x / 32);
+            if (sending)
+                atomicAnd(&deepep_cupy_receiving_warps, ~bit);
+            else
+                atomicOr(&deepep_cupy_receiving_warps, bit);
+        }
+        __syncwarp();
+    }
+    __device__ __forceinline__ void stop() const {
         count_wait(400 + 31, 0, globaltimer() - start);
         count_wait(400 + 31, 1, 1);
     }
 #else
-    __device__ __forceinline__ WarpClock() {}
+    __device__ __forceinline__ explicit WarpClock(bool) {}
+    __device__ __forceinline__ void stop() const {}
 #endif
 };
+
+// Which block of an SM pair runs the sending side of channel `sub` of the pair's S (dispatch: the RDMA
+// senders; combine with L == 1: the forwarders), the other block its receiving side: alternating by channel,
+// so that each SM carries both sides' bytes instead of one SM of the pair waiting for the other
+// (docs/design/internode.md, "Sides alternating by channel").
+__device__ __forceinline__ bool sends_here(int sub) { return ((blockIdx.x ^ static_cast<unsigned>(sub)) & 1) == 0; }
 
 // Warp-collective put of `bytes` from local symmetric `src` to `dst` on `pe`, then a signal op on `sig`.
 // NVSHMEM's shipped device library has no put-with-signal for NVRTC builds, so the signal is a separate
