@@ -210,10 +210,28 @@ def test_repeatable_hashes(env):
     assert len(digests) == 1, f"{len(digests)} different results over 20 identical calls"
 
 
-def test_torch_cuda_graph_worst_tokens(env, monkeypatch):
-    """Dispatch with num_worst_tokens + combine captured in ``torch.cuda.graph``, replayed on fresh data."""
+def _few_sms(env, monkeypatch, num_sms):
+    """Run the ops on a Config of ``num_sms`` SMs (its own default channels a block) and check them against a
+    reference run with as many channels (the handles' channel columns must match)."""
+    from deepep_cupy.device.group import MPIGroup
+    from deepep_cupy.ops.internode.plans import default_channels
+    from deepep_cupy.reference.oracle import ReferenceOracle
+
+    lsize, ndom = env["L"], env["size"] // env["L"]
+    monkeypatch.setattr(sys.modules[__name__], "NUM_SMS", num_sms)
+    monkeypatch.setitem(env, "ref", ReferenceOracle(
+        MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
+        num_channels=default_channels(_cfg(env["deepep_cupy"]), lsize, ndom)))
+
+
+@pytest.mark.parametrize("num_sms", [NUM_SMS, 8])
+def test_torch_cuda_graph_worst_tokens(env, monkeypatch, num_sms):
+    """Dispatch with num_worst_tokens + combine captured in ``torch.cuda.graph``, replayed on fresh data; also on
+    8 SMs, whose default blocks differ (1024 threads with one rank a domain)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("DEEPEP_CUPY_VALIDATE", "0")  # value checks sync the host: not allowed in a capture
+    if num_sms != NUM_SMS:
+        _few_sms(env, monkeypatch, num_sms)
     buf, ref = env["buf"], env["ref"]
     me, size, fw = env["rank"], env["size"], "torch"
     rng = np.random.default_rng([1234, me])
@@ -368,27 +386,18 @@ def test_sub_channels_tuning(env, sub):
 def test_default_blocks_on_few_sms(env, monkeypatch, num_sms):
     """A config of few SMs takes its own default channels a block (1024-thread blocks with one rank a domain):
     same rows as the reference run with as many channels, small shapes and DeepEP's workload."""
-    from deepep_cupy.device.group import MPIGroup
     from deepep_cupy.ops.internode import layout as IL
-    from deepep_cupy.ops.internode.plans import default_channels
-    from deepep_cupy.reference.oracle import ReferenceOracle
 
     lsize, ndom = env["L"], env["size"] // env["L"]
-    monkeypatch.setattr(sys.modules[__name__], "NUM_SMS", num_sms)
+    _few_sms(env, monkeypatch, num_sms)
     used = env["buf"].runtime.internode.channels_per_block(num_sms)
     assert used == IL.sub_channels(lsize, ndom, num_sms)
-    saved = env["ref"]
-    try:
-        env["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
-                                     num_channels=default_channels(_cfg(env["deepep_cupy"]), lsize, ndom))
-        rng = np.random.default_rng([num_sms, env["rank"], 13])
-        for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
-            _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
-        if os.environ.get("DEEPEP_CUPY_SKIP_BIG") != "1":
-            _round(env, frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=True,
-                   column_major=True, bias=1, nvl_recv=512, rdma_recv=64)
-    finally:
-        env["ref"] = saved
+    rng = np.random.default_rng([num_sms, env["rank"], 13])
+    for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
+        _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+    if os.environ.get("DEEPEP_CUPY_SKIP_BIG") != "1":
+        _round(env, frameworks()[0], rng, n=4096, hidden=7168, num_experts=256, k=8, fp8=True,
+               column_major=True, bias=1, nvl_recv=512, rdma_recv=64)
 
 
 @pytest.mark.parametrize("copies", [True, False])
