@@ -325,9 +325,9 @@ __device__ void forward_own(const DispatchArgs& a, int c, int lane) {
     }
 }
 
-// The receiving side of the channels cb * S + sub whose receivers this block runs (receives_here): shared
-// state, then (every block) its share of the padding rows. Every thread of the block calls it, then the
-// block's barrier, then each warp its role, then the barrier and receive_end.
+// Before the block's barrier, every thread: the shared state of the channels cb * S + sub whose receiving side
+// this block runs (not sends_here), then this block's share of the padding rows. Then each warp runs its role,
+// and after a second barrier receive_end.
 template <int L, int D, int S>
 __device__ void receive_begin(const DispatchArgs& a, ForwardShared<L, D>* shared, int cb) {
     const State st{a.state};
