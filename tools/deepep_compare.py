@@ -43,7 +43,8 @@ def _routing(tokens: int, experts: int, topk: int, seed: int) -> torch.Tensor:
     return torch.topk(scores, topk, dim=-1).indices.to(torch.int64)
 
 
-def _events_over(fn, n: int) -> float:
+def events_over(fn, n: int) -> float:
+    """Microseconds a call of ``fn`` over ``n`` calls between one pair of events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
@@ -93,7 +94,7 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     dist.barrier(group)
-    rows.append(("decode step, back to back (one event pair)", _events_over(step, 200)))
+    rows.append(("decode step, back to back (one event pair)", events_over(step, 200)))
     dist.barrier(group)
     rows.append(("decode step, an event pair per step", _events_each(step, 200)))
     dist.barrier(group)
@@ -117,7 +118,7 @@ def main() -> None:
         graph.replay()
     torch.cuda.synchronize()
     dist.barrier(group)
-    rows.append(("decode step, CUDA graph replay", _events_over(graph.replay, 200)))
+    rows.append(("decode step, CUDA graph replay", events_over(graph.replay, 200)))
     torch.cuda.synchronize()
     del graph
     dist.barrier(group)

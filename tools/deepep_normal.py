@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deepep_compare import init_group  # noqa: E402  (after the path)
+from deepep_compare import events_over, init_group  # noqa: E402  (after the path)
 
 # DeepEP's recommended chunk sizes (send, recv) for the normal kernels by rank count.
 DISPATCH_CHUNKS = {2: (24, 256), 4: (6, 256), 8: (6, 256)}
@@ -34,14 +34,8 @@ def gpu_time(fn, iters: int, park_cycles: int) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(park_cycles)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return events_over(fn, iters)
 
 
 def _at_sms(buf, group, sms: int, dispatch_chunks, combine_chunks, inputs, args) -> list[tuple[str, float]]:

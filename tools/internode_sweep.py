@@ -118,8 +118,10 @@ def settings(args, lsize: int, ndom: int) -> list[tuple]:
 
 
 def precompile(lsize: int, ndom: int, subs, jobs: int | None) -> str:
-    """Compile every kernel the sweep loads (in worker processes, into ``$DEEPEP_CUPY_CACHE_DIR``), so no rank
-    waits in a kernel for a peer that is still compiling; one line of summary."""
+    """Compile the notify kernel and the dispatch and combine of each of ``subs`` channels a block, as the engine's
+    spec functions give them (the sweep's, or internode_waits' diagnostics builds), in worker processes into
+    ``$DEEPEP_CUPY_CACHE_DIR``, so no rank waits in a kernel for a peer that is still compiling; one line of
+    summary."""
     import io
     import time
 

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from internode_sweep import config, rank_and_domains, workload_arguments  # noqa: E402  (after the path)
+from internode_sweep import config, precompile, rank_and_domains, workload_arguments  # noqa: E402  (after the path)
 
 SYMBOL = "deepep_cupy_internode_waits"
 DEFINES = {"DEEPEP_CUPY_WAIT_PROFILE": 1}
@@ -96,6 +96,7 @@ def main() -> int:
     from deepep_cupy import Buffer
     from deepep_cupy.device.group import comm_barrier
     from deepep_cupy.ops.internode import engine as E
+    from deepep_cupy.ops.internode import layout as IL
 
     comm = MPI.COMM_WORLD
     shape = rank_and_domains(comm)
@@ -104,12 +105,7 @@ def main() -> int:
     rank, num_ranks, lsize, ndom = shape
     use_profiled_builds()
     if rank == 0:  # compile before any rank launches (a rank compiling inside a peer's wait would time out)
-        from deepep_cupy.jit.precompile import Job, default_arch, run
-
-        specs = [E.notify_spec(lsize, ndom), E.dispatch_spec(lsize, ndom), E.combine_spec(lsize, ndom)]
-        report = run([Job("internode", s, default_arch()) for s in specs], workers=None)
-        if report.failed:
-            print("\n".join(report.failed), file=sys.stderr)
+        print(precompile(lsize, ndom, [IL.sub_channels(lsize, ndom, args.num_sms)], None), file=sys.stderr)
     comm.Barrier()
     cfg = config(args.num_sms, 128, 16)
     hidden = args.hidden
