@@ -6,8 +6,9 @@ The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/
 its progress word short adds the nanoseconds its warp waited to a counter of its kind (the op codes of
 ``ops/internode/engine.py``) and side (sending: RDMA senders, and the combine's NVLink senders or, with one rank a
 domain, its forwarders; receiving: receivers and forwarders, and the combine's forwarders and reducers), and every
-warp with a role adds its time in that role. On the bench's inputs (4096 tokens x 7168, top-8 of
-256) and Config, ``--iters`` cached BF16 dispatches and then as many combines, each op's counters zeroed before
+warp with a role adds its time in that role, cut into phases (``PHASES``: the time between two of its clock's
+laps). On the bench's inputs (4096 tokens x 7168, top-8 of
+256) and Config, ``--iters`` cached BF16 dispatches, as many FP8 ones (column-major scales) and as many combines, each op's counters zeroed before
 it; the table gives, per rank, op, wait kind and side, the waits that found their word short and those
 that did not, and the share of the warps' time spent waiting there. Timings of these builds are not the
 library's: the counters cost atomics. Kernel waits give up after ``--timeout-s``.
@@ -27,6 +28,22 @@ from internode_sweep import config, precompile, rank_and_domains, workload_argum
 
 SYMBOL = "deepep_cupy_internode_waits"
 DEFINES = {"DEEPEP_CUPY_WAIT_PROFILE": 1}
+# PhaseClock's codes (cuda_src/internode/layout.cuh): a role's time cut into phases, each lap charged to one.
+PHASES = {
+    412: "phase: RDMA sender, token's extras loaded, ring space, slot header",
+    413: "phase: RDMA sender, row copied into the slot",
+    414: "phase: RDMA sender, scales and top-k stored",
+    415: "phase: RDMA sender, chunk published",
+    416: "phase: forwarder (one rank a domain), slot's tail waited for",
+    417: "phase: forwarder (one rank a domain), slot stored into the outputs",
+    418: "phase: forwarder (one rank a domain), handle entry, slots given back",
+    419: "phase: combine forwarder, row's position, ring space",
+    420: "phase: combine forwarder, row copied or summed into the slot",
+    421: "phase: combine forwarder, slots published, NVLink slots given back",
+    422: "phase: combine reducer, positions, partial sums waited for",
+    423: "phase: combine reducer, rows summed",
+    424: "phase: combine reducer, weights summed, slots given back",
+}
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -81,7 +98,10 @@ def table(rank: int, op: str, values, names: dict) -> list[str]:
         out.append(f"rank {rank} {op:<8} {role:<11} {warps:>6} warp-launches, {warp_ns / warps / 1e3:9.1f} us a warp")
         for k in range(31):
             ns, slow, fast = (int(v) for v in values[k, parity])
-            if slow or fast:
+            if 400 + k in PHASES and slow:
+                out.append(f"    {100.0 * ns / max(warp_ns, 1):5.1f}% of warp time  {slow:>8} laps, "
+                           f"{ns / slow / 1e3:6.2f} us a lap  {PHASES[400 + k]}")
+            elif slow or fast:
                 name = names.get(400 + k, f"op {400 + k}")
                 out.append(f"    {100.0 * ns / max(warp_ns, 1):5.1f}% of warp time  {slow:>8} short {fast:>8} ready  "
                            f"{name}")
@@ -120,6 +140,8 @@ def main() -> int:
     topk_idx = torch.topk(scores, k, dim=-1).indices.to(torch.int64).contiguous()
     topk_weights = torch.rand(n, k, device="cuda", generator=gen)
     x = torch.randn(n, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    x_fp8 = x.to(torch.float8_e4m3fn)
+    scales = torch.rand(hidden // 128, n, device="cuda", generator=gen).T  # column-major, as DeepGEMM takes them
     lines = []
     try:
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, e)
@@ -130,6 +152,8 @@ def main() -> int:
         torch.cuda.synchronize()
         sub = engine.channels_per_block(cfg.num_sms)
         ops = (("dispatch", E.dispatch_spec(lsize, ndom, sub), lambda: buf.dispatch(x, handle=handle, config=cfg)),
+               ("fp8", E.dispatch_spec(lsize, ndom, sub),
+                lambda: buf.dispatch((x_fp8, scales), handle=handle, config=cfg)),
                ("combine", E.combine_spec(lsize, ndom, sub),
                 lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)))
         for name, spec, fn in ops:

@@ -99,18 +99,20 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
     int published = 0;  // rows made visible to l: one system-scope fence per batch, and all before a wait
     auto flush = [&](int upto) {
         if (upto > published) {
-            __syncwarp();
-            fence_acq_rel_sys();
-            if (lane == 0) st_release_sys(dest.tail(x_ring * L + me), base + upto);
-            __syncwarp();
+            publish_direct(dest.tail(x_ring * L + me), base + upto, lane);
             published = upto;
         }
     };
+    uint64_t head = base;  // the last value of l's head seen (acquired); read again only when short
     for (int k = 0; k < n && ok; ++k) {
-        if (k >= sub) {  // slot k - sub must be released (unit k - sub + 1)
-            if (ld_acquire_sys(mine.head(x_ring * L + l)) < base + 1 + k - sub) flush(k);
-            wait_at_least(mine.head(x_ring * L + l), base + 1 + k - sub, w, kOpCombineNvlHead, d_me * L + l, __LINE__,
-                          &ok);
+        const uint64_t need = base + 1 + k - sub;  // slot k - sub must be released (unit k - sub + 1)
+        if (k >= sub && head < need) {
+            head = warp_acquire(mine.head(x_ring * L + l));
+            if (head < need) {
+                flush(k);
+                head = wait_at_least(mine.head(x_ring * L + l), need, w, kOpCombineNvlHead, d_me * L + l, __LINE__,
+                                     &ok);
+            }
         }
         if (!ok) break;
         uint8_t* dst = g.nvl_slot(l, c, me, ds, k);
@@ -199,11 +201,20 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                             NVSHMEM_SIGNAL_SET, pe, lane);
         first = end;
     };
+    PhaseClock phase;  // diagnostics builds only (layout.cuh)
+    uint64_t head = base;  // the last value of head seen (acquired): slots below it are free
     for (int k = 0; k < n && ok; ++k) {
-        if (k >= a.rdma_cap) {
-            if (first < k) publish(k);  // the source cannot free slots it has not seen
-            hand_back();
-            wait_at_least(sig.head(i), base + 1 + k - a.rdma_cap, w, kOpCombineHead, pe, __LINE__, &ok);
+        // Slot k - Rt must be free (unit k - Rt + 1). Only a head short of that is read again, and only a fresh
+        // value still short publishes the pending slots (the source cannot free slots it has not seen) and
+        // waits: publishing drains this warp's stores, so once a row would serialize the rows.
+        const uint64_t need = base + 1 + k - a.rdma_cap;
+        if (k >= a.rdma_cap && head < need) {
+            head = warp_acquire(sig.head(i));
+            if (head < need) {
+                if (first < k) publish(k);
+                hand_back();
+                head = wait_at_least(sig.head(i), need, w, kOpCombineHead, pe, __LINE__, &ok);
+            }
             if (!ok) break;
         }
         // Lane j: position of this row in j's stream, then wait for it.
@@ -238,6 +249,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 weights[j] = reinterpret_cast<const float*>(slot + a.slot_topk_weights_offset);
             }
         }
+        phase.lap(kPhaseFwdPosition);
         if constexpr (L == 1) {
             forward_row<kRegisters>(a, out, rows[0], weights[0], ps[0] >= 0, lane);
         } else {
@@ -254,10 +266,12 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 }
             }
         }
+        phase.lap(kPhaseFwdCopy);
         // The read NVLink slots may go back (their values are stored above).
         if (lane < L && pos >= 0) taken = pos + 1;
         if (__any_sync(kFullMask, taken - returned >= kPublishBatch)) hand_back();
         if (k + 1 - first >= a.rdma_chunk || k + 1 == n) publish(k + 1);
+        phase.lap(kPhaseFwdPublish);
     }
     if (ok) hand_back();
     if (lane == 0) nvshmem_quiet();
@@ -296,9 +310,10 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     const int own_rdma0 =
         L == 1 ? (d_me > 0 ? a.recv_rdma_prefix[d_me - 1] : 0) + (c > 0 ? a.recv_rdma_cpm[d_me * C + c - 1] : 0) : 0;
     const int own_x0 = L == 1 ? a.recv_gbl_cpm[d_me * C + c] : 0;
-    // Lane d: units of ring (c, d) before this op, and slots consumed so far.
+    // Lane d: units of ring (c, d) before this op, slots consumed so far, and the last value of its tail seen.
     long long base = 0;
     int used = 0;
+    uint64_t tail = 0;
     if (lane < D) base = *st.rdma_recvd(c * D + lane, D);
     bool ok = true;
     int t_begin, t_end;
@@ -306,7 +321,12 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     // Lane d: slots of domain d read but not yet handed back. They go back in batches, and at once whenever
     // this warp is about to wait: the forwarder may be waiting for exactly those slots.
     int pending = 0;
-    int seen = 0;  // lane d: slots of domain d in the tokens this warp has passed (summed if its own)
+    int seen = 0;
+    // Slots go back about every half ring, the NR warps' shares together (what one warp holds counts its own
+    // tokens only): a fixed batch as large as the ring would leave them until a wait, and a forwarder that
+    // runs out of ring space publishes, stops and waits a round trip for them.
+    const int release_every = max(1, min(8, a.rdma_cap / 2) / NR);
+    PhaseClock phase;  // diagnostics builds only (layout.cuh)  // lane d: slots of domain d in the tokens this warp has passed (summed if its own)
     auto hand_back = [&]() {
         if constexpr (NR > 1) {
             if (lane < D && lane != own) {
@@ -347,15 +367,21 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             const int h = a.send_nvl_head[own_rdma0 + pos];
             own_row = h >= 0 ? own_x0 + h : -1;
         }
-        const bool ready = pos < 0 || lane == own ||
-                           ld_acquire_sys(sig.tail(c * D + lane)) >= static_cast<uint64_t>(base) + 1 + pos;
-        if (!__all_sync(kFullMask, ready)) hand_back();
-        for (int d = 0; d < D && ok; ++d) {
-            const int p = __shfl_sync(kFullMask, pos, d);
-            const long long b = __shfl_sync(kFullMask, base, d);
-            if (p >= 0 && d != own)
-                wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(b) + 1 + p, w, kOpCombineTail, d * L + l_me,
-                              __LINE__, &ok);
+        // Lane d's tail of domain d, read again only when the last value seen falls short.
+        bool ready = pos < 0 || lane == own || tail >= static_cast<uint64_t>(base) + 1 + pos;
+        if (!__all_sync(kFullMask, ready)) {
+            if (!ready) tail = ld_acquire_sys(sig.tail(c * D + lane));
+            ready = ready || tail >= static_cast<uint64_t>(base) + 1 + pos;
+            if (!__all_sync(kFullMask, ready)) hand_back();
+            for (int d = 0; d < D && ok; ++d) {
+                const int p = __shfl_sync(kFullMask, pos, d);
+                const long long b = __shfl_sync(kFullMask, base, d);
+                if (p >= 0 && d != own && !__shfl_sync(kFullMask, ready, d)) {
+                    const uint64_t v = wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(b) + 1 + p, w,
+                                                     kOpCombineTail, d * L + l_me, __LINE__, &ok);
+                    if (lane == d) tail = v;
+                }
+            }
         }
         if (!ok) break;
         int ps[D];  // as in the forwarder: no shuffle inside the lane-strided loops
@@ -372,8 +398,10 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;
+        phase.lap(kPhaseRedWait);
         warp_sum_rows<D, kRegisters>(a.combined_x + off, rows, a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
                                      a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
+        phase.lap(kPhaseRedSum);
         if (a.combined_topk_weights != nullptr) {
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
@@ -392,7 +420,8 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         __syncwarp();
         if (lane < D && lane != own && pos >= 0) ++used, ++pending, seen = pos + 1;
-        if (__any_sync(kFullMask, pending >= 8)) hand_back();
+        if (__any_sync(kFullMask, pending >= release_every)) hand_back();
+        phase.lap(kPhaseRedRelease);
     }
     hand_back();
     if (lane == 0) nvshmem_quiet();

@@ -178,6 +178,8 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
     const bool direct = peer_tail != nullptr;
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     BadValue bad;
+    PhaseClock phase;  // diagnostics builds only (layout.cuh)
+    uint64_t head = base;  // the last value of head seen (acquired); read again only when short
     int count = 0, first = 0;
     for (int chunk = t_begin; chunk < t_end; chunk += 32) {
         const int t = chunk + lane;
@@ -197,14 +199,19 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             const int token = chunk + k;
             const int tok_bits = __shfl_sync(kFullMask, bits, k);
             const Extras ex = token_extras(a, token, lane);
-            if (idx >= a.rdma_cap)  // slot idx - Rt must be released (unit 1 + idx - Rt)
-                wait_at_least(sig.head(i), base + 2 + idx - a.rdma_cap, w, kOpDispatchHead, pe, __LINE__, &ok);
+            const uint64_t need = base + 2 + idx - a.rdma_cap;  // slot idx - Rt released (unit 1 + idx - Rt)
+            if (idx >= a.rdma_cap && head < need) {
+                head = warp_acquire(sig.head(i));
+                if (head < need) head = wait_at_least(sig.head(i), need, w, kOpDispatchHead, pe, __LINE__, &ok);
+            }
             if (!ok) break;
             uint8_t* s = direct ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot.slot_bytes
                                 : g.rdma_slot(0, i, idx);
             if (lane == 0) *reinterpret_cast<int4*>(s) = make_int4(d_me, tok_bits, token, 0);
+            phase.lap(kPhaseSendExtras);
             warp_copy_nc(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
                          a.hidden_int4, lane);
+            phase.lap(kPhaseSendCopy);
             unsigned int* sc = reinterpret_cast<unsigned int*>(s + a.slot.scales_offset);
             for (int q = lane; q < a.num_scales; q += 32) sc[q] = token_scale(a, ex, token, q, lane);
             int* ids = reinterpret_cast<int*>(s + a.slot.topk_idx_offset);
@@ -217,6 +224,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                 ids[q] = valid ? static_cast<int>(e) : -1;
                 ws[q] = (valid && a.topk_weights != nullptr) ? (q == lane ? ex.weight : a.topk_weights[src]) : 0.0f;
             }
+            phase.lap(kPhaseSendMeta);
             // Publish a chunk (Rt is a multiple of the chunk, so a chunk never wraps around the ring).
             if (count - first == a.rdma_chunk) {
                 if (direct)
@@ -227,6 +235,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                                     base + 1 + count, NVSHMEM_SIGNAL_SET, pe, lane);
                 first = count;
             }
+            phase.lap(kPhaseSendPublish);
         }
         if (!ok) break;
     }

@@ -33,13 +33,6 @@ __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Sign
     }
 }
 
-__device__ __forceinline__ void publish_nvl(uint64_t* word, uint64_t value, int lane) {
-    __syncwarp();
-    fence_acq_rel_sys();
-    if (lane == 0) st_release_sys(word, value);
-    __syncwarp();
-}
-
 template <int L, int D>
 __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int lane) {
     const Geometry<L, D> g{a};
@@ -78,15 +71,16 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             m[2 * lane] = ns;
             m[2 * lane + 1] = ne;
         }
-        publish_nvl(dest.tail(c * L + l_me), base_n + 1, lane);
+        publish_direct(dest.tail(c * L + l_me), base_n + 1, lane);
     }
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
     int sent = 0, published = 0;  // slots written into j's ring, and made visible to j
+    uint64_t nvl_head = base_n;   // the last value of j's head seen (acquired); read again only when short
     // One system-scope fence per kPublishBatch slots instead of one per slot, and never a wait with slots
     // written but not published (j may be waiting for them).
     auto flush = [&]() {
         if (sent > published) {
-            publish_nvl(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
+            publish_direct(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
             published = sent;
         }
     };
@@ -113,10 +107,16 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             const int bits = ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
-                if (sent >= a.nvl_cap) {
-                    flush();
-                    wait_at_least(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, w, kOpDispatchNvlHead,
-                                  d_me * L + j, __LINE__, &ok);
+                // Slot sent - Rn must be free. Only a fresh head still short publishes and waits: publishing
+                // drains this warp's stores, so once a slot it would serialize the rows.
+                const uint64_t need = base_n + 2 + sent - a.nvl_cap;
+                if (sent >= a.nvl_cap && nvl_head < need) {
+                    nvl_head = warp_acquire(mine.head(c * L + j));
+                    if (nvl_head < need) {
+                        flush();
+                        nvl_head = wait_at_least(mine.head(c * L + j), need, w, kOpDispatchNvlHead, d_me * L + j,
+                                                 __LINE__, &ok);
+                    }
                 }
                 if (!ok) break;
                 copy_slot(g.nvl_slot(j, c, l_me, sent), s, a, lane);
@@ -264,26 +264,44 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
         if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;
         if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = first_row;
     }
+    // This warp is the ring's one reader, so it gives the units it read back as their count (a SET, not the
+    // ADDs of several forwarders): a fence and a store into the source's word where the source is reachable by
+    // stores, else nvshmem_fence and a signal. Lane 0, after the lanes met (their loads of those slots returned).
+    uint64_t* const peer_head =
+        a.force_rma ? nullptr : static_cast<uint64_t*>(nvshmem_ptr(sig.head(c * D + d_me), d));
+    int done = 1, returned = 0;  // units read (the meta record, then slots), and given back
+    auto give_back = [&]() {
+        if (lane == 0 && done > returned) {
+            if (peer_head != nullptr) {
+                fence_acq_rel_sys();
+                st_relaxed_sys(peer_head, base_r + done);
+            } else {
+                nvshmem_fence();
+                nvshmemx_signal_op(sig.head(c * D + d_me), base_r + done, NVSHMEM_SIGNAL_SET, d);
+            }
+        }
+        returned = done;
+        __syncwarp();
+    };
     __syncwarp();
-    if (lane == 0) {
-        static_cast<volatile int*>(&sh.progress[d][0])[0] = 1;
-        release_rdma<1, D>(sh, sig, c, d, d_me, 0);
-    }
+    give_back();
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
+    PhaseClock phase;  // diagnostics builds only (layout.cuh)
     int avail = 0;
     for (int k = 0; k < n; ++k) {
         if (k >= avail) {
-            // About to wait for the source: first give back everything done (it may wait for ring space).
-            if (ld_acquire_sys(sig.tail(i)) < base_r + 2 + k) {
-                if (lane == 0) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
-                __syncwarp();
+            uint64_t v = warp_acquire(sig.tail(i));
+            if (v < base_r + 2 + k) {
+                give_back();  // about to wait for the source, which may be waiting for ring space
+                v = wait_at_least(sig.tail(i), base_r + 2 + k, w, kOpDispatchTail, d, __LINE__, &ok);
             }
-            const uint64_t v = wait_at_least(sig.tail(i), base_r + 2 + k, w, kOpDispatchTail, d, __LINE__, &ok);
             if (!ok) break;
             avail = static_cast<int>(v - base_r - 1);
         }
         const uint8_t* s = g.rdma_slot(1, i, k);
+        phase.lap(kPhaseRecvWait);
         store_row(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
+        phase.lap(kPhaseRecvStore);
         // Every lane's loads of the slot returned (their values were stored): the slot may go back.
         __syncwarp();
         if (lane == 0) {
@@ -293,10 +311,11 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
                 else
                     report_timeout(a.err, kOpDispatchOverflow, a.rank, d, __LINE__, row0 + k + 1);
             }
-            static_cast<volatile int*>(&sh.progress[d][0])[0] = 2 + k;
-            if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<1, D>(sh, sig, c, d, d_me, 0);
         }
+        done = 2 + k;
+        if (done - returned >= release_every || k + 1 == n) give_back();
         __syncwarp();
+        phase.lap(kPhaseRecvRelease);
     }
     if (lane == 0) nvshmem_quiet();
 }

@@ -138,8 +138,20 @@ __device__ __forceinline__ void count_wait(int op, int slot, unsigned long long 
 }
 #endif
 
-// Warp-wide wait for a progress word to reach `want`; returns the value seen (0 on timeout/abort, with
-// *ok cleared). Every lane reads with acquire semantics, so later loads see what the word publishes.
+// The smallest of the lanes' values (the same in every lane).
+__device__ __forceinline__ uint64_t warp_min(uint64_t v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = min(v, __shfl_xor_sync(kFullMask, v, off));
+    return v;
+}
+
+// Warp-wide acquire load of a progress word: a value every lane has read at least, so every lane's later
+// accesses are ordered after the write that published it. A caller may keep it and trust it for as long as it
+// suffices (progress words only grow), reading the word again only when it falls short.
+__device__ __forceinline__ uint64_t warp_acquire(const uint64_t* word) { return warp_min(ld_acquire_sys(word)); }
+
+// Warp-wide wait for a progress word to reach `want`; returns a value every lane has seen (0 on timeout/abort,
+// with *ok cleared). Every lane reads with acquire semantics, so later loads see what the word publishes.
 __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t want, const WaitCtx& w, int op,
                                                   int peer, int line, bool* ok) {
     if (!*ok) return 0;
@@ -148,7 +160,7 @@ __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t
 #if DEEPEP_CUPY_WAIT_PROFILE
         count_wait(op, 2, 1);
 #endif
-        return __shfl_sync(kFullMask, now, 0);
+        return warp_min(now);
     }
 #if DEEPEP_CUPY_WAIT_PROFILE
     const uint64_t t0 = globaltimer();
@@ -161,7 +173,7 @@ __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t
     count_wait(op, 0, globaltimer() - t0);
     count_wait(op, 1, 1);
 #endif
-    return __shfl_sync(kFullMask, ld_acquire_sys(word), 0);
+    return warp_acquire(word);
 }
 
 // Diagnostics: a warp's time in its role, from construction to stop() (nothing without the define).
@@ -186,6 +198,33 @@ struct WarpClock {
     __device__ __forceinline__ explicit WarpClock(bool) {}
     __device__ __forceinline__ void stop() const {}
 #endif
+};
+
+// Diagnostics: one warp's time in its role cut into phases, one counter each (PhaseCode; names in
+// tools/internode_waits.py): lap(code) charges the time since the previous lap to that phase. The clock reads
+// no memory, so a phase ends when the warp has issued its stores, and the fence that drains them is charged
+// to the phase holding it.
+struct PhaseClock {
+#if DEEPEP_CUPY_WAIT_PROFILE
+    uint64_t last;
+    __device__ __forceinline__ PhaseClock() : last(globaltimer()) {}
+    __device__ __forceinline__ void lap(int code) {
+        const uint64_t now = globaltimer();
+        count_wait(code, 0, now - last);
+        count_wait(code, 1, 1);
+        last = now;
+    }
+#else
+    __device__ __forceinline__ void lap(int) {}
+#endif
+};
+
+// Phase codes of PhaseClock (after the op codes, below the role clock's 431).
+enum PhaseCode : int {
+    kPhaseSendExtras = 412, kPhaseSendCopy, kPhaseSendMeta, kPhaseSendPublish,    // dispatch, RDMA sender
+    kPhaseRecvWait = 416, kPhaseRecvStore, kPhaseRecvRelease,                    // dispatch, L == 1 forwarder
+    kPhaseFwdPosition = 419, kPhaseFwdCopy, kPhaseFwdPublish,                    // combine forwarder
+    kPhaseRedWait = 422, kPhaseRedSum, kPhaseRedRelease,                         // combine reducer
 };
 
 // Which block of an SM pair runs the sending side of channel `sub` of the pair's S (dispatch: the RDMA
@@ -231,12 +270,14 @@ constexpr int combine_registers(int L, int D, int S) {
 // Slots a ring's writer (reader) hands over (back) per system-scope fence; every wait publishes first.
 constexpr int kPublishBatch = 8;
 
-// Publish, to a peer reachable by stores, everything this warp wrote so far: system-scope fence, then a
-// release store of the tail value into the peer's word (the reader acquires it).
+// Publish, to a peer reachable by stores (an RDMA peer over NVLink or P2P, or a rank of the domain),
+// everything this warp wrote so far: the lanes meet, a system-scope fence, then lane 0 stores the tail value
+// into the peer's word (the reader acquires it). Fence and store make a release, so the store itself is
+// relaxed: a release store would fence a second time.
 __device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t value, int lane) {
     __syncwarp();
     fence_acq_rel_sys();
-    if (lane == 0) st_release_sys(peer_word, value);
+    if (lane == 0) st_relaxed_sys(peer_word, value);
     __syncwarp();
 }
 
