@@ -128,9 +128,10 @@ __device__ __forceinline__ unsigned int slot_scale(const unsigned int* sc, const
 
 // Copy the payload of one slot (everything after the header that this op uses) with the warp.
 // Only the parts this op fills: header and row, then the scales, top-k ids and weights.
+template <int U>
 __device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, const DispatchArgs& a, int lane) {
     const Extras ex = slot_extras(a, src, true, lane);
-    warp_copy_cg(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), 1 + a.hidden_int4, lane);
+    warp_copy_cg<U>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), 1 + a.hidden_int4, lane);
     const unsigned int* from = reinterpret_cast<const unsigned int*>(src);
     unsigned int* to = reinterpret_cast<unsigned int*>(dst);
     const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
@@ -142,7 +143,7 @@ __device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, cons
 }
 
 // RDMA sender of channel c to domain d (one warp).
-template <int L, int D>
+template <int L, int D, int U>
 __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d, int lane) {
     const Geometry<L, D> g{a};
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = d * L + l_me;
@@ -209,7 +210,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                                 : g.rdma_slot(0, i, idx);
             if (lane == 0) *reinterpret_cast<int4*>(s) = make_int4(d_me, tok_bits, token, 0);
             phase.lap(kPhaseSendExtras);
-            warp_copy_nc(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
+            warp_copy_nc<U>(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
                          a.hidden_int4, lane);
             phase.lap(kPhaseSendCopy);
             unsigned int* sc = reinterpret_cast<unsigned int*>(s + a.slot.scales_offset);
@@ -269,7 +270,7 @@ __device__ __forceinline__ int own_first_row(const DispatchArgs& a, int c) {
 // reaches its one rank, so k counts them all. Entries 2 and 6 exist before the kernel starts (from the
 // notify kernel, or from the handle). The forwarder writes the bookkeeping entries (forward_own). Where the
 // copy engines move the rows (own_rows_copied), the warp writes everything else: scales, top-k, entries 7, 8.
-template <int D>
+template <int D, int U>
 __device__ void send_own(const DispatchArgs& a, int c, int lane) {
     const int C = a.num_channels, d_me = a.rank, El = a.num_local_experts;
     int t_begin, t_end;
@@ -292,7 +293,7 @@ __device__ void send_own(const DispatchArgs& a, int c, int lane) {
             const bool fits = row < a.num_out_rows;  // more rows than num_worst_tokens: reported below
             if (fits) {
                 if (!a.own_rows_copied)
-                    warp_copy_nc(a.recv_x + row * a.hidden_int4, a.x + static_cast<long long>(token) * a.hidden_int4,
+                    warp_copy_nc<U>(a.recv_x + row * a.hidden_int4, a.x + static_cast<long long>(token) * a.hidden_int4,
                                  a.hidden_int4, lane);
                 for (int q = lane; q < a.num_scales; q += 32)
                     a.recv_x_scales[row * a.num_scales + q] = token_scale(a, ex, token, q, lane);
@@ -347,7 +348,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma,
          int own_rows_copied) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
-    constexpr int W = dispatch_channel_warps(L, D), S = kSubChannels;
+    constexpr int W = dispatch_channel_warps(L, D), S = kSubChannels, U = dispatch_copy_unroll(W * S);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;
     const int cb = blockIdx.x / 2, c = cb * S + sub;
     const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
@@ -366,13 +367,13 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     __syncthreads();
     WarpClock clock(sends_here(sub));  // diagnostics builds only (layout.cuh)
     if (c < num_channels && !sends_here(sub)) {
-        receive_role<L, D>(a, w, shared[sub], c, role, lane);
+        receive_role<L, D, U>(a, w, shared[sub], c, role, lane);
         if (role < (L == 1 ? D : 2 * L)) clock.stop();
     } else if (c < num_channels && role < D) {
         if (L == 1 && role == rank)
-            send_own<D>(a, c, lane);
+            send_own<D, U>(a, c, lane);
         else
-            send_rdma<L, D>(a, w, c, role, lane);
+            send_rdma<L, D, U>(a, w, c, role, lane);
         clock.stop();
     }
     __syncthreads();

@@ -33,7 +33,7 @@ __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Sign
     }
 }
 
-template <int L, int D>
+template <int L, int D, int U>
 __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int lane) {
     const Geometry<L, D> g{a};
     const Signals sig{a.sig, D};
@@ -119,7 +119,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                     }
                 }
                 if (!ok) break;
-                copy_slot(g.nvl_slot(j, c, l_me, sent), s, a, lane);
+                copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
                 ++sent;
                 if (sent - published >= kPublishBatch) flush();
                 pos = k_j++;
@@ -148,12 +148,13 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
 // Outputs of one received row (slot `s`, from source domain `sd`, destination bits `bits`) at `row`:
 // recv_x, scales (row-major, as the plan allocates them), local top-k ids (-1 for other ranks' experts) and
 // weights, recv_src_meta. A row past the outputs (more than num_worst_tokens) is reported, naming `peer`.
+template <int U>
 __device__ __forceinline__ void store_row(const DispatchArgs& a, const uint8_t* s, int row, int sd, int bits, int peer,
                                           int lane) {
     const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
     if (row < a.num_out_rows) {
         const Extras ex = slot_extras(a, s, a.recv_topk_idx != nullptr, lane);
-        warp_copy_cg(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
+        warp_copy_cg<U>(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
                      hidden_int4, lane);
         const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
         for (int q = lane; q < a.num_scales; q += 32)
@@ -180,7 +181,7 @@ __device__ __forceinline__ void store_row(const DispatchArgs& a, const uint8_t* 
     }
 }
 
-template <int L, int D>
+template <int L, int D, int U>
 __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, int lane) {
     const Geometry<L, D> g{a};
     const State st{a.state};
@@ -229,7 +230,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
         const int sd = ld_cg_s32(s) & 31, bits = ld_cg_s32(s + 4);
         const int row = __shfl_sync(kFullMask, row_base, sd);
         if (lane == sd) ++row_base;
-        store_row(a, s, row, sd, bits, d_me * L + l, lane);
+        store_row<U>(a, s, row, sd, bits, d_me * L + l, lane);
         // The slot's loads are done (their values were stored): it may go back to the forwarder.
         if (n + 1 - released >= kPublishBatch) give_back(n + 1);
     }
@@ -245,7 +246,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
 // start for this rank); slots arrive in token order, so slot k lands at that start + k. Every slot carries
 // bit 0 (a token reaching a domain of one rank reaches that rank: the sender only sends tokens with bits),
 // and send_nvl_head[i, 0] = k, as the NVLink path records it.
-template <int D>
+template <int D, int U>
 __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardShared<1, D>& sh, int c, int d,
                                int lane) {
     const Geometry<1, D> g{a};
@@ -300,7 +301,7 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
         }
         const uint8_t* s = g.rdma_slot(1, i, k);
         phase.lap(kPhaseRecvWait);
-        store_row(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
+        store_row<U>(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
         phase.lap(kPhaseRecvStore);
         // Every lane's loads of the slot returned (their values were stored): the slot may go back.
         __syncwarp();
@@ -377,19 +378,19 @@ __device__ void receive_begin(const DispatchArgs& a, ForwardShared<L, D>* shared
 }
 
 // One warp's receiving role in channel c (sub of the block's channels).
-template <int L, int D>
+template <int L, int D, int U>
 __device__ void receive_role(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int role,
                              int lane) {
     if constexpr (L == 1) {
         if (role == a.rank)
             forward_own<D>(a, c, lane);
         else if (role < D)
-            forward_direct<D>(a, w, sh, c, role, lane);
+            forward_direct<D, U>(a, w, sh, c, role, lane);
     } else {
         if (role < L)
-            forward<L, D>(a, w, sh, c, role, lane);
+            forward<L, D, U>(a, w, sh, c, role, lane);
         else if (role < 2 * L)
-            receive<L, D>(a, w, c, role - L, lane);
+            receive<L, D, U>(a, w, c, role - L, lane);
     }
 }
 

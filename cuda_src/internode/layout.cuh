@@ -288,29 +288,36 @@ __device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t val
 // round trips, and an FP8 row one.
 constexpr int kCopyUnroll = 16;
 
-template <bool kL2Only>
+// The dispatch's loads a lane in flight by its block's warps: in 1024-thread blocks a thread has 64 registers,
+// which sixteen int4 would fill alone, so 14 there (a row of 7168 is still two batches in BF16 and one in FP8,
+// and the copies spill less); 8 measured slower, and the combine's one-row copy keeps 16 (docs/design/internode.md).
+constexpr int dispatch_copy_unroll(int warps) { return warps >= 32 ? 14 : kCopyUnroll; }
+
+template <bool kL2Only, int U>
 __device__ __forceinline__ void warp_copy(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
-    for (int j = lane; j < n; j += kCopyUnroll * 32) {
-        int4 v[kCopyUnroll];
+    for (int j = lane; j < n; j += U * 32) {
+        int4 v[U];
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int k = min(j + u * 32, n - 1);  // past the end: reload the last word (not stored)
             v[u] = kL2Only ? ld_cg_v4(src + k) : ld_nc_v4(src + k);
         }
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u)
+        for (int u = 0; u < U; ++u)
             if (j + u * 32 < n) st_na_v4(dst + j + u * 32, v[u]);
     }
 }
 
 // `src` may be rewritten by peers later (a ring slot), so loads go to L2 only.
+template <int U = kCopyUnroll>
 __device__ __forceinline__ void warp_copy_cg(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
-    warp_copy<true>(dst, src, n, lane);
+    warp_copy<true, U>(dst, src, n, lane);
 }
 
 // `src` is read-only for the whole kernel (the caller's tokens).
+template <int U = kCopyUnroll>
 __device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
-    warp_copy<false>(dst, src, n, lane);
+    warp_copy<false, U>(dst, src, n, lane);
 }
 
 }  // namespace deepep_cupy::internode
