@@ -141,3 +141,61 @@ def test_sm_sweep_checks_times_and_tabulates_every_shape():
     rows = sweep.run("combine BF16", 12, combine, ("combine_warps", "combine_unroll"), [(16, 8), (32, 4)], (16, 8),
                      time_op, {})
     assert steps.stopped.startswith("past the budget") and rows[1]["error"].startswith("skipped: past the budget")
+
+
+def _phase_codes() -> dict[str, int]:
+    """PhaseCode's enumerators as the kernels' header defines them (each one more than the last unless given)."""
+    import re
+
+    text = (TOOLS.parent / "cuda_src" / "internode" / "layout.cuh").read_text()
+    body = re.search(r"enum PhaseCode : int \{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    codes, value = {}, None
+    for item in (part.strip() for part in body.split(",")):
+        if not item:
+            continue
+        name, _, given = item.partition("=")
+        value = int(given) if given.strip() else value + 1
+        codes[name.strip()] = value
+    return codes
+
+
+def test_wait_profile_names_every_phase_in_its_own_counter():
+    tool = _tool("internode_waits")
+    codes = _phase_codes()
+    assert sorted(codes.values()) == sorted(tool.PHASES), "PHASES and PhaseCode in layout.cuh disagree"
+    from deepep_cupy.ops.internode import engine
+
+    # Counters are [32][2][3] by code - 400: no phase may share one with a wait kind or the role clock (431).
+    taken = {code - 400 for code in engine.OP_NAMES} | {31}
+    assert all(0 <= code - 400 < 31 and code - 400 not in taken for code in codes.values())
+    import numpy as np
+
+    values = np.zeros((32, 2, 3), dtype=np.uint64)
+    values[31, 0] = (8_000, 2, 0)           # two sending warps, 4 us each
+    values[413 - 400, 0] = (3_000, 6, 0)    # phase 413: 3 us over 6 laps
+    values[403 - 400, 0] = (400, 1, 5)      # a wait kind: 1 short, 5 ready
+    lines = tool.table(0, "dispatch", values, engine.OP_NAMES)
+    assert lines[0].startswith("rank 0 dispatch") and "4.0 us a warp" in lines[0]
+    assert any("6 laps" in line and "0.50 us a lap" in line and "row copied" in line for line in lines)
+    assert any("1 short" in line and "5 ready" in line for line in lines)
+
+
+def test_wait_profile_builds_compile(tmp_path, monkeypatch):
+    """The diagnostics builds (DEEPEP_CUPY_WAIT_PROFILE=1: wait counters and phase clocks) of one shape."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    monkeypatch.setenv("DEEPEP_CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DEEPEP_CUPY_SOURCE_DIR", raising=False)
+    from deepep_cupy.jit import build
+    from deepep_cupy.ops.internode import engine, plans
+
+    monkeypatch.setattr(engine, "dispatch_spec", engine.dispatch_spec)  # restored after the test
+    monkeypatch.setattr(engine, "combine_spec", engine.combine_spec)
+    monkeypatch.setattr(plans, "dispatch_spec", plans.dispatch_spec)
+    monkeypatch.setattr(plans, "combine_spec", plans.combine_spec)
+    tool = _tool("internode_waits")
+    tool.use_profiled_builds()
+    for spec in (engine.dispatch_spec(1, 2, 16), engine.combine_spec(1, 2, 16)):
+        assert "DEEPEP_CUPY_WAIT_PROFILE" in spec.describe()
+        compiled = build(spec, "sm_90")
+        assert compiled.cubin_path.is_file() and compiled.cubin_path.stat().st_size > 0
