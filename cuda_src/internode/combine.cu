@@ -321,12 +321,12 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     // Lane d: slots of domain d read but not yet handed back. They go back in batches, and at once whenever
     // this warp is about to wait: the forwarder may be waiting for exactly those slots.
     int pending = 0;
-    int seen = 0;
+    int seen = 0;  // lane d: slots of domain d in the tokens this warp has passed (summed if its own)
     // Slots go back about every half ring, the NR warps' shares together (what one warp holds counts its own
     // tokens only): a fixed batch as large as the ring would leave them until a wait, and a forwarder that
     // runs out of ring space publishes, stops and waits a round trip for them.
     const int release_every = max(1, min(8, a.rdma_cap / 2) / NR);
-    PhaseClock phase;  // diagnostics builds only (layout.cuh)  // lane d: slots of domain d in the tokens this warp has passed (summed if its own)
+    PhaseClock phase;  // diagnostics builds only (layout.cuh)
     auto hand_back = [&]() {
         if constexpr (NR > 1) {
             if (lane < D && lane != own) {
