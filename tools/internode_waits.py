@@ -7,11 +7,11 @@ its progress word short adds the nanoseconds its warp waited to a counter of its
 ``ops/internode/engine.py``) and side (sending: RDMA senders, and the combine's NVLink senders or, with one rank a
 domain, its forwarders; receiving: receivers and forwarders, and the combine's forwarders and reducers), and every
 warp with a role adds its time in that role, cut into phases (``PHASES``: the time between two of its clock's
-laps). On the bench's inputs (4096 tokens x 7168, top-8 of
-256) and Config, ``--iters`` cached BF16 dispatches, as many FP8 ones (column-major scales) and as many combines, each op's counters zeroed before
-it; the table gives, per rank, op, wait kind and side, the waits that found their word short and those
-that did not, and the share of the warps' time spent waiting there. Timings of these builds are not the
-library's: the counters cost atomics. Kernel waits give up after ``--timeout-s``.
+laps). On the bench's inputs (4096 tokens x 7168, top-8 of 256) and Config, ``--iters`` cached BF16 dispatches, as
+many FP8 ones (column-major scales) and as many combines, each op's counters zeroed before it; the table gives, per
+rank, op, wait kind and side, the waits that found their word short and those that did not (for a phase, its
+laps), and the share of the warps' time spent there. Timings of these builds are not the library's: the counters
+cost atomics. Kernel waits give up after ``--timeout-s``.
 """
 
 from __future__ import annotations

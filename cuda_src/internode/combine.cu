@@ -105,15 +105,9 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
     };
     uint64_t head = base;  // the last value of l's head seen (acquired); read again only when short
     for (int k = 0; k < n && ok; ++k) {
-        const uint64_t need = base + 1 + k - sub;  // slot k - sub must be released (unit k - sub + 1)
-        if (k >= sub && head < need) {
-            head = warp_acquire(mine.head(x_ring * L + l));
-            if (head < need) {
-                flush(k);
-                head = wait_at_least(mine.head(x_ring * L + l), need, w, kOpCombineNvlHead, d_me * L + l, __LINE__,
-                                     &ok);
-            }
-        }
+        if (k >= sub)  // slot k - sub must be released (unit k - sub + 1)
+            head = wait_reaching(mine.head(x_ring * L + l), base + 1 + k - sub, head, [&] { flush(k); }, w,
+                                 kOpCombineNvlHead, d_me * L + l, __LINE__, &ok);
         if (!ok) break;
         uint8_t* dst = g.nvl_slot(l, c, me, ds, k);
         const long long row = row0 + k;
@@ -204,17 +198,13 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     PhaseClock phase;  // diagnostics builds only (layout.cuh)
     uint64_t head = base;  // the last value of head seen (acquired): slots below it are free
     for (int k = 0; k < n && ok; ++k) {
-        // Slot k - Rt must be free (unit k - Rt + 1). Only a head short of that is read again, and only a fresh
-        // value still short publishes the pending slots (the source cannot free slots it has not seen) and
-        // waits: publishing drains this warp's stores, so once a row would serialize the rows.
-        const uint64_t need = base + 1 + k - a.rdma_cap;
-        if (k >= a.rdma_cap && head < need) {
-            head = warp_acquire(sig.head(i));
-            if (head < need) {
+        // Slot k - Rt must be free (unit k - Rt + 1); before waiting for it, the pending slots are published (the
+        // source cannot free slots it has not seen).
+        if (k >= a.rdma_cap) {
+            head = wait_reaching(sig.head(i), base + 1 + k - a.rdma_cap, head, [&] {
                 if (first < k) publish(k);
                 hand_back();
-                head = wait_at_least(sig.head(i), need, w, kOpCombineHead, pe, __LINE__, &ok);
-            }
+            }, w, kOpCombineHead, pe, __LINE__, &ok);
             if (!ok) break;
         }
         // Lane j: position of this row in j's stream, then wait for it.

@@ -200,11 +200,9 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             const int token = chunk + k;
             const int tok_bits = __shfl_sync(kFullMask, bits, k);
             const Extras ex = token_extras(a, token, lane);
-            const uint64_t need = base + 2 + idx - a.rdma_cap;  // slot idx - Rt released (unit 1 + idx - Rt)
-            if (idx >= a.rdma_cap && head < need) {
-                head = warp_acquire(sig.head(i));
-                if (head < need) head = wait_at_least(sig.head(i), need, w, kOpDispatchHead, pe, __LINE__, &ok);
-            }
+            if (idx >= a.rdma_cap)  // slot idx - Rt must be released (unit 1 + idx - Rt)
+                head = wait_reaching(sig.head(i), base + 2 + idx - a.rdma_cap, head, [] {}, w, kOpDispatchHead, pe,
+                                     __LINE__, &ok);
             if (!ok) break;
             uint8_t* s = direct ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot.slot_bytes
                                 : g.rdma_slot(0, i, idx);

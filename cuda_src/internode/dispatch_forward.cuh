@@ -91,15 +91,13 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         int avail = 0, k_j = 0;
         for (int k = 0; k < n; ++k) {
             if (k >= avail) {
-                if (ld_acquire_sys(sig.tail(c * D + d)) < base_r + 2 + k) {
-                    // About to wait for the source: first hand over and give back everything done so far
-                    // (the source may be waiting for ring space).
+                // Before waiting for the source, hand over and give back everything done so far (the source may
+                // be waiting for ring space).
+                const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
                     flush();
                     if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
                     __syncwarp();
-                }
-                const uint64_t v = wait_at_least(sig.tail(c * D + d), base_r + 2 + k, w, kOpDispatchTail, d * L + l_me,
-                                                 __LINE__, &ok);
+                }, w, kOpDispatchTail, d * L + l_me, __LINE__, &ok);
                 if (!ok) break;
                 avail = static_cast<int>(v - base_r - 1);
             }
@@ -107,17 +105,9 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             const int bits = ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
-                // Slot sent - Rn must be free. Only a fresh head still short publishes and waits: publishing
-                // drains this warp's stores, so once a slot it would serialize the rows.
-                const uint64_t need = base_n + 2 + sent - a.nvl_cap;
-                if (sent >= a.nvl_cap && nvl_head < need) {
-                    nvl_head = warp_acquire(mine.head(c * L + j));
-                    if (nvl_head < need) {
-                        flush();
-                        nvl_head = wait_at_least(mine.head(c * L + j), need, w, kOpDispatchNvlHead, d_me * L + j,
-                                                 __LINE__, &ok);
-                    }
-                }
+                if (sent >= a.nvl_cap)  // slot sent - Rn must be free
+                    nvl_head = wait_reaching(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, nvl_head, flush, w,
+                                             kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
                 if (!ok) break;
                 copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
                 ++sent;
@@ -220,9 +210,8 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     };
     for (int n = 0; n < total; ++n) {
         if (n >= avail) {
-            if (ld_acquire_sys(mine.tail(k_ring)) < base + 2 + n) give_back(n);
-            const uint64_t v = wait_at_least(mine.tail(k_ring), base + 2 + n, w, kOpDispatchNvlTail, d_me * L + l,
-                                             __LINE__, &ok);
+            const uint64_t v = wait_reaching(mine.tail(k_ring), base + 2 + n, 0, [&] { give_back(n); }, w,
+                                             kOpDispatchNvlTail, d_me * L + l, __LINE__, &ok);
             if (!ok) break;
             avail = static_cast<int>(v - base - 1);
         }
@@ -291,11 +280,9 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
     int avail = 0;
     for (int k = 0; k < n; ++k) {
         if (k >= avail) {
-            uint64_t v = warp_acquire(sig.tail(i));
-            if (v < base_r + 2 + k) {
-                give_back();  // about to wait for the source, which may be waiting for ring space
-                v = wait_at_least(sig.tail(i), base_r + 2 + k, w, kOpDispatchTail, d, __LINE__, &ok);
-            }
+            // Before waiting for the source, give back everything read (it may be waiting for ring space).
+            const uint64_t v = wait_reaching(sig.tail(i), base_r + 2 + k, 0, give_back, w, kOpDispatchTail, d,
+                                             __LINE__, &ok);
             if (!ok) break;
             avail = static_cast<int>(v - base_r - 1);
         }

@@ -176,6 +176,23 @@ __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* word, uint64_t
     return warp_acquire(word);
 }
 
+// Warp-wide: make sure `word` has reached `need`. `seen` is the last value this warp acquired from it (0: none)
+// and is trusted while it suffices; otherwise the word is read again, and only if the fresh value is short too
+// does the warp run `before_wait` (hand over or give back what the peer may be waiting for: publishing drains
+// this warp's stores, so doing it on every call would serialize the rows) and wait. Returns a value every lane
+// has seen (0 on timeout/abort, with *ok cleared; nothing runs once *ok is clear).
+template <class BeforeWait>
+__device__ __forceinline__ uint64_t wait_reaching(const uint64_t* word, uint64_t need, uint64_t seen,
+                                                  BeforeWait&& before_wait, const WaitCtx& w, int op, int peer,
+                                                  int line, bool* ok) {
+    if (!*ok) return 0;
+    if (seen >= need) return seen;
+    seen = warp_acquire(word);
+    if (seen >= need) return seen;
+    before_wait();
+    return wait_at_least(word, need, w, op, peer, line, ok);
+}
+
 // Diagnostics: a warp's time in its role, from construction to stop() (nothing without the define).
 struct WarpClock {
 #if DEEPEP_CUPY_WAIT_PROFILE
