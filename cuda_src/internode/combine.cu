@@ -162,13 +162,13 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     long long nbase = 0;
     if (L > 1 && lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
     int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back
-    // NVLink slots go back in batches (a release store is a system-scope fence), and all before a wait.
+    // NVLink slots go back in batches (a store over NVLink each), and all before a wait.
     auto hand_back = [&]() {
         if constexpr (L == 1) return;
         __syncwarp();
         if (lane < L && taken > returned) {
-            st_release_sys(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
-                           static_cast<uint64_t>(nbase) + taken);
+            give_back_store(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
+                            static_cast<uint64_t>(nbase) + taken);
             returned = taken;
         }
         __syncwarp();
@@ -328,7 +328,6 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
                 for (int q = 0; q < NR; ++q) m = min(m, claim[q * D + lane]);
                 const int old = atomicMax(&sh->released[lane], m);
                 if (m > old) {
-                    nvshmem_fence();
                     nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD,
                                        lane * L + l_me);
                 }
@@ -338,7 +337,6 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             return;
         }
         if (lane < D && lane != own && pending > 0) {
-            nvshmem_fence();
             nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(pending), NVSHMEM_SIGNAL_ADD,
                                lane * L + l_me);
             pending = 0;

@@ -19,7 +19,7 @@ struct ForwardShared {
 
 // Return to source domain d the RDMA units every forwarder warp is done with. Lane 0 only. Several warps
 // may return at once: atomicMax hands each increment to exactly one of them, and ADD makes the order in
-// which the increments land irrelevant.
+// which the increments land irrelevant (and needs no fence: give_back_store in layout.cuh).
 template <int L, int D>
 __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Signals& sig, int c, int d, int d_me,
                                              int l_me) {
@@ -28,7 +28,6 @@ __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Sign
     for (int j = 0; j < L; ++j) m = min(m, static_cast<volatile int*>(&sh.progress[d][0])[j]);
     const int old = atomicMax(&sh.released[d], m);
     if (m > old) {
-        nvshmem_fence();
         nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD, d * L + l_me);
     }
 }
@@ -197,13 +196,13 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
     __syncwarp();
-    if (lane == 0) st_release_sys(writer.head(c * L + l_me), base + 1);
+    if (lane == 0) give_back_store(writer.head(c * L + l_me), base + 1);
     int avail = 0, released = 0;
-    // Slots go back in batches (a release store is a system-scope fence), and all of them before a wait.
+    // Slots go back in batches (a store over NVLink each), and all of them before a wait.
     auto give_back = [&](int upto) {
         __syncwarp();
         if (upto > released) {
-            if (lane == 0) st_release_sys(writer.head(c * L + l_me), base + 1 + upto);
+            if (lane == 0) give_back_store(writer.head(c * L + l_me), base + 1 + upto);
             released = upto;
         }
         __syncwarp();
@@ -255,16 +254,16 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
         if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = first_row;
     }
     // This warp is the ring's one reader, so it gives the units it read back as their count (a SET, not the
-    // ADDs of several forwarders): a fence and a store into the source's word where the source is reachable by
-    // stores, else nvshmem_fence and a signal. Lane 0, after the lanes met (their loads of those slots returned).
+    // ADDs of several forwarders): a store into the source's word where the source is reachable by stores
+    // (give_back_store), else nvshmem_fence and a signal. Lane 0, after the lanes met (their loads of those
+    // slots returned).
     uint64_t* const peer_head =
         a.force_rma ? nullptr : static_cast<uint64_t*>(nvshmem_ptr(sig.head(c * D + d_me), d));
     int done = 1, returned = 0;  // units read (the meta record, then slots), and given back
     auto give_back = [&]() {
         if (lane == 0 && done > returned) {
             if (peer_head != nullptr) {
-                fence_acq_rel_sys();
-                st_relaxed_sys(peer_head, base_r + done);
+                give_back_store(peer_head, base_r + done);
             } else {
                 nvshmem_fence();
                 nvshmemx_signal_op(sig.head(c * D + d_me), base_r + done, NVSHMEM_SIGNAL_SET, d);
