@@ -307,6 +307,7 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
         engine.combine_warps, engine.combine_unroll = warps, unroll
         engine.use_copy_combine = chunk is not None
         engine.copy_chunk_rows = chunk or DEFAULT_CHUNK_ROWS
+        engine.publish_batch = None if chunk else send  # the combine's batch is not the config's (engine.py)
         cfg = Config(num_sms, send, recv)
 
         def op():

@@ -104,11 +104,15 @@ def plan_points(sms_list, send_list, recv_list, builtin: dict) -> dict:
     """``{sms: [(op, send, recv), ...]}``: every point to time, the built-in configs' points included.
 
     One handle is made per SM count (cached dispatch and combine run with the channels of the handle), so
-    the points are grouped by SM count.
+    the points are grouped by SM count. The combine takes only the built-in send chunk: it publishes every
+    token whatever the config's chunk (``COMBINE_PUBLISH_BATCH`` in ``ops/intranode/engine.py``).
     """
     plan: dict = {}
+    sends = {op: send_list for op in tuning.OPS}
+    if "combine" in builtin:
+        sends["combine"] = (builtin["combine"].num_max_nvl_chunked_send_tokens,)
     for sms in sms_list:
-        plan[sms] = [(op, send, recv) for op in tuning.OPS for recv in recv_list for send in send_list
+        plan[sms] = [(op, send, recv) for op in tuning.OPS for recv in recv_list for send in sends[op]
                      if send < recv]
     for op, cfg in builtin.items():
         point = (op, cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_nvl_chunked_recv_tokens)

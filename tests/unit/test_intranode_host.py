@@ -273,6 +273,22 @@ def test_publish_batch_args():
     assert d["publish_batch"] == 4
 
 
+
+@pytest.mark.parametrize("tuned", [None, 3])
+def test_combine_batch_ignores_the_config(tuned):
+    """The ring combine's publish batch is the engine's (COMBINE_PUBLISH_BATCH, or the tuning attribute), never
+    the config's send chunk; the dispatch's follows the config unless the attribute is set."""
+    from types import SimpleNamespace
+
+    Engine = intranode.IntranodeEngine
+    engine = SimpleNamespace(publish_batch=tuned, _checked_batch=Engine._checked_batch)
+    cfg = Config(24, 9, 256)
+    assert Engine.combine_batch(engine) == (intranode.COMBINE_PUBLISH_BATCH if tuned is None else tuned)
+    assert Engine.batch(engine, cfg) == (9 if tuned is None else tuned)
+    engine.publish_batch = 0
+    with pytest.raises(ValueError, match="publish batch"):
+        Engine.combine_batch(engine)
+
 # ------------------------------------------------------------------------------------------- argument packing
 def test_notify_args_match_kernel_signature():
     params = kernel_params(CUDA_SRC / "notify.cu", "notify")

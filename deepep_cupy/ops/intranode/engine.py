@@ -8,10 +8,11 @@ flight per lane. Everything else is a runtime argument.
 Channels: ``C = config.num_sms // 2``; channel ``c`` is the token range ``[c * ceil(N/C), ...)`` of
 every rank and gets one sender and one receiver block, so a kernel uses ``2 * C`` SMs. Cached dispatch
 and combine use the channel count of the handle. Of the config, ``num_max_nvl_chunked_recv_tokens`` is
-the ring capacity (slots per channel and peer); ``num_max_nvl_chunked_send_tokens`` is the publish batch:
-a warp writes that many consecutive tokens of a ring, then publishes their slot flags after one
-system-scope fence, and the receiver hands slots back in the same runs (clamped to
-``min(32, ceil(cap / 2))``, see :func:`publish_batch`; 1 is the old one-release-per-token protocol).
+the ring capacity (slots per channel and peer); ``num_max_nvl_chunked_send_tokens`` is the ring-mode
+dispatch's publish batch: a warp writes that many consecutive tokens of a ring, then publishes their slot
+flags after one system-scope fence, and the receiver hands slots back in the same runs (clamped to
+``min(32, ceil(cap / 2))``, see :func:`publish_batch`; 1 is the old one-release-per-token protocol). The
+ring-mode combine publishes every token (:data:`COMBINE_PUBLISH_BATCH`).
 
 Timeouts: every wait in the kernels gives up after ``timeout_s`` (``$DEEPEP_CUPY_TIMEOUT_S``, default
 100 s) and leaves a record that the host turns into :class:`~deepep_cupy.errors.DeepEPTimeoutError`
@@ -94,6 +95,12 @@ COMBINE_SHAPE_TABLE = (
 # combine 763 / 833 / 942 us at 24 / 12 / 8 SMs against 687 / 997 / 1524 in the ring mode (the copy mode on 24
 # SMs over a handle of 12: 765 us).
 COPY_COMBINE_MAX_SMS = 16
+
+# The ring-mode combine publishes every token, whatever the config's send chunk: 4 x H200, 4096 x 7168, top-8 of
+# 256, 24 SMs, 4 ranks: in the bench's sweep a batch of 1 or 4 took 703-713 us and 8 took 787; DeepEP's own
+# test, sweeping the chunk, found 1 the best (641 us); through tools/deepep_normal.py with DeepEP's recommended
+# Config(24, 9, 256), 854-870 us with the config's 9 and 654 with 1 (DeepEP: 594).
+COMBINE_PUBLISH_BATCH = 1
 
 
 def _covers(row, num_ranks: int, num_sms: int | None) -> bool:
@@ -246,7 +253,8 @@ class IntranodeEngine(EngineHealth):
         self_warps: warps of a dispatch sender block that copy local tokens (None: :func:`default_self_warps`).
         recv_self_warps: warps of a dispatch receiver block that copy local tokens (None:
             :func:`default_recv_self_warps`). The local copy is shared by both groups.
-        publish_batch: tokens per flag publish (None: ``config.num_max_nvl_chunked_send_tokens``).
+        publish_batch: tokens per flag publish (None: ``config.num_max_nvl_chunked_send_tokens`` for a dispatch,
+            :data:`COMBINE_PUBLISH_BATCH` for a combine).
         use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
             False: always the ring mode with ordinary allocations.
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
@@ -364,7 +372,19 @@ class IntranodeEngine(EngineHealth):
     kind, op_names, overflow_op = "intranode", OP_NAMES, OP_DISPATCH_OVERFLOW
 
     def batch(self, config) -> int:
-        batch = self.publish_batch if self.publish_batch is not None else config.num_max_nvl_chunked_send_tokens
+        """Tokens per publish of a ring-mode dispatch: :attr:`publish_batch`, else the config's
+        ``num_max_nvl_chunked_send_tokens``."""
+        return self._checked_batch(self.publish_batch if self.publish_batch is not None
+                                   else config.num_max_nvl_chunked_send_tokens)
+
+    def combine_batch(self) -> int:
+        """Tokens per publish of a ring-mode combine: :attr:`publish_batch`, else
+        :data:`COMBINE_PUBLISH_BATCH`, whatever the config's send chunk (DeepEP's chunk sizes suit its
+        kernels, not this one; the results are the same for any batch)."""
+        return self._checked_batch(self.publish_batch if self.publish_batch is not None else COMBINE_PUBLISH_BATCH)
+
+    @staticmethod
+    def _checked_batch(batch) -> int:
         batch = int(batch)
         if batch <= 0:
             raise ValueError(f"the publish batch must be positive, got {batch}")

@@ -279,7 +279,7 @@ class CombinePlan(NormalPlan):
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
             hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
             layout=layout, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            batch=engine.batch(config), run_claims=engine.work_claims.data.ptr)
+            batch=engine.combine_batch(), run_claims=engine.work_claims.data.ptr)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, launch_args(named))
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
