@@ -26,6 +26,23 @@ import torch
 import torch.distributed as dist
 
 
+def import_deep_ep():
+    """``import deep_ep``. With ``DEEPEP_CUPY_AS_DEEP_EP`` set where the library's start-up hook is not installed
+    (a source checkout on ``PYTHONPATH``, as on the GPU machines), through ``deepep_cupy.as_deep_ep()``: the
+    variable alone would leave ``deep_ep`` missing there."""
+    import sys
+
+    flag = os.environ.get("DEEPEP_CUPY_AS_DEEP_EP", "").strip().lower()
+    if flag not in ("", "0", "false", "no", "off") and \
+            not any(getattr(f, "_deepep_cupy_alias", False) for f in sys.meta_path):
+        import deepep_cupy
+
+        deepep_cupy.as_deep_ep(force=flag == "force")
+    import deep_ep
+
+    return deep_ep
+
+
 def init_group(port: int = 29533) -> tuple[int, int]:
     """(rank, size) of an NCCL process group over Open MPI's or torchrun's variables, one GPU a rank."""
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0)))
@@ -70,7 +87,7 @@ def _events_each(fn, n: int) -> float:
 
 
 def main() -> None:
-    import deep_ep
+    deep_ep = import_deep_ep()
     from deep_ep.utils import EventHandle, EventOverlap
 
     rank, size = init_group()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deepep_compare import events_over, init_group  # noqa: E402  (after the path)
+from deepep_compare import events_over, import_deep_ep, init_group  # noqa: E402  (after the path)
 
 # DeepEP's recommended chunk sizes (send, recv) for the normal kernels by rank count.
 DISPATCH_CHUNKS = {2: (24, 256), 4: (6, 256), 8: (6, 256)}
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--park-cycles", type=int, default=40_000_000)
     args = p.parse_args()
     rank, size = init_group(29534)
-    import deep_ep
+    deep_ep = import_deep_ep()
 
     group = dist.new_group(list(range(size)))
     tokens, hidden, experts, topk = 4096, 7168, 256, 8

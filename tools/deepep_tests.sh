@@ -38,7 +38,7 @@ run_one() {  # library (deepep_cupy | deepep), test
             LD_LIBRARY_PATH="$NVSHMEM_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
             timeout "$LIMIT" python3 $script) > "$log" 2>&1
     else
-        (cd "$DEEPEP/tests" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" DEEPEP_CUPY_AS_DEEP_EP=1 \
+        (cd "$DEEPEP/tests" && PYTHONPATH="$ROOT${ALIAS_PATH:+:$ALIAS_PATH}${PYTHONPATH:+:$PYTHONPATH}" DEEPEP_CUPY_AS_DEEP_EP=1 \
             timeout "$LIMIT" python3 $script) > "$log" 2>&1
     fi
     rc=$?
@@ -47,6 +47,18 @@ run_one() {  # library (deepep_cupy | deepep), test
     grep -E "avg_t|Kernel performance|Best|bandwidth|dispatch|combine" "$log" | grep -E "us|GB/s|passed" | tail -12
     if [ $rc -ne 0 ]; then tail -8 "$log"; fi
 }
+
+# DEEPEP_CUPY_AS_DEEP_EP acts through deepep_cupy_alias.pth, which a pip install puts into site-packages. Run from
+# a source checkout (PYTHONPATH only) it is not there, and DeepEP's scripts, whose spawned workers import deep_ep
+# too, would find none: give those runs a folder with the hook and a sitecustomize.py that loads it.
+ALIAS_PATH=
+if ! DEEPEP_CUPY_AS_DEEP_EP=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    'import sys; sys.exit(not any(getattr(f, "_deepep_cupy_alias", False) for f in sys.meta_path))' 2>/dev/null; then
+    ALIAS_PATH=$(mktemp -d /tmp/deepep-cupy-alias.XXXXXX)
+    cp "$ROOT/deepep_cupy/deepep_cupy_alias.pth" "$ALIAS_PATH/"
+    printf 'import site\nsite.addsitedir(%s)\n' "'$ALIAS_PATH'" > "$ALIAS_PATH/sitecustomize.py"
+    echo "deepep_cupy's start-up hook is not installed: loading it from $ALIAS_PATH for its runs"
+fi
 
 LIBS=${LIBS:-deepep deepep_cupy}
 for test in $TESTS; do
