@@ -27,17 +27,14 @@ import torch.distributed as dist
 
 
 def import_deep_ep():
-    """``import deep_ep``. With ``DEEPEP_CUPY_AS_DEEP_EP`` set where the library's start-up hook is not installed
-    (a source checkout on ``PYTHONPATH``, as on the GPU machines), through ``deepep_cupy.as_deep_ep()``: the
-    variable alone would leave ``deep_ep`` missing there."""
-    import sys
+    """``import deep_ep``. With ``DEEPEP_CUPY_AS_DEEP_EP`` set, through ``deepep_cupy.as_deep_ep()``, which works
+    where the library's start-up hook is not installed too (a source checkout on ``PYTHONPATH``, as on the GPU
+    machines): the variable alone would leave ``deep_ep`` missing there. Unset, deepep_cupy is not imported."""
+    if os.environ.get("DEEPEP_CUPY_AS_DEEP_EP"):
+        from deepep_cupy import alias
 
-    flag = os.environ.get("DEEPEP_CUPY_AS_DEEP_EP", "").strip().lower()
-    if flag not in ("", "0", "false", "no", "off") and \
-            not any(getattr(f, "_deepep_cupy_alias", False) for f in sys.meta_path):
-        import deepep_cupy
-
-        deepep_cupy.as_deep_ep(force=flag == "force")
+        if alias._mode() != "off":  # the variable read as the hook reads it (0, false, ... turn it off)
+            return alias.as_deep_ep()
     import deep_ep
 
     return deep_ep

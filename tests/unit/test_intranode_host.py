@@ -273,7 +273,6 @@ def test_publish_batch_args():
     assert d["publish_batch"] == 4
 
 
-
 @pytest.mark.parametrize("tuned", [None, 3])
 def test_combine_batch_ignores_the_config(tuned):
     """The ring combine's publish batch is the engine's (COMBINE_PUBLISH_BATCH, or the tuning attribute), never
@@ -288,6 +287,7 @@ def test_combine_batch_ignores_the_config(tuned):
     engine.publish_batch = 0
     with pytest.raises(ValueError, match="publish batch"):
         Engine.combine_batch(engine)
+
 
 # ------------------------------------------------------------------------------------------- argument packing
 def test_notify_args_match_kernel_signature():
