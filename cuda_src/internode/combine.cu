@@ -435,7 +435,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
     const int sub = warp / W, c = (blockIdx.x / 2) * S + sub;
     // With one rank a domain the two sides alternate by channel; with more, the forwarders (what the rest
-    // waits for) keep an SM of their own, where they were faster (docs/design/internode.md).
+    // waits for) keep an SM of their own, where they were faster (docs/design/internode_measurements.md).
     const bool sending = L == 1 ? sends_here(sub) : blockIdx.x % 2 == 0;
     __shared__ ReduceShared<D, NR> reduce_shared[NR > 1 ? S : 1];
     if (NR > 1) {

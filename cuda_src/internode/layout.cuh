@@ -247,7 +247,7 @@ enum PhaseCode : int {
 // Which block of an SM pair runs the sending side of channel `sub` of the pair's S (dispatch: the RDMA
 // senders; combine with L == 1: the forwarders), the other block its receiving side: alternating by channel,
 // so that each SM carries both sides' bytes instead of one SM of the pair waiting for the other
-// (docs/design/internode.md, "Sides alternating by channel").
+// (docs/design/internode_measurements.md, "Sides alternating by channel").
 __device__ __forceinline__ bool sends_here(int sub) { return ((blockIdx.x ^ static_cast<unsigned>(sub)) & 1) == 0; }
 
 // Warp-collective put of `bytes` from local symmetric `src` to `dst` on `pe`, then a signal op on `sig`.
@@ -318,7 +318,8 @@ constexpr int kCopyUnroll = 16;
 
 // The dispatch's loads a lane in flight by its block's warps: in 1024-thread blocks a thread has 64 registers,
 // which sixteen int4 would fill alone, so 14 there (a row of 7168 is still two batches in BF16 and one in FP8,
-// and the copies spill less); 8 measured slower, and the combine's one-row copy keeps 16 (docs/design/internode.md).
+// and the copies spill less); 8 measured slower, and the combine's one-row copy keeps 16
+// (docs/design/internode_measurements.md).
 constexpr int dispatch_copy_unroll(int warps) { return warps >= 32 ? 14 : kCopyUnroll; }
 
 template <bool kL2Only, int U>

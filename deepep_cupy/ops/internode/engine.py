@@ -271,7 +271,7 @@ class InternodeEngine(EngineHealth):
         sender warps write them straight into the outputs, ``send_own`` in dispatch.cu; with more, they cross
         the NVLink forwarder like everyone's). Those warps share the SM with the warps that push the rows for
         the other domains: with 2 domains the SM that sends moved twice the bytes of the one that receives,
-        and the copy engines took 12-29% off the dispatch at 24-8 SMs (docs/design/internode.md). With 4
+        and the copy engines took 12-29% off the dispatch at 24-8 SMs (docs/design/internode_measurements.md). With 4
         domains a rank's own tokens of DeepEP's routing make more than ``own_rows.MAX_RUNS`` runs, so the SMs
         keep them (the same times either way there)."""
         if self.num_nvl_ranks != 1:
