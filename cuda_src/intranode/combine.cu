@@ -6,7 +6,7 @@
 // Sender block of channel c: warps split evenly over the R - 1 peers. For peer d, the rows this rank
 // received from d in channel c are rows (rows before d) + recv_channel_prefix_matrix[d][c] + i, i < n.
 // Rows go in runs of B = clamp_batch(publish_batch, cap) consecutive indices (B <= 32 / R), run k to warp
-// k % (group size): the warp copies each row i (and its top-k weights) into slot i % cap of ring (c, me)
+// k % (group size): the warp copies (kSendUnroll loads a lane in flight) each row i (and its top-k weights) into slot i % cap of ring (c, me)
 // in d's buffer, after waiting for the "slot free" word when i >= cap, and at the end of the run
 // publishes all the run's slot flags (seq << 32 | i) after one system fence.
 // Rows this rank received from itself are not sent: the receiver reads them from x directly.
@@ -45,6 +45,15 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, int* __restrict__ run_claims,
         ErrorRecord* err, long long timeout_ns, int rank) {
     constexpr int R = kNumRanks;
+    // The pushes keep at least 4 loads a lane in flight, whatever the sums' unroll (2 with more than two
+    // ranks, for their registers): 4 x H200, 4 ranks, 32 x 2, 4096 x 7168, top-8 of 256, two passes each,
+    // 644-654 / 796-801 / 1111-1156 us at 24 / 12 / 8 SMs against 690-696 / 872-876 / 1180-1219 with 2.
+    constexpr int kSendUnroll = kUnroll < 4 ? 4 : kUnroll;
+    // The sums load every rank's words of a step before adding any where that fits: 4 ranks x 2 (ptxas spills
+    // 96 bytes at 32 warps), the same machine and workload, two passes each: 633-637 / 757-764 us at 24 / 12
+    // SMs against 644-654 / 796-801 loading one rank at a time (8 SMs: 1128-1144 against 1111-1156). The copy
+    // mode's kernel, with other registers live, keeps one rank at a time above 2 ranks.
+    constexpr bool kLoadsFirst = R <= 2 || (R <= 4 && R * kUnroll <= 8);
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -89,8 +98,8 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                     }
                     uint8_t* slot_ptr = ring + static_cast<long long>(slot) * slot_bytes;
                     const long long row = row_base + idx;
-                    warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), x + row * hidden_int4, hidden_int4,
-                                          lane);
+                    warp_copy_nc<kSendUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), x + row * hidden_int4,
+                                              hidden_int4, lane);
                     if (topk_weights != nullptr) {
                         float* slot_w = reinterpret_cast<float*>(slot_ptr + slot_topk_weights_offset);
                         for (int j = lane; j < num_topk; j += 32) slot_w[j] = topk_weights[row * num_topk + j];
@@ -165,8 +174,8 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                     }
                 }
 
-                sum_token<R, kUnroll>(rows, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
-                                      combined_x, lane);
+                sum_token<R, kUnroll, false, kLoadsFirst>(rows, bias_0, bias_1, static_cast<long long>(t) * hidden_int4,
+                                                          hidden_int4, combined_x, lane);
                 if (combined_topk_weights != nullptr) {
                     const float* w[R];
 #pragma unroll

@@ -44,13 +44,13 @@ __device__ __forceinline__ void bias_acc(float (&acc)[8], const int4* __restrict
 // One step of sum_token: words j, j + 32, ..., j + 32 * (kUnroll - 1) of the row. kChecked: the row's last,
 // partial step (words past hidden_int4 are neither loaded nor stored); the full steps test nothing, as the
 // few-SM combine is bound by instruction issue.
-template <int R, int kUnroll, bool kStaged, bool kChecked>
+template <int R, int kUnroll, bool kStaged, bool kChecked, bool kLoadsFirst>
 __device__ __forceinline__ void sum_step(const int4* const (&rows)[R], const int4* __restrict__ bias_0,
                                          const int4* __restrict__ bias_1, long long out_row, int j, int hidden_int4,
                                          int4* __restrict__ combined_x) {
-    if constexpr (R <= 2) {
-        // Few ranks: every rank's loads of the step are issued before any is summed (more bytes in flight),
-        // and one accumulator of 8 floats is live at a time.
+    if constexpr (kLoadsFirst) {
+        // Every rank's loads of the step are issued before any is summed (more bytes in flight), and one
+        // accumulator of 8 floats is live at a time.
         int4 v[R][kUnroll];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -71,6 +71,7 @@ __device__ __forceinline__ void sum_step(const int4* const (&rows)[R], const int
             st_na_v4(combined_x + out_row + k, pack_bf16x8(acc));
         }
     } else {
+        // One rank's loads at a time, an accumulator per load (fewer registers with many ranks).
         float acc[kUnroll][8];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
@@ -95,16 +96,17 @@ __device__ __forceinline__ void sum_step(const int4* const (&rows)[R], const int
 // Row of token t: rows[r] is rank r's row (nullptr: rank r did not get the token). Every row is read from L2
 // (peers or copies wrote the peers' rows; this rank's own row, in x, is read once as well), kStaged: rows the
 // copy engines wrote before a flag the caller acquired, read with 256-byte L2 requests. Lane-strided 16-byte
-// words, kUnroll a lane a step.
-template <int R, int kUnroll, bool kStaged = false>
+// words, kUnroll a lane a step; kLoadsFirst: a step loads every rank's words before adding any (R * kUnroll
+// words a lane live at once), else one rank's at a time.
+template <int R, int kUnroll, bool kStaged = false, bool kLoadsFirst = (R <= 2)>
 __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], const int4* __restrict__ bias_0,
                                           const int4* __restrict__ bias_1, long long out_row, int hidden_int4,
                                           int4* __restrict__ combined_x, int lane) {
     const int full = hidden_int4 - hidden_int4 % (32 * kUnroll);
     for (int base = 0; base < full; base += 32 * kUnroll)
-        sum_step<R, kUnroll, kStaged, false>(rows, bias_0, bias_1, out_row, base + lane, hidden_int4, combined_x);
+        sum_step<R, kUnroll, kStaged, false, kLoadsFirst>(rows, bias_0, bias_1, out_row, base + lane, hidden_int4, combined_x);
     if (full < hidden_int4)
-        sum_step<R, kUnroll, kStaged, true>(rows, bias_0, bias_1, out_row, full + lane, hidden_int4, combined_x);
+        sum_step<R, kUnroll, kStaged, true, kLoadsFirst>(rows, bias_0, bias_1, out_row, full + lane, hidden_int4, combined_x);
 }
 
 // Top-k weights of one token: w[r] is rank r's weights row (nullptr: none).
