@@ -17,7 +17,7 @@ from deepep_cupy.reference import normal
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
 
 
-def _model_copy_combine(ys, ws, handles, chunk_rows):
+def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1):
     """Every rank runs its copy schedule into byte arrays standing for the homes' staging areas (poisoned
     first), counting the chunks each flag reports; then every home sums as the kernel does, reading only rows
     whose chunk the flag covers."""
@@ -31,7 +31,7 @@ def _model_copy_combine(ys, ws, handles, chunk_rows):
     for p in range(R):
         np.testing.assert_array_equal(handles[p][0], counts)  # every rank has the same matrix
         last = {}
-        for h, kind, dst, src, n, done in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows):
+        for h, kind, dst, src, n, done in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows, rounds):
             data = (ys[p] if kind == "x" else ws[p])[src:src + n].tobytes()
             assert dst + len(data) <= used[h] and src + n <= ys[p].shape[0]
             staging[h][dst:dst + len(data)] = np.frombuffer(data, np.uint8)
@@ -68,16 +68,17 @@ def _model_copy_combine(ys, ws, handles, chunk_rows):
     return outs, out_ws
 
 
+@pytest.mark.parametrize("rounds", [1, 3])
 @pytest.mark.parametrize("R,C,n_tokens,chunk_rows", [(2, 3, 37, 4), (3, 2, 0, 1), (4, 5, 23, 3), (2, 12, 1, 512),
                                                      (8, 4, 50, 7), (2, 1, 100, 16)])
-def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows):
+def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows, rounds):
     rng = np.random.default_rng(R * 10 + chunk_rows)
     xs, in_ranks, topks, per_experts = model_inputs(rng, R, n_tokens, skew=True, H=8)
     refs = reference_dispatch(xs, in_ranks, topks, per_experts, C)
     handles = [refs[me][5] for me in range(R)]
     ys = [rng.standard_normal(refs[me][0].shape).astype(np.float32) for me in range(R)]
     ws = [rng.standard_normal((refs[me][0].shape[0], 3)).astype(np.float32) for me in range(R)]
-    combined, combined_w = _model_copy_combine(ys, ws, handles, chunk_rows)
+    combined, combined_w = _model_copy_combine(ys, ws, handles, chunk_rows, rounds)
 
     def ref_combine(group):
         me = group.rank
@@ -103,12 +104,31 @@ def test_staging_layout_and_fit():
     # after home 1's rows from rank 0 in its staging area); weights first.
     sched = CC.copy_schedule(cnt, 2, 32, 2, 2)  # 4 rows in chunks of 2
     assert sched == [(1, "w", 256 + 4 * 8, 0, 4, 0), (1, "x", 4 * 32, 0, 2, 2), (1, "x", 6 * 32, 2, 2, 4)]
-    # Round robin over the homes: rank 1 sends 3 rows to home 2 (x rows 7-9, chunks 1 + 2) and 7 to home 0
-    # (x rows 0-6, chunks 1, 1, 2, 1, 1, 1).
+    # Rank 1 sends 3 rows to home 2 (x rows 7-9, chunks 1 + 2) and 7 to home 0 (x rows 0-6, chunks 1, 1, 2, 1,
+    # 1, 1): home 2 (= 1 + 1) first, then home 0, each home's chunks in order.
     sched = CC.copy_schedule(cnt, 1, 32, 0, 2)
-    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 1), (0, 1), (2, 3), (0, 2), (0, 4), (0, 5), (0, 6),
+    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 1), (2, 3), (0, 1), (0, 2), (0, 4), (0, 5), (0, 6),
                                                                (0, 7)]
-    assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 8, 1, 2, 4, 5, 6]
+    assert [src for h, kind, _, src, _, _ in sched] == [7, 8, 0, 1, 2, 4, 5, 6]
+    # Two rounds: the first part of every block (home 2: 1 row; home 0: 3 rows, chunks 1 + 2), then the second.
+    sched = CC.copy_schedule(cnt, 1, 32, 0, 2, rounds=2)
+    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 1), (0, 1), (0, 3), (2, 3), (0, 5), (0, 7)]
+    assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 1, 8, 3, 5]
+    with pytest.raises(ValueError, match="rounds"):
+        CC.copy_schedule(cnt, 1, 32, 0, 2, rounds=0)
+
+
+def test_homes_take_turns_in_a_permutation():
+    """At each turn of the ordered schedule every rank copies into a different home (no home gets two
+    sources' copies at once while every rank keeps pace)."""
+    R = 4
+    cnt = [[5 if q != h else 0 for q in range(R)] for h in range(R)]
+    for rounds in (1, 2, 5):
+        turns = [[h for h, kind, *_ in CC.copy_schedule(cnt, me, 16, 0, 5, rounds) if kind == "x"]
+                 for me in range(R)]
+        for k in range(rounds * (R - 1)):
+            assert sorted(t[k] for t in turns) == list(range(R))
+            assert all(t[k] == (me + 1 + k % (R - 1)) % R for me, t in enumerate(turns))
 
 
 def test_chunk_sizes_taper_at_both_ends():

@@ -28,13 +28,14 @@ from ..kernel_names import intranode_combine_copy
 from ..plan import launch_args
 from . import layout as L
 
-__all__ = ["IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule", "fits", "home_counts",
-           "staging_layout", "stream_writes_supported"]
+__all__ = ["DEFAULT_CHUNK_ROWS", "DEFAULT_COPY_ROUNDS", "IntranodeHandle", "CopyCombine", "chunk_sizes",
+           "combine_copy_spec", "copy_schedule", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
 # 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call).
 DEFAULT_CHUNK_ROWS = 1024
+DEFAULT_COPY_ROUNDS = 1
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
 
@@ -104,26 +105,38 @@ def chunk_sizes(n: int, chunk_rows: int) -> list[int]:
     return [q, h] + [chunk_rows] * (middle // chunk_rows) + ([middle % chunk_rows] if middle % chunk_rows else []) + [h, q]
 
 
-def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int):
+def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds: int = 1):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
     row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
-    weights, all at once, first) or "x" (a chunk of rows, followed by its flag); chunks go round-robin over
-    the homes so that all progress."""
+    weights, all at once, first) or "x" (a chunk of rows, followed by its flag).
+
+    Each home's block is cut into ``rounds`` parts of about equal rows (each part in chunks, ``chunk_sizes``);
+    in every round the homes take their turns in the order ``me + 1, me + 2, ...``, so at each turn every rank
+    copies into a different home. Fewer rounds keep a copy engine on one destination longer: it moves about
+    360 GB/s out of a GPU when consecutive copies keep one destination and about 230 GB/s when they alternate
+    between three (4 x H200, chunks of 1024 rows). More rounds let every home's sums start earlier: a token is
+    summed once the parts holding its rows from every source have landed."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     R = len(cnt)
     homes = [(me + i) % R for i in range(1, R)]
-    out, chunks = [], {}
+    out, parts = [], {}
     for h in homes:
         first, weights_offset, _ = staging_layout(cnt, h, hidden_bytes, num_topk)
         src = sum(cnt[q][me] for q in range(h))  # rows me received from ranks before h
         n = cnt[h][me]
         if n and num_topk:
             out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, 0))
-        chunks[h], done = [], 0
-        for size in chunk_sizes(n, chunk_rows):
-            chunks[h].append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
-            done += size
-    for k in range(max((len(c) for c in chunks.values()), default=0)):
-        out += [chunks[h][k] for h in homes if k < len(chunks[h])]
+        parts[h], done = [], 0
+        for k in range(rounds):
+            part, end = [], n * (k + 1) // rounds
+            for size in chunk_sizes(end - done, chunk_rows):
+                part.append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
+                done += size
+            parts[h].append(part)
+    for k in range(rounds):
+        for h in homes:
+            out += parts[h][k]
     return out
 
 
@@ -157,6 +170,7 @@ class CopyCombine:
         self.engine, self.comm_stream = engine, comm_stream
         self.hidden_bytes, self.num_topk = hidden * 2, num_topk
         self.chunk_rows = int(engine.copy_chunk_rows)
+        self.rounds = int(engine.copy_rounds)
         if self.chunk_rows <= 0:
             raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
         pool = engine.output_pool
@@ -194,7 +208,7 @@ class CopyCombine:
         me = self.engine.rank
         prepared = None
         if fits(cnt, self.hidden_bytes, self.num_topk, self.staging_bytes):
-            prepared = (copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows),
+            prepared = (copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows, self.rounds),
                         staging_layout(cnt, me, self.hidden_bytes, self.num_topk)[1])
         self._counts, self._prepared = counts, prepared
         return prepared
