@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from ..buffer import Buffer
 from ..config import Config
 from ..device.group import MPIGroup, comm_barrier
-from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS, DEFAULT_COPY_ROUNDS
+from ..ops.intranode.copy import DEFAULT_CHUNK_ROWS
 from ..ops.intranode.engine import IntranodeEngine
 from ..ops.intranode.plans import direct_combine, direct_dispatch
 from ..ops.layout import get_dispatch_layout
@@ -77,7 +77,7 @@ def _restore_defaults(engine) -> None:
     engine.use_output_pool = True
     engine.use_copy_combine = engine.use_own_row_copies = None
     engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
-    engine.copy_rounds = DEFAULT_COPY_ROUNDS
+    engine.copy_rounds = None
 
 
 def slowest(comm, us: float) -> float:

@@ -118,6 +118,12 @@ def test_staging_layout_and_fit():
         CC.copy_schedule(cnt, 1, 32, 0, 2, rounds=0)
 
 
+def test_default_rounds_by_ranks_and_sms():
+    assert CC.default_rounds(4, 8) == 2 and CC.default_rounds(3, 4) == 2
+    assert CC.default_rounds(4, 12) == 1 and CC.default_rounds(8, 24) == 1
+    assert CC.default_rounds(2, 8) == 1  # one home: no turns to cut
+
+
 def test_homes_take_turns_in_a_permutation():
     """At each turn of the ordered schedule every rank copies into a different home (no home gets two
     sources' copies at once while every rank keeps pace)."""

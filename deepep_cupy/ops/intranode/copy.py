@@ -28,14 +28,18 @@ from ..kernel_names import intranode_combine_copy
 from ..plan import launch_args
 from . import layout as L
 
-__all__ = ["DEFAULT_CHUNK_ROWS", "DEFAULT_COPY_ROUNDS", "IntranodeHandle", "CopyCombine", "chunk_sizes",
-           "combine_copy_spec", "copy_schedule", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
+__all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes",
+           "combine_copy_spec", "copy_schedule", "default_rounds", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
 # 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call).
 DEFAULT_CHUNK_ROWS = 1024
-DEFAULT_COPY_ROUNDS = 1
+# Rounds of turns (copy_schedule) on few SMs: 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, the copy kernel on 8
+# SMs, two calls (three and four passes): 2 rounds 707-789 and 734-760 us, 1 round 817-838 and 791-838. On 12 and
+# 16 SMs they were within each other's spread (2 rounds 639-770, 1 round 681-734), on 24 SMs 2 rounds lost (683-711
+# against 611-620): where the sums are slow, starting them after half the copies pays for the extra turns.
+FEW_SMS_ROUNDS = (8, 2)
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
 
@@ -105,6 +109,13 @@ def chunk_sizes(n: int, chunk_rows: int) -> list[int]:
     return [q, h] + [chunk_rows] * (middle // chunk_rows) + ([middle % chunk_rows] if middle % chunk_rows else []) + [h, q]
 
 
+def default_rounds(num_ranks: int, num_sms: int) -> int:
+    """Rounds of turns of a copy-mode combine whose sums run on ``num_sms`` SMs: :data:`FEW_SMS_ROUNDS` up to
+    its SM count with more than 2 ranks (with one home there are no turns to cut), else 1."""
+    max_sms, rounds = FEW_SMS_ROUNDS
+    return rounds if num_ranks > 2 and num_sms <= max_sms else 1
+
+
 def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds: int = 1):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
     row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
@@ -170,7 +181,8 @@ class CopyCombine:
         self.engine, self.comm_stream = engine, comm_stream
         self.hidden_bytes, self.num_topk = hidden * 2, num_topk
         self.chunk_rows = int(engine.copy_chunk_rows)
-        self.rounds = int(engine.copy_rounds)
+        self.rounds = (default_rounds(engine.num_ranks, num_sms) if engine.copy_rounds is None
+                       else int(engine.copy_rounds))
         if self.chunk_rows <= 0:
             raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
         pool = engine.output_pool

@@ -37,7 +37,7 @@ from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
 from ..own_rows import wanted as own_rows_wanted
 from .args import combine_args, dispatch_args, notify_args, publish_batch
-from .copy import DEFAULT_CHUNK_ROWS, DEFAULT_COPY_ROUNDS, combine_copy_spec, stream_writes_supported
+from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 from .layout import required_bytes
 
 __all__ = [
@@ -261,7 +261,8 @@ class IntranodeEngine(EngineHealth):
             ops/intranode/copy.py); False: always the ring mode; None (default): up to 2 ranks always, above
             on handles of at most :data:`COPY_COMBINE_MAX_SMS` SMs (:meth:`copy_combine`).
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
-        copy_rounds: rounds in which the copy mode's copies visit the homes (``copy.copy_schedule``).
+        copy_rounds: rounds in which the copy mode's copies visit the homes (``copy.copy_schedule``; None, the
+            default: ``copy.default_rounds`` for the copy kernel's SM count).
         use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
             (ops/own_rows.py); False: the SMs copy them; None (default): at few SMs
             (``own_rows.wanted``).
@@ -308,7 +309,7 @@ class IntranodeEngine(EngineHealth):
         self.use_output_pool = True
         self.use_copy_combine: bool | None = None
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
-        self.copy_rounds = DEFAULT_COPY_ROUNDS
+        self.copy_rounds: int | None = None
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         # Tests turn it on at any size.
         self.use_own_row_copies: bool | None = None
