@@ -28,8 +28,8 @@ from ..kernel_names import intranode_combine_copy
 from ..plan import launch_args
 from . import layout as L
 
-__all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes",
-           "combine_copy_spec", "copy_schedule", "default_rounds", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
+__all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
+           "default_rounds", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
