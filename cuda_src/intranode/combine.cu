@@ -6,9 +6,9 @@
 // Sender block of channel c: warps split evenly over the R - 1 peers. For peer d, the rows this rank
 // received from d in channel c are rows (rows before d) + recv_channel_prefix_matrix[d][c] + i, i < n.
 // Rows go in runs of B = clamp_batch(publish_batch, cap) consecutive indices (B <= 32 / R), run k to warp
-// k % (group size): the warp copies (kSendUnroll loads a lane in flight) each row i (and its top-k weights) into slot i % cap of ring (c, me)
-// in d's buffer, after waiting for the "slot free" word when i >= cap, and at the end of the run
-// publishes all the run's slot flags (seq << 32 | i) after one system fence.
+// k % (group size): the warp copies each row i (kSendUnroll loads a lane in flight) and its top-k weights
+// into slot i % cap of ring (c, me) in d's buffer, after waiting for the "slot free" word when i >= cap, and
+// at the end of the run publishes all the run's slot flags (seq << 32 | i) after one system fence.
 // Rows this rank received from itself are not sent: the receiver reads them from x directly.
 //
 // Reduction of channel c: runs of B consecutive tokens of the channel, claimed in order from a per-channel

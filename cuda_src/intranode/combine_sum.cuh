@@ -104,9 +104,11 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], const in
                                           int4* __restrict__ combined_x, int lane) {
     const int full = hidden_int4 - hidden_int4 % (32 * kUnroll);
     for (int base = 0; base < full; base += 32 * kUnroll)
-        sum_step<R, kUnroll, kStaged, false, kLoadsFirst>(rows, bias_0, bias_1, out_row, base + lane, hidden_int4, combined_x);
+        sum_step<R, kUnroll, kStaged, false, kLoadsFirst>(rows, bias_0, bias_1, out_row, base + lane, hidden_int4,
+                                                           combined_x);
     if (full < hidden_int4)
-        sum_step<R, kUnroll, kStaged, true, kLoadsFirst>(rows, bias_0, bias_1, out_row, full + lane, hidden_int4, combined_x);
+        sum_step<R, kUnroll, kStaged, true, kLoadsFirst>(rows, bias_0, bias_1, out_row, full + lane, hidden_int4,
+                                                          combined_x);
 }
 
 // Top-k weights of one token: w[r] is rank r's weights row (nullptr: none).
