@@ -13,11 +13,11 @@ shape, the runtime knobs: for dispatch the warps that copy local tokens in the s
 times the publish batch (``num_max_nvl_chunked_send_tokens``), then the ring capacity
 (``num_max_nvl_chunked_recv_tokens``), all in the ring mode (with an output pool the dispatch takes the
 direct mode, which has none of these knobs: the shapes are swept in it, and rows "(cached, ring mode)" give
-the ring mode at the defaults in the same run); for combine the copy mode's shapes times chunk sizes, then the
-ring mode's shapes and capacity times batch (row "(ring mode)": the ring mode at the defaults). The TOP best points of every
-stage are printed; the row keeps the best point, the engine defaults' time (``default_us``) and the old
-protocol (one release per token, 24 warps, unroll 4, half the sender block on local tokens:
-``old_protocol_us``) measured in the same run.
+the ring mode at the defaults in the same run); for combine the copy mode's shapes times chunk sizes (times
+rounds of turns above 2 ranks), then the ring mode's shapes and capacity times batch (row "(ring mode)": the
+ring mode at the defaults). The TOP best points of every stage are printed; the row keeps the best point, the
+engine defaults' time (``default_us``) and the old protocol (one release per token, 24 warps, unroll 4, half the
+sender block on local tokens: ``old_protocol_us``) measured in the same run.
 
 With several SM counts (``--num-sms 8,12,24``) the layout is timed once and everything else once per count,
 on a handle made at that count; every row records its count (``SMs``).
@@ -51,6 +51,7 @@ SEND_TOKENS = (1, 4, 8, 16, 32)
 DISPATCH_SHAPES = ((24, 8), (24, 4), (24, 7), (16, 8), (16, 14), (32, 4), (32, 8))
 COMBINE_SHAPES = ((16, 8), (24, 4), (24, 2), (16, 4), (32, 2), (32, 4))
 COPY_CHUNK_ROWS = (128, 256, 512, 1024, 4096)
+COPY_ROUNDS = (1, 2)
 # Local-copy warps (sender block, receiver block) as fractions of W (rounded; at least 1 in total).
 SELF_SPLITS = ((0.5, 0.0), (0.25, 0.25), (0.25, 0.0), (0.125, 0.125), (0.0, 0.25), (0.0, 0.5), (0.125, 0.375))
 # Points sampled in the first stage (shape sweep) and default runtime knobs there.
@@ -304,10 +305,11 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
 
     # Combine the received rows (plus their weights): the copy mode's block shapes and chunk sizes, then
     # the ring mode's knobs, swept the same way as the dispatch's.
-    def combine_point(warps, unroll, recv, send, chunk=None):
+    def combine_point(warps, unroll, recv, send, chunk=None, rounds=None):
         engine.combine_warps, engine.combine_unroll = warps, unroll
         engine.use_copy_combine = chunk is not None
         engine.copy_chunk_rows = chunk or DEFAULT_CHUNK_ROWS
+        engine.copy_rounds = rounds
         engine.publish_batch = None if chunk else send  # the combine's batch is not the config's (engine.py)
         cfg = Config(num_sms, send, recv)
 
@@ -315,15 +317,18 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
             direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=cfg,
                            stream=stream)
 
-        what = (f"copy mode, chunk {chunk} rows" if chunk else f"ring mode, recv {recv}, send {send}")
+        what = (f"copy mode, chunk {chunk} rows" + (f", {rounds} rounds" if rounds else "") if chunk
+                else f"ring mode, recv {recv}, send {send}")
         return (timed(op), f"{what}, warps {warps}, unroll {unroll}", (warps, unroll))
 
     name = "intranode combine BF16"
     ref = combine_point(32, 1, 512, 1) if num_ranks <= 2 else combine_point(24, 2, 512, 1)
     c0 = []
     if engine.output_pool is not None and engine.copy_supported:
-        c0 = [combine_point(w, u, STAGE1_RECV, STAGE1_SEND, chunk) for w, u in COMBINE_SHAPES
-              for chunk in COPY_CHUNK_ROWS]
+        # Rounds of turns only exist with several homes (ops/intranode/copy.py, copy_schedule).
+        rounds = COPY_ROUNDS if num_ranks > 2 else (None,)
+        c0 = [combine_point(w, u, STAGE1_RECV, STAGE1_SEND, chunk, r) for w, u in COMBINE_SHAPES
+              for chunk in COPY_CHUNK_ROWS for r in rounds]
         report(name + " copy mode", [p[:2] for p in c0], bf16_bytes)
     c1 = [combine_point(w, u, STAGE1_RECV, STAGE1_SEND) for w, u in COMBINE_SHAPES]
     report(name + " ring mode, shapes", [p[:2] for p in c1], bf16_bytes)
