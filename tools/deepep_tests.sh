@@ -55,6 +55,7 @@ ALIAS_PATH=
 if ! DEEPEP_CUPY_AS_DEEP_EP=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
     'import sys; sys.exit(not any(getattr(f, "_deepep_cupy_alias", False) for f in sys.meta_path))' 2>/dev/null; then
     ALIAS_PATH=$(mktemp -d /tmp/deepep-cupy-alias.XXXXXX)
+    trap 'rm -rf "$ALIAS_PATH"' EXIT
     cp "$ROOT/deepep_cupy/deepep_cupy_alias.pth" "$ALIAS_PATH/"
     printf 'import site\nsite.addsitedir(%s)\n' "'$ALIAS_PATH'" > "$ALIAS_PATH/sitecustomize.py"
     echo "deepep_cupy's start-up hook is not installed: loading it from $ALIAS_PATH for its runs"

@@ -185,6 +185,8 @@ class CopyCombine:
                        else int(engine.copy_rounds))
         if self.chunk_rows <= 0:
             raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
+        if self.rounds < 1:
+            raise ValueError(f"copy_rounds must be at least 1, got {self.rounds}")
         pool = engine.output_pool
         self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
         R, me = engine.num_ranks, engine.rank
