@@ -63,6 +63,9 @@ def command_line() -> argparse.ArgumentParser:
                    help="Config.num_max_rdma_chunked_send_tokens (slots per publish, at most half a ring)")
     p.add_argument("--sms-own-rows", action="store_true",
                    help="also time the reference setting with the own rows copied by the SMs (one rank a domain)")
+    p.add_argument("--ring-rows", action="store_true",
+                   help="also time the reference setting with every row through the NVLink rings (domains of more "
+                        "than one rank: the engine's use_output_pool = False)")
     workload_arguments(p)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -97,8 +100,9 @@ def workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings(args, lsize: int, ndom: int) -> list[tuple]:
-    """``(sms, sub or None, rdma_recv, rdma_send, own_row_copies)``, the reference setting first at each SM count
-    (``own_row_copies`` None: the engine's default; False: the SMs copy the own rows)."""
+    """``(sms, sub or None, rdma_recv, rdma_send, own_row_copies, output_pool)``, the reference setting first at
+    each SM count (``own_row_copies`` None: the engine's default; False: the SMs copy the own rows;
+    ``output_pool`` False: outputs outside the pool, so rows go through the NVLink rings)."""
     from deepep_cupy.ops.internode import layout as IL
 
     top = IL.max_sub_channels(lsize, ndom)
@@ -106,14 +110,16 @@ def settings(args, lsize: int, ndom: int) -> list[tuple]:
     for sms in args.num_sms:
         default = IL.sub_channels(lsize, ndom, sms)  # the default at this SM count
         subs = args.sub_channels or tuple(sorted({min(2, top), min(4, top), default, top}))
-        out.append((sms, None, BENCH_CONFIG[3], BENCH_CONFIG[2], None))
+        out.append((sms, None, BENCH_CONFIG[3], BENCH_CONFIG[2], None, True))
         if args.sms_own_rows and lsize == 1:
-            out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], False))
+            out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], False, True))
+        if args.ring_rows and lsize > 1:
+            out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], None, False))
         for sub, recv, send in itertools.product(subs, args.rdma_recv, args.rdma_send):
             if sub > top or send >= recv:
                 continue
             if (sub, recv, send) != (default, BENCH_CONFIG[3], BENCH_CONFIG[2]):
-                out.append((sms, sub, recv, send, None))
+                out.append((sms, sub, recv, send, None, True))
     return out
 
 
@@ -194,11 +200,11 @@ def main() -> int:
     rank, num_ranks, lsize, ndom = shape
     todo = settings(args, lsize, ndom)
     if rank == 0:
-        subs = [sub if sub is not None else IL.sub_channels(lsize, ndom, sms) for sms, sub, _, _, _ in todo]
+        subs = [sub if sub is not None else IL.sub_channels(lsize, ndom, sms) for sms, sub, _, _, _, _ in todo]
         print(precompile(lsize, ndom, subs, args.jobs), flush=True)
     comm.Barrier()
     hidden = args.hidden
-    cfgs = [config(sms, recv, send) for sms, _, recv, send, _ in todo]
+    cfgs = [config(sms, recv, send) for sms, _, recv, send, _, _ in todo]
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in cfgs)
     # The hint assumes DeepEP's channel count; more channels a block split the same ring bytes, and their
     # meta records (a few KiB) get the slack.
@@ -229,12 +235,12 @@ def main() -> int:
         stream.synchronize()
         layout = buf.get_dispatch_layout(topk_idx, e)
         inputs = (x_bf16, x_fp8, scales_col, topk_idx, topk_weights)
-        for sms, sub, recv, send, own in todo:
-            engine.sub_channels, engine.use_own_row_copies = sub, own
+        for sms, sub, recv, send, own, pool in todo:
+            engine.sub_channels, engine.use_own_row_copies, engine.use_output_pool = sub, own, pool
             cfg = config(sms, recv, send)
             used = engine.channels_per_block(sms)
             cap, chunk, _ = IL.ring_sizes(cfg, used)
-            copies = engine.own_copies
+            copies, placed = engine.own_copies, engine.pool_dispatches
             channels, t, flat = measure(buf, cfg, layout, inputs, timed)
             stream.synchronize()
             engine.check_errors()
@@ -246,7 +252,12 @@ def main() -> int:
                 ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
                 failures += not ok
                 match = "same" if ok else "DIFFERENT"
-            mode = "ce" if engine.own_copies > copies else "sm"  # the copy engines moved own rows in this setting
+            # The copy engines moved own rows in this setting (one rank a domain), or the outputs lay in the
+            # output pool, so the forwarders wrote rows in place (more).
+            if lsize == 1:
+                mode = "ce" if engine.own_copies > copies else "sm"
+            else:
+                mode = "pl" if engine.pool_dispatches > placed else "rg"
             table.append((sms, used if sub is not None else f"{used}*", channels, recv, send, cap, chunk, mode, t,
                           match))
             if rank == 0:

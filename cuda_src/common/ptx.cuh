@@ -269,6 +269,11 @@ __device__ __forceinline__ uint64_t ld_cg_u64(const void* p) {
     asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ long long ld_cg_s64(const void* p) {
+    long long v;
+    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
 
 // Ask L2 for the line holding `p` (no register result, no ordering).
 __device__ __forceinline__ void prefetch_l2(const void* p) {

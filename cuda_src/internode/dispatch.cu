@@ -56,7 +56,15 @@ struct DispatchArgs {
     int rank;
     int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores (tests the network path)
     int own_rows_copied;  // L == 1: the copy engines copy the own domain's rows (ops/own_rows.py); send_own skips them
+    // L > 1 with an output pool (ops/internode/engine.py): the domain ranks' pools as mapped here, indexed by
+    // local rank (null: no pool, so receivers send no reply and every row goes through the NVLink rings).
+    const long long* pool_bases;
+    int outputs_in_pool;  // this rank's outputs of this call lie in its pool: forwarders write them in place
+    long long nvl_reply_offset;
 };
+
+// Words of a receiver's reply before its row bases (layout.py's nvl_layout sizes the replies).
+constexpr int kReplyWords = 8;
 
 template <int L, int D>
 struct Geometry {
@@ -71,6 +79,12 @@ struct Geometry {
     __device__ __forceinline__ int* nvl_meta(int j, int c, int l) const {
         return reinterpret_cast<int*>(nvl_base(a.nvl_bases, j) + a.nvl_meta_offset) +
                (static_cast<long long>(c) * L + l) * D * 2;
+    }
+    // In forwarder `owner`'s buffer: what domain rank j replied to the meta of ring (c, owner -> j), kReplyWords
+    // words then the D row bases (dispatch_forward.cuh).
+    __device__ __forceinline__ long long* nvl_reply(int owner, int c, int j) const {
+        return reinterpret_cast<long long*>(nvl_base(a.nvl_bases, owner) + a.nvl_reply_offset) +
+               (static_cast<long long>(c) * L + j) * (kReplyWords + D);
     }
     __device__ __forceinline__ uint8_t* nvl_slot(int j, int c, int l, int n) const {
         return nvl_base(a.nvl_bases, j) + a.nvl_ring_offset +
@@ -344,7 +358,8 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          int slot_topk_weights_offset, int rdma_cap, int rdma_chunk, uint8_t* sig,
          const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
          int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma,
-         int own_rows_copied) {
+         int own_rows_copied, const long long* __restrict__ pool_bases, int outputs_in_pool,
+         long long nvl_reply_offset) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = dispatch_channel_warps(L, D), S = kSubChannels, U = dispatch_copy_unroll(W * S);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;
@@ -357,7 +372,8 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          send_rdma_head, send_nvl_head, num_out_rows, num_nvl_head_rows, rdma, ring_offset,
                          Slot{slot_bytes, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset},
                          rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
-                         num_channels, state, err, rank, force_rma, own_rows_copied};
+                         num_channels, state, err, rank, force_rma, own_rows_copied, pool_bases, outputs_in_pool,
+                         nvl_reply_offset};
     const WaitCtx w{err, timeout_ns, rank};
     // Channel c's senders run in one block of the pair and its receivers in the other, alternating by c.
     __shared__ ForwardShared<L, D> shared[S];

@@ -2,10 +2,78 @@
 // of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs); with
 // L == 1, warp d < D: RDMA ring of source domain d -> outputs (forward_direct), or, for d == d_me, only the
 // handle entries of the rows the sender wrote itself (forward_own).
+//
+// Rows in place (L > 1, an output pool): a receiver whose outputs of the call lie in its output pool
+// (device/output_pool.py, mapped into every rank of the domain) answers its forwarder's meta record with a
+// reply: where those outputs are in its pool, their rows, and where the rows of each source domain start in
+// this channel. The forwarder then stores each row and its scales, top-k and source meta straight into those
+// outputs, as the receiver would have from the NVLink ring, and its tail counts the rows written; the
+// receiver only waits for the count. A row then crosses the domain once and is copied by one warp instead of
+// two (the NVLink ring and the copy out of it are gone). A receiver whose outputs are ordinary allocations
+// (the pool is full, a CUDA-graph capture) replies so and keeps the ring, so each receiver picks its own
+// mode. The reply is tagged with the ring's unit count, and a forwarder that finds another tag keeps the ring.
 // Included by dispatch.cu only (needs DispatchArgs and Geometry).
 #pragma once
 
 namespace deepep_cupy::internode {
+
+// Where one destination's outputs of a row are: this rank's own (the NVLink receivers, L == 1), or, with rows
+// in place, a domain rank's, through its output pool. `rank` turns global expert ids into its local ones.
+struct RowOutputs {
+    int4* x;
+    unsigned int* scales;
+    long long* topk_idx;
+    float* topk_weights;
+    int* src_meta;
+    int num_rows, rank;
+};
+
+__device__ __forceinline__ RowOutputs own_outputs(const DispatchArgs& a) {
+    return {a.recv_x, a.recv_x_scales, a.recv_topk_idx, a.recv_topk_weights, a.recv_src_meta, a.num_out_rows, a.rank};
+}
+
+// Outputs of one received row (slot `s`, from source domain `sd`, destination bits `bits`) at `row` of `o`
+// (row < o.num_rows): recv_x, scales (row-major, as the plan allocates them), local top-k ids (-1 for other
+// ranks' experts) and weights, recv_src_meta.
+template <int U>
+__device__ __forceinline__ void store_row(const DispatchArgs& a, const RowOutputs& o, const uint8_t* s, int row, int sd,
+                                          int bits, int lane) {
+    const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
+    const Extras ex = slot_extras(a, s, o.topk_idx != nullptr, lane);
+    warp_copy_cg<U>(o.x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16), hidden_int4,
+                    lane);
+    const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
+    for (int q = lane; q < a.num_scales; q += 32)
+        o.scales[static_cast<long long>(row) * a.num_scales + q] = slot_scale(sc, ex, q, lane);
+    if (o.topk_idx != nullptr) {
+        const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
+        const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
+        for (int q = lane; q < a.num_topk; q += 32) {
+            const int e = q == lane ? static_cast<int>(ex.expert) : ld_cg_s32(ids + q);
+            const int local = e - o.rank * El;
+            const bool is_mine = e >= 0 && local >= 0 && local < El;
+            o.topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
+            if (o.topk_weights != nullptr)
+                o.topk_weights[static_cast<long long>(row) * a.num_topk + q] =
+                    is_mine ? (q == lane ? ex.weight : ld_cg_f32(ws + q)) : 0.0f;
+        }
+    }
+    if (lane == 0 && o.src_meta != nullptr) {
+        o.src_meta[2 * static_cast<long long>(row)] = sd;
+        o.src_meta[2 * static_cast<long long>(row) + 1] = bits;
+    }
+}
+
+// A received row into this rank's outputs; a row past them (more than num_worst_tokens) is reported, naming
+// `peer`.
+template <int U>
+__device__ __forceinline__ void store_own_row(const DispatchArgs& a, const uint8_t* s, int row, int sd, int bits,
+                                              int peer, int lane) {
+    if (row < a.num_out_rows)
+        store_row<U>(a, own_outputs(a), s, row, sd, bits, lane);
+    else if (lane == 0)
+        report_timeout(a.err, kOpDispatchOverflow, a.rank, peer, __LINE__, row);
+}
 
 // Shared state of the forwarder warps of one block: RDMA units each warp has finished per source domain
 // (the slowest decides what goes back to the source), and what was already returned.
@@ -15,6 +83,7 @@ struct ForwardShared {
     int released[D];
     int count[D];          // slots arriving from each domain in this channel
     long long base[D];     // rdma_recvd before this op
+    RowOutputs out[L];     // rows in place: domain rank j's outputs (read per row: registers are short here)
 };
 
 // Return to source domain d the RDMA units every forwarder warp is done with. Lane 0 only. Several warps
@@ -72,6 +141,30 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         }
         publish_direct(dest.tail(c * L + l_me), base_n + 1, lane);
     }
+    // Rows in place: j's reply comes with its hand-back of the meta (lane d < D keeps the first row of source
+    // (d, l_me) in this channel at j).
+    bool in_place = false;
+    int row_at = 0;
+    if (a.pool_bases != nullptr && ok) {
+        wait_at_least(mine.head(c * L + j), base_n + 1, w, kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
+        const long long* rep = g.nvl_reply(l_me, c, j);
+        const long long h = ok && lane < kReplyWords ? ld_cg_s64(rep + lane) : 0;
+        row_at = ok && lane < D ? static_cast<int>(ld_cg_s64(rep + kReplyWords + lane)) : 0;
+        in_place = __shfl_sync(kFullMask, h, 7) == static_cast<long long>(base_n + 1) && __shfl_sync(kFullMask, h, 6) == 1;
+        if (in_place) {
+            const uintptr_t pool = static_cast<uintptr_t>(a.pool_bases[j]);
+            auto at = [&](int q) {
+                const long long o = __shfl_sync(kFullMask, h, q);
+                return o < 0 ? uintptr_t{0} : pool + static_cast<uintptr_t>(o);
+            };
+            const RowOutputs o{reinterpret_cast<int4*>(at(0)), reinterpret_cast<unsigned int*>(at(1)),
+                               reinterpret_cast<long long*>(at(2)), reinterpret_cast<float*>(at(3)),
+                               reinterpret_cast<int*>(at(4)), static_cast<int>(__shfl_sync(kFullMask, h, 5)),
+                               d_me * L + j};
+            if (lane == 0) sh.out[j] = o;
+            __syncwarp();
+        }
+    }
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
     int sent = 0, published = 0;  // slots written into j's ring, and made visible to j
     uint64_t nvl_head = base_n;   // the last value of j's head seen (acquired); read again only when short
@@ -93,7 +186,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                 // Before waiting for the source, hand over and give back everything done so far (the source may
                 // be waiting for ring space).
                 const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
-                    flush();
+                    if (!in_place) flush();  // in place, j waits only for the final count
                     if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
                     __syncwarp();
                 }, w, kOpDispatchTail, d * L + l_me, __LINE__, &ok);
@@ -104,13 +197,19 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             const int bits = ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
-                if (sent >= a.nvl_cap)  // slot sent - Rn must be free
-                    nvl_head = wait_reaching(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, nvl_head, flush, w,
-                                             kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
-                if (!ok) break;
-                copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
+                if (in_place) {
+                    // Rows past j's outputs (num_worst_tokens) are left out here and reported by j.
+                    const int row = __shfl_sync(kFullMask, row_at, d) + k_j;
+                    if (row < sh.out[j].num_rows) store_row<U>(a, sh.out[j], s, row, d, bits, lane);
+                } else {
+                    if (sent >= a.nvl_cap)  // slot sent - Rn must be free
+                        nvl_head = wait_reaching(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, nvl_head, flush,
+                                                 w, kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
+                    if (!ok) break;
+                    copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
+                }
                 ++sent;
-                if (sent - published >= kPublishBatch) flush();
+                if (!in_place && sent - published >= kPublishBatch) flush();
                 pos = k_j++;
             }
             if (lane == 0) {
@@ -131,42 +230,6 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
     if (lane == 0) {
         nvshmem_quiet();
         if (ok) *st.nvl_sent(c * L + j, D) = static_cast<long long>(base_n + 1 + sent);
-    }
-}
-
-// Outputs of one received row (slot `s`, from source domain `sd`, destination bits `bits`) at `row`:
-// recv_x, scales (row-major, as the plan allocates them), local top-k ids (-1 for other ranks' experts) and
-// weights, recv_src_meta. A row past the outputs (more than num_worst_tokens) is reported, naming `peer`.
-template <int U>
-__device__ __forceinline__ void store_row(const DispatchArgs& a, const uint8_t* s, int row, int sd, int bits, int peer,
-                                          int lane) {
-    const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
-    if (row < a.num_out_rows) {
-        const Extras ex = slot_extras(a, s, a.recv_topk_idx != nullptr, lane);
-        warp_copy_cg<U>(a.recv_x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16),
-                     hidden_int4, lane);
-        const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
-        for (int q = lane; q < a.num_scales; q += 32)
-            a.recv_x_scales[static_cast<long long>(row) * a.num_scales + q] = slot_scale(sc, ex, q, lane);
-        if (a.recv_topk_idx != nullptr) {
-            const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
-            const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
-            for (int q = lane; q < a.num_topk; q += 32) {
-                const int e = q == lane ? static_cast<int>(ex.expert) : ld_cg_s32(ids + q);
-                const int local = e - a.rank * El;
-                const bool is_mine = e >= 0 && local >= 0 && local < El;
-                a.recv_topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
-                if (a.recv_topk_weights != nullptr)
-                    a.recv_topk_weights[static_cast<long long>(row) * a.num_topk + q] =
-                        is_mine ? (q == lane ? ex.weight : ld_cg_f32(ws + q)) : 0.0f;
-            }
-        }
-        if (lane == 0 && a.recv_src_meta != nullptr) {
-            a.recv_src_meta[2 * static_cast<long long>(row)] = sd;
-            a.recv_src_meta[2 * static_cast<long long>(row) + 1] = bits;
-        }
-    } else if (lane == 0) {
-        report_timeout(a.err, kOpDispatchOverflow, a.rank, peer, __LINE__, row);
     }
 }
 
@@ -195,8 +258,42 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
     int total = cnt;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
-    __syncwarp();
-    if (lane == 0) give_back_store(writer.head(c * L + l_me), base + 1);
+    const bool in_place = a.pool_bases != nullptr && a.outputs_in_pool;
+    if (a.pool_bases != nullptr) {
+        // The reply (dispatch_forward.cuh's header), released with the meta's hand-back: the outputs' offsets
+        // in this rank's pool (-1: none), its rows, whether they are in the pool, the tag, the row bases.
+        const uintptr_t pool = static_cast<uintptr_t>(a.pool_bases[l_me]);
+        auto offset = [&](const void* p) {
+            return p == nullptr ? -1LL : static_cast<long long>(reinterpret_cast<uintptr_t>(p) - pool);
+        };
+        long long* rep = g.nvl_reply(l, c, l_me);
+        if (lane < kReplyWords)
+            rep[lane] = lane == 0   ? offset(a.recv_x)
+                        : lane == 1 ? offset(a.recv_x_scales)
+                        : lane == 2 ? offset(a.recv_topk_idx)
+                        : lane == 3 ? offset(a.recv_topk_weights)
+                        : lane == 4 ? offset(a.recv_src_meta)
+                        : lane == 5 ? static_cast<long long>(a.num_out_rows)
+                        : lane == 6 ? static_cast<long long>(in_place)
+                                    : static_cast<long long>(base + 1);
+        if (lane < D) rep[kReplyWords + lane] = row_base;
+        publish_direct(writer.head(c * L + l_me), base + 1, lane);
+    } else {
+        __syncwarp();
+        if (lane == 0) give_back_store(writer.head(c * L + l_me), base + 1);
+    }
+    if (in_place) {
+        // The forwarder writes the rows into the outputs; its tail counts them once they have landed.
+        wait_at_least(mine.tail(k_ring), base + 1 + total, w, kOpDispatchNvlTail, d_me * L + l, __LINE__, &ok);
+        if (lane < D && cnt > 0 && row_base + cnt > a.num_out_rows)
+            report_timeout(a.err, kOpDispatchOverflow, a.rank, d_me * L + l, __LINE__, row_base + cnt - 1);
+        __syncwarp();
+        if (lane == 0 && ok) {
+            give_back_store(writer.head(c * L + l_me), base + 1 + total);
+            *st.nvl_recvd(k_ring, D, L) = static_cast<long long>(base + 1 + total);
+        }
+        return;
+    }
     int avail = 0, released = 0;
     // Slots go back in batches (a store over NVLink each), and all of them before a wait.
     auto give_back = [&](int upto) {
@@ -218,7 +315,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
         const int sd = ld_cg_s32(s) & 31, bits = ld_cg_s32(s + 4);
         const int row = __shfl_sync(kFullMask, row_base, sd);
         if (lane == sd) ++row_base;
-        store_row<U>(a, s, row, sd, bits, d_me * L + l, lane);
+        store_own_row<U>(a, s, row, sd, bits, d_me * L + l, lane);
         // The slot's loads are done (their values were stored): it may go back to the forwarder.
         if (n + 1 - released >= kPublishBatch) give_back(n + 1);
     }
@@ -287,7 +384,7 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
         }
         const uint8_t* s = g.rdma_slot(1, i, k);
         phase.lap(kPhaseRecvWait);
-        store_row<U>(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
+        store_own_row<U>(a, s, first_row + k, d, ld_cg_s32(s + 4), d, lane);
         phase.lap(kPhaseRecvStore);
         // Every lane's loads of the slot returned (their values were stored): the slot may go back.
         __syncwarp();

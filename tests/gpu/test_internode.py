@@ -424,3 +424,29 @@ def test_own_rows_through_the_copy_engines(env, copies):
         assert moved >= len(shapes), moved
     else:
         assert moved == 0, moved
+
+
+@pytest.mark.parametrize("mode", ["pool", "ring", "mixed"])
+def test_rows_in_place(env, mode):
+    """Domains of more than one rank with an output pool: a receiver whose outputs lie in its pool has the
+    forwarders write the rows there in place (dispatch_forward.cuh); "ring": every rank allocates outside
+    the pool, so every row goes through the NVLink rings; "mixed": only even ranks allocate in their pool (as
+    when the others' pools are full), so each forwarder serves some ranks in place and others through the
+    ring in the same channel. The results are the reference's in every mode; with one rank a domain there
+    is no pool and every mode is the same."""
+    engine = env["buf"].runtime.internode
+    use = {"pool": True, "ring": False, "mixed": env["rank"] % 2 == 0}[mode]
+    engine.use_output_pool = use
+    before = engine.pool_dispatches
+    try:
+        rng = np.random.default_rng([len(mode), env["rank"], 17])
+        for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
+            _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
+    finally:
+        engine.use_output_pool = True
+    placed = engine.pool_dispatches - before
+    if use and env["L"] > 1:
+        assert engine.output_pool is not None, "no output pool with domains of more than one rank"
+        assert placed > 0, placed
+    else:
+        assert placed == 0, placed

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...device import nvshmem as nvshmem_runtime
 from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
+from ...device.output_pool import OutputPool, default_pool_bytes
 from ...device.streams import SideStreams
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
@@ -157,8 +158,10 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   recv_x_scales, recv_topk_idx, recv_topk_weights, recv_rdma_channel_prefix_matrix,
                   recv_gbl_channel_prefix_matrix, recv_src_meta, send_rdma_head, send_nvl_head, num_out_rows,
                   num_nvl_head_rows, rdma, layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout,
-                  state, err_ptr, timeout_ns, rank, force_rma=False, own_rows_copied=False) -> list[tuple[str, object]]:
-    """Arguments of ``dispatch<L, D>``, in order, with their parameter names."""
+                  state, err_ptr, timeout_ns, rank, force_rma=False, own_rows_copied=False, pool_bases=0,
+                  outputs_in_pool=False) -> list[tuple[str, object]]:
+    """Arguments of ``dispatch<L, D>``, in order, with their parameter names. ``pool_bases``: the domain's
+    output pools as mapped here (0: none; dispatch_forward.cuh)."""
     slot = layout.slot
     return [
         ("x", x), ("x_scales", _ptr(x_scales)),
@@ -188,6 +191,8 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("num_channels", np.int32(layout.num_channels)), ("state", state),
         ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
         ("force_rma", np.int32(bool(force_rma))), ("own_rows_copied", np.int32(bool(own_rows_copied))),
+        ("pool_bases", np.uint64(pool_bases)), ("outputs_in_pool", np.int32(bool(outputs_in_pool))),
+        ("nvl_reply_offset", np.int64(nvl.reply_offset)),
     ]
 
 
@@ -259,12 +264,18 @@ class InternodeEngine(EngineHealth):
             one with such a dispatch's handle; not while the stream is being captured); False: the sender
             warps copy them; None (default): always where it can (:meth:`own_row_copies`).
         own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
+        use_output_pool: with domains of more than one rank and an output pool, allocate a dispatch's outputs
+            from the pool when they fit, so the forwarders write the rows in place (dispatch_forward.cuh).
+
+    The output pool (domains of more than one rank): ``$DEEPEP_CUPY_OUTPUT_POOL_BYTES`` per rank, mapped into
+    every rank of the domain (``device/output_pool.py``; by default 1 GiB up to 4 ranks a domain, as
+    intranode), the smallest value of all ranks.
     """
 
     kind, op_names, overflow_op = "internode", OP_NAMES, OP_DISPATCH_OVERFLOW
 
     #: Attributes plans are built from: changing one drops the plans made with the old value.
-    TUNING = ("timeout_s", "sub_channels", "use_own_row_copies")
+    TUNING = ("timeout_s", "sub_channels", "use_own_row_copies", "use_output_pool")
 
     def own_row_copies(self) -> bool:
         """Whether a dispatch's own rows may go through the copy engines: only with one rank per domain (the
@@ -307,6 +318,9 @@ class InternodeEngine(EngineHealth):
         self.use_own_row_copies: bool | None = None
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # dispatches whose own rows the copy engines moved
+        self.use_output_pool = True
+        self.output_pool = None
+        self.pool_dispatches = 0  # dispatches whose outputs lay in the output pool
         self._side = SideStreams(self.device_id, 1)
         # NVSHMEM puts and signals even to peers reachable by stores: runs the network path on one host.
         self.force_rma = os.environ.get("DEEPEP_CUPY_INTERNODE_FORCE_RMA", "0") == "1"
@@ -338,10 +352,21 @@ class InternodeEngine(EngineHealth):
                 # has cleared its words.
                 owned = [self._sig] + ([self._rdma] if self._own_rdma else [])
                 nvshmem_runtime.settle_setup(group, failure, "internode buffer set-up", owned)
+                self._make_output_pool(group)
         except BaseException:
             self.destroy()
             raise
         self.geometry = None
+
+    def _make_output_pool(self, group) -> None:
+        """The output pool of domains of more than one rank (collective): every rank takes the smallest size
+        asked for, so all agree on whether the receivers reply (0 on one rank means none anywhere)."""
+        if self.num_nvl_ranks == 1:
+            return
+        every = group.allgather_object(default_pool_bytes(self.num_nvl_ranks))
+        pool_bytes = min(int(v) for v in every)
+        if pool_bytes > 0:
+            self.output_pool = OutputPool(_DomainView(group, self.num_nvl_ranks), self.device_id, pool_bytes)
 
     @property
     def rdma_ptr(self) -> int:
@@ -398,5 +423,8 @@ class InternodeEngine(EngineHealth):
                 if getattr(self, "nvl", None) is not None:
                     self.nvl.close()
                     self.nvl = None
+                pool, self.output_pool = getattr(self, "output_pool", None), None
+                if pool is not None:
+                    pool.close()
                 if getattr(self, "_side", None) is not None:
                     self._side.close()

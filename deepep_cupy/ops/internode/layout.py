@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "channels_per_block", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
-           "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words"]
+           "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words",
+           "REPLY_WORDS"]
 
 MAX_CHANNELS = 256  # kMaxChannels of layout.cuh
 MAX_TOPK = 128
@@ -184,6 +185,10 @@ def signal_layout(num_nvl_ranks: int, num_domains: int) -> SignalLayout:
     return SignalLayout(0, head, notify, record, stride, record + 2 * D * stride * 4)
 
 
+#: int64 words of a dispatch receiver's reply before its row bases (``kReplyWords`` in dispatch.cu).
+REPLY_WORDS = 8
+
+
 @dataclass(frozen=True)
 class NvlLayout:
     meta_offset: int
@@ -191,17 +196,21 @@ class NvlLayout:
     notify_offset: int
     record_stride: int
     cap: int
+    reply_offset: int
     end: int
 
 
 def nvl_layout(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot,
                num_local_experts: int) -> NvlLayout:
+    """Offsets in a rank's NVLink buffer (layout.cuh's header), then the dispatch receivers' replies to
+    this rank as a forwarder, int64 ``[C][L][REPLY_WORDS + D]`` (rows in place, dispatch_forward.cuh)."""
     L, D, C = num_nvl_ranks, num_domains, num_channels
     meta = align((2 * MAX_CHANNELS * L + L) * 8, 128)
     ring = meta + align(C * L * D * 2 * 4, 128)
     notify = ring + C * L * cap * slot.slot_bytes
     stride = align(D + num_local_experts, 4)
-    return NvlLayout(meta, ring, notify, stride, cap, notify + L * stride * 4)
+    reply = align(notify + L * stride * 4, 128)
+    return NvlLayout(meta, ring, notify, stride, cap, reply, reply + C * L * (REPLY_WORDS + D) * 8)
 
 
 def state_words(num_nvl_ranks: int, num_domains: int) -> int:

@@ -18,6 +18,7 @@ from ..handles import DispatchHandle
 from ..kernel_names import internode_combine, internode_dispatch, internode_notify
 from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, launch_args, scale_strides, scales_dtype
+from ..pool_outputs import PoolOutputs
 from . import layout as IL
 from .engine import (
     NOTIFY_THREADS,
@@ -77,6 +78,13 @@ class DispatchPlan(NormalPlan):
         # A cached dispatch returns as many rows as the handle's entry 7 (num_worst_tokens padding included).
         self.num_rows = int(handle[7].shape[0]) if self.cached else self.num_worst_tokens
         kernel = engine.kernel(dispatch_spec(L, D, sub), internode_dispatch(L, D, sub))
+        # Domains of more than one rank with an output pool: outputs there when they fit, so the forwarders
+        # write the rows in place (dispatch_forward.cuh). The kernels get the pools' bases whenever the engine
+        # has a pool (all ranks do, or none), so every receiver replies and every forwarder reads the reply,
+        # whichever ranks allocate in their pool.
+        pool = engine.output_pool
+        self.pool = (PoolOutputs(pool, frame, self._output_parts, ((0, 1), (2, 3, 4)))
+                     if pool is not None and engine.use_output_pool else None)
         named = dispatch_args(
             x=0, x_scales=0, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=self.num_scales,
             topk_idx=0, topk_weights=0, num_topk=self.num_topk, num_local_experts=self.num_local_experts,
@@ -86,7 +94,8 @@ class DispatchPlan(NormalPlan):
             recv_rdma_channel_prefix_matrix=0, recv_gbl_channel_prefix_matrix=0, recv_src_meta=0, send_rdma_head=0,
             send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, layout=self.rdma,
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
-            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma)
+            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma,
+            pool_bases=pool.bases.data.ptr if pool is not None else 0)
         self.plan = LaunchPlan(kernel, grid, block_threads(L, D, sub), launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
         # With one rank a domain the copy engines may move this rank's own rows (ops/own_rows.py); a dispatch
@@ -137,25 +146,27 @@ class DispatchPlan(NormalPlan):
                 counts = []
             else:
                 num_rows, nvl_rows, counts = self._received_counts(recv_gbl_prefix, is_token_in_rank)
-        recv_x = empty((num_rows, self.hidden), self.x_key)
-        recv_scales = empty((num_rows, *self.scales_shape), self.scales_dtype) if x_scales is not None else None
+        in_pool = self.pool.allocate(num_rows, self._capture_status(self.comm_stream)) if self.pool else None
+        p["outputs_in_pool"].value = in_pool is not None
+        engine.pool_dispatches += in_pool is not None
+        recv_x, recv_scales, src_meta, recv_topk_idx, recv_topk_weights = (
+            in_pool or [None if part is None else empty(*part) for part in self._output_parts(num_rows)])
         outs = {"x": x, "x_scales": x_scales, "is_token_in_rank": is_token_in_rank,
                 "rdma_channel_prefix_matrix": rdma_cpm, "gbl_channel_prefix_matrix": gbl_cpm,
                 "recv_rdma_rank_prefix_sum": recv_rdma_prefix, "recv_gbl_rank_prefix_sum": recv_gbl_prefix,
                 "recv_x": recv_x, "recv_x_scales": recv_scales}
-        recv_topk_idx = recv_topk_weights = None
         if not self.cached:
             outs["recv_rdma_channel_prefix_matrix"] = recv_rdma_cpm = empty((D, C), I32)
             outs["recv_gbl_channel_prefix_matrix"] = recv_gbl_cpm = empty((R, C), I32)
-            outs["recv_src_meta"] = src_meta = empty((num_rows, 8), U8)
+            outs["recv_src_meta"] = src_meta
             outs["send_rdma_head"] = send_rdma_head = empty((self.num_tokens, D), I32)
             outs["send_nvl_head"] = send_nvl_head = empty((nvl_rows, L), I32)
             if self.num_topk:
                 outs["topk_idx"] = topk_idx
-                outs["recv_topk_idx"] = recv_topk_idx = empty((num_rows, self.num_topk), I64)
+                outs["recv_topk_idx"] = recv_topk_idx
                 if self.has_weights:
                     outs["topk_weights"] = topk_weights
-                    outs["recv_topk_weights"] = recv_topk_weights = empty((num_rows, self.num_topk), F32)
+                    outs["recv_topk_weights"] = recv_topk_weights
         for name, arr in outs.items():
             p[name].value = 0 if arr is None else ptr(arr)
         p["num_out_rows"].value = num_rows
@@ -186,6 +197,19 @@ class DispatchPlan(NormalPlan):
             return recv, None, None, None, None, event
         return recv, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
+    def _output_parts(self, num_rows: int) -> list[tuple[tuple, object] | None]:
+        """``(shape, dtype)`` of recv_x, recv_x_scales, recv_src_meta, recv_topk_idx, recv_topk_weights (None
+        for an output this call does not make)."""
+        scales = ((num_rows, *self.scales_shape), self.scales_dtype) if self.scales_shape is not None else None
+        src = topk = weights = None
+        if not self.cached:
+            src = ((num_rows, 8), U8)
+            if self.num_topk:
+                topk = ((num_rows, self.num_topk), I64)
+                if self.has_weights:
+                    weights = ((num_rows, self.num_topk), F32)
+        return [((num_rows, self.hidden), self.x_key), scales, src, topk, weights]
+
     def _received_counts(self, recv_gbl_prefix, is_token_in_rank) -> tuple[int, int, list[int]]:
         """Rows received, rows forwarded and received tokens per local expert (waits for the notify kernel;
         reads entry 6 and ``is_token_in_rank`` back too where the copy engines may take the own rows)."""
@@ -199,7 +223,7 @@ _DISPATCH_CONSTANTS = frozenset((
     "scale_token_stride", "scale_block_stride", "num_scales", "num_topk", "num_local_experts", "num_tokens",
     "hidden_int4", "rdma", "ring_offset", "slot_bytes", "slot_scales_offset", "slot_topk_idx_offset",
     "slot_topk_weights_offset", "rdma_cap", "rdma_chunk", "sig", "nvl_bases", "nvl_meta_offset", "nvl_ring_offset",
-    "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank", "force_rma"))
+    "nvl_cap", "num_channels", "state", "err", "timeout_ns", "rank", "force_rma", "pool_bases", "nvl_reply_offset"))
 
 
 class CombinePlan(NormalPlan):

@@ -8,11 +8,7 @@ the device (for the received counts, to size its outputs), as in DeepEP.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...device.launch import LaunchPlan
-from ...device.output_pool import ALIGN as POOL_ALIGN
-from ...device.output_pool import outputs_refused
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, frame_for, meta
 from .. import limits
@@ -20,6 +16,7 @@ from ..handles import handle_meta
 from ..kernel_names import intranode_combine, intranode_dispatch, intranode_notify
 from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, scales_dtype, store
+from ..pool_outputs import PoolOutputs
 from . import layout as L
 from .copy import CopyCombine, IntranodeHandle
 from .engine import (
@@ -72,9 +69,8 @@ class DispatchPlan(NormalPlan):
             self.num_rows = num_worst_tokens
         self.num_local_experts = num_local_experts
         shared = L.direct_shared_bytes(R, num_tokens, self.num_channels)
-        self.pool = engine.output_pool if engine.use_output_pool else None
-        self.pool_bases = self.pool.bases.data.ptr if self.pool is not None else 0
-        self._pool_layouts: dict = {}
+        pool = engine.output_pool if engine.use_output_pool else None
+        self.pool = PoolOutputs(pool, frame, self._output_parts, ((0, 1), (2, 3, 4))) if pool is not None else None
 
         warps, unroll = engine.dispatch_shape(2 * self.num_channels)
         self_warps, recv_self_warps = engine.local_copy_warps(warps)
@@ -148,8 +144,8 @@ class DispatchPlan(NormalPlan):
                 counts = tuple(map(tuple, self.host_rank_prefix.tolist()))
                 if own:
                     own_tokens = self._own_column()
-        outs = self._pool_outputs(num_rows) if self.pool is not None else None
-        s_pool.value = 0 if outs is None else self.pool_bases
+        outs = self.pool.allocate(num_rows, self._capture_status(self.comm_stream)) if self.pool is not None else None
+        s_pool.value = 0 if outs is None else self.pool.bases_ptr
         recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = outs or self._outputs(num_rows)
         s_x.value = ptr(x)
         s_recv_x.value = ptr(recv_x)
@@ -209,44 +205,6 @@ class DispatchPlan(NormalPlan):
         """The outputs as ordinary allocations of the caller's framework (the ring mode)."""
         empty = self.frame.empty
         return [None if p is None else empty(*p) for p in self._output_parts(num_rows)]
-
-    def _pool_layout(self, num_rows: int) -> list:
-        """Per pool block: ``(bytes, [(output index, byte offset, shape, dtype), ...])``. Row data and scales
-        share one block; the small outputs, which the handle keeps, another. Kept per row count (a cached
-        plan has one), so a call only allocates and wraps."""
-        layout = self._pool_layouts.get(num_rows)
-        if layout is None:
-            parts = self._output_parts(num_rows)
-            layout = []
-            for group in ((0, 1), (2, 3, 4)):
-                placed, total = [], 0
-                for i in group:
-                    if parts[i] is not None:
-                        placed.append((i, total, *parts[i]))
-                        total += L.align(int(np.prod(parts[i][0])) * parts[i][1].itemsize, POOL_ALIGN)
-                if placed:
-                    layout.append((total, placed))
-            if len(self._pool_layouts) >= 64:  # a dispatch without handle sees a new row count per call
-                self._pool_layouts.clear()
-            self._pool_layouts[num_rows] = layout
-        return layout
-
-    def _pool_outputs(self, num_rows: int) -> list | None:
-        """The outputs in the output pool, so that peers write them in place (the direct mode), or None
-        when the pool cannot hold them now, the caller's stream is being captured (a graph keeps writing
-        its outputs on every replay: those come from the framework's allocator, as a graph's memory pool
-        expects), or the call is one of torch.compile's ops (:func:`outputs_refused`)."""
-        if outputs_refused() or self._capture_status(self.comm_stream):
-            return None
-        out: list = [None] * 5
-        wrap, alloc = self.frame.wrap, self.pool.alloc
-        for total, placed in self._pool_layout(num_rows):
-            block = alloc(total)
-            if block is None:
-                return None
-            for i, offset, shape, dtype in placed:
-                out[i] = wrap(block.ptr + offset, shape, dtype, owner=block)
-        return out
 
     def _received_counts(self, rank_prefix_ptr: int, in_rank_ptr: int) -> tuple[int, list[int]]:
         """Rows received and received tokens per local expert (waits for the notify kernel; reads the rank
