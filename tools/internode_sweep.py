@@ -257,7 +257,9 @@ def main() -> int:
             if lsize == 1:
                 mode = "ce" if engine.own_copies > copies else "sm"
             else:
-                mode = "pl" if engine.pool_dispatches > placed else "rg"
+                # Every rank's outputs in its pool in some of the setting's dispatches (a full pool falls back).
+                everywhere = comm.allreduce(int(engine.pool_dispatches > placed), op=MPI.MIN)
+                mode = "pl" if everywhere else "rg"
             table.append((sms, used if sub is not None else f"{used}*", channels, recv, send, cap, chunk, mode, t,
                           match))
             if rank == 0:

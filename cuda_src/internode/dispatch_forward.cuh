@@ -84,6 +84,9 @@ struct ForwardShared {
     int count[D];          // slots arriving from each domain in this channel
     long long base[D];     // rdma_recvd before this op
     RowOutputs out[L];     // rows in place: domain rank j's outputs (read per row: registers are short here)
+    int row_at[L][D];      // rows in place: j's first row of source (d, l_me) in this channel
+    int ready[L];          // forwarder j's outputs set: 1 with rows in place and a helper, 2 without a helper
+    int finished[L];       // rows in place with a helper: 2 * rows + 1 for each of the two warps done
 };
 
 // Return to source domain d the RDMA units every forwarder warp is done with. Lane 0 only. Several warps
@@ -99,6 +102,100 @@ __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Sign
     if (m > old) {
         nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD, d * L + l_me);
     }
+}
+
+// Rows in place: the slots of source domain d in channel c that carry bit j go into j's outputs (sh.out[j],
+// from row sh.row_at[j][d] on), as receive() would store them from j's NVLink ring; the handle entry and the
+// RDMA slots go as in forward(). Nothing is published to j per row: j waits for the final count of rows
+// (finish_in_place, or forward()'s last publish). Returns the rows written.
+template <int L, int D, int U>
+__device__ int forward_in_place(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int d,
+                                int lane, bool* ok) {
+    const Geometry<L, D> g{a};
+    const Signals sig{a.sig, D};
+    const int l_me = a.rank % L, d_me = a.rank / L;
+    const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
+    const int* m = g.rdma_meta(1, c * D + d);  // forward() waited for it
+    const int r0 = ld_cg_s32(m + 2 * L), n = ld_cg_s32(m + 2 * L + 1) - r0;
+    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, first = sh.row_at[j][d];
+    const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
+    int avail = 0, k_j = 0;
+    for (int k = 0; k < n; ++k) {
+        if (k >= avail) {
+            // Before waiting for the source, give back what is done (it may be waiting for ring space).
+            const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
+                if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                __syncwarp();
+            }, w, kOpDispatchTail, d * L + l_me, __LINE__, ok);
+            if (!*ok) break;
+            avail = static_cast<int>(v - base_r - 1);
+        }
+        const uint8_t* s = g.rdma_slot(1, c * D + d, k);
+        const int bits = ld_cg_s32(s + 4);
+        int pos = -1;
+        if (bits & (1 << j)) {
+            // Rows past j's outputs (num_worst_tokens) are left out here and reported by j.
+            if (first + k_j < sh.out[j].num_rows) store_row<U>(a, sh.out[j], s, first + k_j, d, bits, lane);
+            pos = k_j++;
+        }
+        if (lane == 0) {
+            if (a.send_nvl_head != nullptr) {
+                if (row0 + k < a.num_nvl_head_rows)
+                    a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
+                else
+                    report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
+            }
+            static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
+            if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+        }
+        __syncwarp();
+    }
+    return k_j;
+}
+
+// Rows in place with a helper: the second of the two warps to be done publishes the rows both wrote (j's tail
+// and this rank's count for the ring). Each warp fences its stores before it counts itself in; the second
+// fences again after seeing the first, so j sees every row of both before the tail.
+template <int L, int D>
+__device__ void finish_in_place(const DispatchArgs& a, ForwardShared<L, D>& sh, int c, int j, int rows, uint64_t base_n,
+                                int lane) {
+    const NvlCtrl dest{nvl_base(a.nvl_bases, j), L};
+    const State st{a.state};
+    __syncwarp();
+    fence_acq_rel_sys();
+    if (lane == 0) {
+        const int old = atomicAdd(&sh.finished[j], 2 * rows + 1);
+        if (old & 1) {
+            const uint64_t total = base_n + 1 + static_cast<uint64_t>(old / 2 + rows);
+            fence_acq_rel_sys();
+            st_relaxed_sys(dest.tail(c * L + a.rank % L), total);
+            *st.nvl_sent(c * L + j, D) = static_cast<long long>(total);
+        }
+    }
+}
+
+// The receiver warp for l when this rank's rows arrive in place (it has nothing to copy): the odd source
+// domains of forwarder warp j = l, once that warp has j's outputs (sh.ready).
+template <int L, int D, int U>
+__device__ void help_forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int lane) {
+    const State st{a.state};
+    uint64_t start = 0;
+    int ready = 0;
+    for (unsigned int spin = 1; ready == 0; ++spin) {
+        ready = __shfl_sync(kFullMask, static_cast<volatile int*>(sh.ready)[j], 0);
+        if (ready == 0 && (spin & 63u) == 0) {
+            const int give_up = lane == 0 && wait_expired(spin, start, w, kOpDispatchNvlHead, a.rank, __LINE__);
+            if (__shfl_sync(kFullMask, give_up, 0)) return;
+        }
+    }
+    __threadfence_block();
+    if (ready != 1) return;
+    const uint64_t base_n = static_cast<uint64_t>(*st.nvl_sent(c * L + j, D));
+    bool ok = true;
+    int rows = 0;
+    for (int d = 1; d < D && ok; d += 2) rows += forward_in_place<L, D, U>(a, w, sh, c, j, d, lane, &ok);
+    if (ok) finish_in_place<L, D>(a, sh, c, j, rows, base_n, lane);
+    if (lane == 0) nvshmem_quiet();
 }
 
 template <int L, int D, int U>
@@ -141,15 +238,16 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         }
         publish_direct(dest.tail(c * L + l_me), base_n + 1, lane);
     }
-    // Rows in place: j's reply comes with its hand-back of the meta (lane d < D keeps the first row of source
-    // (d, l_me) in this channel at j).
+    // Rows in place: j's reply comes with its hand-back of the meta. When this rank's own rows arrive in place
+    // too, its receiver warp for l = j has nothing to copy and helps: it takes the odd source domains, this warp
+    // the even ones (each domain's slots are a ring of their own), so one domain's rows no longer wait behind
+    // another's.
     bool in_place = false;
-    int row_at = 0;
     if (a.pool_bases != nullptr && ok) {
         wait_at_least(mine.head(c * L + j), base_n + 1, w, kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
         const long long* rep = g.nvl_reply(l_me, c, j);
         const long long h = ok && lane < kReplyWords ? ld_cg_s64(rep + lane) : 0;
-        row_at = ok && lane < D ? static_cast<int>(ld_cg_s64(rep + kReplyWords + lane)) : 0;
+        if (ok && lane < D) sh.row_at[j][lane] = static_cast<int>(ld_cg_s64(rep + kReplyWords + lane));
         in_place = __shfl_sync(kFullMask, h, 7) == static_cast<long long>(base_n + 1) && __shfl_sync(kFullMask, h, 6) == 1;
         if (in_place) {
             const uintptr_t pool = static_cast<uintptr_t>(a.pool_bases[j]);
@@ -162,11 +260,28 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                                reinterpret_cast<int*>(at(4)), static_cast<int>(__shfl_sync(kFullMask, h, 5)),
                                d_me * L + j};
             if (lane == 0) sh.out[j] = o;
-            __syncwarp();
+        }
+        __syncwarp();
+    }
+    const bool split = in_place && a.outputs_in_pool;
+    if (a.pool_bases != nullptr && a.outputs_in_pool) {
+        // The helper waits for this word, whatever happened above.
+        if (lane == 0) {
+            __threadfence_block();
+            static_cast<volatile int*>(sh.ready)[j] = split ? 1 : 2;
+        }
+    }
+    int sent = 0, published = 0;  // slots written into j's ring (or rows into its outputs), and made visible to j
+    if (in_place) {
+        for (int d = 0; d < D && ok; d += split ? 2 : 1)
+            sent += forward_in_place<L, D, U>(a, w, sh, c, j, d, lane, &ok);
+        if (split) {
+            if (ok) finish_in_place<L, D>(a, sh, c, j, sent, base_n, lane);
+            if (lane == 0) nvshmem_quiet();
+            return;
         }
     }
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
-    int sent = 0, published = 0;  // slots written into j's ring, and made visible to j
     uint64_t nvl_head = base_n;   // the last value of j's head seen (acquired); read again only when short
     // One system-scope fence per kPublishBatch slots instead of one per slot, and never a wait with slots
     // written but not published (j may be waiting for them).
@@ -176,7 +291,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             published = sent;
         }
     };
-    for (int d = 0; d < D && ok; ++d) {
+    for (int d = 0; d < D && ok && !in_place; ++d) {
         const int n = __shfl_sync(kFullMask, r1 - r0, d);
         const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + __shfl_sync(kFullMask, r0, d);
         const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
@@ -186,7 +301,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                 // Before waiting for the source, hand over and give back everything done so far (the source may
                 // be waiting for ring space).
                 const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
-                    if (!in_place) flush();  // in place, j waits only for the final count
+                    flush();
                     if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
                     __syncwarp();
                 }, w, kOpDispatchTail, d * L + l_me, __LINE__, &ok);
@@ -197,19 +312,13 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             const int bits = ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
-                if (in_place) {
-                    // Rows past j's outputs (num_worst_tokens) are left out here and reported by j.
-                    const int row = __shfl_sync(kFullMask, row_at, d) + k_j;
-                    if (row < sh.out[j].num_rows) store_row<U>(a, sh.out[j], s, row, d, bits, lane);
-                } else {
-                    if (sent >= a.nvl_cap)  // slot sent - Rn must be free
-                        nvl_head = wait_reaching(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, nvl_head, flush,
-                                                 w, kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
-                    if (!ok) break;
-                    copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
-                }
+                if (sent >= a.nvl_cap)  // slot sent - Rn must be free
+                    nvl_head = wait_reaching(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, nvl_head, flush, w,
+                                             kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
+                if (!ok) break;
+                copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
                 ++sent;
-                if (!in_place && sent - published >= kPublishBatch) flush();
+                if (sent - published >= kPublishBatch) flush();
                 pos = k_j++;
             }
             if (lane == 0) {
@@ -234,7 +343,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
 }
 
 template <int L, int D, int U>
-__device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, int lane) {
+__device__ void receive(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int l, int lane) {
     const Geometry<L, D> g{a};
     const State st{a.state};
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L;
@@ -283,6 +392,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, int c, int l, i
         if (lane == 0) give_back_store(writer.head(c * L + l_me), base + 1);
     }
     if (in_place) {
+        help_forward<L, D, U>(a, w, sh, c, l, lane);
         // The forwarder writes the rows into the outputs; its tail counts them once they have landed.
         wait_at_least(mine.tail(k_ring), base + 1 + total, w, kOpDispatchNvlTail, d_me * L + l, __LINE__, &ok);
         if (lane < D && cnt > 0 && row_base + cnt > a.num_out_rows)
@@ -441,6 +551,8 @@ __device__ void receive_begin(const DispatchArgs& a, ForwardShared<L, D>* shared
         sh.released[d] = 0;
         sh.count[d] = 0;
         for (int j = 0; j < L; ++j) sh.progress[d][j] = 0;
+        if (d == 0)
+            for (int j = 0; j < L; ++j) sh.ready[j] = 0, sh.finished[j] = 0;
     }
     // num_worst_tokens padding: rows past the received ones, and send_nvl_head rows past the forwarded ones.
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -473,7 +585,7 @@ __device__ void receive_role(const DispatchArgs& a, const WaitCtx& w, ForwardSha
         if (role < L)
             forward<L, D, U>(a, w, sh, c, role, lane);
         else if (role < 2 * L)
-            receive<L, D, U>(a, w, c, role - L, lane);
+            receive<L, D, U>(a, w, sh, c, role - L, lane);
     }
 }
 

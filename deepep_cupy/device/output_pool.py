@@ -149,14 +149,14 @@ class OutputPool(Allocator):
     combine's copy mode (``staging_ptrs[r]``: rank r's, as mapped here; deepep_cupy/ops/intranode/copy.py).
     """
 
-    def __init__(self, group, device_id: int, size: int, *, use_fabric: bool = False) -> None:
+    def __init__(self, group, device_id: int, size: int, *, use_fabric: bool = False, staging: bool = True) -> None:
         import cupy
         import numpy as np
 
-
         self.buffer = PeerMappedBuffer(group, device_id, size, use_fabric=use_fabric)
         self._closing = False
-        self.staging_bytes = self.buffer.size // STAGING_FRACTION // ALIGN * ALIGN
+        # The internode pool has no copy-mode combine, so no staging area (``staging`` False).
+        self.staging_bytes = self.buffer.size // STAGING_FRACTION // ALIGN * ALIGN if staging else 0
         staging_offset = self.buffer.size - self.staging_bytes
         self.staging_ptrs = [int(p) + staging_offset for p in self.buffer.peer_ptrs]
         super().__init__(staging_offset, self.buffer.local_ptr)

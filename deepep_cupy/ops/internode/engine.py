@@ -366,7 +366,8 @@ class InternodeEngine(EngineHealth):
         every = group.allgather_object(default_pool_bytes(self.num_nvl_ranks))
         pool_bytes = min(int(v) for v in every)
         if pool_bytes > 0:
-            self.output_pool = OutputPool(_DomainView(group, self.num_nvl_ranks), self.device_id, pool_bytes)
+            self.output_pool = OutputPool(_DomainView(group, self.num_nvl_ranks), self.device_id, pool_bytes,
+                                          staging=False)
 
     @property
     def rdma_ptr(self) -> int:
