@@ -8,7 +8,10 @@ A setting is (SMs, sub_channels, RDMA ring, RDMA chunk, own rows): ``sub_channel
 (``num_max_rdma_chunked_recv_tokens`` per SM pair, split between the block's channels, and
 ``num_max_rdma_chunked_send_tokens``, the publish chunk), own rows by the copy engines where the engine's default
 lets them (the "own" column says "ce" where they moved any, "sm" where the SMs copied all) or by the SMs (the
-engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that setting at each SM count), the rest of the
+engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that setting at each SM count); with domains of
+more than one rank the column says "pl" where every rank's outputs lay in its output pool (rows in place) and
+"rg" where some went through the NVLink rings (``--ring-rows`` adds the setting with ``use_output_pool = False``),
+the rest of the
 Config as the bench's
 (``Config(num_sms, 8, 512, 16, 128)``, which is also the reference setting). For each setting, on a handle made
 by a dispatch with that setting, three ops:
