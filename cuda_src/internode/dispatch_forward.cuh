@@ -104,6 +104,24 @@ __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Sign
     }
 }
 
+// Lane 0 of forwarder warp j, slot k (of n) of source domain d handled (pos: its index among j's rows, -1 when
+// not for j): handle entry 9 for RDMA receive row row0 + k, the warp's progress, and every release_every slots
+// (and at the last) the slots every forwarder warp is done with back to the source.
+template <int L, int D>
+__device__ __forceinline__ void slot_done(const DispatchArgs& a, ForwardShared<L, D>& sh, const Signals& sig, int c,
+                                          int d, int j, int k, int n, int row0, int pos, int release_every) {
+    const int l_me = a.rank % L, d_me = a.rank / L;
+    if (a.send_nvl_head != nullptr) {
+        // With num_worst_tokens the rows are fixed: a forwarder may pass on more tokens than that.
+        if (row0 + k < a.num_nvl_head_rows)
+            a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
+        else
+            report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
+    }
+    static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
+    if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+}
+
 // Rows in place: the slots of source domain d in channel c that carry bit j go into j's outputs (sh.out[j],
 // from row sh.row_at[j][d] on), as receive() would store them from j's NVLink ring; the handle entry and the
 // RDMA slots go as in forward(). Nothing is published to j per row: j waits for the final count of rows
@@ -138,16 +156,7 @@ __device__ int forward_in_place(const DispatchArgs& a, const WaitCtx& w, Forward
             if (first + k_j < sh.out[j].num_rows) store_row<U>(a, sh.out[j], s, first + k_j, d, bits, lane);
             pos = k_j++;
         }
-        if (lane == 0) {
-            if (a.send_nvl_head != nullptr) {
-                if (row0 + k < a.num_nvl_head_rows)
-                    a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
-                else
-                    report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
-            }
-            static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
-            if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
-        }
+        if (lane == 0) slot_done<L, D>(a, sh, sig, c, d, j, k, n, row0, pos, release_every);
         __syncwarp();
     }
     return k_j;
@@ -321,17 +330,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                 if (sent - published >= kPublishBatch) flush();
                 pos = k_j++;
             }
-            if (lane == 0) {
-                if (a.send_nvl_head != nullptr) {
-                    // With num_worst_tokens the rows are fixed: a forwarder may pass on more tokens than that.
-                    if (row0 + k < a.num_nvl_head_rows)
-                        a.send_nvl_head[static_cast<long long>(row0 + k) * L + j] = pos;
-                    else
-                        report_timeout(a.err, kOpDispatchOverflow, a.rank, d * L + l_me, __LINE__, row0 + k + 1);
-                }
-                static_cast<volatile int*>(&sh.progress[d][0])[j] = 2 + k;
-                if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
-            }
+            if (lane == 0) slot_done<L, D>(a, sh, sig, c, d, j, k, n, row0, pos, release_every);
             __syncwarp();
         }
     }
