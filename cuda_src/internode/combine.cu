@@ -1,25 +1,29 @@
 // Internode combine: the reverse path of the dispatch (docs/design/internode.md, "Combine").
 //
 // Grid 2 * ceil(C / S) blocks of S channels each (a template parameter), channels as in the dispatch that
-// produced the handle. Channel c's two sides run in the two blocks of its SM pair: the sending side in block
-// 2c, or with L == 1 alternating by channel (sends_here in layout.cuh).
-// Sending side, warp w = ds * L + l: NVLink sender of the rows this rank received in channel c from source
-//   s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
-// Receiving side, warp ds < D: forwarder for source domain ds: for each row it received over RDMA from
-//   (ds, l_me) in channel c, sums the copies its domain ranks send back and puts the partial sum (bf16
-//   row, float32 top-k weights) into the RDMA ring of the source. Warp D: the source-side reducer of
-//   channel c: per token, sums the partials of every domain it reached, adds the biases, rounds once.
+// produced the handle. Channel c's two sides run in the two blocks of its SM pair, which block takes which
+// alternating by channel (sends_here in layout.cuh).
+// Sending side, warp w = ds * L + l with l != l_me: NVLink sender of the rows this rank received in channel c
+//   from source s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
+//   Warp ds * L + l_me (its rows' forwarder is this rank, which reads them from x): reducer ds of NR = D, the
+//   source-side sum of channel c: per token, the partials of every domain it reached, the biases, one
+//   rounding; the D reducers take the channel's tokens in turn (ReduceShared).
+// Receiving side, warps ds and D + ds (ds < D): forwarder for source domain ds, two warps each summing half of
+//   every row (PairShared): for each row it received over RDMA from (ds, l_me) in channel c, sums the copies its
+//   domain ranks send back (its own from x) and puts the partial sum (bf16 row, float32 top-k weights) into
+//   the RDMA ring of the source.
 // L == 1: no NVLink stage (the domain is this rank): the sending side holds the D forwarders, which read the
 //   rows of x the NVLink senders would have sent (entry 5 + send_nvl_head), the receiving side D reducer warps that
-//   take the channel's tokens in turn (ReduceShared). The own domain's partial would be one row of x copied
-//   through ring (c, d_me), so the reducers read that row of x instead and its forwarder warp has no work.
+//   take the channel's tokens in turn. The own domain's partial would be one row of x copied through ring
+//   (c, d_me), so the reducers read that row of x instead and its forwarder warp has no work.
 //
 // Deadlock freedom: the source reduces token t only when every domain's partial for t is there, so each
 // (forwarder, source domain) pipeline must advance on its own. The NVLink ring (c, j -> l) is therefore
 // split into D sub-rings of cap / D slots, one per source domain, each with its own sender warp and its own
-// forwarder warp; a pipeline only ever waits on itself and on the source's reducer, which frees slots of
+// forwarder warp; a pipeline only ever waits on itself and on the source's reducers, which free slots of
 // every domain in token order. Sub-ring (c, ds) uses the progress words of ring index x = c * D + ds (so
 // C * D <= kMaxChannels, checked on the host); the words keep the dispatch's writer/reader convention.
+// Sub-rings (c, l_me -> l_me) are not used (their words and counts stay as they are on both sides).
 //
 // The sub-rings share memory with the dispatch's ring (c, j -> l): a sender first waits until l has
 // released everything of that ring, and before returning until l has drained its sub-rings, so neither
@@ -148,25 +152,41 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
     }
 }
 
-// Receiving side, warp ds: partial sums within this domain of the rows that came from (ds, l_me).
+// With L > 1 a forwarder is two warps, each summing half of every row (one warp's round trips bounded it):
+// the leader (half 0) waits, sums its half and the weights, publishes and hands slots back; the partner (half
+// 1) waits for the same words and sums the other half. The partner counts its rows here after each; at the
+// leader's publish points (every rdma_chunk rows, the last row) and before any wait of its own it fences its
+// stores (system scope) first and says so in `fenced`, and the leader publishes only rows both have fenced.
+// Zeroed by the block before any use.
+struct PairShared {
+    volatile int done;    // rows the partner has summed
+    volatile int fenced;  // of those, rows whose stores the partner has fenced
+    volatile int failed;  // the partner stopped early (a wait ran out)
+};
+
+// Receiving side, warp ds (and with a partner, warp D + ds): partial sums within this domain of the rows that
+// came from (ds, l_me). `pair` is null with L == 1 (one warp a forwarder).
 template <int L, int D, int kRegisters>
-__device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, int ds, int lane) {
+__device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, int ds, int half, PairShared* pair,
+                               int lane) {
     const CombineGeometry<L, D> g{a};
     const Signals sig{a.sig, D};
     const State st{a.state};
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = ds * L + l_me;
     const int x_ring = c * D + ds, i = c * D + ds, i_peer = c * D + d_me;
+    const bool leader = half == 0;
     const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
-    // Lane j < L: units of sub-ring (c, ds) from domain rank j before this op, and how many it read. With
-    // L == 1 there is no NVLink stage: the row the NVLink sender would send is read from x itself.
+    // Lane j < L, j != l_me: units of sub-ring (c, ds) from domain rank j before this op, and how many it read.
+    // The rows of this rank (j == l_me, and with L == 1 every row) are read from x itself, where the NVLink
+    // sender would have read them: slot p would hold row entry 5 [(ds, l_me), c] + p.
     long long nbase = 0;
-    if (L > 1 && lane < L) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
-    int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back
+    if (L > 1 && lane < L && lane != l_me) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
+    int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back (the leader's count)
     // NVLink slots go back in batches (a store over NVLink each), and all before a wait.
     auto hand_back = [&]() {
         if constexpr (L == 1) return;
         __syncwarp();
-        if (lane < L && taken > returned) {
+        if (leader && lane < L && taken > returned) {
             give_back_store(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
                             static_cast<uint64_t>(nbase) + taken);
             returned = taken;
@@ -179,14 +199,17 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const int start = c > 0 ? a.recv_rdma_cpm[ds * C + c - 1] : 0;
     const int n = a.recv_rdma_cpm[ds * C + c] - start;
     const long long row0 = (ds > 0 ? a.recv_rdma_prefix[ds - 1] : 0) + start;
-    // L == 1: slot p of sub-ring (c, ds) would hold row entry 5 [ds, c] + p of x (send_nvl's order).
-    const long long x_row0 = L == 1 ? a.recv_gbl_cpm[ds * C + c] : 0;
+    const long long x_row0 = a.recv_gbl_cpm[(ds * L + l_me) * C + c];
+    // This warp's int4 of each row: all of it, or with a partner one half each.
+    const int h_begin = pair != nullptr && !leader ? (a.hidden_int4 + 1) / 2 : 0;
+    const int h_count = pair == nullptr ? a.hidden_int4 : leader ? (a.hidden_int4 + 1) / 2 : a.hidden_int4 / 2;
     // As the dispatch's sender: straight into the ring of a source reachable by stores, else staged and put.
     uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
     uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
     const bool direct = peer_tail != nullptr;
     int first = 0;  // first slot not yet published
     auto publish = [&](int end) {
+        if (end <= first) return;
         if (direct)
             publish_direct(peer_tail, base + end, lane);
         else
@@ -195,28 +218,78 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                             NVSHMEM_SIGNAL_SET, pe, lane);
         first = end;
     };
-    PhaseClock phase;  // diagnostics builds only (layout.cuh)
+    // Leader: of the `rows` it has summed, those the partner has fenced too (read by lane 0 for the warp).
+    auto publishable = [&](int rows) {
+        if (pair == nullptr) return rows;
+        const int f = __shfl_sync(kFullMask, lane == 0 ? pair->fenced : 0, 0);
+        __threadfence_block();
+        return min(rows, f);
+    };
+    // Partner: `rows` summed; with `fence`, their stores made visible at system scope before they count as fenced.
+    auto report = [&](int rows, bool fence) {
+        __syncwarp();
+        if (fence) fence_acq_rel_sys();
+        __syncwarp();
+        if (lane == 0) {
+            if (fence) pair->fenced = rows;
+            __threadfence_block();
+            pair->done = rows;
+        }
+        __syncwarp();
+    };
+    // Everything due before a wait: the leader publishes and hands back what it may, the partner reports.
+    auto before_wait = [&](int rows) {
+        if (leader) {
+            publish(publishable(rows));
+            hand_back();
+        } else {
+            report(rows, true);
+        }
+    };
+    // Leader: wait until the partner has summed `rows` rows, publishing what it fences meanwhile.
+    auto wait_partner = [&](int rows) {
+        if (pair == nullptr) return;
+        uint64_t clock = 0;
+        for (unsigned int spin = 1;; ++spin) {
+            int v = lane == 0 ? pair->done : 0;
+            v = __shfl_sync(kFullMask, v, 0);
+            if (v >= rows) break;
+            if (__shfl_sync(kFullMask, lane == 0 ? pair->failed : 0, 0)) {
+                ok = false;
+                return;
+            }
+            if (spin == 1) hand_back();
+            publish(publishable(rows));
+            if ((spin & 63u) == 0) {
+                const int give_up = lane == 0 && wait_expired(spin, clock, w, kOpCombinePartner, a.rank, __LINE__);
+                if (__shfl_sync(kFullMask, give_up, 0)) {
+                    ok = false;
+                    return;
+                }
+            }
+        }
+        __threadfence_block();
+    };
+    PhaseClock phase;  // diagnostics builds only (layout.cuh); the leader's laps only
     uint64_t head = base;  // the last value of head seen (acquired): slots below it are free
     for (int k = 0; k < n && ok; ++k) {
         // Slot k - Rt must be free (unit k - Rt + 1); before waiting for it, the pending slots are published (the
         // source cannot free slots it has not seen).
         if (k >= a.rdma_cap) {
-            head = wait_reaching(sig.head(i), base + 1 + k - a.rdma_cap, head, [&] {
-                if (first < k) publish(k);
-                hand_back();
-            }, w, kOpCombineHead, pe, __LINE__, &ok);
+            head = wait_reaching(sig.head(i), base + 1 + k - a.rdma_cap, head, [&] { before_wait(k); }, w,
+                                 kOpCombineHead, pe, __LINE__, &ok);
             if (!ok) break;
         }
         // Lane j: position of this row in j's stream, then wait for it.
         const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
         if constexpr (L > 1) {
-            const bool ready =
-                pos < 0 || ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
-            if (!__all_sync(kFullMask, ready)) hand_back();
+            const bool ready = pos < 0 || lane == l_me ||
+                               ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
+            if (!__all_sync(kFullMask, ready)) before_wait(k);
             for (int j = 0; j < L && ok; ++j) {
                 const int p = __shfl_sync(kFullMask, pos, j);
                 const long long nb = __shfl_sync(kFullMask, nbase, j);
-                if (p >= 0)
+                if (p >= 0 && j != l_me)
                     wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
                                   d_me * L + j, __LINE__, &ok);
             }
@@ -230,22 +303,22 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
 #pragma unroll
         for (int j = 0; j < L; ++j) {
             ps[j] = __shfl_sync(kFullMask, pos, j);
-            if (L == 1) {
-                rows[j] = ps[j] >= 0 ? a.x + (x_row0 + ps[j]) * a.hidden_int4 : nullptr;
+            if (j == l_me) {
+                rows[j] = ps[j] >= 0 ? a.x + (x_row0 + ps[j]) * a.hidden_int4 + h_begin : nullptr;
                 weights[j] = a.topk_weights != nullptr ? a.topk_weights + (x_row0 + ps[j]) * a.num_topk : nullptr;
             } else {
                 const uint8_t* slot = g.nvl_slot(l_me, c, j, ds, ps[j] >= 0 ? ps[j] : 0);
-                rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(slot + 16) : nullptr;
+                rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(slot + 16) + h_begin : nullptr;
                 weights[j] = reinterpret_cast<const float*>(slot + a.slot_topk_weights_offset);
             }
         }
-        phase.lap(kPhaseFwdPosition);
+        if (leader) phase.lap(kPhaseFwdPosition);
         if constexpr (L == 1) {
             forward_row<kRegisters>(a, out, rows[0], weights[0], ps[0] >= 0, lane);
         } else {
-            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + 16), rows, nullptr, nullptr, a.hidden_int4,
+            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + 16) + h_begin, rows, nullptr, nullptr, h_count,
                                          lane);
-            if (a.topk_weights != nullptr) {
+            if (leader && a.topk_weights != nullptr) {
                 float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
                 for (int q = lane; q < a.num_topk; q += 32) {
                     float sum = 0.f;
@@ -256,23 +329,36 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 }
             }
         }
-        phase.lap(kPhaseFwdCopy);
-        // The read NVLink slots may go back (their values are stored above).
-        if (lane < L && pos >= 0) taken = pos + 1;
+        if (leader) phase.lap(kPhaseFwdCopy);
+        // With a partner the leader publishes at fixed points (where the partner fences), else every chunk.
+        const bool publish_here = pair != nullptr ? (k + 1) % a.rdma_chunk == 0 || k + 1 == n
+                                                  : k + 1 - first >= a.rdma_chunk || k + 1 == n;
+        if (!leader) {
+            report(k + 1, publish_here);
+            continue;
+        }
+        wait_partner(k + 1);
+        if (!ok) break;
+        // The read NVLink slots may go back (their values are stored above, by both warps).
+        if (lane < L && lane != l_me && pos >= 0) taken = pos + 1;
         if (__any_sync(kFullMask, taken - returned >= kPublishBatch)) hand_back();
-        if (k + 1 - first >= a.rdma_chunk || k + 1 == n) publish(k + 1);
+        if (publish_here) publish(publishable(k + 1));
         phase.lap(kPhaseFwdPublish);
+    }
+    if (!leader) {
+        if (!ok && lane == 0) pair->failed = 1;
+        return;
     }
     if (ok) hand_back();
     if (lane == 0) nvshmem_quiet();
     if (ok) {
-        if (L > 1 && lane < L) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
+        if (L > 1 && lane < L && lane != l_me) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
         if (lane == 0) *st.rdma_sent(i) = static_cast<long long>(base + n);
     }
 }
 
-// Reducer warps of one channel that take its tokens in turn (NR > 1, only with L == 1, where the block
-// has D warps a channel and one reducer would leave D - 1 idle). A slot may go back to its forwarder only
+// Reducer warps of one channel that take its tokens in turn (NR of them; one would be slower than the
+// forwarders feeding it: it reads D partials and writes a row for every token). A slot may go back to its forwarder only
 // once every token before it is summed, whichever warp owns it: warp r's claim[r][d] says how many slots
 // of domain d the tokens before its next one hold (its own are done, so only the others' may not be), and
 // the minimum over the warps is what may go back; released[d] (atomicMax) hands each increment to exactly
@@ -283,9 +369,8 @@ struct ReduceShared {
     int released[D];
 };
 
-// Receiving side, warp D (warps 0..NR-1 with L == 1): the source's sum across domains, token by token. With
-// NR warps, warp r sums tokens t_begin + r, t_begin + r + NR, ... and reads the positions of the others
-// only to keep its claim.
+// Reducer r of NR: the source's sum across domains, token by token. Warp r sums tokens t_begin + r,
+// t_begin + r + NR, ... and reads the positions of the others only to keep its claim.
 template <int L, int D, int NR, int kRegisters>
 __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, int r, ReduceShared<D, NR>* sh,
                                int lane) {
@@ -300,9 +385,8 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     const int own_rdma0 =
         L == 1 ? (d_me > 0 ? a.recv_rdma_prefix[d_me - 1] : 0) + (c > 0 ? a.recv_rdma_cpm[d_me * C + c - 1] : 0) : 0;
     const int own_x0 = L == 1 ? a.recv_gbl_cpm[d_me * C + c] : 0;
-    // Lane d: units of ring (c, d) before this op, slots consumed so far, and the last value of its tail seen.
+    // Lane d: units of ring (c, d) before this op, and the last value of its tail seen.
     long long base = 0;
-    int used = 0;
     uint64_t tail = 0;
     if (lane < D) base = *st.rdma_recvd(c * D + lane, D);
     bool ok = true;
@@ -318,34 +402,25 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     const int release_every = max(1, min(8, a.rdma_cap / 2) / NR);
     PhaseClock phase;  // diagnostics builds only (layout.cuh)
     auto hand_back = [&]() {
-        if constexpr (NR > 1) {
-            if (lane < D && lane != own) {
-                volatile int* claim = &sh->claim[0][0];
-                claim[r * D + lane] = seen;
-                __threadfence_block();  // store, then load the others' claims: one of two racing warps sees both
-                int m = seen;
+        if (lane < D && lane != own) {
+            volatile int* claim = &sh->claim[0][0];
+            claim[r * D + lane] = seen;
+            __threadfence_block();  // store, then load the others' claims: one of two racing warps sees both
+            int m = seen;
 #pragma unroll
-                for (int q = 0; q < NR; ++q) m = min(m, claim[q * D + lane]);
-                const int old = atomicMax(&sh->released[lane], m);
-                if (m > old) {
-                    nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD,
-                                       lane * L + l_me);
-                }
-                pending = 0;
+            for (int q = 0; q < NR; ++q) m = min(m, claim[q * D + lane]);
+            const int old = atomicMax(&sh->released[lane], m);
+            if (m > old) {
+                nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(m - old), NVSHMEM_SIGNAL_ADD,
+                                   lane * L + l_me);
             }
-            __syncwarp();
-            return;
-        }
-        if (lane < D && lane != own && pending > 0) {
-            nvshmemx_signal_op(sig.head(c * D + d_me), static_cast<uint64_t>(pending), NVSHMEM_SIGNAL_ADD,
-                               lane * L + l_me);
             pending = 0;
         }
         __syncwarp();
     };
     for (int t = t_begin; t < t_end && ok; ++t) {
         const int pos = lane < D ? a.send_rdma_head[static_cast<long long>(t) * D + lane] : -1;
-        if (NR > 1 && (t - t_begin) % NR != r) {  // another warp's token: only its slots count
+        if ((t - t_begin) % NR != r) {  // another warp's token: only its slots count
             if (pos >= 0) seen = pos + 1;
             continue;
         }
@@ -407,14 +482,14 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         __syncwarp();
-        if (lane < D && lane != own && pos >= 0) ++used, ++pending, seen = pos + 1;
+        if (lane < D && lane != own && pos >= 0) ++pending, seen = pos + 1;
         if (__any_sync(kFullMask, pending >= release_every)) hand_back();
         phase.lap(kPhaseRedRelease);
     }
     hand_back();
     if (lane == 0) nvshmem_quiet();
     // Every reducer warp of the channel has scanned all its tokens: `seen` is the channel's slot count.
-    if (ok && lane < D && lane != own) *st.rdma_recvd(c * D + lane, D) = base + (NR > 1 ? seen : used);
+    if (ok && lane < D && lane != own) *st.rdma_recvd(c * D + lane, D) = base + seen;
 }
 
 template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
@@ -430,20 +505,22 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = combine_channel_warps(L, D), S = kSubChannels;
-    constexpr int NR = L == 1 ? W : 1;  // reducer warps of a channel
+    constexpr int NR = D;  // reducer warps of a channel
     constexpr int kRegs = combine_registers(L, D, S);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, role = warp % W;
     const int sub = warp / W, c = (blockIdx.x / 2) * S + sub;
-    // With one rank a domain the two sides alternate by channel; with more, the forwarders (what the rest
-    // waits for) keep an SM of their own, where they were faster (docs/design/internode_measurements.md).
-    const bool sending = L == 1 ? sends_here(sub) : blockIdx.x % 2 == 0;
-    __shared__ ReduceShared<D, NR> reduce_shared[NR > 1 ? S : 1];
-    if (NR > 1) {
-        int* words = &reduce_shared[0].claim[0][0];
-        for (int k = threadIdx.x; k < static_cast<int>(sizeof(reduce_shared) / sizeof(int)); k += blockDim.x)
-            words[k] = 0;
-        __syncthreads();
-    }
+    // The two sides alternate by channel, so every SM carries both sides' bytes
+    // (docs/design/internode_measurements.md, "Sides alternating by channel").
+    const bool sending = sends_here(sub);
+    // L > 1: the sending block's warps whose rows this rank forwards itself reduce instead.
+    const bool reducer = L == 1 ? !sending : sending && role < L * D && role % L == rank % L;
+    __shared__ ReduceShared<D, NR> reduce_shared[S];
+    __shared__ PairShared pair_shared[L > 1 ? S * D : 1];
+    for (int k = threadIdx.x; k < static_cast<int>(sizeof(reduce_shared) / sizeof(int)); k += blockDim.x)
+        (&reduce_shared[0].claim[0][0])[k] = 0;
+    for (int k = threadIdx.x; k < static_cast<int>(sizeof(pair_shared) / sizeof(int)); k += blockDim.x)
+        (&pair_shared[0].done)[k] = 0;
+    __syncthreads();
     if (c >= num_channels) return;  // the last block's spare channels (no block-wide barrier below)
     const CombineArgs a{x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
                         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
@@ -451,25 +528,19 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                         rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
                         nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
     const WaitCtx w{err, timeout_ns, rank};
-    const WarpClock clock(sending);  // diagnostics builds only (layout.cuh)
-    if constexpr (L == 1) {  // no NVLink stage: the forwarders read x, NR reducers on the other side
-        if (!sending) {
-            reduce_domains<L, D, NR, kRegs>(a, w, c, role, &reduce_shared[sub], lane);
-            clock.stop();
-        } else if (role < D && role != rank) {  // own domain: the reducer reads x
-            forward_reduce<L, D, kRegs>(a, w, c, role, lane);
-            clock.stop();
-        }
-    } else if (sending) {
-        if (role < L * D) {
-            send_nvl<L, D>(a, w, c, role / L, role % L, lane);
-            clock.stop();
-        }
-    } else if (role < D) {
-        forward_reduce<L, D, kRegs>(a, w, c, role, lane);
+    const WarpClock clock(sending && !reducer);  // diagnostics builds only (layout.cuh)
+    if (reducer) {
+        reduce_domains<L, D, NR, kRegs>(a, w, c, L == 1 ? role : role / L, &reduce_shared[sub], lane);
         clock.stop();
-    } else if (role == D) {
-        reduce_domains<L, D, 1, kRegs>(a, w, c, 0, nullptr, lane);
+    } else if (L == 1 ? role < D && role != rank : sending && role < L * D) {
+        if constexpr (L == 1)  // no NVLink stage: the forwarders read x; the own domain's reducer reads x too
+            forward_reduce<L, D, kRegs>(a, w, c, role, 0, nullptr, lane);
+        else
+            send_nvl<L, D>(a, w, c, role / L, role % L, lane);
+        clock.stop();
+    } else if (L > 1 && !sending && role < 2 * D) {  // W = L * D >= 2 * D: a leader and a partner a domain
+        const int ds = role % D;
+        forward_reduce<L, D, kRegs>(a, w, c, ds, role / D, &pair_shared[sub * D + ds], lane);
         clock.stop();
     }
 }

@@ -10,9 +10,9 @@ namespace deepep_cupy::internode {
 
 // dst = one rounding of (the N rows of src that are not null), in order, over `n` int4 of bf16. A warp sums a
 // token's rows alone, so the time of a token is its round trips: each lane issues its U loads of every row
-// before adding any (N * U * 4 registers) instead of loading and adding a row at a time. U by rows and by the
-// registers a thread has (kRegisters, combine_registers): up to 2 rows 7 with 128 registers, 4 with 64 or 80 (7
-// spills at 80 and was no faster), else 2; up to 4 rows 2 (1 below 80); else 1.
+// (fewer in the last step) before adding any (N * U * 4 registers) instead of loading and adding a row at a
+// time. U by rows and by the registers a thread has (kRegisters, combine_registers): up to 2 rows 7 with 128
+// registers, 4 with 64 or 80 (7 spills at 80 and was no faster), else 2; up to 4 rows 2 (1 below 80); else 1.
 template <int N, int kRegisters>
 __device__ __forceinline__ void warp_sum_rows_no_bias(int4* dst, const int4* const (&src)[N], int n, int lane) {
     constexpr int U = N <= 2   ? (kRegisters >= 128 ? 7 : kRegisters >= 64 ? 4 : 2)
@@ -27,28 +27,22 @@ __device__ __forceinline__ void warp_sum_rows_no_bias(int4* dst, const int4* con
     bool has[N];
 #pragma unroll
     for (int j = 0; j < N; ++j) has[j] = src[j] != nullptr, from[j] = has[j] ? src[j] : any;
-    int e = lane;
-    for (; e + (U - 1) * 32 < n; e += U * 32) {
+    // The last step loads only what is left, but all of it at once: a row takes ceil(n / (32 U)) round trips.
+    for (int e = lane; e < n; e += U * 32) {
         int4 v[N][U];
 #pragma unroll
         for (int j = 0; j < N; ++j)
 #pragma unroll
-            for (int u = 0; u < U; ++u) v[j][u] = ld_cg_v4(from[j] + e + u * 32);
+            for (int u = 0; u < U; ++u) v[j][u] = ld_cg_v4(from[j] + min(e + u * 32, n - 1));  // past n: unused
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            if (e + u * 32 >= n) break;
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < N; ++j)
                 if (has[j]) add_bf16x8(acc, v[j][u]);
             dst[e + u * 32] = pack_bf16x8(acc);
         }
-    }
-    for (; e < n; e += 32) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < N; ++j)
-            if (src[j] != nullptr) add_bf16x8(acc, ld_cg_v4(src[j] + e));
-        dst[e] = pack_bf16x8(acc);
     }
 }
 

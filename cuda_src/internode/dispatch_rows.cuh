@@ -184,7 +184,7 @@ __device__ void help_forward(const DispatchArgs& a, const WaitCtx& w, ForwardSha
     for (unsigned int spin = 1; ready == 0; ++spin) {
         ready = __shfl_sync(kFullMask, static_cast<volatile int*>(sh.ready)[j], 0);
         if (ready == 0 && (spin & 63u) == 0) {
-            const int give_up = lane == 0 && wait_expired(spin, start, w, kOpDispatchNvlHead, a.rank, __LINE__);
+            const int give_up = lane == 0 && wait_expired(spin, start, w, kOpDispatchHelper, a.rank, __LINE__);
             if (__shfl_sync(kFullMask, give_up, 0)) return;
         }
     }

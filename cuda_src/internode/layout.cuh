@@ -56,6 +56,8 @@ enum OpCode : int {
     kOpCombineNvlTail = 409,  // forwarder waiting for rows of a domain rank
     kOpCombineHead = 410,     // forwarder waiting for the source to free RDMA slots
     kOpCombineTail = 411,     // source waiting for a domain's partial sums
+    kOpDispatchHelper = 425,  // helper warp of a forwarder waiting for that forwarder's word (rows in place)
+    kOpCombinePartner = 426,  // combine forwarder waiting for its partner warp's half rows
 };
 
 // Channels the progress words are sized for (Config.num_sms / 2 never reaches it on current GPUs).
@@ -236,7 +238,7 @@ struct PhaseClock {
 #endif
 };
 
-// Phase codes of PhaseClock (after the op codes, below the role clock's 431).
+// Phase codes of PhaseClock (between the op codes 401-411 and 425-426, below the role clock's 431).
 enum PhaseCode : int {
     kPhaseSendExtras = 412, kPhaseSendCopy, kPhaseSendMeta, kPhaseSendPublish,    // dispatch, RDMA sender
     kPhaseRecvWait = 416, kPhaseRecvStore, kPhaseRecvRelease,                    // dispatch, L == 1 forwarder
@@ -245,7 +247,8 @@ enum PhaseCode : int {
 };
 
 // Which block of an SM pair runs the sending side of channel `sub` of the pair's S (dispatch: the RDMA
-// senders; combine with L == 1: the forwarders), the other block its receiving side: alternating by channel,
+// senders; combine: with L == 1 the forwarders, with more the NVLink senders and the reducers), the other
+// block its receiving side: alternating by channel,
 // so that each SM carries both sides' bytes instead of one SM of the pair waiting for the other
 // (docs/design/internode_measurements.md, "Sides alternating by channel").
 __device__ __forceinline__ bool sends_here(int sub) { return ((blockIdx.x ^ static_cast<unsigned>(sub)) & 1) == 0; }

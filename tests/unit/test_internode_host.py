@@ -89,7 +89,7 @@ def test_sub_channels_fill_blocks_of_at_most_768_threads():
             assert sub >= 1
             threads = [internode.block_threads(lsize, ndom), internode.combine_block_threads(lsize, ndom)]
             assert max(threads) <= (768 if sub > 1 else 1024), (lsize, ndom, sub, threads)
-    assert IL.sub_channels(1, 2) == 12 and IL.sub_channels(2, 2) == 6 and IL.sub_channels(4, 2) == 3
+    assert IL.sub_channels(1, 2) == 12 and IL.sub_channels(2, 2) == 4 and IL.sub_channels(4, 2) == 2
     assert IL.sub_channels(8, 2) == 1 and IL.sub_channels(8, 4) == 1
 
 
@@ -97,7 +97,7 @@ def test_sub_channels_take_1024_threads_with_one_rank_a_domain_on_few_sms():
     # 1024-thread blocks while every SM pair can run them: num_sms / 2 * S * D <= MAX_CHANNELS.
     assert [IL.sub_channels(1, 2, n) for n in (2, 8, 12, 16, 18, 24)] == [16, 16, 16, 16, 12, 12]
     assert [IL.sub_channels(1, 4, n) for n in (8, 12, 16, 18, 24)] == [8, 8, 8, 6, 6]
-    assert IL.sub_channels(2, 2, 8) == IL.sub_channels(2, 2) == 6  # more ranks a domain: always 768
+    assert IL.sub_channels(2, 2, 8) == IL.sub_channels(2, 2) == 4  # more ranks a domain: always 512
     assert IL.channels_per_block(1, 2, None, 8) == 16 and IL.channels_per_block(1, 2, 4, 8) == 4
     for n in (8, 12, 24):
         cfg = Config(n, 8, 256, 16, 128)

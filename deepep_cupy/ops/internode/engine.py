@@ -39,6 +39,7 @@ OP_NOTIFY_RDMA, OP_NOTIFY_NVL = 401, 402
 OP_DISPATCH_HEAD, OP_DISPATCH_TAIL, OP_DISPATCH_NVL_HEAD, OP_DISPATCH_NVL_TAIL, OP_DISPATCH_OVERFLOW = (
     403, 404, 405, 406, 407)
 OP_COMBINE_NVL_HEAD, OP_COMBINE_NVL_TAIL, OP_COMBINE_HEAD, OP_COMBINE_TAIL = 408, 409, 410, 411
+OP_DISPATCH_HELPER, OP_COMBINE_PARTNER = 425, 426  # after the phase codes of the diagnostics builds
 OP_NAMES = {
     OP_NOTIFY_RDMA: "internode dispatch (notify: waiting for a source domain's counts over RDMA)",
     OP_NOTIFY_NVL: "internode dispatch (notify: waiting for a forwarder of this domain)",
@@ -51,6 +52,8 @@ OP_NAMES = {
     OP_COMBINE_NVL_TAIL: "internode combine (forwarder: waiting for rows of a domain rank)",
     OP_COMBINE_HEAD: "internode combine (forwarder: waiting for the source to free ring slots)",
     OP_COMBINE_TAIL: "internode combine (waiting for a domain's partial sums)",
+    OP_DISPATCH_HELPER: "internode dispatch (helper warp: waiting for its forwarder's word)",
+    OP_COMBINE_PARTNER: "internode combine (forwarder: waiting for its partner warp's half rows)",
 }
 
 
@@ -110,8 +113,8 @@ def block_threads(num_nvl_ranks: int, num_domains: int, sub_channels: int | None
 
 
 def combine_block_threads(num_nvl_ranks: int, num_domains: int, sub_channels: int | None = None) -> int:
-    """Threads of a combine block: ``sub_channels`` channels of ``L * D`` NVLink senders, or of ``D``
-    forwarders and the reducer (``D`` forwarders, or the reducer, with one rank per domain)."""
+    """Threads of a combine block: ``sub_channels`` channels of ``L * D`` warps (NVLink senders and reducers,
+    or forwarders in pairs), or with one rank per domain of ``D`` (forwarders, or reducers)."""
     return (32 * IL.combine_channel_warps(num_nvl_ranks, num_domains)
             * IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels))
 
@@ -254,10 +257,10 @@ class InternodeEngine(EngineHealth):
     Attributes (tuning, may be changed between ops; all ranks must use the same value):
         timeout_s: wait budget of the kernels.
         sub_channels: channels a block runs side by side, in dispatch and combine alike (compile-time; None,
-            the default: ``layout.sub_channels`` for the config's SMs, blocks of at most 768 threads, or 1024
-            with one rank per domain on few SMs; up to ``layout.max_sub_channels``, 1024 threads). A dispatch
-            without handle makes ``num_sms / 2 * sub_channels`` channels; the config's rings per SM pair are
-            split between them (``ring_sizes``).
+            the default: ``layout.sub_channels`` for the config's SMs, blocks of at most 768 threads with one
+            rank per domain (1024 on few SMs), 512 with more; up to ``layout.max_sub_channels``, 1024 threads).
+            A dispatch without handle makes ``num_sms / 2 * sub_channels`` channels; the config's rings per
+            SM pair are split between them (``ring_sizes``).
             A handle keeps its channel count whatever the value later.
         use_own_row_copies: with one rank per domain, let a dispatch copy this rank's own rows with the copy
             engines (ops/own_rows.py) where it knows them (a dispatch that waited for its counts, or a cached

@@ -47,7 +47,8 @@ def dispatch_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
 
 def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
     """Warps of one channel in a combine block (layout.cuh): with one rank per domain there are no NVLink
-    senders, and the ``D`` forwarders and the reducer take one block each."""
+    senders, and the ``D`` forwarders and the ``D`` reducers take one block each; with more, one block holds
+    the NVLink senders and the reducers, the other the forwarders in pairs."""
     if num_nvl_ranks == 1:
         return num_domains
     return max(num_nvl_ranks * num_domains, num_domains + 1)
@@ -59,17 +60,19 @@ def _channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
 
 
 def sub_channels(num_nvl_ranks: int, num_domains: int, num_sms: int | None = None) -> int:
-    """Channels a block runs side by side by default: blocks of at most 768 threads (80 registers a thread);
-    with one rank per domain and a ``num_sms`` whose SM pairs can all run 1024-thread blocks of channels
-    (``num_sms / 2 * S * D <= MAX_CHANNELS``, so up to 16 SMs at 2 domains and 4 domains alike), blocks of
-    1024 (64 registers a thread, where the kernels spill some). Each role of a channel is one warp moving one
-    row at a time, so more channels keep more rows moving.
+    """Channels a block runs side by side by default: blocks of at most 768 threads (80 registers a thread)
+    with one rank per domain, of at most 512 (128 registers) with more; with one rank per domain and a
+    ``num_sms`` whose SM pairs can all run 1024-thread blocks of channels (``num_sms / 2 * S * D <=
+    MAX_CHANNELS``, so up to 16 SMs at 2 domains and 4 domains alike), blocks of 1024 (64 registers a thread,
+    where the kernels spill some). Each role of a channel is one warp moving one row at a time, so more
+    channels keep more rows moving.
 
     Measured on 4 x H200 (4096 x 7168, top-8 of 256, the bench's Config, ``tools/internode_sweep.py``, BF16 /
     FP8 dispatch and combine, us):
-      * 2 x 2, 768 threads (6 channels) against 512 (4), twice: 3326 / 2466 / 2824 against 3763 / 3045 / 3703
-        at 8 SMs, 2163 / 1554 / 1881 against 2453 / 1903 / 2475 at 12, 1089 / 710 / 1044 against
-        1080 / 799 / 1252 at 24; 1024 threads (8) were slower than 768 at 12 and 24 SMs.
+      * 2 x 2, rows in place and the combine's forwarders in pairs, 512 threads (4 channels) against 768 (6),
+        one call: 1045 / 651 / 1562 against 1102 / 674 / 1690 at 8 SMs, 711 / 436 / 1072 against
+        773 / 467 / 1178 at 12, 612 / 331 / 771 against 611 / 334 / 815 at 24 (before those two changes 768
+        threads were the faster: 2163 / 1554 / 1881 against 2453 / 1903 / 2475 at 12 SMs).
       * 2 x 1, 1024 threads (16) against 768 (12): 519 / 385 / 662 against 518 / 385 / 827 at 8 SMs,
         387 / 276 / 490 against 381 / 273 / 581 at 12; at 24 SMs 16 a block leave SMs unused (the channels
         stop at MAX_CHANNELS / D) and were slower, 306 / 216 / 366 against 272 / 185 / 344.
@@ -77,7 +80,7 @@ def sub_channels(num_nvl_ranks: int, num_domains: int, num_sms: int | None = Non
         952 / 593 / 934 against 917 / 572 / 1068 at 12.
     """
     warps = _channel_warps(num_nvl_ranks, num_domains)
-    sub = max(1, 24 // warps)
+    sub = max(1, (24 if num_nvl_ranks == 1 else 16) // warps)
     if num_nvl_ranks == 1 and num_sms is not None:
         wide = max(1, 32 // warps)
         if max(int(num_sms) // 2, 1) * wide <= MAX_CHANNELS // num_domains:
