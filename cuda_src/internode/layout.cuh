@@ -271,16 +271,15 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 }
 
 // Warps of one channel in a dispatch block (a sender per domain, or a forwarder and a receiver per local
-// rank; with L == 1 one warp forwards straight into the outputs) and in a combine block (an NVLink sender
-// per (domain, local rank), or a forwarder per domain and the reducer; with L == 1 there are no NVLink
-// senders, so the forwarders take the first block and the reducer the second). A block runs several
-// consecutive channels side by side: every role of a channel is one warp moving one row at a time, so more
-// channels per SM is what keeps more bytes in flight. By default blocks stay within 768 threads (80 registers
-// a thread), or 1024 with one rank a domain on few SMs (sub_channels in ops/internode/layout.py).
+// rank; with L == 1 one warp forwards straight into the outputs) and in a combine block (an NVLink sender per
+// (domain, other local rank) and a reducer per domain, or a forwarder pair per domain: L * D >= 2 * D; with
+// L == 1 there are no NVLink senders, so the forwarders take one block and the D reducers the other). A block
+// runs several consecutive channels side by side: every role of a channel is one warp moving one row at a
+// time, so more channels per SM is what keeps more bytes in flight. By default blocks stay within 768 threads
+// (80 registers a thread) with one rank a domain, or 1024 on few SMs, and within 512 (128 registers) with more
+// (sub_channels in ops/internode/layout.py).
 constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
-constexpr int combine_channel_warps(int L, int D) {
-    return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);
-}
+constexpr int combine_channel_warps(int L, int D) { return L == 1 ? D : L * D; }
 // Registers a thread of a combine block of S channels may hold (what a loop may keep in flight).
 constexpr int combine_registers(int L, int D, int S) {
     const int registers = 65536 / (32 * combine_channel_warps(L, D) * S);

@@ -225,7 +225,7 @@ def test_combine_spec_and_block_shape():
         internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
     assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels" in (
         CUDA_SRC / "combine.cu").read_text()
-    assert "return L == 1 ? D : (L * D > D + 1 ? L * D : D + 1);" in (CUDA_SRC / "layout.cuh").read_text()
+    assert "return L == 1 ? D : L * D;" in (CUDA_SRC / "layout.cuh").read_text()
 
 
 def test_sub_channels_tuning_sets_blocks_channels_and_rings():

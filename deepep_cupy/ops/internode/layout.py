@@ -51,7 +51,7 @@ def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
     the NVLink senders and the reducers, the other the forwarders in pairs."""
     if num_nvl_ranks == 1:
         return num_domains
-    return max(num_nvl_ranks * num_domains, num_domains + 1)
+    return num_nvl_ranks * num_domains
 
 
 def _channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
