@@ -11,10 +11,8 @@ lets them (the "own" column says "ce" where they moved any, "sm" where the SMs c
 engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that setting at each SM count); with domains of
 more than one rank the column says "pl" where every rank's outputs lay in its output pool (rows in place) and
 "rg" where some went through the NVLink rings (``--ring-rows`` adds the setting with ``use_output_pool = False``),
-the rest of the
-Config as the bench's
-(``Config(num_sms, 8, 512, 16, 128)``, which is also the reference setting). For each setting, on a handle made
-by a dispatch with that setting, three ops:
+the rest of the Config as the bench's (``Config(num_sms, 8, 512, 16, 128)``, which is also the reference
+setting). For each setting, on a handle made by a dispatch with that setting, three ops:
   dispatch BF16  cached
   dispatch FP8   cached, column-major scales
   combine BF16   with top-k weights

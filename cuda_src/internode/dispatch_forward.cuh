@@ -69,7 +69,8 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         const long long* rep = g.nvl_reply(l_me, c, j);
         const long long h = ok && lane < kReplyWords ? ld_cg_s64(rep + lane) : 0;
         if (ok && lane < D) sh.row_at[j][lane] = static_cast<int>(ld_cg_s64(rep + kReplyWords + lane));
-        in_place = __shfl_sync(kFullMask, h, 7) == static_cast<long long>(base_n + 1) && __shfl_sync(kFullMask, h, 6) == 1;
+        in_place = __shfl_sync(kFullMask, h, 7) == static_cast<long long>(base_n + 1) &&
+                   __shfl_sync(kFullMask, h, 6) == 1;
         if (in_place) {
             const uintptr_t pool = static_cast<uintptr_t>(a.pool_bases[j]);
             auto at = [&](int q) {

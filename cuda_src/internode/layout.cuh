@@ -248,9 +248,8 @@ enum PhaseCode : int {
 
 // Which block of an SM pair runs the sending side of channel `sub` of the pair's S (dispatch: the RDMA
 // senders; combine: with L == 1 the forwarders, with more the NVLink senders and the reducers), the other
-// block its receiving side: alternating by channel,
-// so that each SM carries both sides' bytes instead of one SM of the pair waiting for the other
-// (docs/design/internode_measurements.md, "Sides alternating by channel").
+// block its receiving side: alternating by channel, so that each SM carries both sides' bytes instead of one
+// SM of the pair waiting for the other (docs/design/internode_measurements.md, "Sides alternating by channel").
 __device__ __forceinline__ bool sends_here(int sub) { return ((blockIdx.x ^ static_cast<unsigned>(sub)) & 1) == 0; }
 
 // Warp-collective put of `bytes` from local symmetric `src` to `dst` on `pe`, then a signal op on `sig`.
