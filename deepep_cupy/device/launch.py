@@ -114,7 +114,8 @@ class LaunchPlan:
         self._stream.value = stream
         err = _launch(*self._call)
         if err:
-            _raise_launch_error(err, self.kernel)
+            _raise_launch_error(err, self.kernel, f"grid {self.grid}, block {self.block}, {self.shared_mem} bytes of "
+                                f"dynamic shared memory{_shared_limits(self._fn)}")
 
 
 #: ``cuLaunchKernel`` of ``cuda.bindings``, and the ``CUfunction`` objects of the functions launched through
@@ -163,7 +164,22 @@ def _launch(*args) -> int:
 LAUNCHER = None
 
 
-def _raise_launch_error(err, kernel) -> None:
+def _shared_limits(fn: int) -> str:
+    """What the function at ``fn`` may take and takes of shared memory, for an error message ("" where the
+    driver does not say)."""
+    try:
+        driver = _driver()
+        a = driver.CUfunction_attribute
+        values = [driver.cuFuncGetAttribute(attr, driver.CUfunction(fn)) for attr in (
+            a.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, a.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)]
+    except Exception:  # the message must not depend on the driver answering
+        return ""
+    if any(int(err) != 0 for err, _ in values):
+        return ""
+    return f" (the function allows {int(values[0][1])} dynamic and has {int(values[1][1])} static)"
+
+
+def _raise_launch_error(err, kernel, detail_of_launch: str = "") -> None:
     name = getattr(kernel, "name", repr(kernel))
     try:
         driver = _driver()
@@ -171,7 +187,8 @@ def _raise_launch_error(err, kernel) -> None:
         detail = text.decode() if isinstance(text, bytes) else str(text)
     except Exception:  # the message must not depend on the driver answering
         detail = "see the CUDA driver's error codes"
-    raise RuntimeError(f"launching {name} failed: {detail} (CUresult {int(err)})")
+    where = f"; {detail_of_launch}" if detail_of_launch else ""
+    raise RuntimeError(f"launching {name} failed: {detail} (CUresult {int(err)}){where}")
 
 
 #: Shared memory (static and dynamic together) a kernel may take without opting in (cuFuncSetAttribute
@@ -192,10 +209,14 @@ def _static_shared(fn: int) -> int:
 
 
 def _allow_shared(fn: int, nbytes: int, kernel) -> None:
-    """Let the function at ``fn`` take ``nbytes`` of dynamic shared memory (once per plan; the driver
-    keeps the attribute on the function)."""
+    """Let the function at ``fn`` take ``nbytes`` of dynamic shared memory. The driver keeps the limit on the
+    function, for every plan that launches it: a plan only ever raises it, so that a later plan needing less
+    (a dispatch of FP8 rows after one of BF16 rows) cannot make an earlier one's launches invalid."""
     driver = _driver()
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    err, current = driver.cuFuncGetAttribute(attr, driver.CUfunction(fn))
+    if int(err) == 0 and int(current) >= int(nbytes):
+        return
     (err,) = driver.cuFuncSetAttribute(driver.CUfunction(fn), attr, int(nbytes))
     if int(err) != 0:
         raise RuntimeError(f"{getattr(kernel, 'name', kernel)}: cannot take {nbytes} bytes of dynamic shared "

@@ -87,25 +87,39 @@ def test_a_failed_launch_raises_with_the_kernel_name(monkeypatch):
 
 def test_large_dynamic_shared_memory_is_opted_into(monkeypatch):
     """Past 48 KiB of static and dynamic shared memory together the function must opt in for its dynamic
-    part (cuFuncSetAttribute), once, when the plan is made; at or below it nothing is asked of the driver,
+    part (cuFuncSetAttribute), when the plan is made; at or below it nothing is asked of the driver, a plan
+    never lowers what an earlier plan of the same function opted into (its launches would become invalid),
     and a refusal names the kernel."""
     import types
 
     calls = []
     attrs = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max-dynamic-shared",
                                   CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES="static-shared")
-    status = {"err": 0, "static": 0}
+    status = {"err": 0, "static": 0, "max": 48 * 1024}
+
+    def set_attribute(fn, attr, n):
+        calls.append((fn, attr, n))
+        if not status["err"]:
+            status["max"] = n
+        return (status["err"],)
+
     fake = types.SimpleNamespace(CUfunction=lambda fn: ("CUfunction", fn), CUfunction_attribute=attrs,
-                                 cuFuncSetAttribute=lambda fn, attr, n: calls.append((fn, attr, n)) or (status["err"],),
+                                 cuFuncSetAttribute=set_attribute,
                                  cuFuncGetAttribute=lambda attr, fn: (0, status["static"] if attr == "static-shared"
-                                                                      else -1))
+                                                                      else status["max"]))
     monkeypatch.setattr(launch, "_driver", lambda: fake)
     launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=48 * 1024)
     assert calls == []
     launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=80 * 1024)
     assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 80 * 1024)]
     calls.clear()
+    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=60 * 1024)  # less: the limit stays
+    assert calls == [] and status["max"] == 80 * 1024
+    status["max"] = 48 * 1024
     status["static"] = 40 * 1024  # 40 KiB static + 16 KiB dynamic
+    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
+    assert calls == []  # within the function's limit already
+    status["max"] = 0
     launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
     assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 16 * 1024)]
     calls.clear()
