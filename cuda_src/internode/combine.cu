@@ -159,10 +159,10 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
 // stores (system scope) first and says so in `fenced`, and the leader publishes only rows both have fenced.
 // Zeroed by the block before any use.
 struct PairShared {
-    volatile int done;    // rows the partner has summed
+    volatile int done;    // rows the partner has summed (kPartnerFailed: it stopped early, a wait ran out)
     volatile int fenced;  // of those, rows whose stores the partner has fenced
-    volatile int failed;  // the partner stopped early (a wait ran out)
 };
+constexpr int kPartnerFailed = 0x7fffffff;  // more rows than a channel ever has
 
 // Receiving side, warp ds (and with a partner, warp D + ds): partial sums within this domain of the rows that
 // came from (ds, l_me). `pair` is null with L == 1 (one warp a forwarder).
@@ -173,21 +173,23 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const Signals sig{a.sig, D};
     const State st{a.state};
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L, pe = ds * L + l_me;
-    const int x_ring = c * D + ds, i = c * D + ds, i_peer = c * D + d_me;
+    // Ring i = (c, ds): the RDMA ring back to source ds, and the index of the NVLink sub-rings that carry the
+    // domain ranks' rows of (c, ds) here (x_ring of the senders above).
+    const int i = c * D + ds, i_peer = c * D + d_me;
     const bool leader = half == 0;
     const NvlCtrl mine{nvl_base(a.nvl_bases, l_me), L};
     // Lane j < L, j != l_me: units of sub-ring (c, ds) from domain rank j before this op, and how many it read.
     // The rows of this rank (j == l_me, and with L == 1 every row) are read from x itself, where the NVLink
     // sender would have read them: slot p would hold row entry 5 [(ds, l_me), c] + p.
     long long nbase = 0;
-    if (L > 1 && lane < L && lane != l_me) nbase = *st.nvl_recvd(x_ring * L + lane, D, L);
+    if (L > 1 && lane < L && lane != l_me) nbase = *st.nvl_recvd(i * L + lane, D, L);
     int taken = 0, returned = 0;  // lane j: slots of j's sub-ring read, and handed back (the leader's count)
     // NVLink slots go back in batches (a store over NVLink each), and all before a wait.
     auto hand_back = [&]() {
         if constexpr (L == 1) return;
         __syncwarp();
         if (leader && lane < L && taken > returned) {
-            give_back_store(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(x_ring * L + l_me),
+            give_back_store(NvlCtrl{nvl_base(a.nvl_bases, lane), L}.head(i * L + l_me),
                             static_cast<uint64_t>(nbase) + taken);
             returned = taken;
         }
@@ -228,8 +230,10 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     // Partner: `rows` summed; with `fence`, their stores made visible at system scope before they count as fenced.
     auto report = [&](int rows, bool fence) {
         __syncwarp();
-        if (fence) fence_acq_rel_sys();
-        __syncwarp();
+        if (fence) {
+            fence_acq_rel_sys();
+            __syncwarp();
+        }
         if (lane == 0) {
             if (fence) pair->fenced = rows;
             __threadfence_block();
@@ -249,26 +253,11 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     // Leader: wait until the partner has summed `rows` rows, publishing what it fences meanwhile.
     auto wait_partner = [&](int rows) {
         if (pair == nullptr) return;
-        uint64_t clock = 0;
-        for (unsigned int spin = 1;; ++spin) {
-            int v = lane == 0 ? pair->done : 0;
-            v = __shfl_sync(kFullMask, v, 0);
-            if (v >= rows) break;
-            if (__shfl_sync(kFullMask, lane == 0 ? pair->failed : 0, 0)) {
-                ok = false;
-                return;
-            }
+        const int v = shared_wait(&pair->done, [&](int done) { return done >= rows; }, [&](unsigned int spin) {
             if (spin == 1) hand_back();
             publish(publishable(rows));
-            if ((spin & 63u) == 0) {
-                const int give_up = lane == 0 && wait_expired(spin, clock, w, kOpCombinePartner, a.rank, __LINE__);
-                if (__shfl_sync(kFullMask, give_up, 0)) {
-                    ok = false;
-                    return;
-                }
-            }
-        }
-        __threadfence_block();
+        }, w, kOpCombinePartner, __LINE__, lane);
+        if (v == kWaitExpired || v == kPartnerFailed) ok = false;
     };
     PhaseClock phase;  // diagnostics builds only (layout.cuh); the leader's laps only
     uint64_t head = base;  // the last value of head seen (acquired): slots below it are free
@@ -284,13 +273,13 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
         if constexpr (L > 1) {
             const bool ready = pos < 0 || lane == l_me ||
-                               ld_acquire_sys(mine.tail(x_ring * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
+                               ld_acquire_sys(mine.tail(i * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
             if (!__all_sync(kFullMask, ready)) before_wait(k);
             for (int j = 0; j < L && ok; ++j) {
                 const int p = __shfl_sync(kFullMask, pos, j);
                 const long long nb = __shfl_sync(kFullMask, nbase, j);
                 if (p >= 0 && j != l_me)
-                    wait_at_least(mine.tail(x_ring * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
+                    wait_at_least(mine.tail(i * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
                                   d_me * L + j, __LINE__, &ok);
             }
             if (!ok) break;
@@ -346,13 +335,16 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         phase.lap(kPhaseFwdPublish);
     }
     if (!leader) {
-        if (!ok && lane == 0) pair->failed = 1;
+        if (!ok && lane == 0) {
+            __threadfence_block();
+            pair->done = kPartnerFailed;
+        }
         return;
     }
     if (ok) hand_back();
     if (lane == 0) nvshmem_quiet();
     if (ok) {
-        if (L > 1 && lane < L && lane != l_me) *st.nvl_recvd(x_ring * L + lane, D, L) = nbase + taken;
+        if (L > 1 && lane < L && lane != l_me) *st.nvl_recvd(i * L + lane, D, L) = nbase + taken;
         if (lane == 0) *st.rdma_sent(i) = static_cast<long long>(base + n);
     }
 }

@@ -179,17 +179,9 @@ __device__ void finish_in_place(const DispatchArgs& a, ForwardShared<L, D>& sh, 
 template <int L, int D, int U>
 __device__ void help_forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int lane) {
     const State st{a.state};
-    uint64_t start = 0;
-    int ready = 0;
-    for (unsigned int spin = 1; ready == 0; ++spin) {
-        ready = __shfl_sync(kFullMask, static_cast<volatile int*>(sh.ready)[j], 0);
-        if (ready == 0 && (spin & 63u) == 0) {
-            const int give_up = lane == 0 && wait_expired(spin, start, w, kOpDispatchHelper, a.rank, __LINE__);
-            if (__shfl_sync(kFullMask, give_up, 0)) return;
-        }
-    }
-    __threadfence_block();
-    if (ready != 1) return;
+    const int ready = shared_wait(static_cast<volatile int*>(sh.ready) + j, [](int v) { return v != 0; },
+                                  [](unsigned int) {}, w, kOpDispatchHelper, __LINE__, lane);
+    if (ready != 1) return;  // no rows to help with, or the wait ran out (reported)
     const uint64_t base_n = static_cast<uint64_t>(*st.nvl_sent(c * L + j, D));
     bool ok = true;
     int rows = 0;

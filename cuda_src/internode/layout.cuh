@@ -285,6 +285,31 @@ constexpr int combine_registers(int L, int D, int S) {
     return registers > 255 ? 255 : registers;
 }
 
+// What shared_wait returns when its wait ran out (reported).
+constexpr int kWaitExpired = -0x7fffffff - 1;
+
+// Warp-wide wait for a word of shared memory that another warp of the block sets (lane 0 reads it for the
+// warp) until ready(value) holds, calling between(spin) after each read that finds it short. Returns that
+// value, its later reads ordered after it (block-scope fence), or kWaitExpired when the wait ran out (every 64
+// reads the deadline is checked; the report names op `op` and this rank).
+template <typename Ready, typename Between>
+__device__ __forceinline__ int shared_wait(const volatile int* word, Ready ready, Between between, const WaitCtx& w,
+                                           int op, int line, int lane) {
+    uint64_t start = 0;
+    for (unsigned int spin = 1;; ++spin) {
+        const int v = __shfl_sync(kFullMask, lane == 0 ? *word : 0, 0);
+        if (ready(v)) {
+            __threadfence_block();
+            return v;
+        }
+        between(spin);
+        if ((spin & 63u) == 0) {
+            const int give_up = lane == 0 && wait_expired(spin, start, w, op, w.rank, line);
+            if (__shfl_sync(kFullMask, give_up, 0)) return kWaitExpired;
+        }
+    }
+}
+
 // Slots a ring's writer hands over per system-scope fence (and its reader hands back per store); every wait
 // publishes (gives back) first.
 constexpr int kPublishBatch = 8;
