@@ -6,7 +6,9 @@
 // On the sending side, warp d < D of the channel's group is the RDMA sender to forwarder (d, l_me); on the
 // receiving side, warp j < L forwards what arrives over RDMA to local rank j, warp L + l receives over NVLink
 // what forwarder l passes on (with L == 1, warp d < D writes what arrives from domain d straight into the
-// outputs: no NVLink hop, and the rank's own rows go there from its sender warp: send_own). Every ring is
+// outputs: no NVLink hop, and the rank's own rows go there from its sender warp: send_own). The rank's own
+// tokens bound for its own domain skip its own RDMA ring: with L > 1 the forwarders read them from x
+// (OwnTokens), and the sender warp of d_me only writes their handle entries (send_own_domain). Every ring is
 // FIFO, so the rows of one (source, channel) arrive in token order and land at entry 5 + their index: the
 // intranode row order.
 //
@@ -140,20 +142,68 @@ __device__ __forceinline__ unsigned int slot_scale(const unsigned int* sc, const
     return q == lane ? ex.scale[0] : q == lane + 32 ? ex.scale[1] : ld_cg_u32(sc + q);
 }
 
-// Copy the payload of one slot (everything after the header that this op uses) with the warp.
-// Only the parts this op fills: header and row, then the scales, top-k ids and weights.
-template <int U>
-__device__ __forceinline__ void copy_slot(uint8_t* dst, const uint8_t* src, const DispatchArgs& a, int lane) {
-    const Extras ex = slot_extras(a, src, true, lane);
-    warp_copy_cg<U>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src), 1 + a.hidden_int4, lane);
-    const unsigned int* from = reinterpret_cast<const unsigned int*>(src);
-    unsigned int* to = reinterpret_cast<unsigned int*>(dst);
-    const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
-    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = slot_scale(from + sc, ex, q, lane);
-    for (int q = lane; q < a.num_topk; q += 32) {
-        to[ids + q] = q == lane ? static_cast<unsigned int>(ex.expert) : ld_cg_u32(from + ids + q);
-        to[ws + q] = q == lane ? __float_as_uint(ex.weight) : ld_cg_u32(from + ws + q);
+// L > 1: this rank's own tokens bound for its own domain do not go through its own RDMA ring: its sender would
+// copy each row there and its forwarders copy it out again, a local copy that does nothing (the SMs' stores
+// bound the dispatch: docs/design/internode_measurements.md). The forwarders read those rows from the caller's
+// tensors instead (TokenRow), in the order the ring would have held them: the channel's tokens with a
+// destination in the domain. Ring (c, d_me), its words and its `state` counts are not touched, as with L == 1.
+template <int L, int D>
+struct OwnTokens {
+    int chunk, end;
+    unsigned int mask = 0u;  // the current 32 tokens' not yet taken
+    int bits = 0;            // this lane's token's destinations in the domain
+    __device__ OwnTokens(const DispatchArgs& a, int c) {
+        channel_range(a.num_tokens, a.num_channels, c, chunk, end);
+        chunk -= 32;
     }
+    // Destination bits of token t in this rank's domain (0 past the channel).
+    __device__ __forceinline__ static int domain_bits(const DispatchArgs& a, int t, int end) {
+        int b = 0;
+        if (t < end) {
+            const bool* row = a.is_token_in_rank + static_cast<long long>(t) * L * D + (a.rank / L) * L;
+#pragma unroll
+            for (int j = 0; j < L; ++j) b |= row[j] ? (1 << j) : 0;
+        }
+        return b;
+    }
+    // The next token and its destination bits; false past the channel's end.
+    __device__ __forceinline__ bool next(const DispatchArgs& a, int lane, int& token, int& token_bits) {
+        while (mask == 0u) {
+            chunk += 32;
+            if (chunk >= end) return false;
+            bits = domain_bits(a, chunk + lane, end);
+            mask = __ballot_sync(kFullMask, bits != 0);
+        }
+        const int k = __ffs(mask) - 1;
+        mask &= mask - 1u;
+        token = chunk + k;
+        token_bits = __shfl_sync(kFullMask, bits, k);
+        return true;
+    }
+};
+
+// L > 1, the sender warp of the rank's own domain: no rows to send (OwnTokens), only handle entry 8 of its
+// tokens and the check of their expert ids (the forwarders pass a bad id on as -1, as a sender does).
+template <int L, int D>
+__device__ void send_own_domain(const DispatchArgs& a, int c, int lane) {
+    const int d_me = a.rank / L;
+    const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    BadValue bad;
+    int count = 0;
+    for (int chunk = t_begin; chunk < t_end; chunk += 32) {
+        const int t = chunk + lane;
+        const int bits = OwnTokens<L, D>::domain_bits(a, t, t_end);
+        const unsigned int mask = __ballot_sync(kFullMask, bits != 0);
+        if (a.send_rdma_head != nullptr && t < t_end)
+            a.send_rdma_head[static_cast<long long>(t) * D + d_me] =
+                bits ? count + __popc(mask & ((1u << lane) - 1u)) : -1;
+        count += __popc(mask);
+        for (int q = 0; bits != 0 && q < a.num_topk; ++q)
+            bad.check_expert_id(a.topk_idx[static_cast<long long>(t) * a.num_topk + q], num_experts);
+    }
+    bad.report_from_warp(a.err, kValueOpInternodeDispatch, a.rank, __LINE__);
 }
 
 // RDMA sender of channel c to domain d (one warp).
@@ -386,6 +436,8 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     } else if (c < num_channels && role < D) {
         if (L == 1 && role == rank)
             send_own<D, U>(a, c, lane);
+        else if (L > 1 && role == rank / L)
+            send_own_domain<L, D>(a, c, lane);
         else
             send_rdma<L, D, U>(a, w, c, role, lane);
         clock.stop();

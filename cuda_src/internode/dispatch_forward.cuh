@@ -1,5 +1,6 @@
 // Internode dispatch, receiver block of a channel: the forwarders (warp j < L: RDMA ring -> NVLink ring
-// of local rank j) and the NVLink receivers (warp L + l: NVLink ring of forwarder l -> outputs); with
+// of local rank j, and this rank's own tokens of its domain from x) and the NVLink receivers (warp L + l:
+// NVLink ring of forwarder l -> outputs); with
 // L == 1, warp d < D: RDMA ring of source domain d -> outputs (forward_direct), or, for d == d_me, only the
 // handle entries of the rows the sender wrote itself (forward_own).
 //
@@ -32,12 +33,22 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
     // Meta of every source domain: lane d keeps (NVLink start, end for j, RDMA start, end).
     int ns = 0, ne = 0, r0 = 0, r1 = 0;
     for (int d = 0; d < D && ok; ++d) {
-        wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(sh.base[d]) + 1, w, kOpDispatchTail, d * L + l_me,
-                      __LINE__, &ok);
-        if (!ok) break;
-        const int* m = g.rdma_meta(1, c * D + d);
-        const int v0 = ld_cg_s32(m + j), v1 = ld_cg_s32(m + L + j);
-        const int v2 = ld_cg_s32(m + 2 * L), v3 = ld_cg_s32(m + 2 * L + 1);
+        int v0, v1, v2, v3;
+        if (d == d_me) {
+            // This rank's own tokens (OwnTokens): the record its sender would have sent, from entries 1 and 2.
+            const int r = d_me * L + j;
+            v0 = c > 0 ? a.gbl_cpm[r * C + c - 1] : 0;
+            v1 = a.gbl_cpm[r * C + c];
+            v2 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0;
+            v3 = a.rdma_cpm[d * C + c];
+        } else {
+            wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(sh.base[d]) + 1, w, kOpDispatchTail, d * L + l_me,
+                          __LINE__, &ok);
+            if (!ok) break;
+            const int* m = g.rdma_meta(1, c * D + d);
+            v0 = ld_cg_s32(m + j), v1 = ld_cg_s32(m + L + j);
+            v2 = ld_cg_s32(m + 2 * L), v3 = ld_cg_s32(m + 2 * L + 1);
+        }
         if (lane == d) ns = v0, ne = v1, r0 = v2, r1 = v3;
         if (j == 0 && lane == 0) {
             sh.count[d] = v3 - v2;
@@ -113,32 +124,45 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             published = sent;
         }
     };
+    const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     for (int d = 0; d < D && ok && !in_place; ++d) {
         const int n = __shfl_sync(kFullMask, r1 - r0, d);
         const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + __shfl_sync(kFullMask, r0, d);
         const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
+        const bool own = d == d_me;  // this rank's own tokens: from its tensors (OwnTokens), no ring
+        OwnTokens<L, D> tokens(a, c);
         int avail = 0, k_j = 0;
         for (int k = 0; k < n; ++k) {
-            if (k >= avail) {
-                // Before waiting for the source, hand over and give back everything done so far (the source may
-                // be waiting for ring space).
-                const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
-                    flush();
-                    if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
-                    __syncwarp();
-                }, w, kOpDispatchTail, d * L + l_me, __LINE__, &ok);
-                if (!ok) break;
-                avail = static_cast<int>(v - base_r - 1);
+            int bits = 0, token = 0;
+            const uint8_t* s = nullptr;
+            if (own) {
+                tokens.next(a, lane, token, bits);  // n counts the channel's tokens with bits
+            } else {
+                if (k >= avail) {
+                    // Before waiting for the source, hand over and give back everything done so far (the source
+                    // may be waiting for ring space).
+                    const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
+                        flush();
+                        if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                        __syncwarp();
+                    }, w, kOpDispatchTail, d * L + l_me, __LINE__, &ok);
+                    if (!ok) break;
+                    avail = static_cast<int>(v - base_r - 1);
+                }
+                s = g.rdma_slot(1, c * D + d, k);
+                bits = ld_cg_s32(s + 4);
             }
-            const uint8_t* s = g.rdma_slot(1, c * D + d, k);
-            const int bits = ld_cg_s32(s + 4);
             int pos = -1;
             if (bits & (1 << j)) {
                 if (sent >= a.nvl_cap)  // slot sent - Rn must be free
                     nvl_head = wait_reaching(mine.head(c * L + j), base_n + 2 + sent - a.nvl_cap, nvl_head, flush, w,
                                              kOpDispatchNvlHead, d_me * L + j, __LINE__, &ok);
                 if (!ok) break;
-                copy_slot<U>(g.nvl_slot(j, c, l_me, sent), s, a, lane);
+                uint8_t* slot = g.nvl_slot(j, c, l_me, sent);
+                if (own)
+                    copy_slot<U>(slot, TokenRow{a, token, d_me, num_experts}, a, bits, lane);
+                else
+                    copy_slot<U>(slot, SlotRow{s}, a, bits, lane);
                 ++sent;
                 if (sent - published >= kPublishBatch) flush();
                 pos = k_j++;
@@ -407,8 +431,9 @@ __device__ void receive_end(const DispatchArgs& a, const ForwardShared<L, D>* sh
     const State st{a.state};
     for (int t = threadIdx.x; t < S * D; t += blockDim.x) {
         const int cc = cb * S + t / D, d = t % D;
-        // L == 1: ring (c, d_me) is not used (send_own), so its count stays, as the sender's does.
-        if (cc < a.num_channels && !sends_here(t / D) && !(L == 1 && d == a.rank) && !timeout_reported(a.err))
+        // Ring (c, d_me) is not used (send_own with L == 1, OwnTokens with more), so its count stays, as the
+        // sender's does.
+        if (cc < a.num_channels && !sends_here(t / D) && d != a.rank / L && !timeout_reported(a.err))
             *st.rdma_recvd(cc * D + d, D) = shared[t / D].base[d] + 1 + shared[t / D].count[d];
     }
 }

@@ -1,12 +1,77 @@
 // Internode dispatch, what the forwarder and NVLink receiver warps of a block share (dispatch_forward.cuh):
-// where a received row's outputs are and how it is stored there, the forwarders' shared state and their
+// where a forwarded row comes from (a ring slot or, for this rank's own tokens, x) and how it is copied into
+// a slot, where a received row's outputs are and how it is stored there, the forwarders' shared state and their
 // bookkeeping of each RDMA slot, and the rows-in-place loops (a forwarder storing rows straight into a domain
 // rank's outputs, the receiver warp that helps it, and the count they publish; the protocol is in
 // dispatch_forward.cuh's header).
-// Included by dispatch_forward.cuh only (needs DispatchArgs, Geometry and Extras from dispatch.cu).
+// Included by dispatch_forward.cuh only (needs DispatchArgs, Geometry, Extras and OwnTokens from dispatch.cu).
 #pragma once
 
 namespace deepep_cupy::internode {
+
+// Where a forwarded row comes from: a ring slot (what its source sent), or, for this rank's own tokens bound for
+// its own domain (L > 1), the caller's tensors: those skip the rank's own RDMA ring (OwnTokens, dispatch.cu). Both
+// give the same values: a token's expert ids as a slot carries them (-1 for an id out of range, its weight 0).
+struct SlotRow {
+    static constexpr bool kIsSlot = true;
+    const uint8_t* s;
+    __device__ __forceinline__ Extras extras(const DispatchArgs& a, bool topk, int lane) const {
+        return slot_extras(a, s, topk, lane);
+    }
+    __device__ __forceinline__ const int4* row() const { return reinterpret_cast<const int4*>(s + 16); }
+    __device__ __forceinline__ unsigned int scale(const DispatchArgs& a, const Extras& ex, int q, int lane) const {
+        return slot_scale(reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset), ex, q, lane);
+    }
+    __device__ __forceinline__ int expert(const DispatchArgs& a, const Extras& ex, int q, int lane) const {
+        const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
+        return q == lane ? static_cast<int>(ex.expert) : ld_cg_s32(ids + q);
+    }
+    __device__ __forceinline__ float weight(const DispatchArgs& a, const Extras& ex, int q, int lane) const {
+        return q == lane ? ex.weight : ld_cg_f32(reinterpret_cast<const float*>(s + a.slot.topk_weights_offset) + q);
+    }
+};
+
+struct TokenRow {
+    static constexpr bool kIsSlot = false;
+    const DispatchArgs& a;
+    int token, domain;      // the token, and this rank's domain (the source domain its slot would carry)
+    long long num_experts;  // ids outside [0, num_experts) go as -1, as the sender would send them
+    __device__ __forceinline__ Extras extras(const DispatchArgs&, bool, int lane) const {
+        return token_extras(a, token, lane);
+    }
+    __device__ __forceinline__ const int4* row() const { return a.x + static_cast<long long>(token) * a.hidden_int4; }
+    __device__ __forceinline__ unsigned int scale(const DispatchArgs&, const Extras& ex, int q, int lane) const {
+        return token_scale(a, ex, token, q, lane);
+    }
+    __device__ __forceinline__ int expert(const DispatchArgs&, const Extras& ex, int q, int lane) const {
+        const long long e = q == lane ? ex.expert : a.topk_idx[static_cast<long long>(token) * a.num_topk + q];
+        return e >= 0 && e < num_experts ? static_cast<int>(e) : -1;
+    }
+    __device__ __forceinline__ float weight(const DispatchArgs& args, const Extras& ex, int q, int lane) const {
+        if (a.topk_weights == nullptr || expert(args, ex, q, lane) < 0) return 0.0f;
+        return q == lane ? ex.weight : a.topk_weights[static_cast<long long>(token) * a.num_topk + q];
+    }
+};
+
+// Copy a row's slot (header, row, scales, top-k ids and weights: the parts this op fills) into `dst`
+// with the warp; a slot's header and row go in one copy, a token's header is (d_me, bits, token).
+template <int U, class Src>
+__device__ __forceinline__ void copy_slot(uint8_t* dst, const Src& src, const DispatchArgs& a, int bits, int lane) {
+    const Extras ex = src.extras(a, true, lane);
+    if constexpr (Src::kIsSlot) {
+        warp_copy_cg<U>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src.s), 1 + a.hidden_int4, lane);
+    } else {
+        if (lane == 0) *reinterpret_cast<int4*>(dst) = make_int4(src.domain, bits, src.token, 0);
+        warp_copy_nc<U>(reinterpret_cast<int4*>(dst + 16), src.row(), a.hidden_int4, lane);
+    }
+    unsigned int* to = reinterpret_cast<unsigned int*>(dst);
+    const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
+    for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = src.scale(a, ex, q, lane);
+    for (int q = lane; q < a.num_topk; q += 32) {
+        to[ids + q] = static_cast<unsigned int>(src.expert(a, ex, q, lane));
+        to[ws + q] = __float_as_uint(src.weight(a, ex, q, lane));
+    }
+}
 
 // Where one destination's outputs of a row are: this rank's own (the NVLink receivers, L == 1), or, with rows
 // in place, a domain rank's, through its output pool. `rank` turns global expert ids into its local ones.
@@ -23,30 +88,30 @@ __device__ __forceinline__ RowOutputs own_outputs(const DispatchArgs& a) {
     return {a.recv_x, a.recv_x_scales, a.recv_topk_idx, a.recv_topk_weights, a.recv_src_meta, a.num_out_rows, a.rank};
 }
 
-// Outputs of one received row (slot `s`, from source domain `sd`, destination bits `bits`) at `row` of `o`
-// (row < o.num_rows): recv_x, scales (row-major, as the plan allocates them), local top-k ids (-1 for other
-// ranks' experts) and weights, recv_src_meta.
-template <int U>
-__device__ __forceinline__ void store_row(const DispatchArgs& a, const RowOutputs& o, const uint8_t* s, int row, int sd,
+// Outputs of one received row (from `src`: a ring slot or, for this rank's own tokens, the caller's tensors;
+// source domain `sd`, destination bits `bits`) at `row` of `o` (row < o.num_rows): recv_x, scales (row-major,
+// as the plan allocates them), local top-k ids (-1 for other ranks' experts) and weights, recv_src_meta.
+template <int U, class Src>
+__device__ __forceinline__ void store_row(const DispatchArgs& a, const RowOutputs& o, const Src& src, int row, int sd,
                                           int bits, int lane) {
     const int hidden_int4 = a.hidden_int4, El = a.num_local_experts;
-    const Extras ex = slot_extras(a, s, o.topk_idx != nullptr, lane);
-    warp_copy_cg<U>(o.x + static_cast<long long>(row) * hidden_int4, reinterpret_cast<const int4*>(s + 16), hidden_int4,
-                    lane);
-    const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
+    const Extras ex = src.extras(a, o.topk_idx != nullptr, lane);
+    int4* out = o.x + static_cast<long long>(row) * hidden_int4;
+    if constexpr (Src::kIsSlot)
+        warp_copy_cg<U>(out, src.row(), hidden_int4, lane);
+    else
+        warp_copy_nc<U>(out, src.row(), hidden_int4, lane);
     for (int q = lane; q < a.num_scales; q += 32)
-        o.scales[static_cast<long long>(row) * a.num_scales + q] = slot_scale(sc, ex, q, lane);
+        o.scales[static_cast<long long>(row) * a.num_scales + q] = src.scale(a, ex, q, lane);
     if (o.topk_idx != nullptr) {
-        const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
-        const float* ws = reinterpret_cast<const float*>(s + a.slot.topk_weights_offset);
         for (int q = lane; q < a.num_topk; q += 32) {
-            const int e = q == lane ? static_cast<int>(ex.expert) : ld_cg_s32(ids + q);
+            const int e = src.expert(a, ex, q, lane);
             const int local = e - o.rank * El;
             const bool is_mine = e >= 0 && local >= 0 && local < El;
             o.topk_idx[static_cast<long long>(row) * a.num_topk + q] = is_mine ? local : -1;
             if (o.topk_weights != nullptr)
                 o.topk_weights[static_cast<long long>(row) * a.num_topk + q] =
-                    is_mine ? (q == lane ? ex.weight : ld_cg_f32(ws + q)) : 0.0f;
+                    is_mine ? src.weight(a, ex, q, lane) : 0.0f;
         }
     }
     if (lane == 0 && o.src_meta != nullptr) {
@@ -61,7 +126,7 @@ template <int U>
 __device__ __forceinline__ void store_own_row(const DispatchArgs& a, const uint8_t* s, int row, int sd, int bits,
                                               int peer, int lane) {
     if (row < a.num_out_rows)
-        store_row<U>(a, own_outputs(a), s, row, sd, bits, lane);
+        store_row<U>(a, own_outputs(a), SlotRow{s}, row, sd, bits, lane);
     else if (lane == 0)
         report_timeout(a.err, kOpDispatchOverflow, a.rank, peer, __LINE__, row);
 }
@@ -86,6 +151,7 @@ struct ForwardShared {
 template <int L, int D>
 __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Signals& sig, int c, int d, int d_me,
                                              int l_me) {
+    if (d == d_me) return;  // this rank's own tokens: read from its tensors, no ring (OwnTokens)
     int m = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < L; ++j) m = min(m, static_cast<volatile int*>(&sh.progress[d][0])[j]);
@@ -115,36 +181,58 @@ __device__ __forceinline__ void slot_done(const DispatchArgs& a, ForwardShared<L
 
 // Rows in place: the slots of source domain d in channel c that carry bit j go into j's outputs (sh.out[j],
 // from row sh.row_at[j][d] on), as receive() would store them from j's NVLink ring; the handle entry and the
-// RDMA slots go as in forward(). Nothing is published to j per row: j waits for the final count of rows
-// (finish_in_place, or forward()'s last publish). Returns the rows written.
+// RDMA slots go as in forward() (for d == d_me the slots are this rank's own tokens, read from x: OwnTokens).
+// Nothing is published to j per row: j waits for the final count of rows (finish_in_place, or forward()'s last
+// publish). Returns the rows written.
 template <int L, int D, int U>
 __device__ int forward_in_place(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L, D>& sh, int c, int j, int d,
                                 int lane, bool* ok) {
     const Geometry<L, D> g{a};
     const Signals sig{a.sig, D};
-    const int l_me = a.rank % L, d_me = a.rank / L;
+    const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L;
     const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
-    const int* m = g.rdma_meta(1, c * D + d);  // forward() waited for it
-    const int r0 = ld_cg_s32(m + 2 * L), n = ld_cg_s32(m + 2 * L + 1) - r0;
+    const bool own = d == d_me;  // this rank's own tokens: from its tensors (OwnTokens), no ring
+    int r0, n;
+    if (own) {
+        r0 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0;
+        n = a.rdma_cpm[d * C + c] - r0;
+    } else {
+        const int* m = g.rdma_meta(1, c * D + d);  // forward() waited for it
+        r0 = ld_cg_s32(m + 2 * L);
+        n = ld_cg_s32(m + 2 * L + 1) - r0;
+    }
     const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, first = sh.row_at[j][d];
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
+    const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
+    OwnTokens<L, D> tokens(a, c);
     int avail = 0, k_j = 0;
     for (int k = 0; k < n; ++k) {
-        if (k >= avail) {
-            // Before waiting for the source, give back what is done (it may be waiting for ring space).
-            const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
-                if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
-                __syncwarp();
-            }, w, kOpDispatchTail, d * L + l_me, __LINE__, ok);
-            if (!*ok) break;
-            avail = static_cast<int>(v - base_r - 1);
+        int bits = 0, token = 0;
+        const uint8_t* s = nullptr;
+        if (own) {
+            tokens.next(a, lane, token, bits);  // n counts the channel's tokens with bits (notify, or the handle)
+        } else {
+            if (k >= avail) {
+                // Before waiting for the source, give back what is done (it may be waiting for ring space).
+                const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
+                    if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                    __syncwarp();
+                }, w, kOpDispatchTail, d * L + l_me, __LINE__, ok);
+                if (!*ok) break;
+                avail = static_cast<int>(v - base_r - 1);
+            }
+            s = g.rdma_slot(1, c * D + d, k);
+            bits = ld_cg_s32(s + 4);
         }
-        const uint8_t* s = g.rdma_slot(1, c * D + d, k);
-        const int bits = ld_cg_s32(s + 4);
         int pos = -1;
         if (bits & (1 << j)) {
             // Rows past j's outputs (num_worst_tokens) are left out here and reported by j.
-            if (first + k_j < sh.out[j].num_rows) store_row<U>(a, sh.out[j], s, first + k_j, d, bits, lane);
+            if (first + k_j < sh.out[j].num_rows) {
+                if (own)
+                    store_row<U>(a, sh.out[j], TokenRow{a, token, d_me, num_experts}, first + k_j, d, bits, lane);
+                else
+                    store_row<U>(a, sh.out[j], SlotRow{s}, first + k_j, d, bits, lane);
+            }
             pos = k_j++;
         }
         if (lane == 0) slot_done<L, D>(a, sh, sig, c, d, j, k, n, row0, pos, release_every);

@@ -10,9 +10,11 @@
 //   meta  int32 [2][C*D][2L+2] at 0 (half 0: local staging of what is put, half 1: what peers put)
 //   ring  slots [2][C*D][Rt] at ring_offset (same two halves)
 // Ring i of PE X is written only by PE (d, l_X) (dispatch: that source; combine: that forwarder), so one
-// writer and one reader per ring, in dispatch and combine alike. With L == 1, ring (c, d_me) of each PE
-// (its own rows) is not used at all: the dispatch's sender and the combine's reducer reach the outputs and
-// x directly, and neither side touches its words or `state` counts.
+// writer and one reader per ring, in dispatch and combine alike. Ring (c, d_me) of each PE (its own rows) is
+// not used by the dispatch: its forwarders read those rows from x (send_own with L == 1, OwnTokens with more).
+// With L == 1 the combine's reducer reads x directly too, so the ring is not used at all; with more the
+// combine's partials of the own domain pass through it. An op that skips the ring touches neither its words
+// nor its `state` counts, so both sides still agree.
 // Signal allocation (symmetric, small): uint64 tail[kMaxChannels*D], head[kMaxChannels*D],
 // notify[D], then the notify records int32 [2][D][record_stride].
 // NVLink buffer of each domain rank (peers reached through `nvl_bases`), ring k = c * L + l:
