@@ -168,15 +168,13 @@ def _shared_limits(fn: int) -> str:
     """What the function at ``fn`` may take and takes of shared memory, for an error message ("" where the
     driver does not say)."""
     try:
-        driver = _driver()
-        a = driver.CUfunction_attribute
-        values = [driver.cuFuncGetAttribute(attr, driver.CUfunction(fn)) for attr in (
-            a.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, a.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)]
+        dynamic = _function_attribute(fn, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES")
+        static = _function_attribute(fn, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES")
     except Exception:  # the message must not depend on the driver answering
         return ""
-    if any(int(err) != 0 for err, _ in values):
+    if dynamic is None or static is None:
         return ""
-    return f" (the function allows {int(values[0][1])} dynamic and has {int(values[1][1])} static)"
+    return f" (the function allows {dynamic} dynamic and has {static} static)"
 
 
 def _raise_launch_error(err, kernel, detail_of_launch: str = "") -> None:
@@ -196,27 +194,33 @@ def _raise_launch_error(err, kernel, detail_of_launch: str = "") -> None:
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
+def _function_attribute(fn: int, name: str) -> int | None:
+    """Attribute ``name`` (a ``CUfunction_attribute`` member) of the function at ``fn``; None where the driver
+    refuses. Raises ImportError or RuntimeError where the driver cannot be loaded."""
+    driver = _driver()
+    err, value = driver.cuFuncGetAttribute(getattr(driver.CUfunction_attribute, name), driver.CUfunction(fn))
+    return int(value) if int(err) == 0 else None
+
+
 def _static_shared(fn: int) -> int:
     """Static shared memory bytes of the function at ``fn`` (0 where the driver cannot be loaded: then
     nothing launches, and plans built without a GPU, as in the unit tests, need no opt-in)."""
     try:
-        driver = _driver()
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
-        err, value = driver.cuFuncGetAttribute(attr, driver.CUfunction(fn))
+        value = _function_attribute(fn, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES")
     except (ImportError, RuntimeError):  # no CUDA driver library on this machine
         return 0
-    return int(value) if int(err) == 0 else 0
+    return value or 0
 
 
 def _allow_shared(fn: int, nbytes: int, kernel) -> None:
     """Let the function at ``fn`` take ``nbytes`` of dynamic shared memory. The driver keeps the limit on the
     function, for every plan that launches it: a plan only ever raises it, so that a later plan needing less
-    (a dispatch of FP8 rows after one of BF16 rows) cannot make an earlier one's launches invalid."""
+    (a low-latency combine of a smaller top-k) cannot make an earlier one's launches invalid."""
+    current = _function_attribute(fn, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES")
+    if current is not None and current >= int(nbytes):
+        return
     driver = _driver()
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    err, current = driver.cuFuncGetAttribute(attr, driver.CUfunction(fn))
-    if int(err) == 0 and int(current) >= int(nbytes):
-        return
     (err,) = driver.cuFuncSetAttribute(driver.CUfunction(fn), attr, int(nbytes))
     if int(err) != 0:
         raise RuntimeError(f"{getattr(kernel, 'name', kernel)}: cannot take {nbytes} bytes of dynamic shared "
