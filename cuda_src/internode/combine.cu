@@ -261,6 +261,9 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     };
     PhaseClock phase;  // diagnostics builds only (layout.cuh); the leader's laps only
     uint64_t head = base;  // the last value of head seen (acquired): slots below it are free
+    constexpr int kRowsAhead = 32 / L;
+    int positions = -1;  // lane q * L + j: the position of row k - k % kRowsAhead + q in j's stream
+    uint64_t tail = 0;   // lane j: the last value of j's tail seen (acquired)
     for (int k = 0; k < n && ok; ++k) {
         // Slot k - Rt must be free (unit k - Rt + 1); before waiting for it, the pending slots are published (the
         // source cannot free slots it has not seen).
@@ -269,18 +272,27 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                                  kOpCombineHead, pe, __LINE__, &ok);
             if (!ok) break;
         }
-        // Lane j: position of this row in j's stream, then wait for it.
-        const int pos = lane < L ? a.send_nvl_head[(row0 + k) * L + lane] : -1;
+        // Lane j: position of this row in j's stream (the positions of kRowsAhead rows come in one load step:
+        // a round trip a row was a third of its time), then wait for it.
+        if (k % kRowsAhead == 0) {
+            const long long ahead = row0 + k + lane / L;
+            positions = lane < kRowsAhead * L && k + lane / L < n ? a.send_nvl_head[ahead * L + lane % L] : -1;
+        }
+        const int pos = __shfl_sync(kFullMask, positions, (k % kRowsAhead) * L + lane % L);
         if constexpr (L > 1) {
-            const bool ready = pos < 0 || lane == l_me ||
-                               ld_acquire_sys(mine.tail(i * L + lane)) >= static_cast<uint64_t>(nbase) + 1 + pos;
-            if (!__all_sync(kFullMask, ready)) before_wait(k);
-            for (int j = 0; j < L && ok; ++j) {
-                const int p = __shfl_sync(kFullMask, pos, j);
-                const long long nb = __shfl_sync(kFullMask, nbase, j);
-                if (p >= 0 && j != l_me)
-                    wait_at_least(mine.tail(i * L + j), static_cast<uint64_t>(nb) + 1 + p, w, kOpCombineNvlTail,
-                                  d_me * L + j, __LINE__, &ok);
+            // Each lane's tail is read again only when the last value seen falls short.
+            const uint64_t want = static_cast<uint64_t>(nbase) + 1 + pos;
+            bool ready = lane >= L || pos < 0 || lane == l_me || tail >= want;
+            if (!__all_sync(kFullMask, ready)) {
+                if (!ready) tail = ld_acquire_sys(mine.tail(i * L + lane));
+                ready = ready || tail >= want;
+                if (!__all_sync(kFullMask, ready)) before_wait(k);
+                for (int j = 0; j < L && ok; ++j) {
+                    if (__shfl_sync(kFullMask, ready, j)) continue;
+                    const uint64_t v = wait_at_least(mine.tail(i * L + j), __shfl_sync(kFullMask, want, j), w,
+                                                     kOpCombineNvlTail, d_me * L + j, __LINE__, &ok);
+                    if (lane == j) tail = v;
+                }
             }
             if (!ok) break;
         }

@@ -66,18 +66,29 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         __syncwarp();
     };
+    // The positions of kTokensAhead tokens come in one load step (a round trip a token, the others' tokens
+    // included, was a fifth of a token's time): lane q * D + d holds token t - u + q's position in ring (c, d),
+    // u = (t - t_begin) % kTokensAhead; with L == 1, for this warp's tokens, lane q * D + own holds the row of x
+    // in its stead (send_nvl_head of it, -1 where the token did not reach this domain).
+    constexpr int kTokensAhead = 32 / D;
+    int positions = -1;
     for (int t = t_begin; t < t_end && ok; ++t) {
-        const int pos = lane < D ? a.send_rdma_head[static_cast<long long>(t) * D + lane] : -1;
+        const int u = (t - t_begin) % kTokensAhead;
+        if (u == 0) {
+            const int q = lane / D, d = lane % D, tq = t + q;
+            const bool valid = q < kTokensAhead && tq < t_end;
+            positions = valid ? a.send_rdma_head[static_cast<long long>(tq) * D + d] : -1;
+            if (L == 1 && valid && d == own && positions >= 0 && (tq - t_begin) % NR == r)
+                positions = a.send_nvl_head[own_rdma0 + positions];
+        }
+        const int at = __shfl_sync(kFullMask, positions, u * D + lane % D);
+        const int pos = lane < D ? at : -1;
         if ((t - t_begin) % NR != r) {  // another warp's token: only its slots count
             if (pos >= 0) seen = pos + 1;
             continue;
         }
         // Lane own: the x row of its partial (-1: none, as a partial of no rows adds nothing).
-        int own_row = -1;
-        if (lane == own && pos >= 0) {
-            const int h = a.send_nvl_head[own_rdma0 + pos];
-            own_row = h >= 0 ? own_x0 + h : -1;
-        }
+        const int own_row = lane == own && pos >= 0 ? own_x0 + pos : -1;
         // Lane d's tail of domain d, read again only when the last value seen falls short.
         bool ready = pos < 0 || lane == own || tail >= static_cast<uint64_t>(base) + 1 + pos;
         if (!__all_sync(kFullMask, ready)) {
