@@ -272,8 +272,8 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                                  kOpCombineHead, pe, __LINE__, &ok);
             if (!ok) break;
         }
-        // Lane j: position of this row in j's stream (the positions of kRowsAhead rows come in one load step:
-        // a round trip a row was a third of its time), then wait for it.
+        // Lane j: position of this row in j's stream, then wait for it. The positions of kRowsAhead rows come in
+        // one load step: that load and the tails' acquires, one after the other every row, took a third of it.
         if (k % kRowsAhead == 0) {
             const long long ahead = row0 + k + lane / L;
             positions = lane < kRowsAhead * L && k + lane / L < n ? a.send_nvl_head[ahead * L + lane % L] : -1;

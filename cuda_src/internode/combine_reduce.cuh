@@ -66,10 +66,10 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
         }
         __syncwarp();
     };
-    // The positions of kTokensAhead tokens come in one load step (a round trip a token, the others' tokens
-    // included, was a fifth of a token's time): lane q * D + d holds token t - u + q's position in ring (c, d),
-    // u = (t - t_begin) % kTokensAhead; with L == 1, for this warp's tokens, lane q * D + own holds the row of x
-    // in its stead (send_nvl_head of it, -1 where the token did not reach this domain).
+    // The positions of kTokensAhead tokens come in one load step (every warp needs every token's, the others'
+    // included, and loaded them one round trip a token): lane q * D + d holds token t - u + q's position in
+    // ring (c, d), u = (t - t_begin) % kTokensAhead; with L == 1, for this warp's tokens, lane q * D + own
+    // holds the row of x in its stead (send_nvl_head of it, -1 where the token did not reach this domain).
     constexpr int kTokensAhead = 32 / D;
     int positions = -1;
     for (int t = t_begin; t < t_end && ok; ++t) {
