@@ -198,9 +198,9 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     const uint64_t base = static_cast<uint64_t>(*st.rdma_sent(i));
     bool ok = true;
     wait_at_least(sig.head(i), base, w, kOpCombineHead, pe, __LINE__, &ok);
-    const int start = c > 0 ? a.recv_rdma_cpm[ds * C + c - 1] : 0;
+    const int start = channel_start(a.recv_rdma_cpm, ds, C, c);
     const int n = a.recv_rdma_cpm[ds * C + c] - start;
-    const long long row0 = (ds > 0 ? a.recv_rdma_prefix[ds - 1] : 0) + start;
+    const long long row0 = prefix_before(a.recv_rdma_prefix, ds) + start;
     const long long x_row0 = a.recv_gbl_cpm[(ds * L + l_me) * C + c];
     // This warp's int4 of each row: all of it, or with a partner one half each.
     const int h_begin = pair != nullptr && !leader ? (a.hidden_int4 + 1) / 2 : 0;

@@ -31,7 +31,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     // of that ring would have held RDMA receive row own_rdma0 + p, i.e. x row own_x0 + send_nvl_head of it.
     const int own = L == 1 ? d_me : -1;
     const int own_rdma0 =
-        L == 1 ? (d_me > 0 ? a.recv_rdma_prefix[d_me - 1] : 0) + (c > 0 ? a.recv_rdma_cpm[d_me * C + c - 1] : 0) : 0;
+        L == 1 ? prefix_before(a.recv_rdma_prefix, d_me) + channel_start(a.recv_rdma_cpm, d_me, C, c) : 0;
     const int own_x0 = L == 1 ? a.recv_gbl_cpm[d_me * C + c] : 0;
     // Lane d: units of ring (c, d) before this op, and the last value of its tail seen.
     long long base = 0;

@@ -225,10 +225,10 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
         int* m = g.rdma_meta(0, i);
         if (lane < L) {
             const int r = d * L + lane;
-            m[lane] = c > 0 ? a.gbl_cpm[r * C + c - 1] : 0;
+            m[lane] = channel_start(a.gbl_cpm, r, C, c);
             m[L + lane] = a.gbl_cpm[r * C + c];
         } else if (lane == L) {
-            m[2 * L] = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0;
+            m[2 * L] = channel_start(a.rdma_cpm, d, C, c);
         } else if (lane == L + 1) {
             m[2 * L + 1] = a.rdma_cpm[d * C + c];
         }
@@ -321,7 +321,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
 // the channel's start in entry 2 (send_own writes the rows from there, forward_own records it as entry 5).
 __device__ __forceinline__ int own_first_row(const DispatchArgs& a, int c) {
     const int C = a.num_channels, d_me = a.rank;
-    return (d_me > 0 ? a.recv_gbl_prefix[d_me - 1] : 0) + (c > 0 ? a.gbl_cpm[d_me * C + c - 1] : 0);
+    return prefix_before(a.recv_gbl_prefix, d_me) + channel_start(a.gbl_cpm, d_me, C, c);
 }
 
 // L == 1, the rank's own domain (d == d_me): the forwarder of these tokens is this rank, and it would only copy

@@ -37,9 +37,9 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         if (d == d_me) {
             // This rank's own tokens (OwnTokens): the record its sender would have sent, from entries 1 and 2.
             const int r = d_me * L + j;
-            v0 = c > 0 ? a.gbl_cpm[r * C + c - 1] : 0;
+            v0 = channel_start(a.gbl_cpm, r, C, c);
             v1 = a.gbl_cpm[r * C + c];
-            v2 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0;
+            v2 = channel_start(a.rdma_cpm, d, C, c);
             v3 = a.rdma_cpm[d * C + c];
         } else {
             wait_at_least(sig.tail(c * D + d), static_cast<uint64_t>(sh.base[d]) + 1, w, kOpDispatchTail, d * L + l_me,
@@ -127,7 +127,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     for (int d = 0; d < D && ok && !in_place; ++d) {
         const int n = __shfl_sync(kFullMask, r1 - r0, d);
-        const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + __shfl_sync(kFullMask, r0, d);
+        const int row0 = prefix_before(a.recv_rdma_prefix, d) + __shfl_sync(kFullMask, r0, d);
         const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
         const bool own = d == d_me;  // this rank's own tokens: from its tensors (OwnTokens), no ring
         OwnTokens<L, D> tokens(a, c);
@@ -196,7 +196,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
         const int* m = g.nvl_meta(l_me, c, l);
         const int ns = ld_cg_s32(m + 2 * lane), ne = ld_cg_s32(m + 2 * lane + 1);
         const int s = lane * L + l;
-        row_base = (s > 0 ? a.recv_gbl_prefix[s - 1] : 0) + ns;
+        row_base = prefix_before(a.recv_gbl_prefix, s) + ns;
         cnt = ne - ns;
         if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[s * C + c] = row_base;
     }
@@ -289,8 +289,8 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
     if (!ok) return;
     const int* m = g.rdma_meta(1, i);
     const int ns = ld_cg_s32(m), r0 = ld_cg_s32(m + 2), r1 = ld_cg_s32(m + 3);
-    const int first_row = (d > 0 ? a.recv_gbl_prefix[d - 1] : 0) + ns;
-    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, n = r1 - r0;
+    const int first_row = prefix_before(a.recv_gbl_prefix, d) + ns;
+    const int row0 = prefix_before(a.recv_rdma_prefix, d) + r0, n = r1 - r0;
     if (lane == 0) {
         sh.count[d] = n;
         if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;
@@ -358,9 +358,9 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
 template <int D>
 __device__ void forward_own(const DispatchArgs& a, int c, int lane) {
     const int C = a.num_channels, d = a.rank;
-    const int r0 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0, r1 = a.rdma_cpm[d * C + c];
+    const int r0 = channel_start(a.rdma_cpm, d, C, c), r1 = a.rdma_cpm[d * C + c];
     const int first_row = own_first_row(a, c);
-    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, n = r1 - r0;
+    const int row0 = prefix_before(a.recv_rdma_prefix, d) + r0, n = r1 - r0;
     if (lane == 0) {
         if (a.recv_rdma_cpm != nullptr) a.recv_rdma_cpm[d * C + c] = r1;
         if (a.recv_gbl_cpm != nullptr) a.recv_gbl_cpm[d * C + c] = first_row;

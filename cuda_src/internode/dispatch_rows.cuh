@@ -194,14 +194,14 @@ __device__ int forward_in_place(const DispatchArgs& a, const WaitCtx& w, Forward
     const bool own = d == d_me;  // this rank's own tokens: from its tensors (OwnTokens), no ring
     int r0, n;
     if (own) {
-        r0 = c > 0 ? a.rdma_cpm[d * C + c - 1] : 0;
+        r0 = channel_start(a.rdma_cpm, d, C, c);
         n = a.rdma_cpm[d * C + c] - r0;
     } else {
         const int* m = g.rdma_meta(1, c * D + d);  // forward() waited for it
         r0 = ld_cg_s32(m + 2 * L);
         n = ld_cg_s32(m + 2 * L + 1) - r0;
     }
-    const int row0 = (d > 0 ? a.recv_rdma_prefix[d - 1] : 0) + r0, first = sh.row_at[j][d];
+    const int row0 = prefix_before(a.recv_rdma_prefix, d) + r0, first = sh.row_at[j][d];
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     OwnTokens<L, D> tokens(a, c);
