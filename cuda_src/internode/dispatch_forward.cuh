@@ -128,29 +128,21 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
     for (int d = 0; d < D && ok && !in_place; ++d) {
         const int n = __shfl_sync(kFullMask, r1 - r0, d);
         const int row0 = prefix_before(a.recv_rdma_prefix, d) + __shfl_sync(kFullMask, r0, d);
-        const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
         const bool own = d == d_me;  // this rank's own tokens: from its tensors (OwnTokens), no ring
-        OwnTokens<L, D> tokens(a, c);
-        int avail = 0, k_j = 0;
+        SourceSlots<L, D> slots(a, sh, c, d);
+        int k_j = 0;
         for (int k = 0; k < n; ++k) {
             int bits = 0, token = 0;
             const uint8_t* s = nullptr;
-            if (own) {
-                tokens.next(a, lane, token, bits);  // n counts the channel's tokens with bits
-            } else {
-                if (k >= avail) {
-                    // Before waiting for the source, hand over and give back everything done so far (the source
-                    // may be waiting for ring space).
-                    const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
-                        flush();
-                        if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
-                        __syncwarp();
-                    }, w, kOpDispatchTail, d * L + l_me, __LINE__, &ok);
-                    if (!ok) break;
-                    avail = static_cast<int>(v - base_r - 1);
-                }
-                s = g.rdma_slot(1, c * D + d, k);
-                bits = ld_cg_s32(s + 4);
+            // Before waiting for the source, hand over and give back everything done so far (the source may be
+            // waiting for ring space).
+            if (!slots.next(a, w, k, lane, [&] {
+                    flush();
+                    if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                    __syncwarp();
+                }, bits, token, s)) {
+                ok = false;
+                break;
             }
             int pos = -1;
             if (bits & (1 << j)) {

@@ -179,6 +179,39 @@ __device__ __forceinline__ void slot_done(const DispatchArgs& a, ForwardShared<L
     if ((k + 1) % release_every == 0 || k + 1 == n) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
 }
 
+// The slots of source domain d in channel c in order, as a forwarder warp takes them: this rank's own tokens
+// (d == d_me, OwnTokens) from its tensors, any other domain's from ring (c, d) once its tail covers them.
+template <int L, int D>
+struct SourceSlots {
+    OwnTokens<L, D> tokens;
+    bool own;
+    int c, d;
+    uint64_t base;  // units of ring (c, d) before this op
+    int avail = 0;  // slots the last tail read covers
+    __device__ SourceSlots(const DispatchArgs& a, const ForwardShared<L, D>& sh, int c_, int d_)
+        : tokens(a, c_), own(d_ == a.rank / L), c(c_), d(d_), base(static_cast<uint64_t>(sh.base[d_])) {}
+    // Slot k (every k in turn): its destination bits, and its token (own) or its address. Before waiting for the
+    // source it calls before_wait(): what the source may be waiting for goes first. False when the wait ran out.
+    template <class BeforeWait>
+    __device__ __forceinline__ bool next(const DispatchArgs& a, const WaitCtx& w, int k, int lane, BeforeWait before_wait,
+                                         int& bits, int& token, const uint8_t*& s) {
+        if (own) {
+            tokens.next(a, lane, token, bits);  // the channel's count of tokens with bits (notify, or the handle)
+            return true;
+        }
+        if (k >= avail) {
+            bool ok = true;
+            const uint64_t v = wait_reaching(Signals{a.sig, D}.tail(c * D + d), base + 2 + k, 0, before_wait, w,
+                                             kOpDispatchTail, d * L + a.rank % L, __LINE__, &ok);
+            if (!ok) return false;
+            avail = static_cast<int>(v - base - 1);
+        }
+        s = Geometry<L, D>{a}.rdma_slot(1, c * D + d, k);
+        bits = ld_cg_s32(s + 4);
+        return true;
+    }
+};
+
 // Rows in place: the slots of source domain d in channel c that carry bit j go into j's outputs (sh.out[j],
 // from row sh.row_at[j][d] on), as receive() would store them from j's NVLink ring; the handle entry and the
 // RDMA slots go as in forward() (for d == d_me the slots are this rank's own tokens, read from x: OwnTokens).
@@ -190,7 +223,6 @@ __device__ int forward_in_place(const DispatchArgs& a, const WaitCtx& w, Forward
     const Geometry<L, D> g{a};
     const Signals sig{a.sig, D};
     const int C = a.num_channels, l_me = a.rank % L, d_me = a.rank / L;
-    const uint64_t base_r = static_cast<uint64_t>(sh.base[d]);
     const bool own = d == d_me;  // this rank's own tokens: from its tensors (OwnTokens), no ring
     int r0, n;
     if (own) {
@@ -204,25 +236,18 @@ __device__ int forward_in_place(const DispatchArgs& a, const WaitCtx& w, Forward
     const int row0 = prefix_before(a.recv_rdma_prefix, d) + r0, first = sh.row_at[j][d];
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
-    OwnTokens<L, D> tokens(a, c);
-    int avail = 0, k_j = 0;
+    SourceSlots<L, D> slots(a, sh, c, d);
+    int k_j = 0;
     for (int k = 0; k < n; ++k) {
         int bits = 0, token = 0;
         const uint8_t* s = nullptr;
-        if (own) {
-            tokens.next(a, lane, token, bits);  // n counts the channel's tokens with bits (notify, or the handle)
-        } else {
-            if (k >= avail) {
-                // Before waiting for the source, give back what is done (it may be waiting for ring space).
-                const uint64_t v = wait_reaching(sig.tail(c * D + d), base_r + 2 + k, 0, [&] {
-                    if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
-                    __syncwarp();
-                }, w, kOpDispatchTail, d * L + l_me, __LINE__, ok);
-                if (!*ok) break;
-                avail = static_cast<int>(v - base_r - 1);
-            }
-            s = g.rdma_slot(1, c * D + d, k);
-            bits = ld_cg_s32(s + 4);
+        // Before waiting for the source, give back what is done (it may be waiting for ring space).
+        if (!slots.next(a, w, k, lane, [&] {
+                if (lane == 0) release_rdma<L, D>(sh, sig, c, d, d_me, l_me);
+                __syncwarp();
+            }, bits, token, s)) {
+            *ok = false;
+            break;
         }
         int pos = -1;
         if (bits & (1 << j)) {

@@ -41,6 +41,7 @@
 namespace deepep_cupy::internode {
 
 using intranode::channel_range;
+using intranode::channel_start;  // of entries 1, 2 and 3
 using intranode::thread_wait;
 using intranode::WaitCtx;
 using intranode::warp_wait;
@@ -380,10 +381,5 @@ __device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4*
 // The sum of an inclusive prefix's entries before entry k: where k's rows start among those it counts (a rank's
 // or domain's first row in entry 4 or 6).
 __device__ __forceinline__ int prefix_before(const int* inclusive, int k) { return k > 0 ? inclusive[k - 1] : 0; }
-
-// The same for channel c of row `row` of an inclusive channel prefix matrix [rows, C] (entries 1, 2, 3).
-__device__ __forceinline__ int channel_start(const int* matrix, int row, int C, int c) {
-    return c > 0 ? matrix[row * C + c - 1] : 0;
-}
 
 }  // namespace deepep_cupy::internode

@@ -116,7 +116,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         channel_range(num_tokens, num_channels, c, t_begin, t_end);
         // Lane l handles rank lr = l % R of token l / R of each run.
         const int lr = lane % R, lk = lane / R;
-        const int lr_prev = c > 0 ? channel_prefix_matrix[lr * num_channels + c - 1] : 0;
+        const int lr_prev = channel_start(channel_prefix_matrix, lr, num_channels, c);
         const int lr_count = channel_prefix_matrix[lr * num_channels + c] - lr_prev;
         const uint8_t* lr_ring = my_base + ring_offset + static_cast<long long>(c * R + lr) * ring_bytes;
         const long long self_base = (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0) +

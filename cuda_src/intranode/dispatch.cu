@@ -67,7 +67,7 @@ constexpr int kSelfRun = 2;  // own tokens per claim
 template <int kNumRanks>
 __device__ __forceinline__ void write_own_send_head(const DispatchArgs& a, int c, int lane) {
     constexpr int R = kNumRanks;
-    const int send_base = c > 0 ? a.channel_prefix_matrix[a.rank * a.num_channels + c - 1] : 0;
+    const int send_base = channel_start(a.channel_prefix_matrix, a.rank, a.num_channels, c);
     int t_begin, t_end;
     channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
     int count = 0;
@@ -137,7 +137,7 @@ __device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitC
     const int B = a.batch;
     int t_begin, t_end;
     channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
-    const int send_base = c > 0 ? a.channel_prefix_matrix[dst * a.num_channels + c - 1] : 0;
+    const int send_base = channel_start(a.channel_prefix_matrix, dst, a.num_channels, c);
     const long long ring_bytes = static_cast<long long>(a.cap) * a.slot_bytes;
     uint8_t* my_base = rank_base(a.bases, rank);
 

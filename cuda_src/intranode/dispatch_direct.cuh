@@ -102,7 +102,7 @@ __device__ __forceinline__ int load_dests(const DispatchArgs& a, const WaitCtx& 
             d.num_rows = static_cast<int>(ld_cg_u64(e + 6));
         }
         dests[lane] = d;
-        const int sent_before = c > 0 ? a.channel_prefix_matrix[lane * a.num_channels + c - 1] : 0;
+        const int sent_before = channel_start(a.channel_prefix_matrix, lane, a.num_channels, c);
         send_base[lane] = sent_before;
         row_base[lane] = (a.rank > 0 ? a.rank_prefix_matrix[(a.rank - 1) * R + lane] : 0) + sent_before;
     }

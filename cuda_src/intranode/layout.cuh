@@ -278,6 +278,12 @@ __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, 
     end = min(begin + per, num_tokens);
 }
 
+// Where channel c of row `row` starts in an inclusive channel prefix matrix [rows, C]: the entry before it, 0
+// for the first channel.
+__device__ __forceinline__ int channel_start(const int* matrix, int row, int C, int c) {
+    return c > 0 ? matrix[row * C + c - 1] : 0;
+}
+
 // Split `num_warps` warps into `groups` groups as evenly as possible; returns the group of `warp` and its
 // index/size within the group.
 __device__ __forceinline__ void split_warps(int warp, int num_warps, int groups, int& group, int& index, int& size) {
