@@ -144,9 +144,9 @@ __device__ __forceinline__ unsigned int slot_scale(const unsigned int* sc, const
 
 // L > 1: this rank's own tokens bound for its own domain do not go through its own RDMA ring: its sender would
 // copy each row there and its forwarders copy it out again, a local copy that does nothing (the SMs' stores
-// bound the dispatch: docs/design/internode_measurements.md). The forwarders read those rows from the caller's
-// tensors instead (TokenRow), in the order the ring would have held them: the channel's tokens with a
-// destination in the domain. Ring (c, d_me), its words and its `state` counts are not touched, as with L == 1.
+// bound the dispatch: docs/design/internode_measurements_four_ranks.md). The forwarders read those rows from the
+// caller's tensors instead (TokenRow), in the order the ring would have held them: the channel's tokens with
+// a destination in the domain. Ring (c, d_me), its words and its `state` counts are not touched, as with L == 1.
 template <int L, int D>
 struct OwnTokens {
     int chunk, end;
