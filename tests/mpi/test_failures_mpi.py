@@ -216,6 +216,26 @@ def test_different_operations_at_the_same_point():
     _round_trip(buf, case)
 
 
+def test_torch_rendezvous_failure_reaches_every_rank(monkeypatch):
+    """A store rank 0 cannot start (its port taken, say) is an error on every rank, not a wait for it."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from deepep_cupy.device.group import init_torch_distributed
+
+    def no_store(*args, **kwargs):
+        if kwargs.get("is_master"):
+            raise OSError(98, "Address already in use")
+        raise AssertionError("a rank went on to connect to a store that was never started")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "TCPStore", no_store)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 could not start the rendezvous store"):
+        init_torch_distributed(COMM, "gloo")
+    assert time.monotonic() - start < 30
+
+
 def test_torch_group_agrees_on_errors():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
