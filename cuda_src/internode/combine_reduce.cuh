@@ -120,23 +120,29 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
             }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;
+        // Weight q of the token's partial of domain d (the partial of one row carries that row's weights).
+        auto weight = [&](int d, int q) {
+            const int p = ps[d];
+            if (d == own)
+                return a.topk_weights != nullptr ? a.topk_weights[static_cast<long long>(p) * a.num_topk + q] : 0.f;
+            return ld_cg_f32(reinterpret_cast<const float*>(g.rdma_slot(1, c * D + d, p) + a.slot_topk_weights_offset) + q);
+        };
+        // The first 32 weights of every partial are loaded before the sum and added after it, so their round trip
+        // is not one more after the rows'.
+        const bool weighted = a.combined_topk_weights != nullptr;
+        float first[D];
+#pragma unroll
+        for (int d = 0; d < D; ++d) first[d] = weighted && lane < a.num_topk && ps[d] >= 0 ? weight(d, lane) : 0.f;
         phase.lap(kPhaseRedWait);
         warp_sum_rows<D, kRegisters>(a.combined_x + off, rows, a.bias_0 != nullptr ? a.bias_0 + off : nullptr,
                                      a.bias_1 != nullptr ? a.bias_1 + off : nullptr, a.hidden_int4, lane);
         phase.lap(kPhaseRedSum);
-        if (a.combined_topk_weights != nullptr) {
+        if (weighted) {
             for (int q = lane; q < a.num_topk; q += 32) {
                 float sum = 0.f;
 #pragma unroll
-                for (int d = 0; d < D; ++d) {
-                    const int p = ps[d];
-                    if (p >= 0 && d == own)  // the partial of one row carries that row's weights
-                        sum += a.topk_weights != nullptr ? a.topk_weights[static_cast<long long>(p) * a.num_topk + q]
-                                                         : 0.f;
-                    else if (p >= 0)
-                        sum += ld_cg_f32(
-                            reinterpret_cast<const float*>(g.rdma_slot(1, c * D + d, p) + a.slot_topk_weights_offset) + q);
-                }
+                for (int d = 0; d < D; ++d)
+                    if (ps[d] >= 0) sum += q == lane ? first[d] : weight(d, q);
                 a.combined_topk_weights[static_cast<long long>(t) * a.num_topk + q] = sum;
             }
         }
