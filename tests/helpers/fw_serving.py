@@ -130,20 +130,24 @@ def sglang_normal_round(deep_ep, buffer, inp: Inputs, device, *, fp8=False, colu
 
 
 def _ll_expert(recv, count, inp: Inputs, *, fp8, use_ue8m0, hidden):
-    """Expert outputs ``[E_l, R*T, H]`` (valid rows only) and the received tokens as float32 rows per expert."""
+    """Expert outputs ``[E_l, R*T, H]`` (valid rows only, the rest zero) and the count of valid rows per expert.
+
+    Only the valid rows are dequantized: the rows past an expert's count are poison, and scaling them would
+    overflow."""
     from deepep_cupy.reference import quant
 
-    if fp8:
-        data, scales = to_np(recv[0]), to_np(recv[1])
-        if use_ue8m0:
-            scales = quant.ue8m0_to_scale(quant.unpack_ue8m0(scales, hidden // 128))
-        received = (data.reshape(*data.shape[:2], hidden // 128, 128) * scales[..., None]).reshape(data.shape)
-    else:
-        received = to_np(recv)
+    data = to_np(recv[0] if fp8 else recv)
+    scales = to_np(recv[1]) if fp8 else None
     counts = to_np(count).tolist()
-    out = np.zeros(received.shape, np.float32)
+    out = np.zeros(data.shape, np.float32)
     for e, c in enumerate(counts):
-        out[e, :c] = received[e, :c] * inp.local_scales()[e]
+        rows = data[e, :c].astype(np.float32)
+        if fp8:
+            s = scales[e, :c]
+            if use_ue8m0:
+                s = quant.ue8m0_to_scale(quant.unpack_ue8m0(s, hidden // 128))
+            rows = (rows.reshape(c, hidden // 128, 128) * s[..., None]).reshape(c, hidden)
+        out[e, :c] = rows * inp.local_scales()[e]
     return out, counts
 
 
