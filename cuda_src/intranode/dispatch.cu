@@ -318,7 +318,8 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
          const int* __restrict__ recv_channel_prefix_matrix, int4* __restrict__ recv_x,
          unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
          float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx, int* __restrict__ send_head,
-         int num_out_rows, int num_worst_tokens, int own_rows_copied, const long long* __restrict__ bases,
+         int num_out_rows, int num_worst_tokens, int own_rows_copied, int fan_out,
+         const long long* __restrict__ bases,
          const long long* __restrict__ pool_bases, long long done_offset, long long ring_offset,
          long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
          int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
@@ -339,7 +340,7 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
                          recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, pool_bases, done_offset,
                          ring_offset, free_offset, slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset,
                          slot_topk_weights_offset, num_channels, clamp_batch(publish_batch, cap), self_claims, err, rank,
-                         seq, num_recv, own_rows_copied};
+                         seq, num_recv, own_rows_copied, fan_out};
     if (blockIdx.x == 0) {
         publish_dest<R>(a);
         announce_arrival(bases, R, rank, seq);

@@ -11,11 +11,18 @@
 //
 // Work: channel c (token range [c * ceil(N/C), ...)) belongs to blocks 2c and 2c + 1. Both build, in
 // shared memory, the 32-token masks of the channel for every destination (from is_token_in_rank) and their
-// prefix counts. An item is (32-token chunk j, destination d, part p): the set bits p * kDirectRun ... of
-// mask (j, d). Items are claimed from the channel's counter in chunk order, this rank's part of a chunk
-// before the peers' (2 x H200, same run: FP8 122.8 against 127.7-132.6 us with the peers first, BF16 214
-// against 219-223), so NVLink and local copies stay interleaved and every warp works until the channel is
-// done.
+// prefix counts. Items are claimed from the channel's counter in chunk order, so every warp works until the
+// channel is done; an item is one of two kinds, the same for the whole call (DispatchArgs::fan_out, chosen by
+// the host from the launch's SM count: ops/intranode/engine.py, FAN_OUT_MAX_SMS):
+// * By destination: (32-token chunk j, destination d, part p), the set bits p * kDirectRun ... of mask (j, d),
+//   one copy each; this rank's part of a chunk before the peers' (2 x H200, same run: FP8 122.8 against
+//   127.7-132.6 us with the peers first, BF16 214 against 219-223), so NVLink and local copies stay interleaved.
+//   Warps pushing over NVLink and warps copying locally then wait on different things, which keeps NVLink busy
+//   on many SMs.
+// * By token (fan-out): (chunk j, part p), the tokens at positions p * kDirectRun ... of the chunk, each loaded
+//   once (row, scales, top-k) and stored into every rank it goes to. With R destinations a token's row, scales
+//   and top-k were loaded up to R times; on few SMs, where the SMs' own loads and stores bound the dispatch,
+//   that was the difference.
 // Row of the k-th token of mask (j, d) at rank d: (rows d receives from ranks before this one) + (tokens
 // this rank sends d in channels before c) + prefix (j, d) + k, the same row the ring mode fills.
 //
@@ -164,19 +171,68 @@ __device__ __forceinline__ int begin_dispatch(const DispatchArgs& a, const WaitC
     return sh.mode;
 }
 
-// The direct dispatch of one block (see the header), after begin_dispatch returned 1. Returns false when
-// a wait timed out (reported).
-template <int kNumRanks, int kNumWarps, int kUnroll>
-__device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCtx& wctx, int c,
-                                             const DirectShared<kNumRanks>& sh, const unsigned int* mask, int* claim) {
+// One token into every rank of `targets` (bit d: rank d gets it, at row `row` of lane d): its row, scales and
+// top-k pair are loaded once and stored into each of them (top-k ids made local to each, -1 for another rank's
+// experts, weight 0), with the source index. An own token's row is left out when the copy engines move the own
+// rows (a.own_rows_copied). Bad ids are noted in `bad`.
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void fan_out_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh, int token,
+                                              unsigned int targets, int row, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int t_begin, t_end;
-    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    const TokenAux aux = load_aux(a, token, a.topk_idx != nullptr, lane);
+    const unsigned int row_targets = a.own_rows_copied ? targets & ~(1u << a.rank) : targets;
+    const int n = a.hidden_int4;
+    if (row_targets != 0u) {
+        const int4* src = a.x + static_cast<long long>(token) * n;
+        for (int base = 0; base < n; base += 32 * kUnroll) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int j = base + u * 32 + lane;
+                if (j < n) v[u] = ld_nc_v4(src + j);
+            }
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const int d = (a.rank + i) % R;  // this rank first, the peers in turn: not every rank on one at once
+                const int r = __shfl_sync(kFullMask, row, d);
+                if (!((row_targets >> d) & 1u)) continue;
+                int4* dst = sh.dests[d].x + static_cast<long long>(r) * n;
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int j = base + u * 32 + lane;
+                    if (j < n) st_na_v4(dst + j, v[u]);
+                }
+            }
+        }
+    }
+    const long long num_experts = static_cast<long long>(R) * a.num_local_experts;
+#pragma unroll
+    for (int d = 0; d < R; ++d) {
+        const int r = __shfl_sync(kFullMask, row, d);
+        if (!((targets >> d) & 1u)) continue;
+        const DestRows& o = sh.dests[d];
+        store_scales(o.scales + static_cast<long long>(r) * a.num_scales, a, token, aux, lane);
+        if (o.topk_idx != nullptr) {
+            for_each_topk(a, token, aux, lane, [&](int q, long long e, float w) {
+                bad.check_expert_id(e, num_experts);
+                const long long local = e - static_cast<long long>(d) * a.num_local_experts;
+                const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
+                o.topk_idx[static_cast<long long>(r) * a.num_topk + q] = mine ? local : -1;
+                if (o.topk_weights != nullptr) o.topk_weights[static_cast<long long>(r) * a.num_topk + q] = mine ? w : 0.0f;
+            });
+        }
+        if (lane == 0 && o.src_idx != nullptr) o.src_idx[r] = token;
+    }
+}
+
+// Items (chunk, destination, part): the part's tokens of the chunk that go to that destination, one copy each,
+// this rank's part of a chunk first (see the header).
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void direct_items_by_destination(const DispatchArgs& a, const DirectShared<kNumRanks>& sh, const unsigned int* mask,
+                                           int* claim, int t_begin, int t_end, BadValue& bad, int lane) {
+    constexpr int R = kNumRanks;
     const int num_chunks = (t_end - t_begin + 31) / 32;
     const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);
-
-    BadValue bad;
     const int num_items = num_chunks * R * kDirectParts;
     int item = 0;
     if (lane == 0) item = atomicAdd(claim, 1);
@@ -207,6 +263,68 @@ __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCt
         }
         item = __shfl_sync(kFullMask, next, 0);
     }
+}
+
+// Items (chunk, part): the part's tokens of the chunk, each loaded once and stored into every rank it goes to
+// (fan_out_token; see the header).
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void direct_items_by_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh, const unsigned int* mask,
+                                           int* claim, int t_begin, int t_end, BadValue& bad, int lane) {
+    constexpr int R = kNumRanks;
+    const int num_chunks = (t_end - t_begin + 31) / 32;
+    const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);
+    const int num_items = num_chunks * kDirectParts;
+    int item = 0;
+    if (lane == 0) item = atomicAdd(claim, 1);
+    item = __shfl_sync(kFullMask, item, 0);
+    while (item < num_items) {
+        // The next claim is issued now and read after this item's copies, so its latency is hidden.
+        int next = 0;
+        if (lane == 0) next = atomicAdd(claim, 1);
+        const int j = item / kDirectParts;
+        const int part = item % kDirectParts;
+        const int chunk = t_begin + 32 * j;
+        // Lane d < R: chunk j's mask for rank d and where its rows start there.
+        const unsigned int m = lane < R ? mask[j * R + lane] : 0u;
+        const int first_row = lane < R ? sh.row_base[lane] + prefix[j * R + lane] : 0;
+        if (part == 0) {
+            prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
+            if (a.send_head != nullptr) {
+#pragma unroll
+                for (int d = 0; d < R; ++d) {
+                    const unsigned int md = __shfl_sync(kFullMask, m, d);
+                    const int before = __popc(md & ((1u << lane) - 1u));
+                    if (chunk + lane < t_end)
+                        a.send_head[static_cast<long long>(chunk + lane) * R + d] =
+                            (md >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
+                }
+            }
+        }
+        for (int k = part * kDirectRun; k < (part + 1) * kDirectRun && chunk + k < t_end; ++k) {
+            // Lane d: the token's row at rank d, and whether it goes there (within d's outputs).
+            const int row = first_row + __popc(m & ((1u << k) - 1u));
+            const bool to_d = lane < R && ((m >> k) & 1u) && row < sh.dests[lane].num_rows;
+            const unsigned int targets = __ballot_sync(kFullMask, to_d);
+            if (targets != 0u) fan_out_token<R, kUnroll>(a, sh, chunk + k, targets, row, bad, lane);
+        }
+        item = __shfl_sync(kFullMask, next, 0);
+    }
+}
+
+// The direct dispatch of one block (see the header), after begin_dispatch returned 1. Returns false when
+// a wait timed out (reported).
+template <int kNumRanks, int kNumWarps, int kUnroll>
+__device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCtx& wctx, int c,
+                                             const DirectShared<kNumRanks>& sh, const unsigned int* mask, int* claim) {
+    constexpr int R = kNumRanks;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int t_begin, t_end;
+    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    BadValue bad;
+    if (a.fan_out)
+        direct_items_by_token<R, kUnroll>(a, sh, mask, claim, t_begin, t_end, bad, lane);
+    else
+        direct_items_by_destination<R, kUnroll>(a, sh, mask, claim, t_begin, t_end, bad, lane);
     bad.report_from_warp(a.err, kValueOpIntranodeDispatch, a.rank, __LINE__);
 
     // Every write of this block is done: release this block's done word into every peer, then wait for

@@ -40,6 +40,7 @@ struct DispatchArgs {
     uint64_t seq;
     int num_recv;
     int own_rows_copied;  // this rank's own rows reach recv_x through the copy engines (ops/intranode/own_rows.py)
+    int fan_out;          // direct mode: each token loaded once for all its ranks (dispatch_direct.cuh)
 };
 
 // ---- a token's scales and top-k entries ------------------------------------------------------------

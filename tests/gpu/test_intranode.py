@@ -172,26 +172,29 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["direct", "ring"])
+@pytest.mark.parametrize("mode", ["direct", "fan-out", "ring"])
 @pytest.mark.parametrize("fw", frameworks())
 @pytest.mark.parametrize("n,hidden,experts,k,extra", SMALL)
 def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
-    """Both dispatch modes: outputs in the output pool, written in place by every rank (direct), or ordinary
-    allocations filled through the rings (ring). The combine takes its copy mode with the first (when the
-    handle has the counts) and its ring mode with the second."""
+    """Both dispatch modes: outputs in the output pool, written in place by every rank (direct, one copy a
+    destination; fan-out, each token loaded once for all its ranks), or ordinary allocations filled through the
+    rings (ring). The combine takes its copy mode with the first two (when the handle has the counts) and its
+    ring mode with the last."""
     skip_unless_framework_holds(fw, BF16, *((FP8,) if extra.get("fp8") else ()))
     rng = np.random.default_rng([n, hidden, k, env["rank"]])
     engine = env["buf"].runtime.intranode
     assert engine.output_pool is not None, "the default Buffer has no output pool"
     assert engine.copy_supported, "the GPUs do not run 64-bit stream writes: no copy-mode combine"
-    engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = mode == "direct"
-    engine.own_copy_min_rows = 1  # small shapes too: own rows by the copy engines with the first, SMs with the second
+    direct = mode != "ring"
+    engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = direct
+    engine.use_fan_out = mode == "fan-out"
+    engine.own_copy_min_rows = 1  # small shapes too: own rows by the copy engines in the pool, SMs in the rings
     try:
         for _ in range(2):
-            _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=mode == "direct", **extra)
+            _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=direct, **extra)
     finally:
         engine.use_output_pool, engine.use_copy_combine = True, None
-        engine.use_own_row_copies = None
+        engine.use_own_row_copies = engine.use_fan_out = None
         engine.own_copy_min_rows = OWN_MIN_ROWS
 
 

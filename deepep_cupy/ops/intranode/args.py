@@ -47,7 +47,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
                   layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank, num_recv_self_warps=0,
-                  batch=1, self_claims=0, pool_bases=None) -> list[tuple[str, object]]:
+                  batch=1, self_claims=0, pool_bases=None, fan_out=False) -> list[tuple[str, object]]:
     """Arguments of dispatch_kernel, in order, with their parameter names. ``pool_bases``: every rank's output
     pool when this call's outputs are in this rank's (patched per call); the done words of the direct mode
     follow the rings (``layout.end``)."""
@@ -77,6 +77,7 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         ("num_out_rows", np.int32(num_out_rows)),
         ("num_worst_tokens", np.int32(num_worst_tokens)),
         ("own_rows_copied", np.int32(0)),
+        ("fan_out", np.int32(fan_out)),
         ("bases", bases),
         ("pool_bases", kernel_pointer(pool_bases)),
         ("done_offset", np.int64(layout.end)),

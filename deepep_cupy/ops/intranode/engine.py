@@ -96,6 +96,14 @@ COMBINE_SHAPE_TABLE = (
 # SMs over a handle of 12: 765 us).
 COPY_COMBINE_MAX_SMS = 16
 
+# The direct dispatch fans each token out (loaded once, stored into every rank it goes to) on launches of at most
+# this many SMs, where the SMs' loads and stores bound it; on more, where NVLink does, one copy a destination
+# kept a few percent ahead. 2 x H200, 4096 x 7168, top-8 of 256, both kinds in one process, results equal bit
+# for bit (docs/design/intranode.md): with the own rows on the SMs (as above 2 ranks) and 16 x 8 blocks (the
+# shape above 2 ranks), BF16 310-336 against 351-376 us at 8 SMs and 217-227 against 249-272 at 12, FP8 192-201
+# against 222-230 and 138-145 against 159-166; at 24 SMs (16 x 14, 2 ranks' shape) BF16 214-238 against 210-224.
+FAN_OUT_MAX_SMS = 12
+
 # The ring-mode combine publishes every token, whatever the config's send chunk: 4 x H200, 4096 x 7168, top-8 of
 # 256, 24 SMs, 4 ranks: in the bench's sweep a batch of 1 or 4 took 703-713 us and 8 took 787; DeepEP's own
 # test, sweeping the chunk, found 1 the best (641 us); through tools/deepep_normal.py with DeepEP's recommended
@@ -267,6 +275,8 @@ class IntranodeEngine(EngineHealth):
             (ops/own_rows.py); False: the SMs copy them; None (default): at few SMs
             (``own_rows.wanted``).
         own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
+        use_fan_out: let the direct dispatch load each token once and store it into every rank it goes to;
+            False: one copy a destination; None (default): on at most :data:`FAN_OUT_MAX_SMS` SMs.
 
     The handle (all CuPy, the same values as the reference backend's):
         0 ``rank_prefix_matrix`` [R, R] int32: [i][r] = tokens rank r receives from ranks 0..i.
@@ -282,7 +292,7 @@ class IntranodeEngine(EngineHealth):
     #: Attributes plans are built from: changing one drops the plans made with the old value.
     TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
               "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows",
-              "copy_rounds", "use_own_row_copies")
+              "copy_rounds", "use_own_row_copies", "use_fan_out")
 
     def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False,
                  num_output_bytes: int | None = None) -> None:
@@ -314,6 +324,7 @@ class IntranodeEngine(EngineHealth):
         # Tests turn it on at any size.
         self.use_own_row_copies: bool | None = None
         self.own_copy_min_rows = OWN_MIN_ROWS
+        self.use_fan_out: bool | None = None
         self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
         self.copy_supported = False
         self._side = SideStreams(self.device_id, 2)
@@ -416,6 +427,13 @@ class IntranodeEngine(EngineHealth):
         if self.use_own_row_copies is not None:
             return bool(self.use_own_row_copies)
         return own_rows_wanted(self.num_ranks, num_sms)
+
+    def fan_out(self, num_sms: int) -> bool:
+        """Whether a direct dispatch launched on ``num_sms`` SMs fans each token out to all its ranks: the tuning
+        attribute where set, else on at most :data:`FAN_OUT_MAX_SMS` SMs."""
+        if self.use_fan_out is not None:
+            return bool(self.use_fan_out)
+        return num_sms <= FAN_OUT_MAX_SMS
 
     def copy_combine(self, handle_sms: int) -> bool:
         """Whether a combine of a handle made on ``handle_sms`` SMs may take the copy mode: the tuning

@@ -83,7 +83,8 @@ class DispatchPlan(NormalPlan):
             recv_topk_weights=0, recv_src_idx=0, send_head=0, num_out_rows=self.num_rows,
             num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
             num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            num_recv_self_warps=recv_self_warps, batch=engine.batch(config), self_claims=engine.work_claims.data.ptr)
+            num_recv_self_warps=recv_self_warps, batch=engine.batch(config), self_claims=engine.work_claims.data.ptr,
+            fan_out=engine.fan_out(2 * self.num_channels))
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, launch_args(named), shared_mem=shared)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
