@@ -205,109 +205,91 @@ __device__ __forceinline__ void fan_out_token(const DispatchArgs& a, const Direc
             }
         }
     }
-    const long long num_experts = static_cast<long long>(R) * a.num_local_experts;
 #pragma unroll
     for (int d = 0; d < R; ++d) {
         const int r = __shfl_sync(kFullMask, row, d);
-        if (!((targets >> d) & 1u)) continue;
-        const DestRows& o = sh.dests[d];
-        store_scales(o.scales + static_cast<long long>(r) * a.num_scales, a, token, aux, lane);
-        if (o.topk_idx != nullptr) {
-            for_each_topk(a, token, aux, lane, [&](int q, long long e, float w) {
-                bad.check_expert_id(e, num_experts);
-                const long long local = e - static_cast<long long>(d) * a.num_local_experts;
-                const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
-                o.topk_idx[static_cast<long long>(r) * a.num_topk + q] = mine ? local : -1;
-                if (o.topk_weights != nullptr) o.topk_weights[static_cast<long long>(r) * a.num_topk + q] = mine ? w : 0.0f;
-            });
-        }
-        if (lane == 0 && o.src_idx != nullptr) o.src_idx[r] = token;
+        if ((targets >> d) & 1u) store_extras<R>(a, token, aux, sh.dests[d], d, r, bad, lane);
     }
 }
 
-// Items (chunk, destination, part): the part's tokens of the chunk that go to that destination, one copy each,
-// this rank's part of a chunk first (see the header).
-template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void direct_items_by_destination(const DispatchArgs& a, const DirectShared<kNumRanks>& sh, const unsigned int* mask,
-                                           int* claim, int t_begin, int t_end, BadValue& bad, int lane) {
-    constexpr int R = kNumRanks;
-    const int num_chunks = (t_end - t_begin + 31) / 32;
-    const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);
-    const int num_items = num_chunks * R * kDirectParts;
-    int item = 0;
-    if (lane == 0) item = atomicAdd(claim, 1);
-    item = __shfl_sync(kFullMask, item, 0);
-    while (item < num_items) {
-        // The next claim is issued now and read after this item's copies, so its latency is hidden.
+// Runs item(i) for every item i this warp claims from `claim`, until num_items. The next claim is issued before
+// an item's work and read after it, so its latency is hidden.
+template <class Item>
+__device__ __forceinline__ void for_each_claimed(int* claim, int num_items, int lane, Item&& item) {
+    int i = 0;
+    if (lane == 0) i = atomicAdd(claim, 1);
+    i = __shfl_sync(kFullMask, i, 0);
+    while (i < num_items) {
         int next = 0;
         if (lane == 0) next = atomicAdd(claim, 1);
-        const int j = item / (R * kDirectParts);
-        const int i = item / kDirectParts % R;
-        const int part = item % kDirectParts;
-        const int d = (a.rank + i) % R;  // this rank first, then the peers
-        const unsigned int m = mask[j * R + d];
-        const int chunk = t_begin + 32 * j;
-        if (part == 0) {
-            if (i == 0) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
-            if (a.send_head != nullptr && chunk + lane < t_end) {
-                const int before = __popc(m & ((1u << lane) - 1u));
-                a.send_head[static_cast<long long>(chunk + lane) * R + d] =
-                    (m >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
-            }
-        }
-        const int n = __popc(m);
-        for (int k = part * kDirectRun; k < n && k < (part + 1) * kDirectRun; ++k) {
-            const int row = sh.row_base[d] + prefix[j * R + d] + k;
-            if (row < sh.dests[d].num_rows)
-                copy_token<R, kUnroll>(a, chunk + nth_set_bit(m, k), sh.dests[d], d, row, bad, lane);
-        }
-        item = __shfl_sync(kFullMask, next, 0);
+        item(i);
+        i = __shfl_sync(kFullMask, next, 0);
     }
 }
 
-// Items (chunk, part): the part's tokens of the chunk, each loaded once and stored into every rank it goes to
-// (fan_out_token; see the header).
+// Item (chunk j, destination d, part p) of the channel [t_begin, t_end): the set bits p * kDirectRun ... of mask
+// (j, d), one copy each; this rank's part of a chunk first (see the header).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void direct_items_by_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh, const unsigned int* mask,
-                                           int* claim, int t_begin, int t_end, BadValue& bad, int lane) {
+__device__ __forceinline__ void direct_item_by_destination(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
+                                                           const unsigned int* mask, int t_begin, int t_end, int item,
+                                                           BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
-    const int num_chunks = (t_end - t_begin + 31) / 32;
-    const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);
-    const int num_items = num_chunks * kDirectParts;
-    int item = 0;
-    if (lane == 0) item = atomicAdd(claim, 1);
-    item = __shfl_sync(kFullMask, item, 0);
-    while (item < num_items) {
-        // The next claim is issued now and read after this item's copies, so its latency is hidden.
-        int next = 0;
-        if (lane == 0) next = atomicAdd(claim, 1);
-        const int j = item / kDirectParts;
-        const int part = item % kDirectParts;
-        const int chunk = t_begin + 32 * j;
-        // Lane d < R: chunk j's mask for rank d and where its rows start there.
-        const unsigned int m = lane < R ? mask[j * R + lane] : 0u;
-        const int first_row = lane < R ? sh.row_base[lane] + prefix[j * R + lane] : 0;
-        if (part == 0) {
-            prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
-            if (a.send_head != nullptr) {
+    const int* prefix = reinterpret_cast<const int*>(mask + (t_end - t_begin + 31) / 32 * R);
+    const int j = item / (R * kDirectParts);
+    const int i = item / kDirectParts % R;
+    const int part = item % kDirectParts;
+    const int d = (a.rank + i) % R;  // this rank first, then the peers
+    const unsigned int m = mask[j * R + d];
+    const int chunk = t_begin + 32 * j;
+    if (part == 0) {
+        if (i == 0) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
+        if (a.send_head != nullptr && chunk + lane < t_end) {
+            const int before = __popc(m & ((1u << lane) - 1u));
+            a.send_head[static_cast<long long>(chunk + lane) * R + d] =
+                (m >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
+        }
+    }
+    const int n = __popc(m);
+    for (int k = part * kDirectRun; k < n && k < (part + 1) * kDirectRun; ++k) {
+        const int row = sh.row_base[d] + prefix[j * R + d] + k;
+        if (row < sh.dests[d].num_rows)
+            copy_token<R, kUnroll>(a, chunk + nth_set_bit(m, k), sh.dests[d], d, row, bad, lane);
+    }
+}
+
+// Item (chunk j, part p): the tokens at positions p * kDirectRun ... of the chunk, each loaded once and stored
+// into every rank it goes to (fan_out_token; see the header).
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void direct_item_by_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
+                                                     const unsigned int* mask, int t_begin, int t_end, int item,
+                                                     BadValue& bad, int lane) {
+    constexpr int R = kNumRanks;
+    const int* prefix = reinterpret_cast<const int*>(mask + (t_end - t_begin + 31) / 32 * R);
+    const int j = item / kDirectParts;
+    const int part = item % kDirectParts;
+    const int chunk = t_begin + 32 * j;
+    // Lane d < R: chunk j's mask for rank d and where its rows start there.
+    const unsigned int m = lane < R ? mask[j * R + lane] : 0u;
+    const int first_row = lane < R ? sh.row_base[lane] + prefix[j * R + lane] : 0;
+    if (part == 0) {
+        prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
+        if (a.send_head != nullptr) {
 #pragma unroll
-                for (int d = 0; d < R; ++d) {
-                    const unsigned int md = __shfl_sync(kFullMask, m, d);
-                    const int before = __popc(md & ((1u << lane) - 1u));
-                    if (chunk + lane < t_end)
-                        a.send_head[static_cast<long long>(chunk + lane) * R + d] =
-                            (md >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
-                }
+            for (int d = 0; d < R; ++d) {
+                const unsigned int md = __shfl_sync(kFullMask, m, d);
+                const int before = __popc(md & ((1u << lane) - 1u));
+                if (chunk + lane < t_end)
+                    a.send_head[static_cast<long long>(chunk + lane) * R + d] =
+                        (md >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
             }
         }
-        for (int k = part * kDirectRun; k < (part + 1) * kDirectRun && chunk + k < t_end; ++k) {
-            // Lane d: the token's row at rank d, and whether it goes there (within d's outputs).
-            const int row = first_row + __popc(m & ((1u << k) - 1u));
-            const bool to_d = lane < R && ((m >> k) & 1u) && row < sh.dests[lane].num_rows;
-            const unsigned int targets = __ballot_sync(kFullMask, to_d);
-            if (targets != 0u) fan_out_token<R, kUnroll>(a, sh, chunk + k, targets, row, bad, lane);
-        }
-        item = __shfl_sync(kFullMask, next, 0);
+    }
+    for (int k = part * kDirectRun; k < (part + 1) * kDirectRun && chunk + k < t_end; ++k) {
+        // Lane d: the token's row at rank d, and whether it goes there (within d's outputs).
+        const int row = first_row + __popc(m & ((1u << k) - 1u));
+        const bool to_d = lane < R && ((m >> k) & 1u) && row < sh.dests[lane].num_rows;
+        const unsigned int targets = __ballot_sync(kFullMask, to_d);
+        if (targets != 0u) fan_out_token<R, kUnroll>(a, sh, chunk + k, targets, row, bad, lane);
     }
 }
 
@@ -320,11 +302,16 @@ __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCt
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int t_begin, t_end;
     channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    const int num_chunks = (t_end - t_begin + 31) / 32;
     BadValue bad;
     if (a.fan_out)
-        direct_items_by_token<R, kUnroll>(a, sh, mask, claim, t_begin, t_end, bad, lane);
+        for_each_claimed(claim, num_chunks * kDirectParts, lane, [&](int item) {
+            direct_item_by_token<R, kUnroll>(a, sh, mask, t_begin, t_end, item, bad, lane);
+        });
     else
-        direct_items_by_destination<R, kUnroll>(a, sh, mask, claim, t_begin, t_end, bad, lane);
+        for_each_claimed(claim, num_chunks * R * kDirectParts, lane, [&](int item) {
+            direct_item_by_destination<R, kUnroll>(a, sh, mask, t_begin, t_end, item, bad, lane);
+        });
     bad.report_from_warp(a.err, kValueOpIntranodeDispatch, a.rank, __LINE__);
 
     // Every write of this block is done: release this block's done word into every peer, then wait for

@@ -131,16 +131,11 @@ struct DestRows {
     int num_rows;
 };
 
-// Copies `token` into row `row` of rank dst's outputs: row, scales, top-k ids made local to dst (-1 for
-// another rank's experts, weight 0) and the source index. Bad ids are noted in `bad`. An own token's row is
-// left out when the host copies the own rows with the copy engines (a.own_rows_copied), in either mode.
-template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
-                                           BadValue& bad, int lane) {
-    const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
-    if (dst != a.rank || !a.own_rows_copied)
-        warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
-                              a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
+// What `token` carries besides its row, into row `row` of rank dst's outputs: scales, top-k ids made local to dst
+// (-1 for another rank's experts, weight 0) and the source index. Bad ids are noted in `bad`.
+template <int kNumRanks>
+__device__ __forceinline__ void store_extras(const DispatchArgs& a, int token, const TokenAux& aux, const DestRows& d,
+                                             int dst, int row, BadValue& bad, int lane) {
     store_scales(d.scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
     if (d.topk_idx != nullptr) {
         const long long num_experts = static_cast<long long>(kNumRanks) * a.num_local_experts;
@@ -153,6 +148,18 @@ __device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, con
         });
     }
     if (lane == 0 && d.src_idx != nullptr) d.src_idx[row] = token;
+}
+
+// Copies `token` into row `row` of rank dst's outputs: its row and store_extras. An own token's row is left out
+// when the host copies the own rows with the copy engines (a.own_rows_copied), in either mode.
+template <int kNumRanks, int kUnroll>
+__device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
+                                           BadValue& bad, int lane) {
+    const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
+    if (dst != a.rank || !a.own_rows_copied)
+        warp_copy_nc<kUnroll>(d.x + static_cast<long long>(row) * a.hidden_int4,
+                              a.x + static_cast<long long>(token) * a.hidden_int4, a.hidden_int4, lane);
+    store_extras<kNumRanks>(a, token, aux, d, dst, row, bad, lane);
 }
 
 // Bits of the tokens of [chunk, chunk + 32) (clipped at end) that go to rank dst.
