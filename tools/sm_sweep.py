@@ -12,7 +12,8 @@ on 4096 tokens x 7168, top-8 of 256 experts, random routing (the bench's inputs)
 parked ahead of each start event, the slowest rank's median; ``--rounds`` passes over the shapes, interleaved,
 and the median of the passes is the time. Each shape's outputs are compared bit for bit with the default
 shape's at the same SM count (same inputs), and the default's with the first SM count's default; a difference
-is a failure. The table comes last: op, SMs, warps x unroll, us; then the best shape per (op, SMs).
+is a failure. ``--fan-out both`` times each dispatch shape both ways of the direct mode (one copy a destination,
+and each token fanned out to all its ranks: the engine's use_fan_out), the first the reference of the second. The table comes last: op, SMs, warps x unroll, us; then the best shape per (op, SMs).
 
 Kernels are compiled first, in parallel, on rank 0 (the cache is ``$DEEPEP_CUPY_CACHE_DIR``). Bounded: kernel
 waits give up after ``--timeout-s`` (the engine is then unusable and the sweep stops); no step starts after
@@ -81,20 +82,33 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=240.0, help="seconds after which every rank exits")
     p.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
     p.add_argument("--json", help="write the rows here (after every SM count)")
+    p.add_argument("--fan-out", choices=("on", "off", "both"), default=None,
+                   help="the direct dispatch's items: each token fanned out to all its ranks, one copy a destination, "
+                        "or both as variants of every shape (default: the engine's choice by SM count)")
     p.add_argument("--own-rows", choices=("on", "off"), default=None,
                    help="the cached dispatches' own rows through the copy engines, or on the SMs (default: the "
                         "engine's choice); the mode column says +own where they were")
     return p
 
 
-def shape_grid(shapes, default: tuple[int, int]) -> list[tuple[int, int]]:
+def shape_grid(shapes, default: tuple) -> list[tuple]:
     """The default shape first (the reference of the checks), then the others in the order given."""
     return [default] + [s for s in shapes if s != default]
 
 
+FAN_OUT = {None: (None,), "off": (False,), "on": (True,), "both": (False, True)}
+
+
+def with_fan_out(shapes, default: tuple[int, int], choice: str | None):
+    """Dispatch shapes with the engine's use_fan_out as a third value (``--fan-out``): ``(shapes, default)``."""
+    values = FAN_OUT[choice]
+    return [(*s, f) for s in shapes for f in values], (*default, values[0])
+
+
 # ---------------------------------------------------------------------------------------------------- table
 def _shape(r: dict) -> str:
-    return f"{r['warps']} x {r['unroll']}"
+    items = {True: " fan-out", False: " by dest"}.get(r.get("fan_out"), "")
+    return f"{r['warps']} x {r['unroll']}{items}"
 
 
 def _check(r: dict) -> str:
@@ -104,13 +118,13 @@ def _check(r: dict) -> str:
 def format_table(rows: list[dict]) -> str:
     """op, SMs, shape, us (and against the default at the same count), check; then the best per (op, SMs)."""
     defaults = {(r["op"], r["num_sms"]): r.get("us") for r in rows if r["default"]}
-    lines = [f"{'op':<14} {'SMs':>3}  {'warps x unroll':<14} {'us':>8}  {'vs default':>10}  mode    check"]
+    lines = [f"{'op':<14} {'SMs':>3}  {'warps x unroll':<16} {'us':>8}  {'vs default':>10}  mode    check"]
     best: dict = {}
     for r in rows:
         us, ref = r.get("us"), defaults.get((r["op"], r["num_sms"]))
         vs = "(default)" if r["default"] else (f"{100 * (us / ref - 1):+.1f}%" if us and ref else "")
         shown = f"{us:8.1f}" if us else f"{'-':>8}"
-        lines.append(f"{r['op']:<14} {r['num_sms']:>3}  {_shape(r):<14} {shown}  {vs:>10}  "
+        lines.append(f"{r['op']:<14} {r['num_sms']:>3}  {_shape(r):<16} {shown}  {vs:>10}  "
                      f"{r.get('mode', '-'):<6}  {_check(r)}")
         key = (r["op"], r["num_sms"])
         if us and _check(r) == "ok" and (key not in best or us < best[key]["us"]):
@@ -119,7 +133,7 @@ def format_table(rows: list[dict]) -> str:
     for (op, sms), r in best.items():
         ref = defaults.get((op, sms))
         against = f" (default: {ref:.1f} us, {100 * (r['us'] / ref - 1):+.1f}%)" if ref else ""
-        lines.append(f"{op:<14} {sms:>3} SMs: {_shape(r):<8} {r['us']:8.1f} us{against}")
+        lines.append(f"{op:<14} {sms:>3} SMs: {_shape(r):<16} {r['us']:8.1f} us{against}")
     failed = sum(_check(r) != "ok" for r in rows)
     lines.append(f"\n{len(rows)} variants, {failed} failed or differing" if failed else f"\n{len(rows)} variants, all ok")
     return "\n".join(lines)
@@ -211,8 +225,8 @@ class Sweep:
         self.first_default: dict = {}  # op -> (SM count, bits of its default shape's outputs)
 
     def _use(self, names, shape) -> None:
-        setattr(self.engine, names[0], shape[0])
-        setattr(self.engine, names[1], shape[1])
+        for name, value in zip(names, shape, strict=True):
+            setattr(self.engine, name, value)
 
     def _prepare(self, op, num_sms, fn, names, shape, is_default, ref):
         """First call (plan, kernel load): ``(mode, bits, why the bits differ or None)``."""
@@ -247,6 +261,8 @@ class Sweep:
         rows, variants, ref = [], [], None
         for shape in shapes:
             row = {"op": op, "num_sms": num_sms, "warps": shape[0], "unroll": shape[1], "default": shape == default}
+            if len(shape) > 2:
+                row["fan_out"] = shape[2]
             rows.append(row)
             got = self.steps(lambda shape=shape, ref=ref: self._prepare(op, num_sms, fn, names, shape,
                                                                        shape == default, ref),
@@ -266,7 +282,7 @@ class Sweep:
             if differ:
                 row["mismatch"] = "; ".join(differ)
             variants.append((row, shape))
-            self.say(f"  {op}, {num_sms} SMs, {shape[0]} x {shape[1]}: {row['mode']}, {_check(row)}", flush=True)
+            self.say(f"  {op}, {num_sms} SMs, {_shape(row)}: {row['mode']}, {_check(row)}", flush=True)
         for _ in range(self.rounds):  # interleaved, so that a slow spell of the machine hits every shape alike
             for row, shape in variants:
                 if "error" in row:
@@ -283,7 +299,7 @@ class Sweep:
         for row, _ in variants:
             if row.get("rounds_us") and "error" not in row:
                 row["us"] = round(statistics.median(row["rounds_us"]), 2)
-        self._use(names, (None, None))
+        self._use(names, (None,) * len(names))
         return rows
 
 
@@ -369,11 +385,11 @@ def main(argv=None) -> int:
                                   expert_alignment=1, num_worst_tokens=0, config=dcfg, stream=stream)
             return out[0], out[1]
 
+        dispatch_names = ("dispatch_warps", "dispatch_unroll", "use_fan_out")
+        dispatch_shapes = with_fan_out(args.dispatch_shapes, default_dispatch_shape(R, n), args.fan_out)
         ops = {
-            "bf16": (lambda dispatch=dispatch: dispatch(x_bf16, None), ("dispatch_warps", "dispatch_unroll"),
-                     args.dispatch_shapes, default_dispatch_shape(R, n)),
-            "fp8": (lambda dispatch=dispatch: dispatch(x_fp8, scales), ("dispatch_warps", "dispatch_unroll"),
-                    args.dispatch_shapes, default_dispatch_shape(R, n)),
+            "bf16": (lambda dispatch=dispatch: dispatch(x_bf16, None), dispatch_names, *dispatch_shapes),
+            "fp8": (lambda dispatch=dispatch: dispatch(x_fp8, scales), dispatch_names, *dispatch_shapes),
             "combine": (lambda ccfg=ccfg, handle=handle, recv_x=recv_x, recv_w=recv_w: direct_combine(
                 engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=ccfg, stream=stream),
                 ("combine_warps", "combine_unroll"), args.combine_shapes, default_combine_shape(R, n)),

@@ -81,6 +81,16 @@ def test_sm_sweep_arguments():
         with pytest.raises(SystemExit):
             tool.command_line().parse_args([option, bad])
     assert tool.shape_grid(((32, 8), (16, 14), (24, 4)), (16, 14)) == [(16, 14), (32, 8), (24, 4)]
+    # --fan-out both: every dispatch shape both ways, one copy a destination first (the reference).
+    assert tool.command_line().parse_args(["--fan-out", "both"]).fan_out == "both"
+    shapes, default = tool.with_fan_out(((16, 8), (24, 6)), (24, 6), "both")
+    assert default == (24, 6, False) and shapes == [(16, 8, False), (16, 8, True), (24, 6, False), (24, 6, True)]
+    assert tool.shape_grid(shapes, default)[:2] == [(24, 6, False), (16, 8, False)]
+    assert tool.with_fan_out(((16, 8),), (16, 8), None) == ([(16, 8, None)], (16, 8, None))
+    assert tool._shape({"warps": 16, "unroll": 8, "fan_out": True}) == "16 x 8 fan-out"
+    assert tool._shape({"warps": 16, "unroll": 8, "fan_out": None}) == tool._shape({"warps": 16, "unroll": 8})
+    with pytest.raises(SystemExit):
+        tool.command_line().parse_args(["--fan-out", "sometimes"])
     # The grid worth trying: warps 16 / 24 / 32 with dispatch unrolls 4, 6, 8, 14 and combine 2, 4, 8.
     assert {w for w, _ in tool.DISPATCH_SHAPES} == {16, 24, 32} == {w for w, _ in tool.COMBINE_SHAPES}
     assert {u for _, u in tool.DISPATCH_SHAPES} == {4, 6, 8, 14} and {u for _, u in tool.COMBINE_SHAPES} == {2, 4, 8}
@@ -141,6 +151,37 @@ def test_sm_sweep_checks_times_and_tabulates_every_shape():
     rows = sweep.run("combine BF16", 12, combine, ("combine_warps", "combine_unroll"), [(16, 8), (32, 4)], (16, 8),
                      time_op, {})
     assert steps.stopped.startswith("past the budget") and rows[1]["error"].startswith("skipped: past the budget")
+
+
+def test_sm_sweep_fan_out_variants():
+    """--fan-out both: each dispatch shape twice, the engine's use_fan_out set for each call and reset after."""
+    np = pytest.importorskip("numpy")
+    tool = _tool("sm_sweep")
+    engine, stream = _Engine(), type("Stream", (), {"synchronize": lambda self: None})()
+    engine.dispatch_warps = engine.dispatch_unroll = engine.use_fan_out = None
+    sweep = tool.Sweep(engine, stream, tool.Steps(_Comm(), engine, budget=1e9, start=0.0), rounds=2,
+                       say=lambda *a, **k: None, in_pool=lambda a: True)
+    seen = []
+
+    def dispatch():
+        seen.append((engine.dispatch_warps, engine.dispatch_unroll, engine.use_fan_out))
+        out = np.arange(32, dtype=np.uint16)
+        if engine.use_fan_out and engine.dispatch_unroll == 8:
+            out[0] ^= 1  # fan-out at 16 x 8 writes one bit wrong
+        return out, None
+
+    def time_op(fn, stream, **timing):
+        fn()
+        return 100.0 if engine.use_fan_out else 120.0
+
+    shapes, default = tool.with_fan_out(((16, 8), (24, 6)), (24, 6), "both")
+    names = ("dispatch_warps", "dispatch_unroll", "use_fan_out")
+    rows = sweep.run("dispatch FP8", 8, dispatch, names, tool.shape_grid(shapes, default), default, time_op, {})
+    by = {(r["warps"], r["unroll"], r["fan_out"]): r for r in rows}
+    assert len(rows) == 4 and by[(24, 6, False)]["default"] and by[(24, 6, True)]["us"] == 100.0
+    assert by[(16, 8, True)]["mismatch"] == "rank 0: differs from the default" and "mismatch" not in by[(16, 8, False)]
+    assert set(seen) == set(shapes) and (engine.dispatch_warps, engine.use_fan_out) == (None, None)
+    assert "24 x 6 fan-out" in tool.format_table(rows)
 
 
 def _phase_codes() -> dict[str, int]:
