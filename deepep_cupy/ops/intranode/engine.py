@@ -102,6 +102,9 @@ COPY_COMBINE_MAX_SMS = 16
 # for bit (docs/design/intranode.md): with the own rows on the SMs (as above 2 ranks) and 16 x 8 blocks (the
 # shape above 2 ranks), BF16 310-336 against 351-376 us at 8 SMs and 217-227 against 249-272 at 12, FP8 192-201
 # against 222-230 and 138-145 against 159-166; at 24 SMs (16 x 14, 2 ranks' shape) BF16 214-238 against 210-224.
+# Above 2 ranks a token goes to more ranks, and fan-out won at every count: 4 x H200, 4 ranks, 16 x 8, one
+# process, BF16 598 / 579 / 541 against 652 / 609 / 559 us at 8 / 12 / 24 SMs, FP8 358 / 314 / 302 against
+# 389 / 312 / 315. So the bound applies to 2 ranks only.
 FAN_OUT_MAX_SMS = 12
 
 # The ring-mode combine publishes every token, whatever the config's send chunk: 4 x H200, 4096 x 7168, top-8 of
@@ -430,10 +433,10 @@ class IntranodeEngine(EngineHealth):
 
     def fan_out(self, num_sms: int) -> bool:
         """Whether a direct dispatch launched on ``num_sms`` SMs fans each token out to all its ranks: the tuning
-        attribute where set, else on at most :data:`FAN_OUT_MAX_SMS` SMs."""
+        attribute where set, else above 2 ranks always and on 2 on at most :data:`FAN_OUT_MAX_SMS` SMs."""
         if self.use_fan_out is not None:
             return bool(self.use_fan_out)
-        return num_sms <= FAN_OUT_MAX_SMS
+        return self.num_ranks > 2 or num_sms <= FAN_OUT_MAX_SMS
 
     def copy_combine(self, handle_sms: int) -> bool:
         """Whether a combine of a handle made on ``handle_sms`` SMs may take the copy mode: the tuning
