@@ -227,6 +227,18 @@ __device__ __forceinline__ void for_each_claimed(int* claim, int num_items, int 
     }
 }
 
+// send_head of the chunk's tokens for rank d (lane l: token chunk + l, m: the chunk's mask for d, whose first
+// token is number `before_chunk` of the (channel, d) stream there): the token's index in that stream, or -1.
+template <int kNumRanks>
+__device__ __forceinline__ void store_send_head(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
+                                                unsigned int m, int before_chunk, int d, int chunk, int t_end,
+                                                int lane) {
+    if (chunk + lane >= t_end) return;
+    const int before = __popc(m & ((1u << lane) - 1u));
+    a.send_head[static_cast<long long>(chunk + lane) * kNumRanks + d] =
+        (m >> lane) & 1u ? sh.send_base[d] + before_chunk + before : -1;
+}
+
 // Item (chunk j, destination d, part p) of the channel [t_begin, t_end): the set bits p * kDirectRun ... of mask
 // (j, d), one copy each; this rank's part of a chunk first (see the header).
 template <int kNumRanks, int kUnroll>
@@ -243,11 +255,7 @@ __device__ __forceinline__ void direct_item_by_destination(const DispatchArgs& a
     const int chunk = t_begin + 32 * j;
     if (part == 0) {
         if (i == 0) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
-        if (a.send_head != nullptr && chunk + lane < t_end) {
-            const int before = __popc(m & ((1u << lane) - 1u));
-            a.send_head[static_cast<long long>(chunk + lane) * R + d] =
-                (m >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
-        }
+        if (a.send_head != nullptr) store_send_head<R>(a, sh, m, prefix[j * R + d], d, chunk, t_end, lane);
     }
     const int n = __popc(m);
     for (int k = part * kDirectRun; k < n && k < (part + 1) * kDirectRun; ++k) {
@@ -275,13 +283,8 @@ __device__ __forceinline__ void direct_item_by_token(const DispatchArgs& a, cons
         prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
         if (a.send_head != nullptr) {
 #pragma unroll
-            for (int d = 0; d < R; ++d) {
-                const unsigned int md = __shfl_sync(kFullMask, m, d);
-                const int before = __popc(md & ((1u << lane) - 1u));
-                if (chunk + lane < t_end)
-                    a.send_head[static_cast<long long>(chunk + lane) * R + d] =
-                        (md >> lane) & 1u ? sh.send_base[d] + prefix[j * R + d] + before : -1;
-            }
+            for (int d = 0; d < R; ++d)
+                store_send_head<R>(a, sh, __shfl_sync(kFullMask, m, d), prefix[j * R + d], d, chunk, t_end, lane);
         }
     }
     for (int k = part * kDirectRun; k < (part + 1) * kDirectRun && chunk + k < t_end; ++k) {
