@@ -162,6 +162,23 @@ def test_copy_combine_by_rank_and_sm_count():
     assert not engine.copy_combine(8)
 
 
+def test_fan_out_by_rank_and_sm_count():
+    """The direct dispatch's fan-out items by default: above 2 ranks on every launch, at up to 2 ranks on at
+    most FAN_OUT_MAX_SMS SMs (where NVLink does not bound it); the tuning attribute overrides."""
+    engine = object.__new__(intranode.IntranodeEngine)
+    engine.use_fan_out = None
+    counts = (2, 8, 12, 16, 24, 132)
+    for ranks in (1, 2, 4, 8):
+        engine.num_ranks = ranks
+        got = [engine.fan_out(sms) for sms in counts]
+        assert got == [ranks > 2 or sms <= intranode.FAN_OUT_MAX_SMS for sms in counts], ranks
+    engine.num_ranks = 4
+    engine.use_fan_out = False
+    assert not engine.fan_out(8)
+    engine.num_ranks, engine.use_fan_out = 2, True
+    assert engine.fan_out(132)
+
+
 @pytest.mark.parametrize("cap", [1, 2, 3, 4, 7, 64, 256, 512])
 @pytest.mark.parametrize("send", [1, 2, 6, 8, 24, 32, 100])
 def test_publish_batch_never_deadlocks(cap, send):
