@@ -184,26 +184,16 @@ __device__ __forceinline__ void fan_out_token(const DispatchArgs& a, const Direc
     const int n = a.hidden_int4;
     if (row_targets != 0u) {
         const int4* src = a.x + static_cast<long long>(token) * n;
-        for (int base = 0; base < n; base += 32 * kUnroll) {
-            int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int j = base + u * 32 + lane;
-                if (j < n) v[u] = ld_nc_v4(src + j);
-            }
+        warp_copy_rounds<kUnroll>(n, lane, [&](int j) { return ld_nc_v4(src + j); },
+                                  [&](int base, const int4 (&v)[kUnroll]) {
 #pragma unroll
             for (int i = 0; i < R; ++i) {
                 const int d = (a.rank + i) % R;  // this rank first, the peers in turn: not every rank on one at once
                 const int r = __shfl_sync(kFullMask, row, d);
-                if (!((row_targets >> d) & 1u)) continue;
-                int4* dst = sh.dests[d].x + static_cast<long long>(r) * n;
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int j = base + u * 32 + lane;
-                    if (j < n) st_na_v4(dst + j, v[u]);
-                }
+                if ((row_targets >> d) & 1u)
+                    store_round<kUnroll>(sh.dests[d].x + static_cast<long long>(r) * n, base, n, v, lane);
             }
-        }
+        });
     }
 #pragma unroll
     for (int d = 0; d < R; ++d) {

@@ -234,41 +234,45 @@ __device__ __forceinline__ void publish_run(uint8_t* ring, long long slot_bytes,
 
 // ---- copies and work split ---------------------------------------------------------------------
 
-// Warp copy of n int4 from memory that does not change during the kernel (user inputs) to dst.
-// kUnroll loads per lane are issued before their stores, so a warp keeps 32 * kUnroll * 16 bytes in flight.
-template <int kUnroll>
-__device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+// A warp copy of n int4 in rounds: kUnroll loads per lane (load(j) for int4 j) issued before the round's stores
+// (store(base, v), v[u] being int4 base + 32 u + lane when below n), so a warp keeps 32 * kUnroll * 16 bytes in
+// flight. The stores go to one place (store_round) or to several (a token fanned out to its ranks).
+template <int kUnroll, class Load, class Store>
+__device__ __forceinline__ void warp_copy_rounds(int n, int lane, Load&& load, Store&& store) {
     for (int base = 0; base < n; base += 32 * kUnroll) {
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int j = base + u * 32 + lane;
-            if (j < n) v[u] = ld_nc_v4(src + j);
+            if (j < n) v[u] = load(j);
         }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int j = base + u * 32 + lane;
-            if (j < n) st_na_v4(dst + j, v[u]);
-        }
+        store(base, v);
     }
+}
+
+// The stores of one round of warp_copy_rounds into dst.
+template <int kUnroll>
+__device__ __forceinline__ void store_round(int4* __restrict__ dst, int base, int n, const int4 (&v)[kUnroll],
+                                            int lane) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int j = base + u * 32 + lane;
+        if (j < n) st_na_v4(dst + j, v[u]);
+    }
+}
+
+// Warp copy of n int4 from memory that does not change during the kernel (user inputs) to dst.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy_nc(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
+    warp_copy_rounds<kUnroll>(n, lane, [&](int j) { return ld_nc_v4(src + j); },
+                              [&](int base, const int4 (&v)[kUnroll]) { store_round<kUnroll>(dst, base, n, v, lane); });
 }
 
 // Same, reading a ring slot (coherent L2 loads).
 template <int kUnroll>
 __device__ __forceinline__ void warp_copy_ring(int4* __restrict__ dst, const int4* __restrict__ src, int n, int lane) {
-    for (int base = 0; base < n; base += 32 * kUnroll) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int j = base + u * 32 + lane;
-            if (j < n) v[u] = ld_cg_v4(src + j);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int j = base + u * 32 + lane;
-            if (j < n) st_na_v4(dst + j, v[u]);
-        }
-    }
+    warp_copy_rounds<kUnroll>(n, lane, [&](int j) { return ld_cg_v4(src + j); },
+                              [&](int base, const int4 (&v)[kUnroll]) { store_round<kUnroll>(dst, base, n, v, lane); });
 }
 
 // Token range [begin, end) of channel c: contiguous ranges of ceil(N / C) tokens.
