@@ -88,6 +88,9 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--own-rows", choices=("on", "off"), default=None,
                    help="the cached dispatches' own rows through the copy engines, or on the SMs (default: the "
                         "engine's choice); the mode column says +own where they were")
+    p.add_argument("--copy-combine", choices=("on", "off"), default=None,
+                   help="the combine's copy mode where it can run, or the ring mode always (default: the engine's "
+                        "choice by rank and SM count); the mode column says which ran")
     return p
 
 
@@ -342,6 +345,8 @@ def main(argv=None) -> int:
     engine.timeout_s = args.timeout_s
     if args.own_rows is not None:  # before the handles are made: they must carry is_token_in_rank
         engine.use_own_row_copies = args.own_rows == "on"
+    if args.copy_combine is not None:
+        engine.use_copy_combine = args.copy_combine == "on"
     stream = cupy.cuda.Stream(non_blocking=True)
     steps = Steps(comm, engine, args.budget, start)
     pool = engine.output_pool

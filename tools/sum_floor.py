@@ -8,6 +8,9 @@ arrays, float32 accumulation, one rounding, as the combine sums two ranks' rows)
   sum    two rows loaded, one row stored (the combine's bytes per token)
   load2  the same loads, nothing stored but a word per warp (the reads alone)
   copy   one row loaded, one stored (the local copy of tools/copy_floor.py)
+  red    one row loaded and added into the output by L2 reductions (red.global.add.noftz.v4.bf16x2): the
+         bytes an SM moves if the sum's other row were already in the output and L2 did the adds (bf16
+         rounding at each add, so not the combine's one rounding of a float32 sum above two rows)
 Each with W warps a block, one block an SM, U 16-byte loads a lane a row in flight. Times are CUDA-event
 medians of 5 x 10 launches; GB/s counts the bytes the job reads and writes, per SM.
 """
@@ -29,6 +32,10 @@ __device__ __forceinline__ void st(int4* p, int4 v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};"
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
+__device__ __forceinline__ void red_add(int4* p, int4 v) {
+  asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 __device__ __forceinline__ int4 add(int4 a, int4 b) {
   const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
   const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
@@ -42,7 +49,7 @@ __device__ __forceinline__ int4 add(int4 a, int4 b) {
   return out;
 }
 
-// kind 0: sum, 1: load2, 2: copy. Warp g of G takes tokens g, g + G, ...
+// kind 0: sum, 1: load2, 2: copy, 3: red. Warp g of G takes tokens g, g + G, ...
 template <int U>
 __device__ void run(const int4* a, const int4* b, int4* out, int* sink, int tokens, int words, int kind) {
   const int lane = threadIdx.x % 32, G = gridDim.x * (blockDim.x / 32);
@@ -55,7 +62,7 @@ __device__ void run(const int4* a, const int4* b, int4* out, int* sink, int toke
       for (int u = 0; u < U; ++u) {
         const int j = base + 32 * u;
         if (j < words) {
-          va[u] = ld(a + row + j);
+          if (kind != 3) va[u] = ld(a + row + j);
           if (kind != 2) vb[u] = ld(b + row + j);
         }
       }
@@ -65,6 +72,7 @@ __device__ void run(const int4* a, const int4* b, int4* out, int* sink, int toke
         if (j >= words) continue;
         if (kind == 0) st(out + row + j, add(va[u], vb[u]));
         else if (kind == 2) st(out + row + j, va[u]);
+        else if (kind == 3) red_add(out + row + j, vb[u]);
         else acc ^= va[u].x ^ vb[u].y;
       }
     }
@@ -102,10 +110,10 @@ def main() -> None:
     sink = cp.zeros(1, dtype=cp.int32)
     stream = cp.cuda.Stream(non_blocking=True)
     row_bytes = HIDDEN * 2
-    moved = {0: 3, 1: 2, 2: 2}  # rows read and written per token
+    moved = {0: 3, 1: 2, 2: 2, 3: 2}  # rows read and written per token
     print(f"{'job':6s} {'SMs':>4s} {'shape':>6s} {'us':>8s} {'GB/s a SM':>10s}")
     for sms in (int(s) for s in args.sms.split(",")):
-        for kind, name in ((0, "sum"), (1, "load2"), (2, "copy")):
+        for kind, name in ((0, "sum"), (1, "load2"), (2, "copy"), (3, "red")):
             for shape in args.shapes.split(","):
                 w, u = (int(v) for v in shape.split("x"))
                 call = ((sms,), (w * 32,), (a, b, out, sink, np.int32(TOKENS), np.int32(words), np.int32(kind),

@@ -113,15 +113,18 @@ def test_default_self_warps():
 
 
 def test_block_shapes_by_rank_and_sm_count(monkeypatch):
-    # The shipped tables: at 2 ranks, shapes of their own up to 12 SMs (dispatch) and 16 (combine); at more
-    # ranks, the same shape at every SM count (16 x 8 dispatch, 32 x 2 combine).
+    # The shipped tables: at 2 ranks, shapes of their own up to 12 SMs (dispatch) and 16 (combine); at 3 and 4
+    # ranks a combine shape of its own up to 16 SMs (32 x 3); else the same shape at every SM count (16 x 8
+    # dispatch, 32 x 2 combine).
     for sms in (None, 8, 12, 24, 132):
         assert intranode.default_dispatch_shape(2, sms) == ((24, 6) if sms is not None and sms <= 12 else (16, 14))
         assert intranode.default_dispatch_shape(8, sms) == (16, 8)
-        assert intranode.default_combine_shape(4, sms) == (32, 2)
+        assert intranode.default_combine_shape(8, sms) == (32, 2)
+        for r in (3, 4):
+            assert intranode.default_combine_shape(r, sms) == ((32, 3) if sms is not None and sms <= 16 else (32, 2))
     assert [intranode.default_combine_shape(2, sms) for sms in (4, 8, 10, 16, 24, None)] == \
         [(32, 2), (32, 2), (24, 4), (24, 4), (16, 8), (16, 8)]
-    assert intranode.default_combine_shape(4, 8) == (32, 2) and intranode.default_dispatch_shape(4, 8) == (16, 8)
+    assert intranode.default_combine_shape(4, 16) == (32, 3) and intranode.default_dispatch_shape(4, 8) == (16, 8)
     # A table with rows for few SMs: the first row covering (ranks, SMs) wins; without an SM count, only
     # the rows for any count apply.
     table = ((2, 8, 32, 8), (2, None, 16, 14), (None, 12, 24, 6), (None, None, 16, 8))

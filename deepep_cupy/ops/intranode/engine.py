@@ -77,7 +77,10 @@ COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 # FP8 -6.8% / -5.7% at 8 SMs and -7.8% / -6.9% at 12; BF16 within 3% either way (own rows on the copy
 # engines at these counts, own_rows.py: BF16 -9.5% at 8 SMs). Combine 32 x 2 against 16 x 8 at 8 SMs:
 # -8.7% / -9.6%; 24 x 4 at 12 and 16 SMs: -6.3% and -4.4% (32 x 2: -5.8% at 12). Above those counts the
-# sweeps were within their noise, and other rank counts were not measured: the old shapes stay.
+# sweeps were within their noise. Up to 4 ranks on up to 16 SMs the combine's sums keep 3 loads a lane in
+# flight (4 x H200, 4 ranks, copy mode, 32 x 3 against 32 x 2: -7.7% / -5.4% / -7.8% at 8 / 12 / 16 SMs over five
+# rounds, -4.9% / -6.0% at 8 / 12 in the call before; ptxas spills 286 bytes a thread, reloaded from L1); on 24
+# SMs (the ring mode) +1.4%, and at 2 ranks within the noise. 8 ranks were not measured: the old shapes stay.
 DISPATCH_SHAPE_TABLE = (
     (2, 12, 24, 6),
     (2, None, DISPATCH_WARPS, DISPATCH_UNROLL_FEW),
@@ -87,6 +90,7 @@ COMBINE_SHAPE_TABLE = (
     (2, 8, 32, 2),
     (2, 16, 24, 4),
     (2, None, COMBINE_WARPS, COMBINE_UNROLL),
+    (4, 16, COMBINE_WARPS_MANY, 3),
     (None, None, COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY),
 )
 
