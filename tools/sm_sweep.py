@@ -88,6 +88,11 @@ def command_line() -> argparse.ArgumentParser:
     p.add_argument("--own-rows", choices=("on", "off"), default=None,
                    help="the cached dispatches' own rows through the copy engines, or on the SMs (default: the "
                         "engine's choice); the mode column says +own where they were")
+    p.add_argument("--copy-rounds", default=None, metavar="N[,N...]",
+                   help="the copy-mode combine's rounds of turns (the engine's copy_rounds) as variants of every "
+                        "combine shape, the first the reference (default: the engine's choice by SM count)")
+    p.add_argument("--copy-chunks", default=None, metavar="ROWS[,ROWS...]",
+                   help="the copy-mode combine's chunk rows (the engine's copy_chunk_rows) as variants, the same way")
     p.add_argument("--copy-combine", choices=("on", "off"), default=None,
                    help="the combine's copy mode where it can run, or the ring mode always (default: the engine's "
                         "choice by rank and SM count); the mode column says which ran")
@@ -109,8 +114,26 @@ def with_fan_out(shapes, default: tuple[int, int], choice: str | None):
 
 
 # ---------------------------------------------------------------------------------------------------- table
+def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ...], list, tuple]:
+    """Combine variants: every shape with every ``--copy-rounds`` and ``--copy-chunks`` value (the engine's
+    copy_rounds, copy_chunk_rows), the first values the reference: ``(engine attribute names, variants,
+    default)``."""
+    names, variants, ref = ("combine_warps", "combine_unroll"), list(shapes), default
+    for name, text in (("copy_rounds", args.copy_rounds), ("copy_chunk_rows", args.copy_chunks)):
+        if text is None:
+            continue
+        values = [int(v) for v in text.split(",")]
+        names += (name,)
+        variants = [(*v, x) for v in variants for x in values]
+        ref = (*ref, values[0])
+    return names, variants, ref
+
+
 def _shape(r: dict) -> str:
     items = {True: " fan-out", False: " by dest"}.get(r.get("fan_out"), "")
+    if "copy_rounds" in r or "copy_chunk_rows" in r:
+        items = "".join(f" {r[k]} {w}" for k, w in (("copy_rounds", "rounds"), ("copy_chunk_rows", "rows"))
+                        if k in r)
     return f"{r['warps']} x {r['unroll']}{items}"
 
 
@@ -264,8 +287,8 @@ class Sweep:
         rows, variants, ref = [], [], None
         for shape in shapes:
             row = {"op": op, "num_sms": num_sms, "warps": shape[0], "unroll": shape[1], "default": shape == default}
-            if len(shape) > 2:
-                row["fan_out"] = shape[2]
+            for name, value in zip(names[2:], shape[2:], strict=True):
+                row["fan_out" if name == "use_fan_out" else name] = value
             rows.append(row)
             got = self.steps(lambda shape=shape, ref=ref: self._prepare(op, num_sms, fn, names, shape,
                                                                        shape == default, ref),
@@ -397,7 +420,7 @@ def main(argv=None) -> int:
             "fp8": (lambda dispatch=dispatch: dispatch(x_fp8, scales), dispatch_names, *dispatch_shapes),
             "combine": (lambda ccfg=ccfg, handle=handle, recv_x=recv_x, recv_w=recv_w: direct_combine(
                 engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=ccfg, stream=stream),
-                ("combine_warps", "combine_unroll"), args.combine_shapes, default_combine_shape(R, n)),
+                *copy_variants(args.combine_shapes, default_combine_shape(R, n), args)),
         }
         for key in args.ops:
             fn, names, shapes, default = ops[key]

@@ -120,7 +120,7 @@ def test_staging_layout_and_fit():
 
 def test_default_rounds_by_ranks_and_sms():
     assert CC.default_rounds(4, 8) == 2 and CC.default_rounds(3, 4) == 2
-    assert CC.default_rounds(4, 12) == 1 and CC.default_rounds(8, 24) == 1
+    assert CC.default_rounds(4, 12) == 2 and CC.default_rounds(4, 16) == 1 and CC.default_rounds(8, 24) == 1
     assert CC.default_rounds(2, 8) == 1  # one home: no turns to cut
 
 

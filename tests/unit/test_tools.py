@@ -184,6 +184,24 @@ def test_sm_sweep_fan_out_variants():
     assert "24 x 6 fan-out" in tool.format_table(rows)
 
 
+def test_sm_sweep_copy_variants():
+    """--copy-rounds / --copy-chunks: every combine shape with every value, the first values the reference; and
+    --copy-combine sets the engine's choice of mode."""
+    tool = _tool("sm_sweep")
+    args = tool.command_line().parse_args(["--copy-rounds", "2,1", "--copy-chunks", "1024,2048", "--copy-combine", "off"])
+    assert args.copy_combine == "off"
+    names, variants, default = tool.copy_variants(((32, 3), (32, 2)), (32, 3), args)
+    assert names == ("combine_warps", "combine_unroll", "copy_rounds", "copy_chunk_rows")
+    assert default == (32, 3, 2, 1024) and len(variants) == 8 and variants[:2] == [(32, 3, 2, 1024), (32, 3, 2, 2048)]
+    assert tool.shape_grid(variants, default)[0] == default
+    plain = tool.command_line().parse_args([])
+    assert tool.copy_variants(((16, 8),), (16, 8), plain) == (("combine_warps", "combine_unroll"), [(16, 8)], (16, 8))
+    row = {"warps": 32, "unroll": 3, "copy_rounds": 2, "copy_chunk_rows": 2048}
+    assert tool._shape(row) == "32 x 3 2 rounds 2048 rows"
+    with pytest.raises(SystemExit):
+        tool.command_line().parse_args(["--copy-combine", "maybe"])
+
+
 def _phase_codes() -> dict[str, int]:
     """PhaseCode's enumerators as the kernels' header defines them (each one more than the last unless given)."""
     import re

@@ -38,8 +38,11 @@ DEFAULT_CHUNK_ROWS = 1024
 # Rounds of turns (copy_schedule) on few SMs: 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, the copy kernel on 8
 # SMs, two calls (three and four passes): 2 rounds 707-789 and 734-760 us, 1 round 817-838 and 791-838. On 12 and
 # 16 SMs they were within each other's spread (2 rounds 639-770, 1 round 681-734), on 24 SMs 2 rounds lost (683-711
-# against 611-620): where the sums are slow, starting them after half the copies pays for the extra turns.
-FEW_SMS_ROUNDS = (8, 2)
+# against 611-620): where the sums are slow, starting them after half the copies pays for the extra turns. With
+# the sums at 32 x 3 (engine.py) two rounds pay on 12 SMs too, and one round on 16 (tools/sm_sweep.py --copy-rounds,
+# five passes, two calls): 12 SMs 615 / 614 us against 636 / 636 for one round (4 rounds 629 / 682), 16 SMs 593 /
+# 627 against 591 / 606, 8 SMs 669 / 666 against 727 / 729 (3 and 4 rounds within 3% of 2).
+FEW_SMS_ROUNDS = (12, 2)
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
 
