@@ -93,9 +93,12 @@ def command_line() -> argparse.ArgumentParser:
                         "combine shape, the first the reference (default: the engine's choice by SM count)")
     p.add_argument("--copy-chunks", default=None, metavar="ROWS[,ROWS...]",
                    help="the copy-mode combine's chunk rows (the engine's copy_chunk_rows) as variants, the same way")
-    p.add_argument("--copy-combine", choices=("on", "off"), default=None,
-                   help="the combine's copy mode where it can run, or the ring mode always (default: the engine's "
-                        "choice by rank and SM count); the mode column says which ran")
+    p.add_argument("--copy-turn-waits", default=None, metavar="1,0",
+                   help="the copy mode's turn waits on (1) or off (0) as variants, the same way")
+    p.add_argument("--copy-combine", choices=("on", "off", "both"), default=None,
+                   help="the combine's copy mode where it can run, or the ring mode always, or both as variants (the "
+                        "copy mode first; default: the engine's choice by rank and SM count); the mode column says "
+                        "which ran")
     return p
 
 
@@ -115,14 +118,18 @@ def with_fan_out(shapes, default: tuple[int, int], choice: str | None):
 
 # ---------------------------------------------------------------------------------------------------- table
 def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ...], list, tuple]:
-    """Combine variants: every shape with every ``--copy-rounds`` and ``--copy-chunks`` value (the engine's
-    copy_rounds, copy_chunk_rows), the first values the reference: ``(engine attribute names, variants,
+    """Combine variants: every shape with every ``--copy-rounds``, ``--copy-chunks`` and ``--copy-turn-waits``
+    value and, with ``--copy-combine both``, in either mode (the engine's copy_rounds, copy_chunk_rows,
+    copy_turn_waits, use_copy_combine), the first values the reference: ``(engine attribute names, variants,
     default)``."""
     names, variants, ref = ("combine_warps", "combine_unroll"), list(shapes), default
-    for name, text in (("copy_rounds", args.copy_rounds), ("copy_chunk_rows", args.copy_chunks)):
+    both = "1,0" if args.copy_combine == "both" else None
+    for name, text, kind in (("copy_rounds", args.copy_rounds, int), ("copy_chunk_rows", args.copy_chunks, int),
+                             ("copy_turn_waits", args.copy_turn_waits, lambda v: bool(int(v))),
+                             ("use_copy_combine", both, lambda v: bool(int(v)))):
         if text is None:
             continue
-        values = [int(v) for v in text.split(",")]
+        values = [kind(v) for v in text.split(",")]
         names += (name,)
         variants = [(*v, x) for v in variants for x in values]
         ref = (*ref, values[0])
@@ -131,9 +138,11 @@ def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ..
 
 def _shape(r: dict) -> str:
     items = {True: " fan-out", False: " by dest"}.get(r.get("fan_out"), "")
-    if "copy_rounds" in r or "copy_chunk_rows" in r:
-        items = "".join(f" {r[k]} {w}" for k, w in (("copy_rounds", "rounds"), ("copy_chunk_rows", "rows"))
-                        if k in r)
+    labels = {"copy_rounds": lambda v: f" {v} rounds", "copy_chunk_rows": lambda v: f" {v} rows",
+              "copy_turn_waits": lambda v: " waits" if v else " no waits",
+              "use_copy_combine": lambda v: " copy" if v else " ring"}
+    if any(k in r for k in labels):
+        items = "".join(label(r[k]) for k, label in labels.items() if k in r)
     return f"{r['warps']} x {r['unroll']}{items}"
 
 
@@ -368,7 +377,7 @@ def main(argv=None) -> int:
     engine.timeout_s = args.timeout_s
     if args.own_rows is not None:  # before the handles are made: they must carry is_token_in_rank
         engine.use_own_row_copies = args.own_rows == "on"
-    if args.copy_combine is not None:
+    if args.copy_combine in ("on", "off"):
         engine.use_copy_combine = args.copy_combine == "on"
     stream = cupy.cuda.Stream(non_blocking=True)
     steps = Steps(comm, engine, args.budget, start)

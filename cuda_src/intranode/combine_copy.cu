@@ -24,6 +24,10 @@
 // from x, peers' from their staging slots; sums as in the ring mode (combine_sum.cuh); the top-k weights are
 // loaded before the row's sum and added after it, so their latency hides behind it.
 //
+// Turn waits: a peer's copy into a home may wait until the home's previous occupant has landed its rows, that is
+// for a copy flag in the home's control words (copy.py's turn_waits). A kernel whose wait for rows runs out sets
+// every copy flag of its own rank to the largest value of the call, so that those copies wait no longer.
+//
 // End: the last block to finish stores copy_done[me] = seq into every peer's control words and waits for
 // the same from every peer. A peer queues its next copies into this rank's staging area after its own
 // kernel, which ends only once this rank has stored copy_done, i.e. read every row of this call.
@@ -35,6 +39,14 @@
 namespace deepep_cupy::intranode {
 
 constexpr int kCopyRowBits = 32;
+
+// The peer a timed-out wait for `waited_for`'s rows names: a rank that has not started this kernel, if any (its
+// copies, or the turns waiting for them, are what held the rows back), else `waited_for`.
+__device__ __forceinline__ int blamed_peer(const Ctrl& ctrl, int num_ranks, int rank, uint64_t seq, int waited_for) {
+    for (int r = 0; r < num_ranks; ++r)
+        if (r != rank && ld_acquire_sys(ctrl.arrive(r)) < seq) return r;
+    return waited_for;
+}
 
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
@@ -84,14 +96,21 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
             uint64_t start = 0;
             for (unsigned int spin = 1; seen < want; ++spin) {
                 seen = ld_acquire_sys(my_flag);
-                if ((spin & 63u) == 0 && seen < want && wait_expired(spin, start, wctx, kOpCombineCopyRecv, lane,
-                                                                     __LINE__)) {
+                if ((spin & 63u) == 0 && seen < want &&
+                    wait_expired(spin, start, wctx, kOpCombineCopyRecv, blamed_peer(ctrl, R, rank, seq, lane),
+                                 __LINE__)) {
                     ok = false;
                     break;
                 }
             }
         }
-        if (!__all_sync(kFullMask, ok)) break;
+        if (!__all_sync(kFullMask, ok)) {
+            // A wait ran out: every copy flag of this rank goes to its largest value of this call, so that no
+            // peer's copies still wait for one of them (copy.py's turn_waits); the error is reported already.
+            if (lane < R && lane != rank)
+                st_relaxed_sys(ctrl.copy_flag(lane), (static_cast<uint64_t>(copy_seq) << kCopyRowBits) | 0xffffffffull);
+            break;
+        }
 
         const int4* rows[R];
         const float* weights[R];

@@ -119,9 +119,67 @@ def test_staging_layout_and_fit():
 
 
 def test_default_rounds_by_ranks_and_sms():
-    assert CC.default_rounds(4, 8) == 2 and CC.default_rounds(3, 4) == 2
+    assert CC.default_rounds(4, 8) == 3 and CC.default_rounds(3, 4) == 3 and CC.default_rounds(8, 10) == 2
     assert CC.default_rounds(4, 12) == 2 and CC.default_rounds(4, 16) == 1 and CC.default_rounds(8, 24) == 1
     assert CC.default_rounds(2, 8) == 1  # one home: no turns to cut
+
+
+def _simulate_turns(cnt, rounds):
+    """Every rank runs its turns in order, a turn starting once its wait (turn_waits) is met, one turn a step.
+    Returns the (rank, home) pairs of each step; fails if some rank can never go on."""
+    R = len(cnt)
+    plans = []
+    for me in range(R):
+        schedule = CC.copy_schedule(cnt, me, 16, 0, 3, rounds)
+        waits = CC.turn_waits(cnt, me, rounds, schedule)
+        turns = []  # (home, part, wait): one a part with rows, in schedule order
+        for i, (home, kind, _dst, _src, size, done) in enumerate(schedule):
+            if kind != "x":
+                continue
+            n = cnt[home][me]
+            part = next(k for k in range(rounds) if done - size < n * (k + 1) // rounds)
+            if turns and turns[-1][:2] == (home, part):
+                assert i not in waits  # only a turn's first copy waits
+                continue
+            turns.append((home, part, waits.get(i)))
+        plans.append(turns)
+    landed = {}  # (home, source) -> rows landed there so far
+    steps, pos = [], [0] * R
+    while any(pos[me] < len(plans[me]) for me in range(R)):
+        ready = [me for me in range(R) if pos[me] < len(plans[me]) and (
+            plans[me][pos[me]][2] is None or landed.get(plans[me][pos[me]][2][:2], 0) >= plans[me][pos[me]][2][2])]
+        assert ready, f"no rank can go on: {pos}"
+        steps.append([(me, plans[me][pos[me]][0]) for me in ready])
+        for me in ready:
+            home, part, _ = plans[me][pos[me]]
+            landed[(home, me)] = cnt[home][me] * (part + 1) // rounds
+            pos[me] += 1
+    return steps
+
+
+def test_turn_waits_follow_the_homes_previous_occupant():
+    """Each turn's first copy waits for the rank that copied into the same home in the turn before, for the rows
+    it had copied there by then; with those waits every rank finishes, and no step puts two ranks into one home."""
+    rng = np.random.default_rng(5)
+    for R in (2, 3, 4, 8):
+        for rounds in (1, 2, 3):
+            cnt = [[0 if q == h else int(rng.integers(0, 40)) for q in range(R)] for h in range(R)]
+            cnt[1][0] = 0  # a block without rows: its turn is skipped and nobody waits for it
+            for me in range(R):
+                schedule = CC.copy_schedule(cnt, me, 16, 0, 3, rounds)
+                for i, (home, source, rows) in CC.turn_waits(cnt, me, rounds, schedule).items():
+                    assert schedule[i][0] == home and source not in (me, home) and rows > 0
+                    g = next(k for k in range(rounds) if schedule[i][5] - schedule[i][4] < cnt[home][me] * (k + 1)
+                             // rounds) * (R - 1) + (home - me) % R - 1
+                    prev = g - 1
+                    assert (source + prev % (R - 1) + 1) % R == home  # the previous turn's occupant of home
+                    assert rows == cnt[home][source] * (prev // (R - 1) + 1) // rounds
+            for step in _simulate_turns(cnt, rounds):
+                homes = [h for _, h in step]
+                assert len(homes) == len(set(homes)), step
+    # Two ranks: one home, whose previous occupant is the rank itself (its stream keeps the order): no waits.
+    cnt = [[0, 40], [40, 0]]
+    assert CC.turn_waits(cnt, 0, 3, CC.copy_schedule(cnt, 0, 16, 0, 3, 3)) == {}
 
 
 def test_homes_take_turns_in_a_permutation():

@@ -198,6 +198,12 @@ def test_sm_sweep_copy_variants():
     assert tool.copy_variants(((16, 8),), (16, 8), plain) == (("combine_warps", "combine_unroll"), [(16, 8)], (16, 8))
     row = {"warps": 32, "unroll": 3, "copy_rounds": 2, "copy_chunk_rows": 2048}
     assert tool._shape(row) == "32 x 3 2 rounds 2048 rows"
+    both = tool.command_line().parse_args(["--copy-turn-waits", "1,0", "--copy-combine", "both"])
+    names, variants, default = tool.copy_variants(((32, 3),), (32, 3), both)
+    assert names[2:] == ("copy_turn_waits", "use_copy_combine") and default == (32, 3, True, True)
+    assert variants == [(32, 3, True, True), (32, 3, True, False), (32, 3, False, True), (32, 3, False, False)]
+    assert tool._shape({"warps": 32, "unroll": 3, "copy_turn_waits": False, "use_copy_combine": False}) == \
+        "32 x 3 no waits ring"
     with pytest.raises(SystemExit):
         tool.command_line().parse_args(["--copy-combine", "maybe"])
 

@@ -29,20 +29,18 @@ from ..plan import launch_args
 from . import layout as L
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
-           "default_rounds", "fits", "home_counts", "staging_layout", "stream_writes_supported"]
+           "default_rounds", "fits", "home_counts", "staging_layout", "stream_writes_supported", "turn_waits"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
 # 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call).
 DEFAULT_CHUNK_ROWS = 1024
-# Rounds of turns (copy_schedule) on few SMs: 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, the copy kernel on 8
-# SMs, two calls (three and four passes): 2 rounds 707-789 and 734-760 us, 1 round 817-838 and 791-838. On 12 and
-# 16 SMs they were within each other's spread (2 rounds 639-770, 1 round 681-734), on 24 SMs 2 rounds lost (683-711
-# against 611-620): where the sums are slow, starting them after half the copies pays for the extra turns. With
-# the sums at 32 x 3 (engine.py) two rounds pay on 12 SMs too, and one round on 16 (tools/sm_sweep.py --copy-rounds,
-# five passes, two calls): 12 SMs 615 / 614 us against 636 / 636 for one round (4 rounds 629 / 682), 16 SMs 593 /
-# 627 against 591 / 606, 8 SMs 669 / 666 against 727 / 729 (3 and 4 rounds within 3% of 2).
-FEW_SMS_ROUNDS = (12, 2)
+# Rounds of turns (copy_schedule) by the copy kernel's SM count, ``(most SMs, rounds)``, the first row that covers
+# a launch wins; 1 above them. 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, 32 x 3 sums, turns gated
+# (turn_waits), tools/sm_sweep.py with five passes: 8 SMs 685 / 709 / 751 us for 3 / 2 / 1 rounds, 12 SMs 649 /
+# 656 / 666, 16 SMs 650 / 641 / 627, 24 SMs 623 / 637 / 587. Where the sums are slow, starting them after a part of
+# the copies pays for the extra turns; the copies alone took 588 / 598 / 542 us at 8 SMs.
+ROUNDS_BY_SMS = ((8, 3), (12, 2))
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
 
@@ -65,7 +63,7 @@ def combine_copy_spec(num_ranks: int, warps: int, unroll: int) -> BuildSpec:
 
 
 def stream_writes_supported(device_id: int) -> bool:
-    """Whether the device runs 64-bit stream memory writes (the copy mode's flags)."""
+    """Whether the device runs 64-bit stream memory operations (the copy mode's flags and turn waits)."""
     try:
         from cuda.bindings import driver
 
@@ -113,10 +111,13 @@ def chunk_sizes(n: int, chunk_rows: int) -> list[int]:
 
 
 def default_rounds(num_ranks: int, num_sms: int) -> int:
-    """Rounds of turns of a copy-mode combine whose sums run on ``num_sms`` SMs: :data:`FEW_SMS_ROUNDS` up to
-    its SM count with more than 2 ranks (with one home there are no turns to cut), else 1."""
-    max_sms, rounds = FEW_SMS_ROUNDS
-    return rounds if num_ranks > 2 and num_sms <= max_sms else 1
+    """Rounds of turns of a copy-mode combine whose sums run on ``num_sms`` SMs: :data:`ROUNDS_BY_SMS` with more
+    than 2 ranks (with one home there are no turns to cut), else 1."""
+    if num_ranks > 2:
+        for max_sms, rounds in ROUNDS_BY_SMS:
+            if num_sms <= max_sms:
+                return rounds
+    return 1
 
 
 def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds: int = 1):
@@ -154,6 +155,38 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
     return out
 
 
+def turn_waits(cnt, me: int, rounds: int, schedule) -> dict[int, tuple[int, int, int]]:
+    """Where rank ``me``'s copies wait: ``{index in schedule: (home, source, rows)}``, the first copy of every
+    turn after the first waiting until ``source``, the rank that copied into the same home in the turn before,
+    has landed ``rows`` rows there (its copy flag in the home's control words).
+
+    In turn ``g`` (``g = k (R - 1) + i - 1`` for round ``k``, offset ``i``) rank ``p`` copies into ``p + i``, so
+    no two ranks share a home while they keep in step. Unsynchronised, a rank that ran ahead started its next turn
+    into a home still being filled by the rank behind it, and both copies went at half speed: the copies alone
+    took 560 / 632 / 762 us for 1 / 2 / 3 rounds, and 542 / 598 / 588 with these waits (4 x H200, 4 ranks, 4096 x
+    7168, same call). A turn whose previous occupant copies no rows there, or is ``me`` (two ranks), waits for
+    nothing."""
+    R = len(cnt)
+    out, seen = {}, set()
+    for idx, (home, kind, _dst, _src, size, done) in enumerate(schedule):
+        n = cnt[home][me]
+        if kind != "x" or n == 0:
+            continue
+        k = next(k for k in range(rounds) if done - size < n * (k + 1) // rounds)  # the part the chunk belongs to
+        if (home, k) in seen:
+            continue  # not the turn's first copy
+        seen.add((home, k))
+        g = k * (R - 1) + (home - me) % R - 1
+        if g == 0:
+            continue
+        k_prev, i_prev = divmod(g - 1, R - 1)
+        source = (home - i_prev - 1) % R
+        rows = cnt[home][source] * (k_prev + 1) // rounds
+        if rows > 0 and source != me:  # with one home, me itself: the stream keeps that order
+            out[idx] = (home, source, rows)
+    return out
+
+
 def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int) -> bool:
     """True when every home's staging area holds what it receives."""
     return all(staging_layout(cnt, h, hidden_bytes, num_topk)[2] <= staging_bytes for h in range(len(cnt)))
@@ -186,6 +219,7 @@ class CopyCombine:
         self.chunk_rows = int(engine.copy_chunk_rows)
         self.rounds = (default_rounds(engine.num_ranks, num_sms) if engine.copy_rounds is None
                        else int(engine.copy_rounds))
+        self.gated = bool(engine.copy_turn_waits)
         if self.chunk_rows <= 0:
             raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
         if self.rounds < 1:
@@ -212,8 +246,9 @@ class CopyCombine:
         self.side, self.flag_side = engine.copy_stream(0), engine.copy_stream(1)
         from cuda.bindings import driver
 
-        self._write = driver.cuStreamWriteValue64
-        self._flag_handle = driver.CUstream(self.flag_side)
+        self._write, self._wait_value = driver.cuStreamWriteValue64, driver.cuStreamWaitValue64
+        self._flag_handle, self._side_handle = driver.CUstream(self.flag_side), driver.CUstream(self.side)
+        self._peer_ptrs = [int(p) for p in engine.buffer.peer_ptrs]
         self._counts = self._prepared = None
 
     def prepare(self, counts):
@@ -225,16 +260,22 @@ class CopyCombine:
         me = self.engine.rank
         prepared = None
         if fits(cnt, self.hidden_bytes, self.num_topk, self.staging_bytes):
-            prepared = (copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows, self.rounds),
-                        staging_layout(cnt, me, self.hidden_bytes, self.num_topk)[1])
+            schedule = copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows, self.rounds)
+            R = len(cnt)
+            waits = {} if not self.gated else {
+                i: (self._peer_ptrs[home] + L.copy_flag_offset(R, source), rows)
+                for i, (home, source, rows) in turn_waits(cnt, me, self.rounds, schedule).items()}
+            prepared = (schedule, staging_layout(cnt, me, self.hidden_bytes, self.num_topk)[1], waits)
         self._counts, self._prepared = counts, prepared
         return prepared
 
     def run(self, prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr) -> None:
-        """Queue the copies on the side stream and the sums on the communication stream; the communication
-        stream then waits for the copies (they read ``x``)."""
+        """Queue the sums on the communication stream and the copies on the side stream; the communication
+        stream then waits for the copies (they read ``x``). The kernel goes first: a copy may wait for a peer's
+        flag (turn_waits), and on a wait that runs out the kernel raises every flag of its own, so that no peer's
+        copies wait for it any longer (combine_copy.cu)."""
         engine, rt, comm, side, flag_side = self.engine, self._rt, self.comm_stream, self.side, self.flag_side
-        schedule, weights_offset = prepared
+        schedule, weights_offset, waits = prepared
         engine.copy_seq += 1
         seq = engine.copy_seq
         events = self.events
@@ -244,22 +285,6 @@ class CopyCombine:
         rt.streamWaitEvent(side, events[0], 0)
         xp = ptr(x)
         wp = ptr(topk_weights) if topk_weights is not None else 0
-        hb, wb = self.hidden_bytes, self.num_topk * 4
-        staging, flags, write, copy = self.staging_ptrs, self.flag_ptrs, self._write, rt.memcpyAsync
-        record, wait, flag_handle = rt.eventRecord, rt.streamWaitEvent, self._flag_handle
-        # The flags go on a second stream, each after an event that follows its chunk: a flag write on the
-        # copy stream itself would hold the next copy until the write is done (~3 us per chunk).
-        for i, (home, kind, dst, src, n, done) in enumerate(schedule):
-            if kind == "w":
-                if wp:
-                    copy(staging[home] + dst, wp + src * wb, n * wb, _MEMCPY_DEFAULT, side)
-                continue
-            copy(staging[home] + dst, xp + src * hb, n * hb, _MEMCPY_DEFAULT, side)
-            record(events[3 + i], side)
-            wait(flag_side, events[3 + i], 0)
-            err, = write(flag_handle, flags[home], (seq << ROW_BITS) | done, 0)
-            if int(err):
-                raise RuntimeError(f"combine (copy mode): cuStreamWriteValue64 failed with {err!r}")
         s_x, s_w, s_b0, s_b1, s_rank, s_head, s_out, s_out_w, s_woff, s_seq = self.slots
         s_x.value = xp
         s_w.value = wp
@@ -272,6 +297,27 @@ class CopyCombine:
         s_woff.value = weights_offset
         s_seq.value = seq
         self.plan.launch(comm)
+        hb, wb = self.hidden_bytes, self.num_topk * 4
+        staging, flags, write, copy = self.staging_ptrs, self.flag_ptrs, self._write, rt.memcpyAsync
+        record, wait, flag_handle = rt.eventRecord, rt.streamWaitEvent, self._flag_handle
+        # The flags go on a second stream, each after an event that follows its chunk: a flag write on the
+        # copy stream itself would hold the next copy until the write is done (~3 us per chunk).
+        for i, (home, kind, dst, src, n, done) in enumerate(schedule):
+            if kind == "w":
+                if wp:
+                    copy(staging[home] + dst, wp + src * wb, n * wb, _MEMCPY_DEFAULT, side)
+                continue
+            gate = waits.get(i)
+            if gate is not None:  # the home's previous occupant has landed its rows (GEQ: flags only grow)
+                err, = self._wait_value(self._side_handle, gate[0], (seq << ROW_BITS) | gate[1], 0)
+                if int(err):
+                    raise RuntimeError(f"combine (copy mode): cuStreamWaitValue64 failed with {err!r}")
+            copy(staging[home] + dst, xp + src * hb, n * hb, _MEMCPY_DEFAULT, side)
+            record(events[3 + i], side)
+            wait(flag_side, events[3 + i], 0)
+            err, = write(flag_handle, flags[home], (seq << ROW_BITS) | done, 0)
+            if int(err):
+                raise RuntimeError(f"combine (copy mode): cuStreamWriteValue64 failed with {err!r}")
         record(events[1], side)
         wait(comm, events[1], 0)
         record(events[2], flag_side)
