@@ -5,7 +5,9 @@ so instead of pushing them row by row from the SMs (the ring mode), a side strea
 ``h``'s staging area (a fixed region at the end of ``h``'s output pool, mapped into every rank) in chunks
 (:func:`chunk_sizes`), and after each chunk a second side stream stores into ``h``'s control words how
 many of the block's rows have landed. The kernel (``cuda_src/intranode/combine_copy.cu``) runs at the same time on the communication
-stream and sums each token as soon as the chunks holding its rows have landed.
+stream and sums each token as soon as the chunks holding its rows have landed. With several homes the blocks go in
+turns, every rank into a different home at each turn, and each turn's first copy waits for the home's previous
+occupant (:func:`turn_waits`).
 
 Every rank must know every block's size on the host to issue the copies, which the dispatch that made the
 handle read back with its one host wait (:attr:`IntranodeHandle.counts`). A combine takes the ring mode
