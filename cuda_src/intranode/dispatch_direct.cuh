@@ -230,13 +230,13 @@ __device__ __forceinline__ void store_send_head(const DispatchArgs& a, const Dir
 }
 
 // Item (chunk j, destination d, part p) of the channel [t_begin, t_end): the set bits p * kDirectRun ... of mask
-// (j, d), one copy each; this rank's part of a chunk first (see the header).
+// (j, d), one copy each; this rank's part of a chunk first (see the header). `prefix`: the chunks' prefix counts
+// (begin_dispatch).
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void direct_item_by_destination(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
-                                                           const unsigned int* mask, int t_begin, int t_end, int item,
-                                                           BadValue& bad, int lane) {
+                                                           const unsigned int* mask, const int* prefix, int t_begin,
+                                                           int t_end, int item, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
-    const int* prefix = reinterpret_cast<const int*>(mask + (t_end - t_begin + 31) / 32 * R);
     const int j = item / (R * kDirectParts);
     const int i = item / kDirectParts % R;
     const int part = item % kDirectParts;
@@ -259,10 +259,9 @@ __device__ __forceinline__ void direct_item_by_destination(const DispatchArgs& a
 // into every rank it goes to (fan_out_token; see the header).
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void direct_item_by_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
-                                                     const unsigned int* mask, int t_begin, int t_end, int item,
-                                                     BadValue& bad, int lane) {
+                                                     const unsigned int* mask, const int* prefix, int t_begin,
+                                                     int t_end, int item, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
-    const int* prefix = reinterpret_cast<const int*>(mask + (t_end - t_begin + 31) / 32 * R);
     const int j = item / kDirectParts;
     const int part = item % kDirectParts;
     const int chunk = t_begin + 32 * j;
@@ -296,14 +295,15 @@ __device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCt
     int t_begin, t_end;
     channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
     const int num_chunks = (t_end - t_begin + 31) / 32;
+    const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);  // behind the masks (begin_dispatch)
     BadValue bad;
     if (a.fan_out)
         for_each_claimed(claim, num_chunks * kDirectParts, lane, [&](int item) {
-            direct_item_by_token<R, kUnroll>(a, sh, mask, t_begin, t_end, item, bad, lane);
+            direct_item_by_token<R, kUnroll>(a, sh, mask, prefix, t_begin, t_end, item, bad, lane);
         });
     else
         for_each_claimed(claim, num_chunks * R * kDirectParts, lane, [&](int item) {
-            direct_item_by_destination<R, kUnroll>(a, sh, mask, t_begin, t_end, item, bad, lane);
+            direct_item_by_destination<R, kUnroll>(a, sh, mask, prefix, t_begin, t_end, item, bad, lane);
         });
     bad.report_from_warp(a.err, kValueOpIntranodeDispatch, a.rank, __LINE__);
 

@@ -31,7 +31,8 @@ from ..plan import launch_args
 from . import layout as L
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
-           "default_rounds", "fits", "home_counts", "staging_layout", "stream_writes_supported", "turn_waits"]
+           "default_rounds", "fits", "home_counts", "part_end", "staging_layout", "stream_writes_supported",
+           "turn_waits"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
@@ -122,6 +123,11 @@ def default_rounds(num_ranks: int, num_sms: int) -> int:
     return 1
 
 
+def part_end(rows: int, k: int, rounds: int) -> int:
+    """Rows of a home's block (``rows`` of them) that its first ``k + 1`` parts of ``rounds`` hold."""
+    return rows * (k + 1) // rounds
+
+
 def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds: int = 1):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
     row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
@@ -146,7 +152,7 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
             out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, 0))
         parts[h], done = [], 0
         for k in range(rounds):
-            part, end = [], n * (k + 1) // rounds
+            part, end = [], part_end(n, k, rounds)
             for size in chunk_sizes(end - done, chunk_rows):
                 part.append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
                 done += size
@@ -174,7 +180,7 @@ def turn_waits(cnt, me: int, rounds: int, schedule) -> dict[int, tuple[int, int,
         n = cnt[home][me]
         if kind != "x" or n == 0:
             continue
-        k = next(k for k in range(rounds) if done - size < n * (k + 1) // rounds)  # the part the chunk belongs to
+        k = next(k for k in range(rounds) if done - size < part_end(n, k, rounds))  # the chunk's part
         if (home, k) in seen:
             continue  # not the turn's first copy
         seen.add((home, k))
@@ -183,7 +189,7 @@ def turn_waits(cnt, me: int, rounds: int, schedule) -> dict[int, tuple[int, int,
             continue
         k_prev, i_prev = divmod(g - 1, R - 1)
         source = (home - i_prev - 1) % R
-        rows = cnt[home][source] * (k_prev + 1) // rounds
+        rows = part_end(cnt[home][source], k_prev, rounds)
         if rows > 0 and source != me:  # with one home, me itself: the stream keeps that order
             out[idx] = (home, source, rows)
     return out
