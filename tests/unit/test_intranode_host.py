@@ -156,8 +156,8 @@ def test_copy_combine_by_rank_and_sm_count():
     engine.use_copy_combine = None
     for ranks in (1, 2, 4, 8):
         engine.num_ranks = ranks
-        got = [engine.copy_combine(sms) for sms in (2, 8, 12, 16, 20, 24, 132)]
-        assert got == ([True] * 7 if ranks <= 2 else [True] * 4 + [False] * 3), ranks
+        got = [engine.copy_combine(sms) for sms in (2, 8, 12, 16, 20, 24, 26, 132)]
+        assert got == ([True] * 8 if ranks <= 2 else [True] * 6 + [False] * 2), ranks
     engine.num_ranks = 4
     engine.use_copy_combine = True
     assert engine.copy_combine(24)

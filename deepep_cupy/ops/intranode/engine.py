@@ -95,10 +95,12 @@ COMBINE_SHAPE_TABLE = (
 )
 
 
-# Above 2 ranks the copy mode's sums pay only on handles of few SMs: 4 x H200, 4096 x 7168, top-8 of 256, BF16
-# combine 763 / 833 / 942 us at 24 / 12 / 8 SMs against 687 / 997 / 1524 in the ring mode (the copy mode on 24
-# SMs over a handle of 12: 765 us).
-COPY_COMBINE_MAX_SMS = 16
+# Above 2 ranks the copy mode (since its turns wait for each other and its sums keep 3 loads a lane) beats the
+# ring mode up to 24 SMs: 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, BF16 combine, both modes in one process
+# over five passes, 601 / 582 us against 630 / 602 at 20 / 24 SMs (another call: 553-581 against 607 at 24), and
+# on 8-16 SMs by far more (666-675 against 1108 at 8). Above 24 SMs, where the ring mode's NVLink pushes gain
+# most, it was not measured. 8 ranks follow the 4-rank measurements (not measured on 8 GPUs).
+COPY_COMBINE_MAX_SMS = 24
 
 # The direct dispatch fans each token out (loaded once, stored into every rank it goes to) on launches of at most
 # this many SMs, where the SMs' loads and stores bound it; on more, where NVLink does, one copy a destination
