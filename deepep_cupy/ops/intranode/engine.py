@@ -99,7 +99,8 @@ COMBINE_SHAPE_TABLE = (
 # ring mode up to 24 SMs: 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, BF16 combine, both modes in one process
 # over five passes, 601 / 582 us against 630 / 602 at 20 / 24 SMs (another call: 553-581 against 607 at 24), and
 # on 8-16 SMs by far more (666-675 against 1108 at 8). Above 24 SMs, where the ring mode's NVLink pushes gain
-# most, it was not measured. 8 ranks follow the 4-rank measurements (not measured on 8 GPUs).
+# most, it was not measured. Above 4 ranks the output pool, and with it the copy mode, is off unless
+# DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on; there this bound follows the 4-rank measurements.
 COPY_COMBINE_MAX_SMS = 24
 
 # The direct dispatch fans each token out (loaded once, stored into every rank it goes to) on launches of at most
