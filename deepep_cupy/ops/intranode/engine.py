@@ -80,7 +80,8 @@ COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 # sweeps were within their noise. Up to 4 ranks on up to 16 SMs the combine's sums keep 3 loads a lane in
 # flight (4 x H200, 4 ranks, copy mode, 32 x 3 against 32 x 2: -7.7% / -5.4% / -7.8% at 8 / 12 / 16 SMs over five
 # rounds, -4.9% / -6.0% at 8 / 12 in the call before; ptxas spills 286 bytes a thread, reloaded from L1); on 24
-# SMs (the ring mode) +1.4%, and at 2 ranks within the noise. 8 ranks were not measured: the old shapes stay.
+# SMs in the ring mode (then the default there) +1.4%, and at 2 ranks within the noise; the copy mode on 17-24 SMs
+# was not measured with it. 8 ranks were not measured: the old shapes stay.
 DISPATCH_SHAPE_TABLE = (
     (2, 12, 24, 6),
     (2, None, DISPATCH_WARPS, DISPATCH_UNROLL_FEW),
