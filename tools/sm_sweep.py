@@ -89,7 +89,8 @@ def command_line() -> argparse.ArgumentParser:
                    help="the cached dispatches' own rows through the copy engines, or on the SMs (default: the "
                         "engine's choice); the mode column says +own where they were")
     p.add_argument("--copy-rounds", default=None, metavar="N[,N...]",
-                   help="the copy-mode combine's rounds of turns (the engine's copy_rounds) as variants of every "
+                   help="the copy-mode combine's rounds of turns (the engine's copy_rounds; 5:3:2, three rounds of "
+                        "those relative sizes) as variants of every "
                         "combine shape, the first the reference (default: the engine's choice by SM count)")
     p.add_argument("--copy-chunks", default=None, metavar="ROWS[,ROWS...]",
                    help="the copy-mode combine's chunk rows (the engine's copy_chunk_rows) as variants, the same way")
@@ -117,6 +118,11 @@ def with_fan_out(shapes, default: tuple[int, int], choice: str | None):
 
 
 # ---------------------------------------------------------------------------------------------------- table
+def rounds_value(text: str):
+    """``--copy-rounds`` values: ``3`` (equal parts) or ``5:3:2`` (the parts' relative sizes, a round each)."""
+    return tuple(int(v) for v in text.split(":")) if ":" in text else int(text)
+
+
 def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ...], list, tuple]:
     """Combine variants: every shape with every ``--copy-rounds``, ``--copy-chunks`` and ``--copy-turn-waits``
     value and, with ``--copy-combine both``, in either mode (the engine's copy_rounds, copy_chunk_rows,
@@ -124,7 +130,7 @@ def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ..
     default)``."""
     names, variants, ref = ("combine_warps", "combine_unroll"), list(shapes), default
     both = "1,0" if args.copy_combine == "both" else None
-    for name, text, kind in (("copy_rounds", args.copy_rounds, int), ("copy_chunk_rows", args.copy_chunks, int),
+    for name, text, kind in (("copy_rounds", args.copy_rounds, rounds_value), ("copy_chunk_rows", args.copy_chunks, int),
                              ("copy_turn_waits", args.copy_turn_waits, lambda v: bool(int(v))),
                              ("use_copy_combine", both, lambda v: bool(int(v)))):
         if text is None:
@@ -138,7 +144,8 @@ def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ..
 
 def _shape(r: dict) -> str:
     items = {True: " fan-out", False: " by dest"}.get(r.get("fan_out"), "")
-    labels = {"copy_rounds": lambda v: f" {v} rounds", "copy_chunk_rows": lambda v: f" {v} rows",
+    labels = {"copy_rounds": lambda v: f" {':'.join(map(str, v))} parts" if isinstance(v, tuple) else f" {v} rounds",
+              "copy_chunk_rows": lambda v: f" {v} rows",
               "copy_turn_waits": lambda v: " waits" if v else " no waits",
               "use_copy_combine": lambda v: " copy" if v else " ring"}
     if any(k in r for k in labels):
@@ -189,7 +196,7 @@ def precompile(num_ranks: int, args) -> str:
 
     R = num_ranks
     dispatch = set(args.dispatch_shapes) | {default_dispatch_shape(R, n) for n in args.num_sms}
-    combine = set(args.combine_shapes) | {default_combine_shape(R, n) for n in args.num_sms}
+    combine = set(args.combine_shapes) | {default_combine_shape(R, n, c) for n in args.num_sms for c in (False, True)}
     specs = [notify_spec(R)] + [dispatch_spec(R, w, u) for w, u in sorted(dispatch)]
     specs += [s for w, u in sorted(combine) for s in (combine_spec(R, w, u), combine_copy_spec(R, w, u))]
     arch, start = default_arch(), time.perf_counter()
@@ -429,7 +436,7 @@ def main(argv=None) -> int:
             "fp8": (lambda dispatch=dispatch: dispatch(x_fp8, scales), dispatch_names, *dispatch_shapes),
             "combine": (lambda ccfg=ccfg, handle=handle, recv_x=recv_x, recv_w=recv_w: direct_combine(
                 engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None, config=ccfg, stream=stream),
-                *copy_variants(args.combine_shapes, default_combine_shape(R, n), args)),
+                *copy_variants(args.combine_shapes, default_combine_shape(R, n, args.copy_combine != "off"), args)),
         }
         for key in args.ops:
             fn, names, shapes, default = ops[key]

@@ -146,7 +146,7 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
                               column_major=column_major, align=align, num_recv=num_recv, cfg=cfg,
                               own_copies=own_copies)
     # The combine's copy mode needs the counts the dispatch read back (none with num_worst_tokens).
-    copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.copy_combine(cfg.num_sms)
+    copy_mode = None if in_pool is None else (env["buf"].runtime.intranode.copy_combine()
                                               and not worst_rows)
     combine_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, k=k,
                   rows=worst_rows if worst_rows else num_recv, bias=bias, cfg=combine_cfg, copy_mode=copy_mode)

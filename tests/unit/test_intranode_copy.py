@@ -68,7 +68,7 @@ def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1):
     return outs, out_ws
 
 
-@pytest.mark.parametrize("rounds", [1, 3])
+@pytest.mark.parametrize("rounds", [1, 3, (5, 3, 2)])
 @pytest.mark.parametrize("R,C,n_tokens,chunk_rows", [(2, 3, 37, 4), (3, 2, 0, 1), (4, 5, 23, 3), (2, 12, 1, 512),
                                                      (8, 4, 50, 7), (2, 1, 100, 16)])
 def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows, rounds):
@@ -118,9 +118,25 @@ def test_staging_layout_and_fit():
         CC.copy_schedule(cnt, 1, 32, 0, 2, rounds=0)
 
 
+def test_rounds_of_unequal_parts():
+    """``rounds`` as relative sizes: the parts end where the weights' running sums put them, equal weights as the
+    count; the schedule copies the parts in rounds, the homes in turns in each."""
+    assert [CC.part_end(100, k, 3) for k in range(3)] == [33, 66, 100]
+    assert [CC.part_end(100, k, (1, 1, 1)) for k in range(3)] == [33, 66, 100]
+    assert [CC.part_end(100, k, (5, 3, 2)) for k in range(3)] == [50, 80, 100]
+    assert CC.round_weights(2) == (1, 1) and CC.round_weights([4, 1]) == (4, 1)
+    for bad in (0, (), (2, 0)):
+        with pytest.raises(ValueError, match="rounds"):
+            CC.round_weights(bad)
+    cnt = [[0, 10, 10], [10, 0, 10], [10, 10, 0]]
+    sched = CC.copy_schedule(cnt, 0, 16, 0, 100, (7, 3))
+    assert [(h, n, done) for h, _, _, _, n, done in sched] == [(1, 7, 7), (2, 7, 7), (1, 3, 10), (2, 3, 10)]
+
+
 def test_default_rounds_by_ranks_and_sms():
-    assert CC.default_rounds(4, 8) == 3 and CC.default_rounds(3, 4) == 3 and CC.default_rounds(8, 10) == 2
-    assert CC.default_rounds(4, 12) == 2 and CC.default_rounds(4, 16) == 1 and CC.default_rounds(8, 24) == 1
+    assert CC.default_rounds(4, 8) == (6, 3, 1) and CC.default_rounds(3, 4) == (6, 3, 1)
+    assert CC.default_rounds(8, 10) == CC.default_rounds(4, 12) == (2, 1)
+    assert CC.default_rounds(4, 16) == 1 and CC.default_rounds(8, 24) == 1
     assert CC.default_rounds(2, 8) == 1  # one home: no turns to cut
 
 
@@ -137,7 +153,7 @@ def _simulate_turns(cnt, rounds):
             if kind != "x":
                 continue
             n = cnt[home][me]
-            part = next(k for k in range(rounds) if done - size < n * (k + 1) // rounds)
+            part = next(k for k in range(len(CC.round_weights(rounds))) if done - size < CC.part_end(n, k, rounds))
             if turns and turns[-1][:2] == (home, part):
                 assert i not in waits  # only a turn's first copy waits
                 continue
@@ -152,31 +168,40 @@ def _simulate_turns(cnt, rounds):
         steps.append([(me, plans[me][pos[me]][0]) for me in ready])
         for me in ready:
             home, part, _ = plans[me][pos[me]]
-            landed[(home, me)] = cnt[home][me] * (part + 1) // rounds
+            landed[(home, me)] = CC.part_end(cnt[home][me], part, rounds)
             pos[me] += 1
     return steps
 
 
+def _part_rows(cnt, home, source, k, rounds):
+    return CC.part_end(cnt[home][source], k, rounds) - (CC.part_end(cnt[home][source], k - 1, rounds) if k else 0)
+
+
 def test_turn_waits_follow_the_homes_previous_occupant():
-    """Each turn's first copy waits for the rank that copied into the same home in the turn before, for the rows
-    it had copied there by then; with those waits every rank finishes, and no step puts two ranks into one home."""
+    """Each turn's first copy waits for the rank that last copied into the same home in an earlier turn (the
+    turns between put no rows there), for the rows it had copied there by then; with those waits every rank
+    finishes, and no step puts two ranks into one home, empty parts and unequal ones included."""
     rng = np.random.default_rng(5)
     for R in (2, 3, 4, 8):
-        for rounds in (1, 2, 3):
-            cnt = [[0 if q == h else int(rng.integers(0, 40)) for q in range(R)] for h in range(R)]
-            cnt[1][0] = 0  # a block without rows: its turn is skipped and nobody waits for it
-            for me in range(R):
-                schedule = CC.copy_schedule(cnt, me, 16, 0, 3, rounds)
-                for i, (home, source, rows) in CC.turn_waits(cnt, me, rounds, schedule).items():
-                    assert schedule[i][0] == home and source not in (me, home) and rows > 0
-                    g = next(k for k in range(rounds) if schedule[i][5] - schedule[i][4] < cnt[home][me] * (k + 1)
-                             // rounds) * (R - 1) + (home - me) % R - 1
-                    prev = g - 1
-                    assert (source + prev % (R - 1) + 1) % R == home  # the previous turn's occupant of home
-                    assert rows == cnt[home][source] * (prev // (R - 1) + 1) // rounds
-            for step in _simulate_turns(cnt, rounds):
-                homes = [h for _, h in step]
-                assert len(homes) == len(set(homes)), step
+        for rounds in (1, 2, 3, (5, 3, 2), (1, 4)):
+            num_rounds = len(CC.round_weights(rounds))
+            for high in (40, 6):  # small blocks: parts without rows
+                cnt = [[0 if q == h else int(rng.integers(0, high)) for q in range(R)] for h in range(R)]
+                cnt[1][0] = 0  # a block without rows: its turns are skipped and nobody waits for them
+                for me in range(R):
+                    schedule = CC.copy_schedule(cnt, me, 16, 0, 3, rounds)
+                    for i, (home, source, rows) in CC.turn_waits(cnt, me, rounds, schedule).items():
+                        assert schedule[i][0] == home and source not in (me, home) and rows > 0
+                        g = next(k for k in range(num_rounds) if schedule[i][5] - schedule[i][4] <
+                                 CC.part_end(cnt[home][me], k, rounds)) * (R - 1) + (home - me) % R - 1
+                        # The turn waited for: source's, the last before g with rows for this home.
+                        prev = next(p for p in range(g - 1, -1, -1)
+                                    if _part_rows(cnt, home, (home - p % (R - 1) - 1) % R, p // (R - 1), rounds))
+                        assert (source + prev % (R - 1) + 1) % R == home
+                        assert rows == CC.part_end(cnt[home][source], prev // (R - 1), rounds)
+                for step in _simulate_turns(cnt, rounds):
+                    homes = [h for _, h in step]
+                    assert len(homes) == len(set(homes)), (rounds, cnt, step)
     # Two ranks: one home, whose previous occupant is the rank itself (its stream keeps the order): no waits.
     cnt = [[0, 40], [40, 0]]
     assert CC.turn_waits(cnt, 0, 3, CC.copy_schedule(cnt, 0, 16, 0, 3, 3)) == {}

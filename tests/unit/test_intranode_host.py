@@ -113,18 +113,21 @@ def test_default_self_warps():
 
 
 def test_block_shapes_by_rank_and_sm_count(monkeypatch):
-    # The shipped tables: at 2 ranks, shapes of their own up to 12 SMs (dispatch) and 16 (combine); at 3 and 4
-    # ranks a combine shape of its own up to 16 SMs (32 x 3); else the same shape at every SM count (16 x 8
+    # The shipped tables: at 2 ranks, shapes of their own up to 12 SMs (dispatch) and 16 (combine, both modes);
+    # at 3 and 4 ranks the copy mode's 32 x 3 at every SM count; else the same shape at every SM count (16 x 8
     # dispatch, 32 x 2 combine).
     for sms in (None, 8, 12, 24, 132):
         assert intranode.default_dispatch_shape(2, sms) == ((24, 6) if sms is not None and sms <= 12 else (16, 14))
         assert intranode.default_dispatch_shape(8, sms) == (16, 8)
-        assert intranode.default_combine_shape(8, sms) == (32, 2)
+        for copy in (False, True):
+            assert intranode.default_combine_shape(8, sms, copy) == (32, 2)
         for r in (3, 4):
-            assert intranode.default_combine_shape(r, sms) == ((32, 3) if sms is not None and sms <= 16 else (32, 2))
-    assert [intranode.default_combine_shape(2, sms) for sms in (4, 8, 10, 16, 24, None)] == \
-        [(32, 2), (32, 2), (24, 4), (24, 4), (16, 8), (16, 8)]
-    assert intranode.default_combine_shape(4, 16) == (32, 3) and intranode.default_dispatch_shape(4, 8) == (16, 8)
+            assert intranode.default_combine_shape(r, sms) == (32, 2)
+            assert intranode.default_combine_shape(r, sms, copy=True) == (32, 3)
+    for copy in (False, True):
+        assert [intranode.default_combine_shape(2, sms, copy) for sms in (4, 8, 10, 16, 24, None)] == \
+            [(32, 2), (32, 2), (24, 4), (24, 4), (16, 8), (16, 8)]
+    assert intranode.default_dispatch_shape(4, 8) == (16, 8)
     # A table with rows for few SMs: the first row covering (ranks, SMs) wins; without an SM count, only
     # the rows for any count apply.
     table = ((2, 8, 32, 8), (2, None, 16, 14), (None, 12, 24, 6), (None, None, 16, 8))
@@ -138,6 +141,8 @@ def test_block_shapes_by_rank_and_sm_count(monkeypatch):
     builds = intranode.representative_builds()
     assert intranode.dispatch_spec(2, 32, 8) in builds and intranode.dispatch_spec(4, 24, 6) in builds
     assert intranode.dispatch_spec(4, 32, 8) not in builds
+    assert intranode.combine_copy_spec(4, 32, 3) in builds and intranode.combine_copy_spec(4, 32, 2) not in builds
+    assert intranode.combine_spec(4, 32, 2) in builds and intranode.combine_spec(4, 32, 3) not in builds
     # The engine takes the table's shape for the launch's SM count unless a tuning attribute is set.
     engine = object.__new__(intranode.IntranodeEngine)
     engine.num_ranks = 2
@@ -147,22 +152,22 @@ def test_block_shapes_by_rank_and_sm_count(monkeypatch):
     assert engine.dispatch_shape(8) == (32, 4)
     engine.combine_warps = 24
     assert engine.combine_shape(24) == (24, 8) and engine.combine_shape(8) == (24, 2)
+    engine.num_ranks, engine.combine_warps = 4, None
+    assert engine.combine_shape(8) == (32, 2) and engine.combine_shape(8, copy=True) == (32, 3)
 
 
-def test_copy_combine_by_rank_and_sm_count():
-    """The combine's copy mode by default: at up to 2 ranks always, above on handles of at most
-    COPY_COMBINE_MAX_SMS SMs (where it beat the ring mode at 4 ranks); the tuning attribute overrides."""
+def test_copy_combine_by_default():
+    """The combine's copy mode wherever it can run, at every rank and SM count; the tuning attribute
+    overrides."""
     engine = object.__new__(intranode.IntranodeEngine)
     engine.use_copy_combine = None
     for ranks in (1, 2, 4, 8):
         engine.num_ranks = ranks
-        got = [engine.copy_combine(sms) for sms in (2, 8, 12, 16, 20, 24, 26, 132)]
-        assert got == ([True] * 8 if ranks <= 2 else [True] * 6 + [False] * 2), ranks
-    engine.num_ranks = 4
-    engine.use_copy_combine = True
-    assert engine.copy_combine(24)
+        assert engine.copy_combine(), ranks
     engine.num_ranks, engine.use_copy_combine = 2, False
-    assert not engine.copy_combine(8)
+    assert not engine.copy_combine()
+    engine.num_ranks, engine.use_copy_combine = 4, True
+    assert engine.copy_combine()
 
 
 def test_fan_out_by_rank_and_sm_count():

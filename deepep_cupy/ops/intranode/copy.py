@@ -31,19 +31,24 @@ from ..plan import launch_args
 from . import layout as L
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
-           "default_rounds", "fits", "home_counts", "part_end", "staging_layout", "stream_writes_supported",
-           "turn_waits"]
+           "default_rounds", "fits", "home_counts", "part_end", "round_weights", "staging_layout",
+           "stream_writes_supported", "turn_waits"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
 # 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call).
 DEFAULT_CHUNK_ROWS = 1024
-# Rounds of turns (copy_schedule) by the copy kernel's SM count, ``(most SMs, rounds)``, the first row that covers
-# a launch wins; 1 above them. 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, 32 x 3 sums, turns gated
-# (turn_waits), tools/sm_sweep.py with five passes: 8 SMs 685 / 709 / 751 us for 3 / 2 / 1 rounds, 12 SMs 649 /
-# 656 / 666, 16 SMs 650 / 641 / 627, 24 SMs 623 / 637 / 587. Where the sums are slow, starting them after a part of
-# the copies pays for the extra turns; the copies alone took 588 / 598 / 542 us at 8 SMs.
-ROUNDS_BY_SMS = ((8, 3), (12, 2))
+# Rounds of turns (copy_schedule) by the copy kernel's SM count, ``(most SMs, rounds)`` with rounds a count of equal
+# parts or their relative sizes, the first row that covers a launch wins; 1 above them. 4 x H200, 4 ranks, 4096 x
+# 7168, top-8 of 256, 32 x 3 sums, turns gated (turn_waits), tools/sm_sweep.py with five passes: 8 SMs 685 / 709 /
+# 751 us for 3 / 2 / 1 rounds, 12 SMs 649 / 656 / 666, 16 SMs 650 / 641 / 627, 24 SMs 623 / 637 / 587. Where the
+# sums are slow, starting them after a part of the copies pays for the extra turns; the copies alone took 588 / 598
+# / 542 us at 8 SMs. The tokens of the last part are summed only once its last turn has landed, so a small last
+# part ends the combine sooner. Two calls, one process each, five and seven passes: at 8 SMs parts of 6:3:1
+# against 3 equal rounds -6.4% / -4.4% at 4 ranks and -4.0% at 3 ranks (3:2:1 -3.5% / -2.8%); at 12 SMs 2:1
+# against 2 equal rounds -3.9% / -3.5% at 4 ranks and -3.3% at 3 (3:1 -6.3% at 4 ranks in the second call). On 16
+# and 24 SMs one round stayed the best.
+ROUNDS_BY_SMS = ((8, (6, 3, 1)), (12, (2, 1)))
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
 
@@ -113,9 +118,9 @@ def chunk_sizes(n: int, chunk_rows: int) -> list[int]:
     return [q, h] + [chunk_rows] * (middle // chunk_rows) + ([middle % chunk_rows] if middle % chunk_rows else []) + [h, q]
 
 
-def default_rounds(num_ranks: int, num_sms: int) -> int:
-    """Rounds of turns of a copy-mode combine whose sums run on ``num_sms`` SMs: :data:`ROUNDS_BY_SMS` with more
-    than 2 ranks (with one home there are no turns to cut), else 1."""
+def default_rounds(num_ranks: int, num_sms: int) -> int | tuple[int, ...]:
+    """Rounds of turns of a copy-mode combine whose sums run on ``num_sms`` SMs (a count, or the parts' relative
+    sizes): :data:`ROUNDS_BY_SMS` with more than 2 ranks (with one home there are no turns to cut), else 1."""
     if num_ranks > 2:
         for max_sms, rounds in ROUNDS_BY_SMS:
             if num_sms <= max_sms:
@@ -123,24 +128,35 @@ def default_rounds(num_ranks: int, num_sms: int) -> int:
     return 1
 
 
-def part_end(rows: int, k: int, rounds: int) -> int:
-    """Rows of a home's block (``rows`` of them) that its first ``k + 1`` parts of ``rounds`` hold."""
-    return rows * (k + 1) // rounds
+def round_weights(rounds) -> tuple[int, ...]:
+    """The parts of a home's block as relative sizes: ``rounds`` equal ones for an int, else ``rounds`` itself
+    (positive ints, one a round)."""
+    weights = (1,) * int(rounds) if isinstance(rounds, (int, np.integer)) else tuple(int(w) for w in rounds)
+    if not weights or min(weights) < 1:
+        raise ValueError(f"rounds must be at least 1, or weights of at least 1 each, got {rounds!r}")
+    return weights
 
 
-def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds: int = 1):
+def part_end(rows: int, k: int, rounds) -> int:
+    """Rows of a home's block (``rows`` of them) that its first ``k + 1`` parts hold (``rounds``: a count of
+    equal parts or their relative sizes, :func:`round_weights`)."""
+    weights = round_weights(rounds)
+    return rows * sum(weights[:k + 1]) // sum(weights)
+
+
+def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds=1):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
     row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
     weights, all at once, first) or "x" (a chunk of rows, followed by its flag).
 
-    Each home's block is cut into ``rounds`` parts of about equal rows (each part in chunks, ``chunk_sizes``);
+    Each home's block is cut into ``rounds`` parts of about equal rows, or of the relative sizes ``rounds`` gives
+    (:func:`round_weights`), each part in chunks (``chunk_sizes``);
     in every round the homes take their turns in the order ``me + 1, me + 2, ...``, so at each turn every rank
     copies into a different home. Fewer rounds keep a copy engine on one destination longer: it moves about
     360 GB/s out of a GPU when consecutive copies keep one destination and about 230 GB/s when they alternate
     between three (4 x H200, chunks of 1024 rows). More rounds let every home's sums start earlier: a token is
     summed once the parts holding its rows from every source have landed."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    num_rounds = len(round_weights(rounds))
     R = len(cnt)
     homes = [(me + i) % R for i in range(1, R)]
     out, parts = [], {}
@@ -151,19 +167,19 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
         if n and num_topk:
             out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, 0))
         parts[h], done = [], 0
-        for k in range(rounds):
+        for k in range(num_rounds):
             part, end = [], part_end(n, k, rounds)
             for size in chunk_sizes(end - done, chunk_rows):
                 part.append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
                 done += size
             parts[h].append(part)
-    for k in range(rounds):
+    for k in range(num_rounds):
         for h in homes:
             out += parts[h][k]
     return out
 
 
-def turn_waits(cnt, me: int, rounds: int, schedule) -> dict[int, tuple[int, int, int]]:
+def turn_waits(cnt, me: int, rounds, schedule) -> dict[int, tuple[int, int, int]]:
     """Where rank ``me``'s copies wait: ``{index in schedule: (home, source, rows)}``, the first copy of every
     turn after the first waiting until ``source``, the rank that copied into the same home in the turn before,
     has landed ``rows`` rows there (its copy flag in the home's control words).
@@ -172,26 +188,29 @@ def turn_waits(cnt, me: int, rounds: int, schedule) -> dict[int, tuple[int, int,
     no two ranks share a home while they keep in step. Unsynchronised, a rank that ran ahead started its next turn
     into a home still being filled by the rank behind it, and both copies went at half speed: the copies alone
     took 560 / 632 / 762 us for 1 / 2 / 3 rounds, and 542 / 598 / 588 with these waits (4 x H200, 4 ranks, 4096 x
-    7168, same call). A turn whose previous occupant copies no rows there, or is ``me`` (two ranks), waits for
-    nothing."""
+    7168, same call). Where the previous turn's rank copies no rows into the home (an empty part), the wait goes
+    to the turn before it, and so on; a turn whose occupant before it is ``me`` (two ranks), or that has none,
+    waits for nothing."""
     R = len(cnt)
     out, seen = {}, set()
     for idx, (home, kind, _dst, _src, size, done) in enumerate(schedule):
         n = cnt[home][me]
         if kind != "x" or n == 0:
             continue
-        k = next(k for k in range(rounds) if done - size < part_end(n, k, rounds))  # the chunk's part
+        k = next(k for k in range(len(round_weights(rounds))) if done - size < part_end(n, k, rounds))  # its part
         if (home, k) in seen:
             continue  # not the turn's first copy
         seen.add((home, k))
         g = k * (R - 1) + (home - me) % R - 1
-        if g == 0:
-            continue
-        k_prev, i_prev = divmod(g - 1, R - 1)
-        source = (home - i_prev - 1) % R
-        rows = part_end(cnt[home][source], k_prev, rounds)
-        if rows > 0 and source != me:  # with one home, me itself: the stream keeps that order
-            out[idx] = (home, source, rows)
+        for prev in range(g - 1, -1, -1):  # the latest earlier turn that put rows into this home
+            k_prev, i_prev = divmod(prev, R - 1)
+            source = (home - i_prev - 1) % R
+            if source == me:
+                break  # with one home, me itself: the stream keeps that order
+            rows = part_end(cnt[home][source], k_prev, rounds)
+            if rows > (part_end(cnt[home][source], k_prev - 1, rounds) if k_prev > 0 else 0):
+                out[idx] = (home, source, rows)
+                break
     return out
 
 
@@ -225,18 +244,16 @@ class CopyCombine:
         self.engine, self.comm_stream = engine, comm_stream
         self.hidden_bytes, self.num_topk = hidden * 2, num_topk
         self.chunk_rows = int(engine.copy_chunk_rows)
-        self.rounds = (default_rounds(engine.num_ranks, num_sms) if engine.copy_rounds is None
-                       else int(engine.copy_rounds))
+        self.rounds = round_weights(default_rounds(engine.num_ranks, num_sms) if engine.copy_rounds is None
+                                    else engine.copy_rounds)
         self.gated = bool(engine.copy_turn_waits)
         if self.chunk_rows <= 0:
             raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
-        if self.rounds < 1:
-            raise ValueError(f"copy_rounds must be at least 1, got {self.rounds}")
         pool = engine.output_pool
         self.staging_ptrs, self.staging_bytes = pool.staging_ptrs, pool.staging_bytes
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
-        warps, unroll = engine.combine_shape(num_sms)
+        warps, unroll = engine.combine_shape(num_sms, copy=True)
         kernel = engine.kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,

@@ -77,32 +77,31 @@ COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 # FP8 -6.8% / -5.7% at 8 SMs and -7.8% / -6.9% at 12; BF16 within 3% either way (own rows on the copy
 # engines at these counts, own_rows.py: BF16 -9.5% at 8 SMs). Combine 32 x 2 against 16 x 8 at 8 SMs:
 # -8.7% / -9.6%; 24 x 4 at 12 and 16 SMs: -6.3% and -4.4% (32 x 2: -5.8% at 12). Above those counts the
-# sweeps were within their noise. Up to 4 ranks on up to 16 SMs the combine's sums keep 3 loads a lane in
-# flight (4 x H200, 4 ranks, copy mode, 32 x 3 against 32 x 2: -7.7% / -5.4% / -7.8% at 8 / 12 / 16 SMs over five
-# rounds, -4.9% / -6.0% at 8 / 12 in the call before; ptxas spills 286 bytes a thread, reloaded from L1); on 24
-# SMs in the ring mode (then the default there) +1.4%, and at 2 ranks within the noise; the copy mode on 17-24 SMs
-# was not measured with it. 8 ranks were not measured: the old shapes stay.
+# sweeps were within their noise. The two modes of the combine are two kernels, each with its table. At 3 and 4
+# ranks the copy mode's sums keep 3 loads a lane in flight (32 x 3; ptxas spills 286 bytes a thread, reloaded
+# from L1), at every SM count: 4 x H200, 4 ranks, 32 x 3 against 32 x 2 over five rounds, one process, -7.7% /
+# -5.4% / -7.8% at 8 / 12 / 16 SMs (-4.9% / -6.0% at 8 / 12 in the call before), -3.4% / -3.6% / -1.4% / -1.0% at
+# 20 / 24 / 32 / 48 SMs (-3.1% at 24 in another process); 3 ranks (GPUs 0-2, 255 experts, three rounds) -0.7% /
+# -0.7% / -1.2% / -0.4% at 8 / 12 / 16 / 24. The ring mode lost with 3 loads (+0.6-1.5% at 8-16 SMs, +1.1-2.2%
+# at 20-48 at 4 ranks), so it keeps 32 x 2. At 2 ranks the same shapes serve both. 8 ranks were not measured:
+# the old shapes stay.
 DISPATCH_SHAPE_TABLE = (
     (2, 12, 24, 6),
     (2, None, DISPATCH_WARPS, DISPATCH_UNROLL_FEW),
     (None, None, DISPATCH_WARPS, DISPATCH_UNROLL),
 )
-COMBINE_SHAPE_TABLE = (
+_COMBINE_TWO_RANKS = (
     (2, 8, 32, 2),
     (2, 16, 24, 4),
     (2, None, COMBINE_WARPS, COMBINE_UNROLL),
-    (4, 16, COMBINE_WARPS_MANY, 3),
+)
+COMBINE_SHAPE_TABLE = _COMBINE_TWO_RANKS + ((None, None, COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY),)
+COPY_COMBINE_SHAPE_TABLE = _COMBINE_TWO_RANKS + (
+    (4, None, COMBINE_WARPS_MANY, 3),
     (None, None, COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY),
 )
 
 
-# Above 2 ranks the copy mode (since its turns wait for each other and its sums keep 3 loads a lane) beats the
-# ring mode up to 24 SMs: 4 x H200, 4 ranks, 4096 x 7168, top-8 of 256, BF16 combine, both modes in one process
-# over five passes, 601 / 582 us against 630 / 602 at 20 / 24 SMs (another call: 553-581 against 607 at 24), and
-# on 8-16 SMs by far more (666-675 against 1108 at 8). Above 24 SMs, where the ring mode's NVLink pushes gain
-# most, it was not measured. Above 4 ranks the output pool, and with it the copy mode, is off unless
-# DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on; there this bound follows the 4-rank measurements.
-COPY_COMBINE_MAX_SMS = 24
 
 # The direct dispatch fans each token out (loaded once, stored into every rank it goes to) on launches of at most
 # this many SMs, where the SMs' loads and stores bound it; on more, where NVLink does, one copy a destination
@@ -155,9 +154,10 @@ def default_dispatch_shape(num_ranks: int, num_sms: int | None = None) -> tuple[
     return shape_from(DISPATCH_SHAPE_TABLE, num_ranks, num_sms)
 
 
-def default_combine_shape(num_ranks: int, num_sms: int | None = None) -> tuple[int, int]:
-    """``(warps, unroll)`` of the combine kernels (both modes) for ``num_ranks`` ranks on ``num_sms`` SMs."""
-    return shape_from(COMBINE_SHAPE_TABLE, num_ranks, num_sms)
+def default_combine_shape(num_ranks: int, num_sms: int | None = None, copy: bool = False) -> tuple[int, int]:
+    """``(warps, unroll)`` of the combine's ring-mode kernel (its copy-mode kernel with ``copy``) for ``num_ranks``
+    ranks on ``num_sms`` SMs."""
+    return shape_from(COPY_COMBINE_SHAPE_TABLE if copy else COMBINE_SHAPE_TABLE, num_ranks, num_sms)
 
 
 # Op codes of cuda_src/intranode/layout.cuh -> names used in error messages.
@@ -214,10 +214,9 @@ def representative_builds() -> list[BuildSpec]:
     for r in (1, 2, 4, 8):
         out.append(notify_spec(r))
         out += [dispatch_spec(r, w, u) for w, u in table_shapes(DISPATCH_SHAPE_TABLE, r)]
-        for w, u in table_shapes(COMBINE_SHAPE_TABLE, r):
-            out.append(combine_spec(r, w, u))
-            if r > 1:
-                out.append(combine_copy_spec(r, w, u))
+        out += [combine_spec(r, w, u) for w, u in table_shapes(COMBINE_SHAPE_TABLE, r)]
+        if r > 1:
+            out += [combine_copy_spec(r, w, u) for w, u in table_shapes(COPY_COMBINE_SHAPE_TABLE, r)]
     return out
 
 
@@ -277,11 +276,11 @@ class IntranodeEngine(EngineHealth):
         use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
             False: always the ring mode with ordinary allocations.
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
-            ops/intranode/copy.py); False: always the ring mode; None (default): up to 2 ranks always, above
-            on handles of at most :data:`COPY_COMBINE_MAX_SMS` SMs (:meth:`copy_combine`).
+            ops/intranode/copy.py); False: always the ring mode; None (default): as True (:meth:`copy_combine`).
         copy_chunk_rows: rows per copy (and per flag) of the copy mode.
-        copy_rounds: rounds in which the copy mode's copies visit the homes (``copy.copy_schedule``; None, the
-            default: ``copy.default_rounds`` for the copy kernel's SM count).
+        copy_rounds: rounds in which the copy mode's copies visit the homes, a count of equal parts of every block
+            or a tuple of their relative sizes (``copy.copy_schedule``; None, the default: ``copy.default_rounds``
+            for the copy kernel's SM count).
         copy_turn_waits: let each turn's first copy wait until the home's previous occupant has landed its rows
             there (``copy.turn_waits``); False: the copies go as soon as the stream reaches them.
         use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
@@ -449,16 +448,21 @@ class IntranodeEngine(EngineHealth):
             return bool(self.use_fan_out)
         return self.num_ranks > 2 or num_sms <= FAN_OUT_MAX_SMS
 
-    def copy_combine(self, handle_sms: int) -> bool:
-        """Whether a combine of a handle made on ``handle_sms`` SMs may take the copy mode: the tuning
-        attribute where set, else up to 2 ranks always and above on at most :data:`COPY_COMBINE_MAX_SMS`."""
+    def copy_combine(self) -> bool:
+        """Whether a combine may take the copy mode: the tuning attribute where set, else always. Since its turns wait for each other and its sums keep 3 loads a lane, the copy
+        mode beat the ring mode at every count measured: 4 x H200, 4096 x 7168, top-8 of 256, BF16, both modes in
+        one process over five passes, 4 ranks 577 / 560 / 556 / 548 us against 627 / 602 / 593 / 588 at 20 / 24 /
+        32 / 48 SMs (666-675 against 1108 at 8 in an earlier call); 3 ranks (three passes) 477 / 445 / 411 / 395
+        against 779 / 543 / 473 / 433 at 8 / 12 / 16 / 24. Above 4 ranks the output pool, and with it the copy
+        mode, is off unless DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on; 8 ranks were not timed."""
         if self.use_copy_combine is not None:
             return bool(self.use_copy_combine)
-        return self.num_ranks <= 2 or handle_sms <= COPY_COMBINE_MAX_SMS
+        return True
 
-    def combine_shape(self, num_sms: int) -> tuple[int, int]:
-        """``(warps, unroll)`` of a combine (either mode) launched on ``num_sms`` SMs (see :meth:`dispatch_shape`)."""
-        warps, unroll = default_combine_shape(self.num_ranks, num_sms)
+    def combine_shape(self, num_sms: int, copy: bool = False) -> tuple[int, int]:
+        """``(warps, unroll)`` of a combine launched on ``num_sms`` SMs, of the copy mode's kernel with ``copy``
+        (see :meth:`dispatch_shape`)."""
+        warps, unroll = default_combine_shape(self.num_ranks, num_sms, copy)
         return _override(self.combine_warps, warps), _override(self.combine_unroll, unroll)
 
     def kernel(self, spec: BuildSpec, name: str):

@@ -244,7 +244,7 @@ class CombinePlan(NormalPlan):
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
         self.copy = None
-        if (engine.copy_combine(2 * self.num_channels) and engine.copy_supported and engine.output_pool is not None
+        if (engine.copy_combine() and engine.copy_supported and engine.output_pool is not None
                 and R > 1):
             # The copy mode's sums have no channels: they may take more SMs than the dispatch that made the
             # handle (a dispatch on few SMs, a combine on the config's count).
