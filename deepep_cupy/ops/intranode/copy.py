@@ -181,8 +181,8 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
 
 def turn_waits(cnt, me: int, rounds, schedule) -> dict[int, tuple[int, int, int]]:
     """Where rank ``me``'s copies wait: ``{index in schedule: (home, source, rows)}``, the first copy of every
-    turn after the first waiting until ``source``, the rank that copied into the same home in the turn before,
-    has landed ``rows`` rows there (its copy flag in the home's control words).
+    turn after the first waiting until ``source``, the rank that last copied rows into the same home in an
+    earlier turn, has landed ``rows`` rows there (its copy flag in the home's control words).
 
     In turn ``g`` (``g = k (R - 1) + i - 1`` for round ``k``, offset ``i``) rank ``p`` copies into ``p + i``, so
     no two ranks share a home while they keep in step. Unsynchronised, a rank that ran ahead started its next turn

@@ -102,7 +102,6 @@ COPY_COMBINE_SHAPE_TABLE = _COMBINE_TWO_RANKS + (
 )
 
 
-
 # The direct dispatch fans each token out (loaded once, stored into every rank it goes to) on launches of at most
 # this many SMs, where the SMs' loads and stores bound it; on more, where NVLink does, one copy a destination
 # kept a few percent ahead. 2 x H200, 4096 x 7168, top-8 of 256, both kinds in one process, results equal bit
@@ -449,12 +448,14 @@ class IntranodeEngine(EngineHealth):
         return self.num_ranks > 2 or num_sms <= FAN_OUT_MAX_SMS
 
     def copy_combine(self) -> bool:
-        """Whether a combine may take the copy mode: the tuning attribute where set, else always. Since its turns wait for each other and its sums keep 3 loads a lane, the copy
-        mode beat the ring mode at every count measured: 4 x H200, 4096 x 7168, top-8 of 256, BF16, both modes in
-        one process over five passes, 4 ranks 577 / 560 / 556 / 548 us against 627 / 602 / 593 / 588 at 20 / 24 /
-        32 / 48 SMs (666-675 against 1108 at 8 in an earlier call); 3 ranks (three passes) 477 / 445 / 411 / 395
-        against 779 / 543 / 473 / 433 at 8 / 12 / 16 / 24. Above 4 ranks the output pool, and with it the copy
-        mode, is off unless DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on; 8 ranks were not timed."""
+        """Whether a combine may take the copy mode: the tuning attribute where set, else always.
+
+        Since its turns wait for each other and its sums keep 3 loads a lane, the copy mode beat the ring mode at
+        every count measured: 4 x H200, 4096 x 7168, top-8 of 256, BF16, both modes in one process over five
+        passes, 4 ranks 577 / 560 / 556 / 548 us against 627 / 602 / 593 / 588 at 20 / 24 / 32 / 48 SMs (666-675
+        against 1108 at 8 in an earlier call); 3 ranks (three passes) 477 / 445 / 411 / 395 against 779 / 543 /
+        473 / 433 at 8 / 12 / 16 / 24. Above 4 ranks the output pool, and with it the copy mode, is off unless
+        DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on; 8 ranks were not timed."""
         if self.use_copy_combine is not None:
             return bool(self.use_copy_combine)
         return True
