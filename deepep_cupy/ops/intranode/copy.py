@@ -47,7 +47,9 @@ DEFAULT_CHUNK_ROWS = 1024
 # part ends the combine sooner. Two calls, one process each, five and seven passes: at 8 SMs parts of 6:3:1
 # against 3 equal rounds -6.4% / -4.4% at 4 ranks and -4.0% at 3 ranks (3:2:1 -3.5% / -2.8%); at 12 SMs 2:1
 # against 2 equal rounds -3.9% / -3.5% at 4 ranks and -3.3% at 3 (3:1 -6.3% at 4 ranks in the second call). On 16
-# and 24 SMs one round stayed the best.
+# and 24 SMs one round stayed the best. A third call (seven passes, 6:3:1 and 2:1 kept): at 8 SMs 6:3:1 631 us
+# against 673 for 3 equal rounds at 4 ranks (8:3:1 and 5:2:1 the same), 470 against 487 at 3 ranks; at 12 SMs 2:1
+# 611 against 630 at 4 ranks and 441 against 445 at 3 (8:3:1 602 and 434, 3:1 613 and 461).
 ROUNDS_BY_SMS = ((8, (6, 3, 1)), (12, (2, 1)))
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
