@@ -124,6 +124,7 @@ def test_rounds_of_unequal_parts():
     assert [CC.part_end(100, k, 3) for k in range(3)] == [33, 66, 100]
     assert [CC.part_end(100, k, (1, 1, 1)) for k in range(3)] == [33, 66, 100]
     assert [CC.part_end(100, k, (5, 3, 2)) for k in range(3)] == [50, 80, 100]
+    assert [CC.part_rows(100, k, (5, 3, 2)) for k in range(3)] == [50, 30, 20]
     assert CC.round_weights(2) == (1, 1) and CC.round_weights([4, 1]) == (4, 1)
     for bad in (0, (), (2, 0)):
         with pytest.raises(ValueError, match="rounds"):
@@ -173,10 +174,6 @@ def _simulate_turns(cnt, rounds):
     return steps
 
 
-def _part_rows(cnt, home, source, k, rounds):
-    return CC.part_end(cnt[home][source], k, rounds) - (CC.part_end(cnt[home][source], k - 1, rounds) if k else 0)
-
-
 def test_turn_waits_follow_the_homes_previous_occupant():
     """Each turn's first copy waits for the rank that last copied into the same home in an earlier turn (the
     turns between put no rows there), for the rows it had copied there by then; with those waits every rank
@@ -196,7 +193,7 @@ def test_turn_waits_follow_the_homes_previous_occupant():
                                  CC.part_end(cnt[home][me], k, rounds)) * (R - 1) + (home - me) % R - 1
                         # The turn waited for: source's, the last before g with rows for this home.
                         prev = next(p for p in range(g - 1, -1, -1)
-                                    if _part_rows(cnt, home, (home - p % (R - 1) - 1) % R, p // (R - 1), rounds))
+                                    if CC.part_rows(cnt[home][(home - p % (R - 1) - 1) % R], p // (R - 1), rounds))
                         assert (source + prev % (R - 1) + 1) % R == home
                         assert rows == CC.part_end(cnt[home][source], prev // (R - 1), rounds)
                 for step in _simulate_turns(cnt, rounds):

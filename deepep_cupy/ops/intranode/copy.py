@@ -31,7 +31,7 @@ from ..plan import launch_args
 from . import layout as L
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
-           "default_rounds", "fits", "home_counts", "part_end", "round_weights", "staging_layout",
+           "default_rounds", "fits", "home_counts", "part_end", "part_rows", "round_weights", "staging_layout",
            "stream_writes_supported", "turn_waits"]
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
@@ -146,6 +146,11 @@ def part_end(rows: int, k: int, rounds) -> int:
     return rows * sum(weights[:k + 1]) // sum(weights)
 
 
+def part_rows(rows: int, k: int, rounds) -> int:
+    """Rows of part ``k`` alone of a home's block of ``rows`` rows (:func:`part_end`)."""
+    return part_end(rows, k, rounds) - (part_end(rows, k - 1, rounds) if k > 0 else 0)
+
+
 def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds=1):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
     row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
@@ -193,13 +198,13 @@ def turn_waits(cnt, me: int, rounds, schedule) -> dict[int, tuple[int, int, int]
     7168, same call). Where the previous turn's rank copies no rows into the home (an empty part), the wait goes
     to the turn before it, and so on; a turn whose occupant before it is ``me`` (two ranks), or that has none,
     waits for nothing."""
-    R = len(cnt)
+    R, weights = len(cnt), round_weights(rounds)
     out, seen = {}, set()
     for idx, (home, kind, _dst, _src, size, done) in enumerate(schedule):
         n = cnt[home][me]
         if kind != "x" or n == 0:
             continue
-        k = next(k for k in range(len(round_weights(rounds))) if done - size < part_end(n, k, rounds))  # its part
+        k = next(k for k in range(len(weights)) if done - size < part_end(n, k, weights))  # the chunk's part
         if (home, k) in seen:
             continue  # not the turn's first copy
         seen.add((home, k))
@@ -209,9 +214,8 @@ def turn_waits(cnt, me: int, rounds, schedule) -> dict[int, tuple[int, int, int]
             source = (home - i_prev - 1) % R
             if source == me:
                 break  # with one home, me itself: the stream keeps that order
-            rows = part_end(cnt[home][source], k_prev, rounds)
-            if rows > (part_end(cnt[home][source], k_prev - 1, rounds) if k_prev > 0 else 0):
-                out[idx] = (home, source, rows)
+            if part_rows(cnt[home][source], k_prev, weights):
+                out[idx] = (home, source, part_end(cnt[home][source], k_prev, weights))
                 break
     return out
 
