@@ -96,6 +96,9 @@ def command_line() -> argparse.ArgumentParser:
                    help="the copy-mode combine's chunk rows (the engine's copy_chunk_rows) as variants, the same way")
     p.add_argument("--copy-turn-waits", default=None, metavar="1,0",
                    help="the copy mode's turn waits on (1) or off (0) as variants, the same way")
+    p.add_argument("--copy-whole-turns", default=None, metavar="1,0",
+                   help="the copy mode's turns before a round's last as one copy a part (1) or in chunks (0) as "
+                        "variants, the same way")
     p.add_argument("--copy-combine", choices=("on", "off", "both"), default=None,
                    help="the combine's copy mode where it can run, or the ring mode always, or both as variants (the "
                         "copy mode first; default: the engine's choice by rank and SM count); the mode column says "
@@ -124,14 +127,15 @@ def rounds_value(text: str):
 
 
 def copy_variants(shapes, default: tuple[int, int], args) -> tuple[tuple[str, ...], list, tuple]:
-    """Combine variants: every shape with every ``--copy-rounds``, ``--copy-chunks`` and ``--copy-turn-waits``
-    value and, with ``--copy-combine both``, in either mode (the engine's copy_rounds, copy_chunk_rows,
-    copy_turn_waits, use_copy_combine), the first values the reference: ``(engine attribute names, variants,
-    default)``."""
+    """Combine variants: every shape with every ``--copy-rounds``, ``--copy-chunks``, ``--copy-turn-waits`` and
+    ``--copy-whole-turns`` value and, with ``--copy-combine both``, in either mode (the engine's copy_rounds,
+    copy_chunk_rows, copy_turn_waits, copy_whole_turns, use_copy_combine), the first values the reference:
+    ``(engine attribute names, variants, default)``."""
     names, variants, ref = ("combine_warps", "combine_unroll"), list(shapes), default
     both = "1,0" if args.copy_combine == "both" else None
     for name, text, kind in (("copy_rounds", args.copy_rounds, rounds_value), ("copy_chunk_rows", args.copy_chunks, int),
                              ("copy_turn_waits", args.copy_turn_waits, lambda v: bool(int(v))),
+                             ("copy_whole_turns", args.copy_whole_turns, lambda v: bool(int(v))),
                              ("use_copy_combine", both, lambda v: bool(int(v)))):
         if text is None:
             continue
@@ -147,6 +151,7 @@ def _shape(r: dict) -> str:
     labels = {"copy_rounds": lambda v: f" {':'.join(map(str, v))} parts" if isinstance(v, tuple) else f" {v} rounds",
               "copy_chunk_rows": lambda v: f" {v} rows",
               "copy_turn_waits": lambda v: " waits" if v else " no waits",
+              "copy_whole_turns": lambda v: " whole" if v else " chunked",
               "use_copy_combine": lambda v: " copy" if v else " ring"}
     if any(k in r for k in labels):
         items = "".join(label(r[k]) for k, label in labels.items() if k in r)
@@ -301,6 +306,7 @@ class Sweep:
 
     def run(self, op: str, num_sms: int, fn, names, shapes, default, time_op, timing) -> list[dict]:
         rows, variants, ref = [], [], None
+        saved = tuple(getattr(self.engine, name) for name in names)
         for shape in shapes:
             row = {"op": op, "num_sms": num_sms, "warps": shape[0], "unroll": shape[1], "default": shape == default}
             for name, value in zip(names[2:], shape[2:], strict=True):
@@ -341,7 +347,7 @@ class Sweep:
         for row, _ in variants:
             if row.get("rounds_us") and "error" not in row:
                 row["us"] = round(statistics.median(row["rounds_us"]), 2)
-        self._use(names, (None,) * len(names))
+        self._use(names, saved)  # the engine's own values again (None for the shapes: the tables' choice)
         return rows
 
 

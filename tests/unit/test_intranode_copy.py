@@ -17,7 +17,7 @@ from deepep_cupy.reference import normal
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
 
 
-def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1):
+def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1, whole_turns=True):
     """Every rank runs its copy schedule into byte arrays standing for the homes' staging areas (poisoned
     first), counting the chunks each flag reports; then every home sums as the kernel does, reading only rows
     whose chunk the flag covers."""
@@ -31,7 +31,7 @@ def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1):
     for p in range(R):
         np.testing.assert_array_equal(handles[p][0], counts)  # every rank has the same matrix
         last = {}
-        for h, kind, dst, src, n, done in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows, rounds):
+        for h, kind, dst, src, n, done in CC.copy_schedule(cnt, p, row_bytes, K, chunk_rows, rounds, whole_turns):
             data = (ys[p] if kind == "x" else ws[p])[src:src + n].tobytes()
             assert dst + len(data) <= used[h] and src + n <= ys[p].shape[0]
             staging[h][dst:dst + len(data)] = np.frombuffer(data, np.uint8)
@@ -68,17 +68,18 @@ def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1):
     return outs, out_ws
 
 
+@pytest.mark.parametrize("whole_turns", [True, False])
 @pytest.mark.parametrize("rounds", [1, 3, (5, 3, 2)])
 @pytest.mark.parametrize("R,C,n_tokens,chunk_rows", [(2, 3, 37, 4), (3, 2, 0, 1), (4, 5, 23, 3), (2, 12, 1, 512),
                                                      (8, 4, 50, 7), (2, 1, 100, 16)])
-def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows, rounds):
+def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows, rounds, whole_turns):
     rng = np.random.default_rng(R * 10 + chunk_rows)
     xs, in_ranks, topks, per_experts = model_inputs(rng, R, n_tokens, skew=True, H=8)
     refs = reference_dispatch(xs, in_ranks, topks, per_experts, C)
     handles = [refs[me][5] for me in range(R)]
     ys = [rng.standard_normal(refs[me][0].shape).astype(np.float32) for me in range(R)]
     ws = [rng.standard_normal((refs[me][0].shape[0], 3)).astype(np.float32) for me in range(R)]
-    combined, combined_w = _model_copy_combine(ys, ws, handles, chunk_rows, rounds)
+    combined, combined_w = _model_copy_combine(ys, ws, handles, chunk_rows, rounds, whole_turns)
 
     def ref_combine(group):
         me = group.rank
@@ -106,10 +107,14 @@ def test_staging_layout_and_fit():
     assert sched == [(1, "w", 256 + 4 * 8, 0, 4, 0), (1, "x", 4 * 32, 0, 2, 2), (1, "x", 6 * 32, 2, 2, 4)]
     # Rank 1 sends 3 rows to home 2 (x rows 7-9, chunks 1 + 2) and 7 to home 0 (x rows 0-6, chunks 1, 1, 2, 1,
     # 1, 1): home 2 (= 1 + 1) first, then home 0, each home's chunks in order.
-    sched = CC.copy_schedule(cnt, 1, 32, 0, 2)
+    sched = CC.copy_schedule(cnt, 1, 32, 0, 2, whole_turns=False)
     assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 1), (2, 3), (0, 1), (0, 2), (0, 4), (0, 5), (0, 6),
                                                                (0, 7)]
     assert [src for h, kind, _, src, _, _ in sched] == [7, 8, 0, 1, 2, 4, 5, 6]
+    # By default only the last turn (home 0 = 1 - 1) goes in chunks; home 2's rows are one copy.
+    sched = CC.copy_schedule(cnt, 1, 32, 0, 2)
+    assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 3), (0, 1), (0, 2), (0, 4), (0, 5), (0, 6), (0, 7)]
+    assert [src for h, kind, _, src, _, _ in sched] == [7, 0, 1, 2, 4, 5, 6]
     # Two rounds: the first part of every block (home 2: 1 row; home 0: 3 rows, chunks 1 + 2), then the second.
     sched = CC.copy_schedule(cnt, 1, 32, 0, 2, rounds=2)
     assert [(h, done) for h, kind, _, _, _, done in sched] == [(2, 1), (0, 1), (0, 3), (2, 3), (0, 5), (0, 7)]
@@ -215,6 +220,28 @@ def test_homes_take_turns_in_a_permutation():
         for k in range(rounds * (R - 1)):
             assert sorted(t[k] for t in turns) == list(range(R))
             assert all(t[k] == (me + 1 + k % (R - 1)) % R for me, t in enumerate(turns))
+
+
+def test_only_each_rounds_last_turn_goes_in_chunks():
+    """Every part is one copy in a round's turns before its last (into home ``me - 1``), and in chunks in that
+    turn; with ``whole_turns`` off every turn goes in chunks. Either way each home gets its block once."""
+    R, rows = 4, 3670
+    cnt = [[rows + h - q if q != h else 0 for q in range(R)] for h in range(R)]
+    for rounds in (1, (6, 3, 1), 2):
+        for me in range(R):
+            last = (me - 1) % R
+            for whole in (True, False):
+                sched = [c for c in CC.copy_schedule(cnt, me, 16, 0, 1024, rounds, whole) if c[1] == "x"]
+                for h in range(R):
+                    if h == me:
+                        continue
+                    sizes = [n for home, _, _, _, n, _ in sched if home == h]
+                    parts = [CC.part_rows(cnt[h][me], k, rounds) for k in range(len(CC.round_weights(rounds)))]
+                    assert sum(sizes) == cnt[h][me]
+                    if h == last or not whole:
+                        assert sizes == [n for p in parts for n in CC.chunk_sizes(p, 1024)]
+                    else:
+                        assert sizes == parts
 
 
 def test_chunk_sizes_taper_at_both_ends():

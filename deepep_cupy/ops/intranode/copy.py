@@ -151,18 +151,26 @@ def part_rows(rows: int, k: int, rounds) -> int:
     return part_end(rows, k, rounds) - (part_end(rows, k - 1, rounds) if k > 0 else 0)
 
 
-def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds=1):
+def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: int, rounds=1,
+                  whole_turns: bool = True):
     """What rank ``me`` copies, in issue order: ``[(home, kind, dst byte offset in home's staging area, src
     row of x, rows, rows of the block copied once this one lands)]`` with ``kind`` "w" (the block's top-k
     weights, all at once, first) or "x" (a chunk of rows, followed by its flag).
 
     Each home's block is cut into ``rounds`` parts of about equal rows, or of the relative sizes ``rounds`` gives
-    (:func:`round_weights`), each part in chunks (``chunk_sizes``);
+    (:func:`round_weights`);
     in every round the homes take their turns in the order ``me + 1, me + 2, ...``, so at each turn every rank
     copies into a different home. Fewer rounds keep a copy engine on one destination longer: it moves about
     360 GB/s out of a GPU when consecutive copies keep one destination and about 230 GB/s when they alternate
     between three (4 x H200, chunks of 1024 rows). More rounds let every home's sums start earlier: a token is
-    summed once the parts holding its rows from every source have landed."""
+    summed once the parts holding its rows from every source have landed.
+
+    A part goes in chunks (``chunk_sizes``) in the round's last turn only, or in every turn when ``whole_turns``
+    is False; in the earlier turns it is one copy. A home's sums wait for the part of the round's last turn
+    anyway (at 4 ranks 90% of the tokens have a row from every source), so only that part's flags let them
+    start sooner, and every copy costs the engine time of its own: 4 ranks copying blocks of 3670 rows x 14336
+    bytes into their 3 peers in turns (4 x H200, no sums) took 424 us as whole blocks and 489-492 us in chunks
+    of 1024 rows (+ their flags 496-548)."""
     num_rounds = len(round_weights(rounds))
     R = len(cnt)
     homes = [(me + i) % R for i in range(1, R)]
@@ -176,7 +184,8 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
         parts[h], done = [], 0
         for k in range(num_rounds):
             part, end = [], part_end(n, k, rounds)
-            for size in chunk_sizes(end - done, chunk_rows):
+            chunked = h == homes[-1] or not whole_turns
+            for size in chunk_sizes(end - done, chunk_rows) if chunked else [end - done] * (end > done):
                 part.append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
                 done += size
             parts[h].append(part)
@@ -253,6 +262,7 @@ class CopyCombine:
         self.rounds = round_weights(default_rounds(engine.num_ranks, num_sms) if engine.copy_rounds is None
                                     else engine.copy_rounds)
         self.gated = bool(engine.copy_turn_waits)
+        self.whole_turns = bool(engine.copy_whole_turns)
         if self.chunk_rows <= 0:
             raise ValueError(f"copy_chunk_rows must be positive, got {self.chunk_rows}")
         pool = engine.output_pool
@@ -291,7 +301,8 @@ class CopyCombine:
         me = self.engine.rank
         prepared = None
         if fits(cnt, self.hidden_bytes, self.num_topk, self.staging_bytes):
-            schedule = copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows, self.rounds)
+            schedule = copy_schedule(cnt, me, self.hidden_bytes, self.num_topk, self.chunk_rows, self.rounds,
+                                     self.whole_turns)
             R = len(cnt)
             waits = {} if not self.gated else {
                 i: (self._peer_ptrs[home] + L.copy_flag_offset(R, source), rows)

@@ -276,12 +276,14 @@ class IntranodeEngine(EngineHealth):
             False: always the ring mode with ordinary allocations.
         use_copy_combine: let a combine send rows home with the copy engines when it can (the copy mode,
             ops/intranode/copy.py); False: always the ring mode; None (default): as True (:meth:`copy_combine`).
-        copy_chunk_rows: rows per copy (and per flag) of the copy mode.
+        copy_chunk_rows: rows per copy (and per flag) of the copy mode's chunked turns.
         copy_rounds: rounds in which the copy mode's copies visit the homes, a count of equal parts of every block
             or a tuple of their relative sizes (``copy.copy_schedule``; None, the default: ``copy.default_rounds``
             for the copy kernel's SM count).
         copy_turn_waits: let each turn's first copy wait until the home's previous occupant has landed its rows
             there (``copy.turn_waits``); False: the copies go as soon as the stream reaches them.
+        copy_whole_turns: copy each part whole in the turns before a round's last (``copy.copy_schedule``);
+            False: in chunks in every turn.
         use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
             (ops/own_rows.py); False: the SMs copy them; None (default): at few SMs
             (``own_rows.wanted``).
@@ -303,7 +305,7 @@ class IntranodeEngine(EngineHealth):
     #: Attributes plans are built from: changing one drops the plans made with the old value.
     TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
               "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows",
-              "copy_rounds", "copy_turn_waits", "use_own_row_copies", "use_fan_out")
+              "copy_rounds", "copy_turn_waits", "copy_whole_turns", "use_own_row_copies", "use_fan_out")
 
     def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False,
                  num_output_bytes: int | None = None) -> None:
@@ -332,6 +334,7 @@ class IntranodeEngine(EngineHealth):
         self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
         self.copy_rounds: int | None = None
         self.copy_turn_waits = True
+        self.copy_whole_turns = True
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         # Tests turn it on at any size.
         self.use_own_row_copies: bool | None = None
