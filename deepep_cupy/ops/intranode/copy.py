@@ -36,7 +36,8 @@ __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes"
 
 ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
 # 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
-# 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call).
+# 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call). With the earlier
+# turns whole, 2048 rows took 1-2% longer at 4 ranks on 8 / 12 / 24 SMs.
 DEFAULT_CHUNK_ROWS = 1024
 # Rounds of turns (copy_schedule) by the copy kernel's SM count, ``(most SMs, rounds)`` with rounds a count of equal
 # parts or their relative sizes, the first row that covers a launch wins; 1 above them. 4 x H200, 4 ranks, 4096 x
@@ -49,7 +50,9 @@ DEFAULT_CHUNK_ROWS = 1024
 # against 2 equal rounds -3.9% / -3.5% at 4 ranks and -3.3% at 3 (3:1 -6.3% at 4 ranks in the second call). On 16
 # and 24 SMs one round stayed the best. A third call (seven passes, 6:3:1 and 2:1 kept): at 8 SMs 6:3:1 631 us
 # against 673 for 3 equal rounds at 4 ranks (8:3:1 and 5:2:1 the same), 470 against 487 at 3 ranks; at 12 SMs 2:1
-# 611 against 630 at 4 ranks and 441 against 445 at 3 (8:3:1 602 and 434, 3:1 613 and 461).
+# 611 against 630 at 4 ranks and 441 against 445 at 3 (8:3:1 602 and 434, 3:1 613 and 461). With the earlier turns
+# whole (copy_schedule), seven passes, 4 ranks: 6:3:1 636 us at 8 SMs (3:1 642, 2:1 651, 1 round 726), 2:1 615 at
+# 12 (1 round 638), one round 595 / 558 at 16 / 24 (2:1 597 / 576); 3 ranks the same order.
 ROUNDS_BY_SMS = ((8, (6, 3, 1)), (12, (2, 1)))
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
