@@ -1,14 +1,15 @@
 """Channels per block and ring sizes of the internode kernels at a few SM counts: every setting timed and checked.
 
     mpirun -np 2 -x DEEPEP_CUPY_NVL_RANKS=1 python tools/internode_sweep.py --num-sms 8,12,24 \\
-        --sub-channels 2,4,8,12,16 --rdma-recv 128,256 --rdma-send 8,16 --sms-own-rows
+        --sub-channels 2,4,8,12,16 --rdma-recv 128,256 --rdma-send 8,16 --copied-own-rows
 
 A setting is (SMs, sub_channels, RDMA ring, RDMA chunk, own rows): ``sub_channels`` is the engine's tuning attribute
 (channels a block runs; a compile-time parameter), the rings are the Config the ops get
 (``num_max_rdma_chunked_recv_tokens`` per SM pair, split between the block's channels, and
-``num_max_rdma_chunked_send_tokens``, the publish chunk), own rows by the copy engines where the engine's default
-lets them (the "own" column says "ce" where they moved any, "sm" where the SMs copied all) or by the SMs (the
-engine's ``use_own_row_copies = False``; ``--sms-own-rows`` adds that setting at each SM count); with domains of
+``num_max_rdma_chunked_send_tokens``, the publish chunk), own rows by the kernel (the engine's default; the
+"own" column says "sm" where the SMs copied all) or by device-to-device copies (``use_own_row_copies = True``,
+"cp" where they moved any; ``--copied-own-rows`` adds that setting at each SM count; ops/own_rows.py says why
+they are off by default: the driver runs them on SMs outside the launch's count); with domains of
 more than one rank the column says "pl" where every rank's outputs lay in its output pool (rows in place) and
 "rg" where some went through the NVLink rings (``--ring-rows`` adds the setting with ``use_output_pool = False``),
 the rest of the Config as the bench's (``Config(num_sms, 8, 512, 16, 128)``, which is also the reference
@@ -62,8 +63,9 @@ def command_line() -> argparse.ArgumentParser:
                    help="Config.num_max_rdma_chunked_recv_tokens (RDMA ring slots per SM pair)")
     p.add_argument("--rdma-send", type=int_list, default=(16,), metavar="N[,N...]",
                    help="Config.num_max_rdma_chunked_send_tokens (slots per publish, at most half a ring)")
-    p.add_argument("--sms-own-rows", action="store_true",
-                   help="also time the reference setting with the own rows copied by the SMs (one rank a domain)")
+    p.add_argument("--copied-own-rows", action="store_true",
+                   help="also time the reference setting with the own rows moved by device-to-device copies (one "
+                        "rank a domain)")
     p.add_argument("--ring-rows", action="store_true",
                    help="also time the reference setting with every row through the NVLink rings (domains of more "
                         "than one rank: the engine's use_output_pool = False)")
@@ -102,7 +104,7 @@ def workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings(args, lsize: int, ndom: int) -> list[tuple]:
     """``(sms, sub or None, rdma_recv, rdma_send, own_row_copies, output_pool)``, the reference setting first at
-    each SM count (``own_row_copies`` None: the engine's default; False: the SMs copy the own rows;
+    each SM count (``own_row_copies`` None: the engine's default, the SMs copy the own rows; True: copies;
     ``output_pool`` False: outputs outside the pool, so rows go through the NVLink rings)."""
     from deepep_cupy.ops.internode import layout as IL
 
@@ -112,8 +114,8 @@ def settings(args, lsize: int, ndom: int) -> list[tuple]:
         default = IL.sub_channels(lsize, ndom, sms)  # the default at this SM count
         subs = args.sub_channels or tuple(sorted({min(2, top), min(4, top), default, top}))
         out.append((sms, None, BENCH_CONFIG[3], BENCH_CONFIG[2], None, True))
-        if args.sms_own_rows and lsize == 1:
-            out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], False, True))
+        if args.copied_own_rows and lsize == 1:
+            out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], True, True))
         if args.ring_rows and lsize > 1:
             out.append((sms, default, BENCH_CONFIG[3], BENCH_CONFIG[2], None, False))
         for sub, recv, send in itertools.product(subs, args.rdma_recv, args.rdma_send):
@@ -256,7 +258,7 @@ def main() -> int:
             # The copy engines moved own rows in this setting (one rank a domain), or the outputs lay in the
             # output pool, so the forwarders wrote rows in place (more).
             if lsize == 1:
-                mode = "ce" if engine.own_copies > copies else "sm"
+                mode = "cp" if engine.own_copies > copies else "sm"
             else:
                 # Every rank's outputs in its pool in some of the setting's dispatches (a full pool falls back).
                 everywhere = comm.allreduce(int(engine.pool_dispatches > placed), op=MPI.MIN)

@@ -86,8 +86,8 @@ def command_line() -> argparse.ArgumentParser:
                    help="the direct dispatch's items: each token fanned out to all its ranks, one copy a destination, "
                         "or both as variants of every shape (default: the engine's choice by SM count)")
     p.add_argument("--own-rows", choices=("on", "off"), default=None,
-                   help="the cached dispatches' own rows through the copy engines, or on the SMs (default: the "
-                        "engine's choice); the mode column says +own where they were")
+                   help="the cached dispatches' own rows by device-to-device copies (ops/own_rows.py), or on the "
+                        "SMs (default: the engine's choice, the SMs); the mode column says +own where copies moved them")
     p.add_argument("--copy-rounds", default=None, metavar="N[,N...]",
                    help="the copy-mode combine's rounds of turns (the engine's copy_rounds; 5:3:2, three rounds of "
                         "those relative sizes) as variants of every "

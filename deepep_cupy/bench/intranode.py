@@ -208,10 +208,13 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
     def dispatch_defaults_us(data, data_scales, ring=False, own_copies=None):
         _restore_defaults(engine)
         engine.use_output_pool = not ring
+        used = handle
         if own_copies is not None:
             engine.use_own_row_copies = own_copies
+            if own_copies:  # a handle whose dispatch read this rank's column back, as the copies need
+                used = dispatch_full()[5]
         return timed(lambda: direct_dispatch(engine,
-            data, data_scales, handle=handle, num_tokens_per_rank=None, is_token_in_rank=None,
+            data, data_scales, handle=used, num_tokens_per_rank=None, is_token_in_rank=None,
             num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
             num_worst_tokens=0, config=dcfg, stream=stream))
 
@@ -265,9 +268,10 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
 
     def add_ring_rows():
         """The ring mode at the defaults, same run (the dispatch's mode when there is no output pool); and
-        BF16 with the own rows copied by the SMs instead of the copy engines."""
-        rows.append(row("intranode dispatch BF16 (cached, own rows on SMs)",
-                        dispatch_defaults_us(x_bf16, None, own_copies=False), bf16_bytes, num_sms, best="defaults"))
+        BF16 with the own rows moved by device-to-device copies (own_rows.py: the driver's copy kernel, on SMs
+        beyond the launch's) instead of the kernel's SMs."""
+        rows.append(row("intranode dispatch BF16 (cached, own rows by device copies)",
+                        dispatch_defaults_us(x_bf16, None, own_copies=True), bf16_bytes, num_sms, best="defaults"))
         if engine.output_pool is None:
             return
         for data, data_scales, nbytes, name in ((x_bf16, None, bf16_bytes, "intranode dispatch BF16 (cached)"),

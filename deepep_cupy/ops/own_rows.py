@@ -1,21 +1,22 @@
-"""Own rows of a dispatch through the copy engines (intranode, and internode with one rank a domain).
+"""Own rows of a dispatch by plain device-to-device copies (intranode, and internode with one rank a domain),
+off unless the engine's ``use_own_row_copies`` asks for them.
 
 The rows a rank keeps for itself (its tokens routed to its own experts) form one block of ``recv_x`` (rows
 from ``own_first_row`` on: intranode ``rank_prefix_matrix[me - 1][me]``, internode entry 6 of source ``me -
 1``), filled from a few runs of consecutive tokens of ``x``: with 2 ranks almost every token goes to both,
-so 4096 tokens make ~13 runs. A side stream copies those runs with plain device-to-device copies while the
-kernel's SMs move the peers' rows; the kernel (``own_rows_copied``) then leaves the own rows' data out and
-still stores their scales (the copy engines cannot transpose them).
+so 4096 tokens make ~13 runs. A side stream copies those runs while the kernel moves the peers' rows; the
+kernel (``own_rows_copied``) then leaves the own rows' data out and still stores their scales.
 
-Intranode, when: the SMs' copy rate bounds the dispatch when it has few SMs, and the copy engines then take
-half its bytes off them. 2 x H200, 4096 x 7168, top-8 of 256, 2 ranks, one run, SMs copying own rows against copy
-engines (each at its best block shape): BF16 337 against 214 us at 8 SMs, 238 against 209 at 12, 198 against
-200 at 16, 211 against 197 at 24; FP8 with column-major scales 208 against 147 at 8 SMs, 150 against 117 at
-12, 114 against 122 at 16, 121 against 125 at 24. Each run is a copy command of a few microseconds of host
-time, which a saving of 30-120 us of GPU time repays; a saving of nothing at 16 SMs and more does not. So
-the copy engines take own rows at up to :data:`MAX_SMS` SMs, at up to :data:`MAX_RANKS` ranks (the output
-pool's default, and the only rank count measured); ``IntranodeEngine.use_own_row_copies`` decides otherwise.
-The internode policy is ``InternodeEngine.own_row_copies``.
+Why off by default: a copy within one GPU is not a copy-engine copy. The driver runs it as a kernel of its own,
+on SMs the dispatch's launch did not count. On one H200 (``cudaMemcpyAsync`` of 58.7 MB): 37-40 us alone, and
+queued beside a kernel holding every SM for 420 us it ended only after that kernel (448 us), where a copy of the
+same bytes to a peer GPU (copy engines) ended inside it (180 us); ``cuMemcpyBatchAsync`` with
+``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`` behaved the same. So with these copies a dispatch on N SMs holds
+more than N, and beside a GEMM that holds the rest it waits for them: what a few-SM config is for. Where the
+other SMs are idle they pay (2 x H200, 4096 x 7168, top-8 of 256, 2 ranks, one run, own rows by the kernel
+against these copies, each at its best block shape): BF16 337 against 214 us at 8 SMs, 238 against 209 at 12,
+198 against 200 at 16, 211 against 197 at 24; FP8 with column-major scales 208 against 147 at 8 SMs, 150
+against 117 at 12. Each run is a copy command of several microseconds of host time.
 
 Queuing the runs as one ``cuMemcpyBatchAsync`` took as much host time as the copies one by one (about 100 us
 for 14 runs on 2 x H200), so they go one by one.
@@ -31,23 +32,13 @@ import numpy as np
 
 from ..device.streams import create_events, destroy_events
 
-__all__ = ["MAX_RANKS", "MAX_SMS", "MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs", "wanted"]
+__all__ = ["MAX_RUNS", "MIN_ROWS", "OwnRowCopies", "own_runs"]
 
-#: Intranode: cached dispatches launched on at most this many SMs, of at most this many ranks, copy own rows with
-#: the copy engines.
-MAX_SMS = 12
-MAX_RANKS = 2
-#: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of engine time).
+#: Fewer own rows than this stay on the SMs (a copy costs host time and a few microseconds of GPU time).
 MIN_ROWS = 1024
 #: More runs than this stay on the SMs (each run is a copy to issue).
 MAX_RUNS = 64
 _MEMCPY_DEFAULT = 4
-
-
-def wanted(num_ranks: int, num_sms: int) -> bool:
-    """Whether a cached intranode dispatch of ``num_ranks`` ranks launched on ``num_sms`` SMs copies its own rows
-    with the copy engines by default."""
-    return num_ranks <= MAX_RANKS and num_sms <= MAX_SMS
 
 
 def own_runs(own_tokens: np.ndarray) -> list[tuple[int, int]]:

@@ -121,7 +121,7 @@ class NormalPlan:
     own = None
 
     def _own_rows(self, handle, num_rows: int):
-        """``own.runs`` of ``handle`` when this call's own rows go through the copy engines: the plan takes
+        """``own.runs`` of ``handle`` when this call's own rows go through device copies: the plan takes
         them, and the stream is not being captured (a graph keeps the kernel's own copies)."""
         if self.own is None or self._capture_status(self.comm_stream):
             return None

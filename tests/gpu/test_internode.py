@@ -401,11 +401,12 @@ def test_default_blocks_on_few_sms(env, monkeypatch, num_sms):
 
 
 @pytest.mark.parametrize("copies", [True, False])
-def test_own_rows_through_the_copy_engines(env, copies):
-    """With one rank a domain the copy engines move this rank's own rows (ops/own_rows.py) in a dispatch that
-    waits for its counts and in the cached one with its handle, while the sender warps write the rest of those
-    rows' outputs; or the sender warps move them too. Rows as few as one go to the copy engines here, so the
-    small shapes take them (BF16 and FP8, both scale layouts); the results are the reference's either way."""
+def test_own_rows_by_device_copies(env, copies):
+    """With one rank a domain, asked to, device-to-device copies move this rank's own rows (ops/own_rows.py) in
+    a dispatch that waits for its counts and in the cached one with its handle, while the sender warps write the
+    rest of those rows' outputs; or the sender warps move them too (the default). Rows as few as one go to the
+    copies here, so the small shapes take them (BF16 and FP8, both scale layouts); the results are the
+    reference's either way."""
     from deepep_cupy.ops.own_rows import MIN_ROWS
 
     engine = env["buf"].runtime.internode

@@ -144,10 +144,10 @@ def _round(env, fw, rng, *, n, hidden, num_experts, k, fp8=False, column_major=F
 
     if cached:
         own_copies = None
-        if in_pool is not None:  # the cached dispatch's own rows: copy engines or SMs (own_rows.py)
+        if in_pool is not None:  # the cached dispatch's own rows: copies or the kernel (own_rows.py)
             engine = env["buf"].runtime.intranode
             runs = own_runs(r_in[:, me])
-            own_copies = (engine.own_row_copies(cfg.num_sms) and not worst_rows and len(runs) <= OWN_MAX_RUNS
+            own_copies = (engine.own_row_copies() and not worst_rows and len(runs) <= OWN_MAX_RUNS
                           and sum(b - a for a, b in runs) >= engine.own_copy_min_rows)
         cached_dispatch_round(env, fw, rng, handle=handle, ref_handle=refs[5], n=n, hidden=hidden, fp8=fp8,
                               column_major=column_major, align=align, num_recv=num_recv, cfg=cfg,
@@ -195,7 +195,7 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
     direct = mode != "ring"
     engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = direct
     engine.use_fan_out = mode == "fan-out"
-    engine.own_copy_min_rows = 1  # small shapes too: own rows by the copy engines in the pool, SMs in the rings
+    engine.own_copy_min_rows = 1  # small shapes too: own rows by copies in the pool, the kernel in the rings
     try:
         for _ in range(2):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=direct, **extra)

@@ -1,4 +1,4 @@
-"""Own rows of a dispatch through the copy engines (deepep_cupy/ops/own_rows.py): the runs of x, where they land
+"""Own rows of a dispatch by device-to-device copies (deepep_cupy/ops/own_rows.py): the runs of x, where they land
 in recv_x, and when the SMs keep the own rows (intranode and internode policies); on the CPU."""
 
 from __future__ import annotations
@@ -68,28 +68,28 @@ def test_runs_are_kept_on_the_handle():
     assert _copies(1, min_rows=8).runs(handle, 100) == first
 
 
-def test_copy_engines_take_own_rows_at_few_sms_and_two_ranks():
+def test_own_row_copies_only_when_asked():
+    """The copies run on SMs outside the launch's count (own_rows.py), so neither engine makes them unless its
+    ``use_own_row_copies`` asks; the internode one only with one rank a domain."""
     from deepep_cupy.ops.intranode.engine import IntranodeEngine
 
-    assert own.wanted(2, 8) and own.wanted(2, own.MAX_SMS) and own.wanted(1, 4)
-    assert not own.wanted(2, own.MAX_SMS + 1) and not own.wanted(4, 8)
     engine = object.__new__(IntranodeEngine)
     engine.__dict__.update(num_ranks=2, use_own_row_copies=None)
-    assert engine.own_row_copies(8) and not engine.own_row_copies(24)
-    engine.__dict__["use_own_row_copies"] = True  # the tuning attribute decides where set
-    assert engine.own_row_copies(24)
+    assert not engine.own_row_copies()
+    engine.__dict__["use_own_row_copies"] = True
+    assert engine.own_row_copies()
     engine.__dict__["use_own_row_copies"] = False
-    assert not engine.own_row_copies(8)
+    assert not engine.own_row_copies()
 
 
-def test_internode_copy_engines_take_own_rows_with_one_rank_a_domain():
+def test_internode_own_row_copies_with_one_rank_a_domain_when_asked():
     from deepep_cupy.ops.internode.engine import InternodeEngine
 
     engine = object.__new__(InternodeEngine)
     engine.__dict__.update(num_nvl_ranks=1, use_own_row_copies=None)
-    assert engine.own_row_copies()
-    engine.__dict__["use_own_row_copies"] = False
     assert not engine.own_row_copies()
+    engine.__dict__["use_own_row_copies"] = True
+    assert engine.own_row_copies()
     engine.__dict__.update(num_nvl_ranks=2, use_own_row_copies=True)  # own rows cross the NVLink forwarder
     assert not engine.own_row_copies()
 

@@ -262,10 +262,11 @@ class InternodeEngine(EngineHealth):
             A dispatch without handle makes ``num_sms / 2 * sub_channels`` channels; the config's rings per
             SM pair are split between them (``ring_sizes``).
             A handle keeps its channel count whatever the value later.
-        use_own_row_copies: with one rank per domain, let a dispatch copy this rank's own rows with the copy
-            engines (ops/own_rows.py) where it knows them (a dispatch that waited for its counts, or a cached
-            one with such a dispatch's handle; not while the stream is being captured); False: the sender
-            warps copy them; None (default): always where it can (:meth:`own_row_copies`).
+        use_own_row_copies: with one rank per domain, let a dispatch copy this rank's own rows with
+            device-to-device copies (ops/own_rows.py; the driver runs them on SMs outside the launch's count)
+            where it knows them (a dispatch that waited for its counts, or a cached one with such a dispatch's
+            handle; not while the stream is being captured); None or False (default): the sender warps copy
+            them (:meth:`own_row_copies`).
         own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
         use_output_pool: with domains of more than one rank and an output pool, allocate a dispatch's outputs
             from the pool when they fit, so the forwarders write the rows in place (dispatch_forward.cuh).
@@ -281,16 +282,14 @@ class InternodeEngine(EngineHealth):
     TUNING = ("timeout_s", "sub_channels", "use_own_row_copies", "use_output_pool")
 
     def own_row_copies(self) -> bool:
-        """Whether a dispatch's own rows may go through the copy engines: only with one rank per domain (the
-        sender warps write them straight into the outputs, ``send_own`` in dispatch.cu; with more, they cross
-        the NVLink forwarder like everyone's). Those warps share the SM with the warps that push the rows for
-        the other domains: with 2 domains the SM that sends moved twice the bytes of the one that receives,
-        and the copy engines took 12-29% off the dispatch at 24-8 SMs (docs/design/internode_measurements.md). With 4
-        domains a rank's own tokens of DeepEP's routing make more than ``own_rows.MAX_RUNS`` runs, so the SMs
-        keep them (the same times either way there)."""
-        if self.num_nvl_ranks != 1:
-            return False
-        return True if self.use_own_row_copies is None else bool(self.use_own_row_copies)
+        """Whether a dispatch's own rows go through device-to-device copies (ops/own_rows.py): only when
+        ``use_own_row_copies`` asks, and only with one rank per domain (the sender warps write them straight
+        into the outputs, ``send_own`` in dispatch.cu; with more, they cross the NVLink forwarder like
+        everyone's). Those warps share the SM with the warps that push the rows for the other domains: with 2
+        domains the copies took 12-29% off the dispatch at 24-8 SMs (docs/design/internode_measurements.md), but
+        the driver runs them on SMs outside the launch's count, so they are off by default. With 4 domains a
+        rank's own tokens of DeepEP's routing make more than ``own_rows.MAX_RUNS`` runs, so the SMs keep them."""
+        return self.num_nvl_ranks == 1 and bool(self.use_own_row_copies)
 
     def copy_stream(self, index: int) -> int:
         """The side stream of the own-row copies (``index`` 0)."""
@@ -320,7 +319,7 @@ class InternodeEngine(EngineHealth):
         self.sub_channels: int | None = None
         self.use_own_row_copies: bool | None = None
         self.own_copy_min_rows = OWN_MIN_ROWS
-        self.own_copies = 0  # dispatches whose own rows the copy engines moved
+        self.own_copies = 0  # dispatches whose own rows device copies moved
         self.use_output_pool = True
         self.output_pool = None
         self.pool_dispatches = 0  # dispatches whose outputs lay in the output pool

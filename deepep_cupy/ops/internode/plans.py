@@ -98,7 +98,7 @@ class DispatchPlan(NormalPlan):
             pool_bases=pool.bases.data.ptr if pool is not None else 0)
         self.plan = LaunchPlan(kernel, grid, block_threads(L, D, sub), launch_args(named))
         self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
-        # With one rank a domain the copy engines may move this rank's own rows (ops/own_rows.py); a dispatch
+        # With one rank a domain, device-to-device copies may move this rank's own rows (ops/own_rows.py); a dispatch
         # that waits for its counts then reads its column of is_token_in_rank and entry 6 back with them.
         self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if engine.own_row_copies() else None
         self.notify = None
@@ -212,7 +212,7 @@ class DispatchPlan(NormalPlan):
 
     def _received_counts(self, recv_gbl_prefix, is_token_in_rank) -> tuple[int, int, list[int]]:
         """Rows received, rows forwarded and received tokens per local expert (waits for the notify kernel;
-        reads entry 6 and ``is_token_in_rank`` back too where the copy engines may take the own rows)."""
+        reads entry 6 and ``is_token_in_rank`` back too where device copies may take the own rows)."""
         ptr = self.frame.ptr
         host = self._read_notify_meta(*((ptr(recv_gbl_prefix), ptr(is_token_in_rank)) if self.reads_own else ()))
         return int(host[0]), int(host[1]), [int(v) for v in host[2:]]

@@ -35,7 +35,6 @@ from ...jit import BuildSpec, load
 from .. import kernel_names, limits
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
-from ..own_rows import wanted as own_rows_wanted
 from .args import combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 from .layout import required_bytes
@@ -74,8 +73,8 @@ COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 # SMs goes above the catch-all rows; tools/sm_sweep.py times the candidates.
 # Few SMs, 2 ranks (2 x H200, 4096 x 7168, top-8 of 256, tools/sm_sweep.py, two runs): with fewer blocks, more
 # warps per block and fewer loads in flight per lane keep more rows moving. Dispatch 24 x 6 against 16 x 14:
-# FP8 -6.8% / -5.7% at 8 SMs and -7.8% / -6.9% at 12; BF16 within 3% either way (own rows on the copy
-# engines at these counts, own_rows.py: BF16 -9.5% at 8 SMs). Combine 32 x 2 against 16 x 8 at 8 SMs:
+# FP8 -6.8% / -5.7% at 8 SMs and -7.8% / -6.9% at 12; BF16 within 3% either way (measured with the own rows
+# copied by device-to-device copies, own_rows.py; BF16 -9.5% at 8 SMs). Combine 32 x 2 against 16 x 8 at 8 SMs:
 # -8.7% / -9.6%; 24 x 4 at 12 and 16 SMs: -6.3% and -4.4% (32 x 2: -5.8% at 12). Above those counts the
 # sweeps were within their noise. The two modes of the combine are two kernels, each with its table. At 3 and 4
 # ranks the copy mode's sums keep 3 loads a lane in flight (32 x 3; ptxas spills 286 bytes a thread, reloaded
@@ -284,9 +283,9 @@ class IntranodeEngine(EngineHealth):
             there (``copy.turn_waits``); False: the copies go as soon as the stream reaches them.
         copy_whole_turns: copy each part whole in the turns before a round's last (``copy.copy_schedule``);
             False: in chunks in every turn.
-        use_own_row_copies: let a cached dispatch copy this rank's own rows with the copy engines
-            (ops/own_rows.py); False: the SMs copy them; None (default): at few SMs
-            (``own_rows.wanted``).
+        use_own_row_copies: let a cached dispatch copy this rank's own rows with device-to-device copies
+            (ops/own_rows.py: the driver runs them on SMs outside the launch's count); None or False (default):
+            the kernel's SMs copy them.
         own_copy_min_rows: fewest own rows for which it does (default ``own_rows.MIN_ROWS``).
         use_fan_out: let the direct dispatch load each token once and store it into every rank it goes to;
             False: one copy a destination; None (default): on at most :data:`FAN_OUT_MAX_SMS` SMs.
@@ -340,7 +339,7 @@ class IntranodeEngine(EngineHealth):
         self.use_own_row_copies: bool | None = None
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.use_fan_out: bool | None = None
-        self.own_copies = 0  # cached dispatches whose own rows the copy engines moved
+        self.own_copies = 0  # cached dispatches whose own rows device copies moved
         self.copy_supported = False
         self._side = SideStreams(self.device_id, 2)
         self.output_pool = None
@@ -436,12 +435,10 @@ class IntranodeEngine(EngineHealth):
         warps, unroll = default_dispatch_shape(self.num_ranks, num_sms)
         return _override(self.dispatch_warps, warps), _override(self.dispatch_unroll, unroll)
 
-    def own_row_copies(self, num_sms: int) -> bool:
-        """Whether a cached dispatch launched on ``num_sms`` SMs copies own rows with the copy engines: the
-        tuning attribute where set, else ``own_rows.wanted``."""
-        if self.use_own_row_copies is not None:
-            return bool(self.use_own_row_copies)
-        return own_rows_wanted(self.num_ranks, num_sms)
+    def own_row_copies(self) -> bool:
+        """Whether a cached dispatch copies own rows with device-to-device copies (ops/own_rows.py): only when
+        ``use_own_row_copies`` asks, since those copies take SMs beyond the launch's."""
+        return bool(self.use_own_row_copies)
 
     def fan_out(self, num_sms: int) -> bool:
         """Whether a direct dispatch launched on ``num_sms`` SMs fans each token out to all its ranks: the tuning

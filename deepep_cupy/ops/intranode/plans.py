@@ -90,11 +90,11 @@ class DispatchPlan(NormalPlan):
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
             "recv_topk_weights", "recv_src_idx", "send_head", "num_out_rows", "pool_bases", "own_rows_copied"))
-        # Whether a cached dispatch at this SM count copies this rank's own rows with the copy engines (their
+        # Whether a cached dispatch copies this rank's own rows with device-to-device copies (their
         # scales, where the call has them, stay with the SMs); a dispatch without a handle then reads its
         # column of is_token_in_rank back for the handle. Fixed per plan: the engine's tuning attributes are
         # part of the plan key.
-        self.own_rows = engine.own_row_copies(2 * self.num_channels)
+        self.own_rows = engine.own_row_copies()
         self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if self.cached and self.own_rows else None
         self.notify = None
         if not self.cached:
