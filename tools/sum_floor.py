@@ -162,11 +162,16 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def bulk_kernel(cp):
+    """``bulk_rows``, allowed all of an SM's shared memory."""
+    kernel = cp.RawModule(code=BULK_SOURCE, options=("-std=c++17", "-arch=sm_90")).get_function("bulk_rows")
+    kernel.max_dynamic_shared_size_bytes = 227 * 1024
+    return kernel
+
+
 def bulk_jobs(cp, sms_list, shapes) -> None:
     """Times the bulk jobs and checks the bulk reduce's bits against float32 sums rounded once."""
-    module = cp.RawModule(code=BULK_SOURCE, options=("-std=c++17", "-arch=sm_90"))
-    kernel = module.get_function("bulk_rows")
-    kernel.max_dynamic_shared_size_bytes = 227 * 1024
+    kernel = bulk_kernel(cp)
     rng = np.random.default_rng(2)
     fa = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32)
     fb = rng.standard_normal((TOKENS, HIDDEN), dtype=np.float32)
@@ -217,9 +222,7 @@ def bulk_jobs(cp, sms_list, shapes) -> None:
 def ce_overlap(cp, sms_list, shape) -> None:
     """A local device-to-device copy of TOKENS rows in 16 pieces (copy engines) alone and beside a bulk
     reduce on another stream: what the own rows' copies would cost if they filled the output first."""
-    module = cp.RawModule(code=BULK_SOURCE, options=("-std=c++17", "-arch=sm_90"))
-    kernel = module.get_function("bulk_rows")
-    kernel.max_dynamic_shared_size_bytes = 227 * 1024
+    kernel = bulk_kernel(cp)
     row_bytes = HIDDEN * 2
     src = cp.ones(TOKENS * HIDDEN, dtype=cp.uint16)
     dst = cp.empty_like(src)

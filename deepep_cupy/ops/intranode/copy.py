@@ -185,9 +185,9 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
         if n and num_topk:
             out.append((h, "w", weights_offset + first[me] * num_topk * 4, src, n, 0))
         parts[h], done = [], 0
+        chunked = h == homes[-1] or not whole_turns  # this home's turn is each round's last
         for k in range(num_rounds):
             part, end = [], part_end(n, k, rounds)
-            chunked = h == homes[-1] or not whole_turns
             for size in chunk_sizes(end - done, chunk_rows) if chunked else [end - done] * (end > done):
                 part.append((h, "x", (first[me] + done) * hidden_bytes, src + done, size, done + size))
                 done += size
