@@ -255,7 +255,7 @@ def main() -> int:
                 ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
                 failures += not ok
                 match = "same" if ok else "DIFFERENT"
-            # The copy engines moved own rows in this setting (one rank a domain), or the outputs lay in the
+            # Device copies moved own rows in this setting (one rank a domain), or the outputs lay in the
             # output pool, so the forwarders wrote rows in place (more).
             if lsize == 1:
                 mode = "cp" if engine.own_copies > copies else "sm"

@@ -220,7 +220,7 @@ def bulk_jobs(cp, sms_list, shapes) -> None:
 
 
 def ce_overlap(cp, sms_list, shape) -> None:
-    """A local device-to-device copy of TOKENS rows in 16 pieces (copy engines) alone and beside a bulk
+    """A local device-to-device copy of TOKENS rows in 16 pieces (the driver's copy kernel) alone and beside a bulk
     reduce on another stream: what the own rows' copies would cost if they filled the output first."""
     kernel = bulk_kernel(cp)
     row_bytes = HIDDEN * 2

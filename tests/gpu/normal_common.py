@@ -118,7 +118,7 @@ def digest(arrays, counts) -> str:
 def cached_dispatch_round(env, fw, rng, *, handle, ref_handle, n, hidden, fp8, column_major, align, num_recv, cfg,
                           own_copies=None):
     """A cached dispatch of fresh tokens with ``handle``, compared with the reference's on ``ref_handle``.
-    ``own_copies``: whether this rank's own rows must go through the copy engines (None: not checked)."""
+    ``own_copies``: whether this rank's own rows must go through device-to-device copies (None: not checked)."""
     buf, ref = env["buf"], env["ref"]
     x_np, s_np, x_dev = inputs(env, fw, rng, n, hidden, fp8, column_major)
     poison(env, fw, [num_recv * hidden * (1 if fp8 else 2), num_recv * hidden // 32])

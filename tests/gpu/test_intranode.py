@@ -209,8 +209,8 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
 @pytest.mark.parametrize("mode", ["direct", "ring"])
 def test_few_sms(env, mode, fp8):
     """8 SMs (4 channels): the block shapes chosen for few SMs (engine.py's tables) in both modes of the dispatch
-    and the combine, with the own rows of the cached dispatch on the copy engines in the direct mode (the
-    default at that count, own_rows.py); DeepEP's row width, fresh data each repeat. The second repeat's
+    and the combine, the own rows of the cached dispatch on the kernel's SMs (the default, own_rows.py);
+    DeepEP's row width, fresh data each repeat. The second repeat's
     combine has a config of 24 SMs: the copy mode's sums then run on 24 SMs of a handle made on 8 (the ring
     mode keeps the handle's channels)."""
     from deepep_cupy.device.group import MPIGroup
