@@ -7,10 +7,12 @@ Importing the package starts no CUDA context and needs no GPU.
 
 from .buffer import Buffer
 from .config import Config
+from .device.gpus import gpu_count
 from .errors import DeepEPError, DeepEPTimeoutError
 from .event import EventHandle, EventOverlap
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "DeepEPError", "DeepEPTimeoutError", "as_deep_ep",
+           "gpu_count",
            "topk_idx_t", "__version__"]
 __version__ = "0.1.0"
 

@@ -69,7 +69,8 @@ def tensor(name: str, obj, *, dtype=None, shape=None, ndim=None, contiguous=True
             want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(s)}")
     if contiguous and not _is_contiguous(obj):
-        raise ValueError(f"{name} must be contiguous")
+        fix = f"{name}.contiguous()" if framework_of(obj) == "torch" else f"ascontiguousarray({name})"
+        raise ValueError(f"{name} must be contiguous, got a strided view of shape {list(s)}: pass {fix}")
     return s
 
 
@@ -85,10 +86,21 @@ def _is_contiguous(obj) -> bool:
 
 def handle_tuple(value, length: int, source: str) -> None:
     """A handle must be the tuple an earlier call returned (``length`` elements)."""
-    from .ops.handles import HANDLE_TYPES  # here: that module imports this one
+    from .ops.handles import HANDLE_TYPES, LowLatencyHandle, OpHandle  # here: that module imports this one
 
+    if isinstance(value, (tuple, list)):
+        # The whole result tuple of an op passed where only its handle goes (``handle=buffer.dispatch(...)``):
+        # name the element to pass instead of failing later on a dtype of the wrong element.
+        inner = [i for i, v in enumerate(value) if isinstance(v, (OpHandle, LowLatencyHandle))]
+        if inner:
+            i = inner[0]
+            raise ValueError(f"handle got a whole result tuple of {len(value)} values: pass its handle, the "
+                             f"{_ORDINALS.get(i, f'#{i + 1}')} result (result[{i}]), not the tuple")
     if not isinstance(value, HANDLE_TYPES) or len(value) != length:
         raise ValueError(f"handle must be the {length}-tuple returned by {source}")
+
+
+_ORDINALS = {0: "first", 1: "second", 2: "third", 3: "fourth", 4: "fifth", 5: "sixth"}
 
 
 def positive_int(name: str, value) -> int:

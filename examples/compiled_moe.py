@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+try:
+    import torch
+except ImportError:  # one line, from rank 0 only, instead of a traceback per rank
+    from mpi4py import MPI
+
+    raise SystemExit(None if MPI.COMM_WORLD.Get_rank() else
+                     'this example needs PyTorch: pip install -e ".[torch,mpi]" (a CPU-only machine: pip install '
+                     'torch --index-url https://download.pytorch.org/whl/cpu first)') from None
 from moe_layer import dense_layer, expert_mlp, make_weights, relative_error, route
 from mpi4py import MPI
 
 import deepep_cupy as deep_ep
-from deepep_cupy.device.gpus import gpu_count
 
 
 class CompiledMoE(torch.nn.Module):
@@ -89,7 +95,7 @@ def main() -> None:
     num_experts = args.experts_per_rank * num_ranks
     topk = min(args.topk, num_experts)
     device = torch.device("cpu")
-    if gpu_count() > 0:
+    if deep_ep.gpu_count() > 0:
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")

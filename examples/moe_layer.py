@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+try:
+    import torch
+except ImportError:  # one line, from rank 0 only, instead of a traceback per rank
+    from mpi4py import MPI
+
+    raise SystemExit(None if MPI.COMM_WORLD.Get_rank() else
+                     'this example needs PyTorch: pip install -e ".[torch,mpi]" (a CPU-only machine: pip install '
+                     'torch --index-url https://download.pytorch.org/whl/cpu first)') from None
 import torch.nn.functional as F
 from mpi4py import MPI
 
 import deepep_cupy as deep_ep
-from deepep_cupy.device.gpus import gpu_count
 
 
 def make_weights(hidden: int, ffn: int, num_experts: int, seed: int = 0) -> dict:
@@ -106,7 +112,7 @@ def main() -> None:
     num_experts = args.experts_per_rank * num_ranks
     topk = min(args.topk, num_experts)
     device = torch.device("cpu")
-    if gpu_count() > 0:
+    if deep_ep.gpu_count() > 0:
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
 

@@ -84,3 +84,27 @@ def test_moe_script_under_mpiexec():
                          capture_output=True, text=True, timeout=180, env=_env())
     assert got.returncode == 0, got.stdout + got.stderr
     assert got.stdout.count(": OK") == 2 and "all ranks match the dense layer" in got.stdout
+
+
+@pytest.mark.parametrize("script", ["moe_layer.py", "compiled_moe.py"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_torch_examples_without_torch_print_one_line(script, ranks, tmp_path):
+    """Where torch is not installed, a torch example says so once (from rank 0), with the pip command, and
+    fails: no traceback per rank."""
+    pytest.importorskip("mpi4py")
+    hide = tmp_path / "no_torch" / "torch"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text('raise ImportError("No module named \'torch\'")\n')
+    env = dict(_env(), PYTHONPATH=os.pathsep.join(p for p in (str(hide.parent), os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, str(EXAMPLES / script)]
+    if ranks > 1:
+        mpiexec = os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+        if mpiexec is None:
+            pytest.skip("no mpiexec on PATH (pip install -e '.[mpi]')")
+        command = [mpiexec, "-n", str(ranks), *command]
+    got = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=EXAMPLES)
+    assert got.returncode != 0
+    out = got.stdout + got.stderr
+    assert "Traceback" not in out, out
+    assert out.count("this example needs PyTorch") == 1, out
+    assert 'pip install -e ".[torch,mpi]"' in out

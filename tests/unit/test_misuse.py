@@ -208,3 +208,62 @@ def test_handles_keep_their_attributes_through_pickle():
     assert h.num_topk == 4 and h[1] == 1
     ll = pickle.loads(pickle.dumps(LowLatencyHandle((1, 2, 8, 128, 8), None, "engine")))
     assert ll.owner == "engine" and ll == (1, 2, 8, 128, 8)
+
+
+@pytest.mark.parametrize("num_nvl_ranks", [None, 1])
+def test_a_whole_dispatch_result_as_the_handle_names_its_fifth_element(num_nvl_ranks):
+    def fn(buf, rng):
+        idx = _routing(rng, 6, 2, 8)
+        x = rng.standard_normal((6, 128)).astype(BF16)
+        kw = _layout(buf, idx)
+        if num_nvl_ranks:
+            kw["num_tokens_per_rdma_rank"] = buf.get_dispatch_layout(idx, 8)[1]
+        result = buf.dispatch(x, topk_idx=idx, topk_weights=rng.random((6, 2), dtype=np.float32), **kw)
+        want = r"^handle got a whole result tuple of 6 values: pass its handle, the fifth result \(result\[4\]\)"
+        with pytest.raises(ValueError, match=want):
+            buf.combine(result[0], result)
+        with pytest.raises(ValueError, match=want):
+            buf.dispatch(x, handle=result)
+        buf.combine(result[0], result[4])  # the handle itself still works
+    kw = dict(num_nvl_bytes=NVL) if num_nvl_ranks is None else dict(num_nvl_bytes=1 << 28, num_rdma_bytes=1 << 28,
+                                                                    num_nvl_ranks=1)
+    assert _errors(2, fn, **kw) == [None, None]
+
+
+def test_a_whole_low_latency_result_as_the_handle_names_its_third_element():
+    def fn(buf, rng):
+        idx = _routing(rng, 4, 2, 8)
+        x = rng.standard_normal((4, 128)).astype(BF16)
+        w = rng.random((4, 2), dtype=np.float32)
+        result = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False)
+        with pytest.raises(ValueError, match=r"^handle got a whole result tuple of 5 values: pass its handle, the "
+                                             r"third result \(result\[2\]\)"):
+            buf.low_latency_combine(result[0], idx, w, result)
+        buf.low_latency_combine(result[0], idx, w, result[2])
+    assert _errors(2, fn, low_latency_mode=True, num_rdma_bytes=LL) == [None, None]
+
+
+def test_a_strided_argument_names_the_fix():
+    def fn(buf, rng):
+        idx = _routing(rng, 6, 2, 8)
+        x = rng.standard_normal((6, 128)).astype(BF16)
+        weights = rng.random((6, 4), dtype=np.float32)[:, ::2]
+        with pytest.raises(ValueError, match=r"^topk_weights must be contiguous, got a strided view of shape \[6, 2\]: "
+                                             r"pass ascontiguousarray\(topk_weights\)$"):
+            buf.dispatch(x, topk_idx=idx, topk_weights=weights, **_layout(buf, idx))
+    assert _errors(1, fn, num_nvl_bytes=NVL) == [None]
+
+
+def test_a_strided_torch_argument_names_contiguous():
+    torch = pytest.importorskip("torch")
+
+    def fn(buf, rng):
+        idx = torch.from_numpy(_routing(rng, 6, 2, 8))
+        x = torch.randn(6, 128, dtype=torch.bfloat16)
+        weights = torch.rand(6, 4)[:, ::2]
+        layout = buf.get_dispatch_layout(idx, 8)
+        with pytest.raises(ValueError, match=r"^topk_weights must be contiguous, got a strided view of shape \[6, 2\]: "
+                                             r"pass topk_weights.contiguous\(\)$"):
+            buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                         num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=weights)
+    assert _errors(1, fn, num_nvl_bytes=NVL) == [None]

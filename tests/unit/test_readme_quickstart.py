@@ -56,9 +56,22 @@ def test_quickstart_is_one_complete_script():
     assert positions == sorted(positions)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+def test_quickstart_is_the_example_script():
+    """One quickstart: the README's block is ``examples/quickstart.py`` below its docstring."""
+    script = (ROOT / "examples" / "quickstart.py").read_text()
+    assert script.startswith('"""')
+    assert script.split('"""', 2)[2].lstrip("\n") == _quickstart()
+    assert "deepep_cupy." not in _quickstart().replace("import deepep_cupy as deep_ep", ""), \
+        "the quickstart uses public names only (deep_ep.<name>)"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_quickstart_runs_as_written(tmp_path, ranks):
     got = _run(tmp_path, ranks)
     assert got.returncode == 0, got.stdout + got.stderr
     assert got.stdout.count("combine matches") == ranks, got.stdout
     assert "DIFFERS" not in got.stdout
+    # Rank 0 prints every rank's line, in rank order, then the verdict.
+    ranks_printed = [int(line.split()[1]) for line in got.stdout.splitlines() if line.startswith("rank ")]
+    assert ranks_printed == list(range(ranks)), got.stdout
+    assert got.stdout.rstrip().endswith("quickstart: all ranks OK"), got.stdout
