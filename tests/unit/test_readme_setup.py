@@ -44,3 +44,40 @@ def test_cuda_extra_only_where_a_gpu_driver_answers(tmp_path, driver, extras):
     got = subprocess.run([bash, "-c", echo], capture_output=True, text=True, timeout=30, env={"PATH": str(tmp_path)})
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == extras
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_readme_is_short():
+    assert len(_readme().splitlines()) <= 200
+
+
+def test_examples_table_lists_every_example():
+    section = _readme().split("\n## Examples\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"\[`examples/([^`]+)`\]", section))
+    shipped = {p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".ipynb")}
+    assert listed == shipped
+
+
+def test_extras_paragraph_names_every_extra():
+    tomllib = pytest.importorskip("tomllib")
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    section = _readme().split("\n## Set up\n", 1)[1].split("\n## ", 1)[0]
+    paragraph = section[section.index("Extras:"):]
+    assert {name for name in extras if f"`{name}`" not in paragraph} == set()
+
+
+def test_torch_version_is_one_number():
+    """pyproject's torch floor is the version the docs name for the custom ops."""
+    tomllib = pytest.importorskip("tomllib")
+
+    (spec,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"]
+    floor = spec.removeprefix("torch>=")
+    assert f"torch {floor} or later" in (ROOT / "docs" / "frameworks.md").read_text()
+    assert f"PyTorch ≥ {floor}" in _readme()
+    from deepep_cupy.compile import common
+
+    assert f"torch >= {floor}" in Path(common.__file__).read_text()
