@@ -7,19 +7,12 @@ results in the caller's framework. The work itself lives in the backends (``back
 
 from __future__ import annotations
 
-import os
-import socket
-import weakref
-
 from . import checks
-from .backends import choose_backend, make_backend
 from .buffer_low_latency import LowLatencyOps
-from .compile import outside, tracing_check
-from .compile import register as register_for_compile
+from .compile import tracing_check
 from .config import Config, low_latency_rdma_size_hint
-from .device.group import make_group
 from .event import EventHandle, EventOverlap
-from .frameworks import I32, I64, meta, plain_torch, shape_of
+from .frameworks import I32, I64, meta, shape_of
 from .ops.handles import device_handle_values, handle_meta
 from .ops.plan import config_key, lookup, store
 from .tuning import tuned_config
@@ -31,8 +24,8 @@ _compiling = tracing_check(globals())
 
 
 # Recommended configs per rank count; other counts use the nearest entry. Ring capacities follow DeepEP's
-# tables (so buffers sized from them fit); the send chunks are tuned for our kernels on 2, 4 and 8 x H200
-# (combine: one release per token, 837 us against 1062 us at 4 tokens on 4 ranks; dispatch: 4 tokens).
+# tables (so buffers sized from them fit); the send chunks are our kernels' fastest at 2, 4 and 8 ranks: the
+# combine releases each token on its own (a quarter faster than four at a time at 4 ranks), the dispatch 4.
 _DISPATCH_CONFIGS = {2: (4, 256, 6, 128), 4: (4, 256, 6, 128), 8: (4, 256, 6, 128), 16: (36, 288, 20, 128),
                      24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 64: (32, 288, 8, 128),
                      128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
@@ -70,81 +63,6 @@ class Buffer(LowLatencyOps):
         num_nvl_ranks: ranks per NVLink domain (GPUs per host unless overridden).
         backend: 'cuda' or 'reference'.
     """
-
-    num_sms: int = 20
-    _num_sms_set: bool = False  # set_num_sms was called: tuned configs keep that SM count
-
-    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None, *, backend: str | None = None, num_nvl_ranks: int | None = None) -> None:
-        """Create the buffers; collective over the group.
-
-        Arguments:
-            group: a ``torch.distributed.ProcessGroup`` (or None when ``comm`` is given).
-            num_nvl_bytes: bytes of NVLink-shared memory per rank for the high-throughput kernels.
-            num_rdma_bytes: bytes of NVSHMEM symmetric memory per rank (internode and low-latency kernels).
-            low_latency_mode: enable the low-latency kernels.
-            num_qps_per_rank: RDMA queue pairs per peer for NVSHMEM transports that use them.
-            allow_nvlink_for_low_latency_mode: let low-latency kernels store over NVLink to peers that
-                are reachable that way (otherwise every transfer goes through the NVSHMEM network transport).
-            allow_mnnvl: allow multi-node NVLink in NVSHMEM.
-            use_fabric: share NVLink buffers as fabric handles (multi-node NVLink) instead of file descriptors.
-            explicitly_destroy: resources are released only by ``destroy()``, never by the destructor.
-            enable_shrink: a rank that stops answering is masked instead of failing the low-latency kernels.
-            comm: an ``mpi4py.MPI.Comm`` used when ``group`` is None.
-            backend: 'cuda', 'reference' or None (``$DEEPEP_CUPY_BACKEND``, default: the GPU when one is visible).
-            num_nvl_ranks: ranks per NVLink domain; default ``$DEEPEP_CUPY_NVL_RANKS`` or the ranks on this host.
-        """
-        self._group = make_group(group, comm)
-        self.group = group if group is not None else comm
-        self.rank = self._group.rank
-        self.group_size = self._group.size
-        self.num_nvl_bytes = checks.nonneg_int("num_nvl_bytes", num_nvl_bytes)
-        self.num_rdma_bytes = checks.nonneg_int("num_rdma_bytes", num_rdma_bytes)
-        self.low_latency_mode = bool(low_latency_mode)
-        self.explicitly_destroy = bool(explicitly_destroy)
-        self.enable_shrink = bool(enable_shrink)
-        self.num_qps_per_rank = checks.positive_int("num_qps_per_rank", num_qps_per_rank)
-        self.num_nvl_ranks = self._nvl_domain_size(num_nvl_ranks)
-        self.backend = choose_backend(backend)
-        self._destroyed = False
-        self._compiled_op_key = str(register_for_compile(self))  # how torch.compile's custom ops name it
-        # Plans per op, keyed by the metadata of the tensors and the flags of a call (see ``_lookup``).
-        self._layout_plans: dict = {}
-        self._dispatch_plans: dict = {}
-        self._combine_plans: dict = {}
-        self._ll_dispatch_plans: dict = {}
-        self._ll_combine_plans: dict = {}
-        self._default_configs: dict = {}
-        # Expert-id values are checked on the host only by the reference backend; GPU kernels check them.
-        self._host_values = self.backend == "reference" and checks.values_enabled()
-        self.runtime = make_backend(self.backend, self._group, num_nvl_bytes=self.num_nvl_bytes,
-                                    num_rdma_bytes=self.num_rdma_bytes, num_nvl_ranks=self.num_nvl_ranks,
-                                    low_latency_mode=self.low_latency_mode, num_qps_per_rank=self.num_qps_per_rank,
-                                    allow_nvlink=bool(allow_nvlink_for_low_latency_mode),
-                                    allow_mnnvl=bool(allow_mnnvl), use_fabric=bool(use_fabric),
-                                    enable_shrink=self.enable_shrink, num_channels=max(self.num_sms // 2, 1))
-        # Engine tuning (block shapes, batches) is part of what the normal ops' plans fixed. A weak reference:
-        # the backend must not keep its Buffer alive (the destructor releases what needs no peer).
-        drop = weakref.WeakMethod(self._drop_normal_plans)
-        self.runtime.plans_invalidated = lambda: (method := drop()) is not None and method()
-        # Agreement checks across ranks still in flight (see CudaBackend.agree); looked at by every call
-        # while there are any.
-        self._pending: list = self.runtime.pending_agreements
-
-    def _nvl_domain_size(self, requested: int | None) -> int:
-        env = os.environ.get("DEEPEP_CUPY_NVL_RANKS")
-        if requested is None and env:
-            requested = int(env)
-        if requested is None:
-            hosts = self._group.allgather_object(socket.gethostname())
-            requested = hosts.count(hosts[self.rank])
-        requested = checks.positive_int("num_nvl_ranks", requested)
-        if self.group_size % requested != 0:
-            raise ValueError(f"num_nvl_ranks ({requested}) must divide the group size ({self.group_size})")
-        return requested
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -200,49 +118,12 @@ class Buffer(LowLatencyOps):
             return EventOverlap(None)
         return EventOverlap(EventHandle())
 
-    # ------------------------------------------------------------------ plumbing
-    def _alive(self) -> None:
-        if self._destroyed:
-            raise RuntimeError("this Buffer was destroyed")
-
-    @property
-    def _num_rdma_ranks(self) -> int:
-        return self.group_size // self.num_nvl_ranks
-
-    def _num_experts_ok(self, num_experts) -> int:
-        return checks.num_experts_ok(num_experts, self.group_size)
-
-    def _drop_normal_plans(self) -> None:
-        self._dispatch_plans.clear()
-        self._combine_plans.clear()
-
     def _default_config(self, table: dict) -> Config:
         key = (id(table), Buffer.num_sms)
         config = self._default_configs.get(key)
         if config is None:
             config = self._default_configs[key] = _pick_config(table, self.group_size)
         return config
-
-    def get_comm_stream(self):
-        """The communication stream (torch stream for torch groups, CuPy stream otherwise); None on the reference backend."""
-        if _compiling():  # torch.compile: a graph break
-            return outside(self.get_comm_stream)
-        self._alive()
-        return self.runtime.get_comm_stream(torch_stream=self.group is not None and not hasattr(self.group, "Get_rank"))
-
-    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
-        """A view of this rank's raw NVLink (or NVSHMEM, with ``use_rdma_buffer``) buffer.
-
-        Arguments:
-            dtype: element type (a torch dtype returns a torch tensor, a NumPy/ml_dtypes dtype a CuPy array).
-            size: optional shape of the slice, in elements.
-            offset: first element of the slice.
-            use_rdma_buffer: view the NVSHMEM buffer instead of the NVLink one.
-        """
-        if _compiling():  # torch.compile: a graph break
-            return outside(self.get_local_buffer_tensor, dtype, size, offset, use_rdma_buffer)
-        self._alive()
-        return self.runtime.local_buffer_tensor(dtype, size, checks.nonneg_int("offset", offset), use_rdma_buffer)
 
     # ------------------------------------------------------------------ high-throughput ops
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: EventOverlap | None = None,
@@ -266,22 +147,18 @@ class Buffer(LowLatencyOps):
         if _compiling():  # torch.compile
             from .compile import normal as traced
             return traced.get_dispatch_layout(self, topk_idx, num_experts, previous_event)
-        with plain_torch():
-            if self._destroyed:
-                self._alive()
+        with self._frames.layout:
             # The type too: 8.0 == 8, and a float must not find the plan an int made (its checks refuse it).
             key = (meta(topk_idx), num_experts, type(num_experts), async_finish, allocate_on_comm_stream)
             plan = lookup(self._layout_plans, key)
             if plan is None:
                 num_experts = checks.num_experts_ok(num_experts, self.group_size)
                 checks.tensor("topk_idx", topk_idx, dtype=I64, ndim=2)
-                plan = self.runtime.plan_layout(topk_idx, num_experts, async_finish=bool(async_finish),
-                                                allocate_on_comm_stream=bool(allocate_on_comm_stream))
-                store(self._layout_plans, key, plan)
+                plan = store(self._layout_plans, key, self.runtime.plan_layout(
+                    topk_idx, num_experts, async_finish=bool(async_finish),
+                    allocate_on_comm_stream=bool(allocate_on_comm_stream)))
             if self._host_values:
                 checks.topk_values("topk_idx", topk_idx, num_experts)
-            if self._pending:
-                self.runtime.poll_agreements()
             return plan.run(topk_idx, previous_event)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -324,23 +201,14 @@ class Buffer(LowLatencyOps):
             return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                    num_worst_tokens, config, previous_event)
-        with plain_torch():
-            try:
-                if self._destroyed:
-                    self._alive()
-                if config is None:
-                    config = self._default_config(_DISPATCH_CONFIGS)
-                if self._num_rdma_ranks > 1:
-                    return self.internode_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                                   is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                                   expert_alignment, num_worst_tokens, config, previous_event,
-                                                   async_finish, allocate_on_comm_stream)
-                return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                      previous_event, async_finish, allocate_on_comm_stream)
-            except Exception as exc:
-                self.runtime.report_failure("dispatch", exc)
-                raise
+        with self._frames.dispatch:
+            if self._num_rdma_ranks > 1:
+                self._internode_ready("internode_dispatch", num_tokens_per_rdma_rank)
+            if config is None:
+                config = self._default_config(_DISPATCH_CONFIGS)
+            return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                  topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+                                  async_finish, allocate_on_comm_stream)
 
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -362,8 +230,6 @@ class Buffer(LowLatencyOps):
         if self._host_values and topk_idx is not None:
             checks.topk_values("topk_idx", topk_idx, shape_of(num_tokens_per_expert)[0],
                               bound="the length of num_tokens_per_expert, which needs one entry per expert")
-        if self._pending:
-            self.runtime.poll_agreements()
         return plan.run(x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                         topk_weights, previous_event)
 
@@ -401,20 +267,13 @@ class Buffer(LowLatencyOps):
         if _compiling():  # torch.compile
             from .compile import normal as traced
             return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
-        with plain_torch():
-            try:
-                if self._destroyed:
-                    self._alive()
-                if config is None:
-                    config = self._default_config(_COMBINE_CONFIGS)
-                if self._num_rdma_ranks > 1:
-                    return self.internode_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                                  allocate_on_comm_stream)
-                return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                     allocate_on_comm_stream)
-            except Exception as exc:
-                self.runtime.report_failure("combine", exc)
-                raise
+        with self._frames.combine:
+            if self._num_rdma_ranks > 1:
+                self._internode_ready("internode_combine")
+            if config is None:
+                config = self._default_config(_COMBINE_CONFIGS)
+            return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                 allocate_on_comm_stream)
 
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
                  allocate_on_comm_stream):
@@ -433,8 +292,6 @@ class Buffer(LowLatencyOps):
                 async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))
         if self.backend == "cuda":
             device_handle_values(self, handle)
-        if self._pending:
-            self.runtime.poll_agreements()
         return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -451,20 +308,13 @@ class Buffer(LowLatencyOps):
             return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                    num_worst_tokens, config, previous_event)
-        with plain_torch():
-            try:
-                self._alive()
-                if num_tokens_per_rdma_rank is not None:
-                    checks.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=I32,
-                                 shape=(self._num_rdma_ranks,))
-                config = self.get_dispatch_config(self.group_size) if config is None else config
-                self.runtime.require_internode("internode_dispatch")
-                return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                      topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                      previous_event, async_finish, allocate_on_comm_stream)
-            except Exception as exc:
-                self.runtime.report_failure("dispatch", exc)
-                raise
+        with self._frames.dispatch:
+            self._internode_ready("internode_dispatch", num_tokens_per_rdma_rank)
+            if config is None:
+                config = self._default_config(_DISPATCH_CONFIGS)
+            return self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                  topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+                                  async_finish, allocate_on_comm_stream)
 
     def internode_combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
                           previous_event: EventOverlap | None = None, async_finish: bool = False,
@@ -473,31 +323,17 @@ class Buffer(LowLatencyOps):
         if _compiling():  # torch.compile
             from .compile import normal as traced
             return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
-        with plain_torch():
-            try:
-                self._alive()
-                config = self.get_combine_config(self.group_size) if config is None else config
-                self.runtime.require_internode("internode_combine")
-                return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                     allocate_on_comm_stream)
-            except Exception as exc:
-                self.runtime.report_failure("combine", exc)
-                raise
+        with self._frames.combine:
+            self._internode_ready("internode_combine")
+            if config is None:
+                config = self._default_config(_COMBINE_CONFIGS)
+            return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                 allocate_on_comm_stream)
 
-    # ------------------------------------------------------------------ lifetime
-    def destroy(self) -> None:
-        """Release every resource (collective). Required when ``explicitly_destroy=True``."""
-        if _compiling():  # torch.compile: a graph break
-            return outside(self.destroy)
-        if self._destroyed:
-            return
-        self._destroyed = True
-        self.runtime.destroy()
-
-    def __del__(self) -> None:
-        if getattr(self, "explicitly_destroy", True) or getattr(self, "_destroyed", True):
-            return
-        try:
-            self.runtime.release_local()
-        except Exception:
-            pass
+    def _internode_ready(self, op: str, num_tokens_per_rdma_rank=None) -> None:
+        """What an op across NVLink domains needs before its plan: the internode buffers, and the per-domain
+        counts (when given) of one entry per domain."""
+        if num_tokens_per_rdma_rank is not None:
+            checks.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=I32,
+                          shape=(self._num_rdma_ranks,))
+        self.runtime.require_internode(op)

@@ -1,11 +1,12 @@
 """The low-latency half of the public ``Buffer`` (decoding): dispatch, combine, their buffers and the
-peer mask. A mixin of :class:`deepep_cupy.buffer.Buffer`, which holds the state these methods use."""
+peer mask, on the state and the op frame of :class:`~deepep_cupy.buffer_core.BufferCore`."""
 
 from __future__ import annotations
 
 from . import checks
+from .buffer_core import BufferCore
 from .compile import outside, tracing_check
-from .frameworks import I32, meta, plain_torch
+from .frameworks import I32, meta
 from .ops.handles import device_handle_values, ll_handle_meta
 from .ops.plan import lookup, store
 
@@ -15,8 +16,8 @@ __all__ = ["LowLatencyOps"]
 _compiling = tracing_check(globals())
 
 
-class LowLatencyOps:
-    """``low_latency_*`` methods of ``Buffer`` (see its docstring for the attributes they use)."""
+class LowLatencyOps(BufferCore):
+    """The ``low_latency_*`` methods of ``Buffer``."""
 
     def _ll_required(self, op: str) -> None:
         if not self.low_latency_mode:
@@ -78,34 +79,26 @@ class LowLatencyOps:
             return traced.low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        with plain_torch():
-            try:
-                if self._destroyed:
-                    self._alive()
-                # The sizes' types too (8.0 == 8): a float must not find the plan an int made.
-                key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
-                       type(num_max_dispatch_tokens_per_rank), type(num_experts),
-                       meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8,
-                       round_scale, use_ue8m0, async_finish, return_recv_hook)
-                plan = lookup(self._ll_dispatch_plans, key)
-                if plan is None:
-                    self._ll_required("low_latency_dispatch")
-                    checks.ll_dispatch_args(self.group_size, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                            round_scale, use_ue8m0)
-                    plan = store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(
-                        x, topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
-                        num_experts=int(num_experts), dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
-                        use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
-                        async_finish=bool(async_finish), return_recv_hook=bool(return_recv_hook)))
-                if self._host_values:
-                    checks.topk_values("topk_idx", topk_idx, num_experts)
-                if self._pending:
-                    self.runtime.poll_agreements()
-                return plan.run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
-            except Exception as exc:
-                self.runtime.report_failure("low_latency_dispatch", exc)
-                raise
+        with self._frames.low_latency_dispatch:
+            # The sizes' types too (8.0 == 8): a float must not find the plan an int made.
+            key = (meta(x), meta(topk_idx), num_max_dispatch_tokens_per_rank, num_experts,
+                   type(num_max_dispatch_tokens_per_rank), type(num_experts),
+                   meta(cumulative_local_expert_recv_stats), meta(dispatch_wait_recv_cost_stats), use_fp8,
+                   round_scale, use_ue8m0, async_finish, return_recv_hook)
+            plan = lookup(self._ll_dispatch_plans, key)
+            if plan is None:
+                self._ll_required("low_latency_dispatch")
+                checks.ll_dispatch_args(self.group_size, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                        round_scale, use_ue8m0)
+                plan = store(self._ll_dispatch_plans, key, self.runtime.plan_low_latency_dispatch(
+                    x, topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                    num_experts=int(num_experts), dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+                    use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
+                    async_finish=bool(async_finish), return_recv_hook=bool(return_recv_hook)))
+            if self._host_values:
+                checks.topk_values("topk_idx", topk_idx, num_experts)
+            return plan.run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -138,31 +131,23 @@ class LowLatencyOps:
             from .compile import low_latency as traced
             return traced.low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                               async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
-        with plain_torch():
-            try:
-                if self._destroyed:
-                    self._alive()
-                key = (meta(x), meta(topk_idx), meta(topk_weights), ll_handle_meta(handle), use_logfmt, zero_copy,
-                       async_finish, return_recv_hook, meta(out), meta(combine_wait_recv_cost_stats))
-                plan = lookup(self._ll_combine_plans, key)
-                if plan is None:
-                    self._ll_required("low_latency_combine")
-                    checks.ll_combine_args(self.group_size, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                                           combine_wait_recv_cost_stats)
-                    plan = store(self._ll_combine_plans, key, self.runtime.plan_low_latency_combine(
-                        x, topk_idx, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
-                        combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
-                        return_recv_hook=bool(return_recv_hook)))
-                if self._host_values:
-                    checks.topk_values("topk_idx", topk_idx, int(handle[4]), bound="handle[4] (num_experts)")
-                if self.backend == "cuda":
-                    device_handle_values(self, handle)
-                if self._pending:
-                    self.runtime.poll_agreements()
-                return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
-            except Exception as exc:
-                self.runtime.report_failure("low_latency_combine", exc)
-                raise
+        with self._frames.low_latency_combine:
+            key = (meta(x), meta(topk_idx), meta(topk_weights), ll_handle_meta(handle), use_logfmt, zero_copy,
+                   async_finish, return_recv_hook, meta(out), meta(combine_wait_recv_cost_stats))
+            plan = lookup(self._ll_combine_plans, key)
+            if plan is None:
+                self._ll_required("low_latency_combine")
+                checks.ll_combine_args(self.group_size, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                                       combine_wait_recv_cost_stats)
+                plan = store(self._ll_combine_plans, key, self.runtime.plan_low_latency_combine(
+                    x, topk_idx, handle, use_logfmt=bool(use_logfmt), zero_copy=bool(zero_copy),
+                    combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=bool(async_finish),
+                    return_recv_hook=bool(return_recv_hook)))
+            if self._host_values:
+                checks.topk_values("topk_idx", topk_idx, int(handle[4]), bound="handle[4] (num_experts)")
+            if self.backend == "cuda":
+                device_handle_values(self, handle)
+            return plan.run(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The buffer the next ``low_latency_combine(..., zero_copy=True)`` sends from:
