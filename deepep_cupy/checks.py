@@ -10,7 +10,6 @@ values of handles are checked in :mod:`deepep_cupy.ops.handles`.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
@@ -28,20 +27,14 @@ from .frameworks import (
     logical_dtype,
     shape_of,
 )
+from .ops.handles import HANDLE_TYPES, LowLatencyHandle, OpHandle
+from .settings import values_enabled
 
 __all__ = [
     "tensor", "optional_tensor", "handle_tuple", "positive_int", "nonneg_int", "topk_values", "values_enabled",
     "num_experts_ok", "config_values", "split_x", "split_bias", "internode_handle", "dispatch_args", "combine_args",
     "ll_dispatch_args", "ll_handle_sizes", "ll_handle", "ll_combine_args",
 ]
-
-
-def values_enabled() -> bool:
-    """Whether to check index *values* (costs a device reduction and a sync on the GPU path).
-
-    On by default; ``DEEPEP_CUPY_VALIDATE=0`` turns it off for production and benchmarks.
-    """
-    return os.environ.get("DEEPEP_CUPY_VALIDATE", "1") != "0"
 
 
 def _dtype_name(dtype) -> str:
@@ -86,8 +79,6 @@ def _is_contiguous(obj) -> bool:
 
 def handle_tuple(value, length: int, source: str) -> None:
     """A handle must be the tuple an earlier call returned (``length`` elements)."""
-    from .ops.handles import HANDLE_TYPES, LowLatencyHandle, OpHandle  # here: that module imports this one
-
     if isinstance(value, (tuple, list)):
         # The whole result tuple of an op passed where only its handle goes (``handle=buffer.dispatch(...)``):
         # name the element to pass instead of failing later on a dtype of the wrong element.

@@ -6,7 +6,15 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["env_seconds"]
+__all__ = ["env_seconds", "values_enabled"]
+
+
+def values_enabled() -> bool:
+    """Whether to check index *values* (costs a device reduction and a sync on the GPU path).
+
+    On by default; ``DEEPEP_CUPY_VALIDATE=0`` turns it off for production and benchmarks.
+    """
+    return os.environ.get("DEEPEP_CUPY_VALIDATE", "1") != "0"
 
 
 def env_seconds(name: str, default: float, maximum: float = math.inf) -> float:

@@ -1,6 +1,6 @@
 """Charts of a benchmark run: each op next to the naive NCCL path and the copy engine of the same run.
 
-    python -m deepep_cupy.bench.plot bench.json bench.png [--title "2 x H200"]
+    python -m deepep_cupy.bench.plot bench.json bench.png [--title "2 GPUs"]
 
 ``bench.json`` is what ``python -m deepep_cupy.bench --json`` wrote. Top row, one group of bars per
 high-throughput op (intranode and internode), in µs (lower is better) and GB/s (higher is better):

@@ -1,5 +1,6 @@
-"""The kernel-speed targets next to a benchmark run: per tracked op, DeepEP V1's time on the same kind of
-machine (2 x H200, DeepEP's workloads), the target and this run's time, and whether the run meets it.
+"""The kernel-speed targets next to a benchmark run: per tracked op, DeepEP V1's time on two GPUs of the
+kind the targets were set on (docs/benchmarks.md names it; DeepEP's workloads), the target and this run's
+time, and whether the run meets it.
 
     python -m deepep_cupy.bench.targets bench.json
 
@@ -23,7 +24,7 @@ class Target(NamedTuple):
     label: str
     op: str  # the run's row
     field: str  # the row's time
-    deepep_us: float | None  # DeepEP V1, 2 x H200, same workload
+    deepep_us: float | None  # DeepEP V1 on the targets' machine, same workload
     target_us: float
 
 
@@ -90,7 +91,7 @@ def compare(rows) -> list[dict]:
 def format_targets(rows) -> str:
     entries = compare(rows)
     met = sum(e["status"] == "met" for e in entries)
-    return f"targets (2 x H200, DeepEP's workloads): {met} of {len(entries)} met\n" + format_table(entries)
+    return f"targets (DeepEP's workloads, 2 ranks): {met} of {len(entries)} met\n" + format_table(entries)
 
 
 def main(argv=None) -> None:

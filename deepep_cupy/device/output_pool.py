@@ -27,9 +27,8 @@ __all__ = ["OutputPool", "PoolBlock", "default_pool_bytes", "framework_outputs",
 ALIGN = 256
 _ENV = "DEEPEP_CUPY_OUTPUT_POOL_BYTES"
 DEFAULT_BYTES = 1 << 30
-# Up to 4 ranks, where the direct mode has run on GPUs and paid: 4 x H200, 4096 x 7168, top-8 of 256, cached
-# BF16 dispatch 534 / 548 / 609 us at 24 / 12 / 8 SMs against 633 / 1087 / 1501 in the ring mode (FP8 283 / 275
-# / 367 against 404 / 716 / 1007). 8 ranks have not been measured with it.
+# On by default up to the rank count where the direct mode has been measured faster than the ring mode
+# (docs/design/intranode.md has the figures); above it the ring mode stays the default until measured.
 MAX_DEFAULT_RANKS = 4
 #: The staging area of the combine's copy mode takes this fraction of the pool (1 GiB: 256 MiB, which holds
 #: 18724 rows of 7168 bf16 from one peer).

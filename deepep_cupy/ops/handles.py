@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..checks import values_enabled
 from ..frameworks import is_capturing, is_tensor, meta, to_numpy
 from ..reference.normal import channel_prefix_matrix, send_head_matrix
+from ..settings import values_enabled
 from .plan import NOT_A_KEY
 
 __all__ = ["cached_rows", "handle_meta", "ll_handle_meta", "OpHandle", "DispatchHandle", "LowLatencyHandle",
