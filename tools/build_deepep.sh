@@ -7,7 +7,6 @@
 #                     ib-include/infiniband/mlx5dv.h ...  (rdma-core headers; DeepEP's configs.cuh includes
 #                                                         <infiniband/mlx5dv.h> whenever NVSHMEM is on)
 #                     wheels/ninja-*.whl                   (torch's BuildExtension needs ninja for -dlink)
-#                   /work/notes/deepep-carry has both.
 # Env overrides: PYTHON (python3), CUDA_HOME (/usr/local/cuda), TORCH_CUDA_ARCH_LIST (9.0), MAX_JOBS (16),
 #   DISABLE_AGGRESSIVE_PTX_INSTRS (setup.py's default 1 = off; 0 turns the .L1::no_allocate loads on).
 # Result: $SRC/deep_ep_cpp.cpython-*.so next to $SRC/deep_ep/. Use with PYTHONPATH=$SRC (see the end).

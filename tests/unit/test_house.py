@@ -17,7 +17,7 @@ def test_no_file_is_too_long_to_read_in_one_sitting():
 
 
 # GPU models and machine kinds: what a figure was measured on belongs in docs/, beside the figure.
-_MACHINES = re.compile(r"\b(?:[AHBL]\d{2,3}[A-Z]?|GB\d{3}|MI\d{3}X?|RTX ?\d{4})\b")
+_MACHINES = re.compile(r"\b(?:[AHBL][1-9]\d{1,2}[A-Z]?|GB\d{3}|MI\d{3}X?|RTX ?\d{4})\b")
 
 
 def test_no_machine_names_in_the_code():
