@@ -8,8 +8,9 @@ owns the engines (NVLink buffer, NVSHMEM buffer) and the communication stream th
 from __future__ import annotations
 
 from ..device import nvshmem
+from ..device.agreement import Agreement
 from ..device.gpus import current_device_id
-from ..device.group import Agreement, CommGroup
+from ..device.group import CommGroup
 from ..device.kernel_errors import KernelErrorRecord
 from ..device.streams import current_stream
 from ..errors import DeepEPTimeoutError

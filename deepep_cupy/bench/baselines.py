@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from ..device.group import init_torch_distributed
 from ..device.streams import external_stream
+from ..device.torch_dist import init_torch_distributed
 from .timing import row, time_op
 
 __all__ = ["run"]

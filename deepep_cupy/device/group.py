@@ -24,8 +24,7 @@ from abc import ABC, abstractmethod
 from ..errors import DeepEPTimeoutError
 from .kernel_errors import timeout_seconds
 
-__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "init_torch_distributed", "Agreement",
-           "disagreement", "timeout_error", "comm_barrier"]
+__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "disagreement", "timeout_error", "comm_barrier"]
 
 _TAGS = 1 << 15  # MPI guarantees at least 32767 tags; one tag per collective in flight is plenty
 
@@ -437,68 +436,3 @@ def comm_barrier(comm, op: str) -> None:
     if group is None or group.comm is not comm:
         group = _COMM_GROUPS[id(comm)] = MPIGroup(comm)
     group.barrier(op=op)
-
-
-def init_torch_distributed(comm, backend: str = "gloo", **kwargs) -> None:
-    """Start ``torch.distributed`` on the ranks of an mpi4py communicator within one host.
-
-    Rank 0 starts the rendezvous store on a loopback port the system picks and the others learn it through MPI
-    (a port found free and then bound by the store could be taken in between, by another process of the host:
-    the store then failed with EADDRINUSE and the other ranks waited for it). A store rank 0 cannot start is
-    raised on every rank; the stores and the process group keep torch's own time limits (the ranks of a
-    benchmark may reach their first collective minutes apart, one of them compiling kernels). Does nothing
-    when torch.distributed is already initialised. Used by tests and benchmarks that compare against torch
-    collectives.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    rank, size = comm.Get_rank(), comm.Get_size()
-    store, failure = None, None
-    if rank == 0:
-        try:
-            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
-        except Exception as exc:  # the others must hear of it instead of waiting for a store that never comes
-            failure = f"{type(exc).__name__}: {exc}"
-    port, failure = comm.bcast((store.port if store is not None else None, failure), root=0)
-    if failure is not None:
-        raise RuntimeError(f"torch.distributed on rank {rank}: rank 0 could not start the rendezvous store ({failure})")
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
-
-
-class Agreement:
-    """Checks, without waiting, that every rank passed equal ``fields`` (name -> int or bool) to ``op``.
-
-    Started when a rank makes a plan for a new set of values; :meth:`poll` looks at the gather and, once
-    every rank has joined, raises the same ``ValueError`` on every rank if they disagree. Nothing waits
-    for a rank that never joins (a dead or masked rank must not stop the others; the kernels' own
-    timeouts handle it).
-    """
-
-    def __init__(self, group: CommGroup, op: str, fields: dict) -> None:
-        self.op = op
-        self.names = list(fields)
-        self.request = group.start_allgather_ints([int(fields[n]) for n in self.names])
-
-    def poll(self) -> bool:
-        """True once complete (raising on disagreement); False while some rank has not joined."""
-        rows = self.request.test()
-        if rows is None:
-            return False
-        for i, name in enumerate(self.names):
-            seen = [row[i] for row in rows]
-            if any(v != seen[0] for v in seen):
-                raise disagreement(self.op, name, seen)
-        return True
-
-    def wait(self, seconds: float) -> bool:
-        """Poll for up to ``seconds`` (ranks making the same call normally join within microseconds)."""
-        deadline = time.monotonic() + seconds
-        while not self.poll():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.0001)
-        return True

@@ -85,7 +85,7 @@ def _torch_group():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     return torch, dist.group.WORLD

@@ -221,7 +221,7 @@ def test_torch_rendezvous_failure_reaches_every_rank(monkeypatch):
     pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     def no_store(*args, **kwargs):
         if kwargs.get("is_master"):
@@ -240,7 +240,7 @@ def test_torch_group_agrees_on_errors():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     buf = Buffer(dist.group.WORLD, backend="reference", num_nvl_bytes=NVL_BYTES)

@@ -28,7 +28,7 @@ E = 4 * COMM.Get_size()
 def groups():
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     return dist.group.WORLD, dist.new_group(backend="gloo")

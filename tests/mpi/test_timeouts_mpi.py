@@ -128,7 +128,7 @@ def test_torch_group_times_out():
     pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     buf = Buffer(dist.group.WORLD, backend="reference", num_nvl_bytes=NVL_BYTES)

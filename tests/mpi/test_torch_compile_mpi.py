@@ -331,7 +331,7 @@ def test_buffer_on_a_gloo_group():
     """A Buffer made on a torch.distributed (gloo) group compiles the same: both families in one graph."""
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     init_torch_distributed(COMM, "gloo")
     # A group of its own: its message tags start afresh on every rank, whatever other tests made before.

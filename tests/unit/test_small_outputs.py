@@ -26,13 +26,13 @@ def test_outputs_are_contiguous_tensors_of_their_shape(shape):
 
 def test_the_stride_cache_stays_bounded():
     """Received-row counts change per call: shapes past the cache's bound still get contiguous outputs."""
-    from deepep_cupy import frameworks
+    from deepep_cupy.frameworks import frames
 
     frame = _cpu_frame()
-    for rows in range(frameworks._MAX_CACHED_SHAPES + 20):
+    for rows in range(frames._MAX_CACHED_SHAPES + 20):
         t = frame.empty((rows, 3), BF16)
         assert tuple(t.shape) == (rows, 3) and t.is_contiguous()
-    assert len(frame._strides) == frameworks._MAX_CACHED_SHAPES
+    assert len(frame._strides) == frames._MAX_CACHED_SHAPES
 
 
 @pytest.mark.parametrize("e_local,slab,ranks,scales", [(144, 256, 2, 56), (1, 1, 1, 1), (3, 17, 5, 4)])
