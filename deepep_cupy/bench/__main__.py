@@ -4,7 +4,8 @@
 
 With no suite named, every suite runs (as with ``all``). ``compiled`` (torch.compile against eager calls,
 minutes of compiling) runs only when named; a difference or a compile error there makes the exit status
-non-zero.
+non-zero. Every suite needs a CUDA GPU per rank, except ``compiled``: without a GPU it runs on the NumPy
+reference backend (host times only).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import sys
 
-from ..device.gpus import no_gpu_reason
+from ..device.gpus import no_gpu_message
 from ..device.group import comm_barrier
 from ..tuning import gpu_model
 from . import targets
@@ -26,6 +27,8 @@ from .timing import format_table, parse_sm_counts, sm_counts
 SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
 #: Suites that run only when named (not in ``all``).
 OPT_IN = ("compiled",)
+#: Suites that also run without a GPU, on the NumPy reference backend.
+NO_GPU_SUITES = ("compiled",)
 DEFAULT_SUITE_TIMEOUT_S = 240.0
 
 _NAMES = SUITES + OPT_IN + ("all",)
@@ -33,61 +36,74 @@ _NAMES = SUITES + OPT_IN + ("all",)
 
 def command_line() -> argparse.ArgumentParser:
     """The benchmarks' command line; its defaults are the workloads the targets (:mod:`.targets`) were set for."""
-    p = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m deepep_cupy.bench", description=__doc__.replace("``", "'"),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     # No `choices` here: Python 3.11's argparse checks a `nargs="*"` positional's default (or the empty list)
     # against them and rejects a command line that names no suite. The names are checked in main() instead.
-    p.add_argument("suites", nargs="*", metavar="suite", help=f"one or more of {', '.join(_NAMES)} (default: all)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (normal kernels)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("suites", nargs="*", metavar="suite",
+                   help=f"one or more of {', '.join(_NAMES)} (default: all, which leaves out {', '.join(OPT_IN)})")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank, normal kernels (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size of the tokens (default: %(default)s)")
+    p.add_argument("--experts", type=int, default=256, help="experts, normal kernels (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default: %(default)s)")
     p.add_argument("--num-sms", type=parse_sm_counts, default=(24,), metavar="N[,N...]",
                    help="SMs of the normal kernels, one count or a comma list (8,12,24): the intranode suite "
-                        "and the internode suite run once per count (default 24)")
-    p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank (low-latency kernels)")
-    p.add_argument("--ll-experts", type=int, default=288)
-    p.add_argument("--quick", action="store_true", help="measure the library defaults only, no sweeps")
+                        "and the internode suite run once per count (default: 24)")
+    p.add_argument("--ll-tokens", type=int, default=128,
+                   help="tokens per rank, low-latency kernels (default: %(default)s)")
+    p.add_argument("--ll-experts", type=int, default=288,
+                   help="experts, low-latency kernels (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="measure the library defaults only, no sweeps (default: off)")
     p.add_argument("--compiled-steps", type=int, default=None,
-                   help="decode steps per timing loop of the compiled suite (default 200; training: a tenth)")
+                   help="decode steps per timing loop of the compiled suite (default: 200; training: a tenth)")
     p.add_argument("--suite-timeout", type=float, default=None,
-                   help=f"seconds before a hung suite is killed (default {DEFAULT_SUITE_TIMEOUT_S:g}; "
-                        "a suite may set its own)")
-    p.add_argument("--json", help="write all rows to this file")
-    p.add_argument("--plot", help="save a chart of the run to this PNG (each op next to the naive NCCL path and "
-                                  "the copy engine; python -m deepep_cupy.bench.plot redraws it from --json)")
+                   help=f"seconds before a hung suite is killed (default: {DEFAULT_SUITE_TIMEOUT_S:g}, "
+                        "or the suite's own)")
+    p.add_argument("--json", metavar="PATH", help="write all rows to this file (default: none written)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="save a chart of the run to this PNG (each op next to the naive NCCL path and the copy "
+                        "engine; python -m deepep_cupy.bench.plot redraws it from --json) (default: no chart)")
     return p
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = command_line()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     unknown = [name for name in args.suites if name not in _NAMES]
     if unknown:
         parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(_NAMES)}")
     named = tuple(dict.fromkeys(args.suites))
     suites = named if args.suites and "all" not in args.suites else \
         SUITES + tuple(name for name in named if name in OPT_IN)
-    reason = no_gpu_reason()
-    if reason:
+    no_gpu = no_gpu_message(f"the benchmarks (all but the {', '.join(NO_GPU_SUITES)} suite) need")
+    if no_gpu and any(name not in NO_GPU_SUITES for name in suites):
         # One line, no traceback: the usual cause is running it on a machine without GPUs.
-        sys.exit(f"{parser.prog}: the benchmarks need CUDA GPUs; {reason}")
+        sys.exit(f"{parser.prog}: {no_gpu}")
+    gpu = no_gpu is None
+    if not gpu:  # every suite named runs on the reference backend (also where a GPU is, but not CuPy)
+        os.environ.setdefault("DEEPEP_CUPY_BACKEND", "reference")
 
     os.environ.setdefault("DEEPEP_CUPY_VALIDATE", "0")
     for var in ("NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
         os.environ.setdefault(var, "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        sys.exit(f"{parser.prog}: needs mpi4py (pip install \"deepep_cupy[mpi]\") and a launch under mpirun")
 
     comm = MPI.COMM_WORLD
-    import cupy
+    if gpu:
+        import cupy
 
-    cupy.cuda.Device(comm.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
-    try:
-        import torch
+        cupy.cuda.Device(comm.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+        try:
+            import torch
 
-        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
-    except ImportError:
-        pass
+            torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+        except ImportError:
+            pass
 
     rows, fatal = [], []
     for suite in suites:
@@ -101,7 +117,8 @@ def main() -> None:
                     f"{args.experts} experts (low-latency: {args.ll_tokens} tokens, {args.ll_experts} experts)")
         print(f"\n{workload}")
         print(format_table(rows), flush=True)
-        why_not = targets.why_not_compared(comm.Get_size(), args, cupy.cuda.runtime.getDeviceCount())
+        why_not = targets.why_not_compared(comm.Get_size(), args, cupy.cuda.runtime.getDeviceCount()) if gpu \
+            else "no GPU: the reference backend ran"
         if why_not is None and all(entry["status"] == "not measured" for entry in targets.compare(rows)):
             why_not = "none of the suites run measures a tracked op"
         print(f"\n{targets.format_targets(rows)}" if why_not is None else f"\ntargets not compared: {why_not}", flush=True)
@@ -110,7 +127,8 @@ def main() -> None:
                 json.dump(rows, f, indent=1)
         if args.plot:
             try:
-                plot(rows, args.plot, title=f"{gpu_model() or 'GPU'}, {workload}")
+                where = (gpu_model() or "GPU") if gpu else "the reference backend (CPU)"
+                plot(rows, args.plot, title=f"{where}, {workload}")
             except ImportError as exc:  # the numbers are printed (and in --json) already
                 print(f"--plot skipped: {exc} (pip install matplotlib)", file=sys.stderr)
     if fatal:

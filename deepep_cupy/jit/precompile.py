@@ -8,7 +8,10 @@ Families: layout, intranode, internode, low_latency (default: all). A family's s
 module's ``representative_builds()`` returns. Each kernel is looked up in the cache first; a verified
 entry is counted as such, a missing or refused one (altered, damaged, not ours) is compiled, so running
 the command again repairs the cache. The cache is the one ``$DEEPEP_CUPY_CACHE_DIR`` names. No GPU is
-needed: the default architecture is that of the first visible GPU, else sm_90.
+needed: the default architecture is that of the first visible GPU, else sm_90. It needs NVRTC, nvJitLink
+and the CUDA, CCCL and NVSHMEM headers (``pip install "deepep_cupy[compile]"``, or the cuda13/cuda12
+extra); they are looked for once before any kernel, so a missing piece is one line, not one failure per
+kernel.
 
 Compiles run in worker processes, one per usable CPU: a compile is single-threaded CPU work, and processes
 share no NVRTC or nvJitLink state, so they need nothing from those libraries' thread safety (two threads
@@ -26,17 +29,21 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..ops import BUILD_MODULES
 from .cache import build_with_status, cache_dir, check_entry, entry_for
-from .compiler import first_device_arch, normalize_arch
+from .compiler import first_device_arch, normalize_arch, toolchain
 from .spec import BuildSpec
 
-__all__ = ["FAMILIES", "DEFAULT_ARCH", "Job", "Report", "family_specs", "default_arch", "plan", "run", "main"]
+__all__ = ["FAMILIES", "DEFAULT_ARCH", "COMPILE_INSTALL", "Job", "Report", "family_specs", "default_arch", "plan",
+           "missing_toolkit", "run", "main"]
 
 #: Kernel family -> the module whose ``representative_builds()`` lists its shipped kernels (imported lazily).
 FAMILIES = BUILD_MODULES
 DEFAULT_ARCH = "sm_90"
+#: What installs NVRTC, nvJitLink and the headers the kernels compile with, without CuPy or a GPU.
+COMPILE_INSTALL = 'pip install "deepep_cupy[compile]" (or the cuda13 or cuda12 extra, which include it)'
 _FAILURE_LINES = 30  # of a failure's message (compiler log, source lines) repeated after the summary
 
 
@@ -87,6 +94,37 @@ def plan(families: Sequence[str], archs: Sequence[str]) -> list[Job]:
             for arch in archs:
                 jobs.setdefault((spec, arch), Job(family, spec, arch))
     return list(jobs.values())
+
+
+def missing_toolkit(jobs: Sequence[Job]) -> list[str]:
+    """The pieces ``jobs`` need that cannot be found: NVRTC and the CUDA and CCCL headers, and for kernels
+    that link NVSHMEM, nvJitLink, NVSHMEM's headers and ``libnvshmem_device.a``. Empty when nothing is missing.
+
+    The libraries are looked for with the loader ``cuda.bindings`` loads them with (``cuda.pathfinder``).
+    """
+    nvshmem = any(job.spec.nvshmem for job in jobs)
+    missing = []
+    try:
+        from cuda import pathfinder
+    except ImportError:
+        missing.append("cuda.pathfinder")
+    else:
+        not_found = tuple(getattr(pathfinder, name) for name in ("DynamicLibNotFoundError",
+                                                                 "DynamicLibNotAvailableError")
+                          if hasattr(pathfinder, name))
+        for lib in ("nvrtc", "nvJitLink") if nvshmem else ("nvrtc",):
+            try:
+                pathfinder.load_nvidia_dynamic_lib(lib)
+            except not_found:
+                missing.append(f"lib{lib}.so")
+    tc = toolchain()
+    if not any(Path(d, "cuda_runtime.h").is_file() for d in tc.cuda_include_dirs):
+        missing.append("the CUDA headers (cuda_runtime.h)")
+    if not any(Path(d, "cuda", "std", "cstdint").is_file() for d in tc.cuda_include_dirs):
+        missing.append("the CCCL headers (cuda/std/cstdint)")
+    if nvshmem and not (tc.nvshmem_include_dir and tc.nvshmem_device_lib):
+        missing.append("the NVSHMEM headers and libnvshmem_device.a")
+    return missing
 
 
 def _build(job: Job) -> tuple[bool, str | None, float]:
@@ -191,8 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``precompile`` command; returns the exit status (1 when a kernel failed to compile)."""
     parser = argparse.ArgumentParser(
         prog="python -m deepep_cupy.jit precompile",
-        description="Compile deepep_cupy's kernels into the kernel cache ($DEEPEP_CUPY_CACHE_DIR); entries "
-        "already there are verified, and rebuilt when they fail their checks.",
+        description="Compile deepep_cupy's kernels into the kernel cache ($DEEPEP_CUPY_CACHE_DIR) ahead of "
+        "time, so that the first call of each op does not wait for NVRTC; entries already there are verified, "
+        "and rebuilt when they fail their checks. It needs no GPU, but NVRTC, nvJitLink and the CUDA headers: "
+        f"{COMPILE_INSTALL}.",
     )
     parser.add_argument("families", nargs="*", metavar="family",
                         help=f"kernel families to compile: {', '.join(FAMILIES)} (default: all)")
@@ -219,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, AttributeError) as exc:  # a family module moved or lost representative_builds()
         print(f"precompile: cannot list the kernels of {', '.join(families)}: {exc}", file=sys.stderr)
         return 2
+    missing = missing_toolkit(jobs)
+    if missing:  # every kernel would fail the same way: say it once, with the fix
+        print(f"precompile: cannot compile, not found: {', '.join(missing)}; {COMPILE_INSTALL}", file=sys.stderr)
+        return 1
     print(f"precompile: {len(jobs)} kernels of {', '.join(families)} for {', '.join(archs)} into {cache_dir()}",
           flush=True)
     report = run(jobs, args.jobs)

@@ -26,7 +26,7 @@ from ..bench.intranode import routing, slowest
 from ..bench.timing import time_op
 from ..buffer import Buffer
 from ..config import Config
-from ..device.gpus import no_gpu_reason
+from ..device.gpus import no_gpu_message
 from ..device.group import comm_barrier
 
 __all__ = ["main", "parse_args", "plan_points", "choose", "builtin_configs", "Progress"]
@@ -52,29 +52,34 @@ def _csv(values) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.replace("``", "'"),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Run it under mpirun with one rank per GPU of one node, e.g. "
                                             f"`mpirun -np 8 {PROG} --hidden 7168`.")
-    parser.add_argument("--hidden", type=int, default=7168, help="hidden size of the tokens (BF16)")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=7168,
+                        help="hidden size of the tokens (BF16) (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default: %(default)s)")
+    parser.add_argument("--experts", type=int, default=256, help="experts (default: %(default)s)")
+    parser.add_argument("--topk", type=int, default=8, help="experts per token (default: %(default)s)")
     parser.add_argument("--sms", type=_int_list, default=DEFAULT_SMS,
-                        help=f"SM counts to try, even (default {_csv(DEFAULT_SMS)}); the SMs the kernels take are "
+                        help=f"SM counts to try, even (default: {_csv(DEFAULT_SMS)}); the SMs the kernels take are "
                              "not free for the compute kernels they overlap")
     parser.add_argument("--send", type=_int_list, default=DEFAULT_SEND,
-                        help=f"send chunks (tokens per published batch) to try (default {_csv(DEFAULT_SEND)})")
+                        help=f"send chunks (tokens per published batch) to try (default: {_csv(DEFAULT_SEND)})")
     parser.add_argument("--recv", type=_int_list, default=DEFAULT_RECV,
-                        help=f"receive ring capacities (tokens) to try (default {_csv(DEFAULT_RECV)}); larger ones "
+                        help=f"receive ring capacities (tokens) to try (default: {_csv(DEFAULT_RECV)}); larger ones "
                              "need a larger num_nvl_bytes")
     parser.add_argument("--sm-tolerance", type=float, default=0.02,
                         help="take the fewest SMs whose dispatch + combine time is within this fraction of the "
-                             "best (default 0.02)")
-    parser.add_argument("--iters", type=int, default=20, help="timed runs per point")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed runs per point")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds before a hung sweep is killed")
-    parser.add_argument("--dry-run", action="store_true", help="print the best configs without storing them")
-    parser.add_argument("--show", action="store_true", help="print the stored configs and exit (no GPU needed)")
+                             "best (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=20, help="timed runs per point (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs per point (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds before a hung sweep is killed (default: %(default)g)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the best configs without storing them (default: off)")
+    parser.add_argument("--show", action="store_true",
+                        help="print the stored configs and exit, no GPU needed (default: off)")
     args = parser.parse_args(argv)
     odd = [s for s in args.sms if s % 2]
     if odd:
@@ -274,10 +279,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.show:
         return show()
-    reason = no_gpu_reason()
-    if reason:
+    no_gpu = no_gpu_message("tuning (all but --show) needs")
+    if no_gpu:
         # One line, no traceback: the usual cause is running it on a machine without GPUs.
-        sys.exit(f"{PROG}: tuning needs CUDA GPUs; {reason}")
+        sys.exit(f"{PROG}: {no_gpu}")
     try:
         from mpi4py import MPI
     except ImportError:
