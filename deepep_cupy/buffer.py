@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import checks
 from .buffer_low_latency import LowLatencyOps
-from .compile import tracing_check
+from .custom_ops import tracing_check
 from .config import Config, low_latency_rdma_size_hint
 from .event import EventHandle, EventOverlap
 from .frameworks import I32, I64, meta, shape_of
@@ -19,7 +19,7 @@ from .tuning import tuned_config
 
 __all__ = ["Buffer"]
 
-# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.compile's custom ops).
+# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.custom_ops's custom ops).
 _compiling = tracing_check(globals())
 
 
@@ -145,7 +145,7 @@ class Buffer(LowLatencyOps):
             event: an ``EventOverlap`` (meaningful with ``async_finish``).
         """
         if _compiling():  # torch.compile
-            from .compile import normal as traced
+            from .custom_ops import normal as traced
             return traced.get_dispatch_layout(self, topk_idx, num_experts, previous_event)
         with self._frames.layout:
             # The type too: 8.0 == 8, and a float must not find the plan an int made (its checks refuse it).
@@ -197,7 +197,7 @@ class Buffer(LowLatencyOps):
             event: an ``EventOverlap``.
         """
         if _compiling():  # torch.compile
-            from .compile import normal as traced
+            from .custom_ops import normal as traced
             return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                    num_worst_tokens, config, previous_event)
@@ -265,7 +265,7 @@ class Buffer(LowLatencyOps):
             event: an ``EventOverlap``.
         """
         if _compiling():  # torch.compile
-            from .compile import normal as traced
+            from .custom_ops import normal as traced
             return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         with self._frames.combine:
             if self._num_rdma_ranks > 1:
@@ -304,7 +304,7 @@ class Buffer(LowLatencyOps):
         ``dispatch`` calls this by itself when the group spans more than one NVLink domain.
         """
         if _compiling():  # torch.compile
-            from .compile import normal as traced
+            from .custom_ops import normal as traced
             return traced.dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                    num_worst_tokens, config, previous_event)
@@ -321,7 +321,7 @@ class Buffer(LowLatencyOps):
                           allocate_on_comm_stream: bool = False):
         """Combine across NVLink domains; see ``combine``."""
         if _compiling():  # torch.compile
-            from .compile import normal as traced
+            from .custom_ops import normal as traced
             return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         with self._frames.combine:
             self._internode_ready("internode_combine")

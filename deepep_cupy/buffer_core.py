@@ -14,14 +14,14 @@ import weakref
 
 from . import checks
 from .backends import choose_backend, make_backend
-from .compile import outside, tracing_check
-from .compile import register as register_for_compile
+from .custom_ops import outside, tracing_check
+from .custom_ops import register as register_for_compile
 from .device.group import make_group
 from .frameworks import plain_torch
 
 __all__ = ["BufferCore", "OpFrame"]
 
-# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.compile's custom ops).
+# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.custom_ops's custom ops).
 _compiling = tracing_check(globals())
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from . import checks
 from .buffer_core import BufferCore
-from .compile import outside, tracing_check
+from .custom_ops import outside, tracing_check
 from .frameworks import I32, meta
 from .ops.handles import device_handle_values, ll_handle_meta
 from .ops.plan import lookup, store
 
 __all__ = ["LowLatencyOps"]
 
-# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.compile's custom ops).
+# torch.compile: True only while dynamo traces a call (then the call goes to deepep_cupy.custom_ops's custom ops).
 _compiling = tracing_check(globals())
 
 
@@ -75,7 +75,7 @@ class LowLatencyOps(BufferCore):
             hook: receive function with ``return_recv_hook``, else None.
         """
         if _compiling():  # torch.compile
-            from .compile import low_latency as traced
+            from .custom_ops import low_latency as traced
             return traced.low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
@@ -128,7 +128,7 @@ class LowLatencyOps(BufferCore):
             hook: receive function with ``return_recv_hook``, else None.
         """
         if _compiling():  # torch.compile
-            from .compile import low_latency as traced
+            from .custom_ops import low_latency as traced
             return traced.low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                               async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
         with self._frames.low_latency_combine:
@@ -153,7 +153,7 @@ class LowLatencyOps(BufferCore):
         """The buffer the next ``low_latency_combine(..., zero_copy=True)`` sends from:
         `[num_local_experts, num_ranks * T, hidden]` bf16, for the caller to fill."""
         if _compiling():  # torch.compile
-            from .compile import low_latency as traced
+            from .custom_ops import low_latency as traced
             return traced.get_next_low_latency_combine_buffer(self, handle)
         self._alive()
         self._ll_required("get_next_low_latency_combine_buffer")

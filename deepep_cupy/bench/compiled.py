@@ -232,7 +232,7 @@ def decode(env, buf, args, report) -> None:
     import torch
     from torch._dynamo.utils import counters
 
-    from ..compile import low_latency as traced
+    from ..custom_ops import low_latency as traced
 
     t, h, e, k = int(args.ll_tokens), int(args.hidden), int(args.ll_experts), int(args.topk)
     name = f"decode: LL dispatch FP8 + combine, {t} x {h}, top-{k} of {e}"
@@ -274,7 +274,7 @@ def decode(env, buf, args, report) -> None:
 def training(env, buf, args, report) -> None:
     import torch
 
-    from ..compile import normal as traced
+    from ..custom_ops import normal as traced
 
     n, h, e, k = int(args.tokens), int(args.hidden), int(args.experts), int(args.topk)
     worst = n * env.size
@@ -329,7 +329,7 @@ def normal_op_pairs(env, buf, args) -> list:
     training shape; a maker runs right before its call is timed."""
     import torch
 
-    from ..compile import normal as traced
+    from ..custom_ops import normal as traced
 
     ops, bid = torch.ops.deepep_cupy, int(buf._compiled_op_key)
     n, e, worst = int(args.tokens), int(args.experts), int(args.tokens) * env.size
@@ -364,7 +364,7 @@ def low_latency_op_pairs(env, buf, args) -> list:
     dispatch made right before (by the Buffer, or by the custom op: its views, as compiled code has them)."""
     import torch
 
-    from ..compile import low_latency as traced
+    from ..custom_ops import low_latency as traced
 
     ops, bid = torch.ops.deepep_cupy, int(buf._compiled_op_key)
     t, h, e = int(args.ll_tokens), int(args.hidden), int(args.ll_experts)

@@ -57,7 +57,7 @@ def training_inputs(gen, device, tokens, hidden, num_experts, topk):
 def decode_step(dispatch, combine, t_max: int, num_experts: int):
     """DeepEP's decode step: FP8 low-latency dispatch, then the combine of the experts' outputs.
     ``dispatch`` and ``combine`` take the Buffer methods' arguments (the methods, or the custom-op
-    functions of :mod:`deepep_cupy.compile.low_latency` bound to the Buffer)."""
+    functions of :mod:`deepep_cupy.custom_ops.low_latency` bound to the Buffer)."""
     def step(x, idx, w, expert_out):
         (recv, scales), count, handle, _, _ = dispatch(x, idx, t_max, num_experts, use_fp8=True)
         combined, _, _ = combine(expert_out, idx, w, handle)

@@ -78,6 +78,6 @@ def test_torch_version_is_one_number():
     floor = spec.removeprefix("torch>=")
     assert f"torch {floor} or later" in (ROOT / "docs" / "frameworks.md").read_text()
     assert f"PyTorch ≥ {floor}" in _readme()
-    from deepep_cupy.compile import common
+    from deepep_cupy.custom_ops import common
 
     assert f"torch >= {floor}" in Path(common.__file__).read_text()

@@ -20,9 +20,9 @@ from thread_group import ThreadGroup, _Shared  # noqa: E402
 import deepep_cupy.buffer as buffer_module  # noqa: E402
 import deepep_cupy.buffer_low_latency as ll_module  # noqa: E402
 from deepep_cupy import Buffer, EventOverlap  # noqa: E402
-from deepep_cupy.compile import common, tracing_check  # noqa: E402
-from deepep_cupy.compile import low_latency as traced_ll  # noqa: E402
-from deepep_cupy.compile import normal as traced_normal  # noqa: E402
+from deepep_cupy.custom_ops import common, tracing_check  # noqa: E402
+from deepep_cupy.custom_ops import low_latency as traced_ll  # noqa: E402
+from deepep_cupy.custom_ops import normal as traced_normal  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 T, H, E, K = 6, 512, 4, 2
