@@ -7,9 +7,10 @@ imports the CUDA one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
-from ..device.gpus import gpu_count
+from ..device.gpus import GPU_INSTALL, gpu_count
 from .base import Backend
 
 __all__ = ["Backend", "choose_backend", "make_backend"]
@@ -33,7 +34,11 @@ def choose_backend(requested: str | None) -> str:
     if choice not in ("auto", "cuda", "reference"):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {choice!r}")
     if choice == "auto":
-        return "cuda" if gpu_count() > 0 else "reference"
-    if choice == "cuda" and gpu_count() == 0:
+        choice = "cuda" if gpu_count() > 0 else "reference"
+    elif choice == "cuda" and gpu_count() == 0:
         raise RuntimeError("backend='cuda' was requested but no CUDA GPU is visible")
+    if choice == "cuda" and importlib.util.find_spec("cupy") is None:
+        # A GPU without the CUDA extra: say so here rather than fail on CuPy's import inside the backend.
+        raise ImportError(f"a CUDA GPU is visible but CuPy is not installed: {GPU_INSTALL}; or run on the NumPy "
+                          "reference backend with backend='reference' (or DEEPEP_CUPY_BACKEND=reference)")
     return choice

@@ -267,3 +267,19 @@ def test_a_strided_torch_argument_names_contiguous():
             buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
                          num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=weights)
     assert _errors(1, fn, num_nvl_bytes=NVL) == [None]
+
+
+@pytest.mark.parametrize("requested", [None, "cuda"])
+def test_a_gpu_without_cupy_names_the_extra(requested, monkeypatch):
+    import importlib.util
+
+    from deepep_cupy import backends
+
+    monkeypatch.delenv("DEEPEP_CUPY_BACKEND", raising=False)
+    monkeypatch.setattr(backends, "gpu_count", lambda: 1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cupy" else real(name, *a))
+    with pytest.raises(ImportError, match=r"^a CUDA GPU is visible but CuPy is not installed: pip install "
+                                          r"\"deepep_cupy\[cuda13\]\".*backend='reference'"):
+        backends.choose_backend(requested)
+    assert backends.choose_backend("reference") == "reference"
