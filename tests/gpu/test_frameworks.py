@@ -37,7 +37,7 @@ def env():
     """This rank's GPU, ``deep_ep`` through the alias, and the groups: NCCL (Megatron-Core, SGLang), gloo (vLLM)."""
     import torch.distributed as dist
 
-    from deepep_cupy.device.group import init_torch_distributed
+    from deepep_cupy.device.torch_dist import init_torch_distributed
 
     state = bind_rank()
     with pytest.MonkeyPatch.context() as mp, deep_ep_alias() as deep_ep:
