@@ -154,6 +154,24 @@ def bind_rank() -> dict:
     return {"rank": rank, "size": size, "dev": dev, "deepep_cupy": deepep_cupy}
 
 
+def ranks_share_a_gpu(dev: int) -> bool:
+    """Whether some GPU serves more than one rank of the MPI world (several ranks on one device, as under
+    MPS), where NCCL refuses to run ("Duplicate GPU detected"); collective. GPUs are told apart as NCCL
+    tells them apart, by host and PCI bus id, all-gathered over MPI."""
+    import socket
+
+    import cupy
+
+    seen = COMM.allgather((socket.gethostname(), cupy.cuda.runtime.deviceGetPCIBusId(dev)))
+    return len(set(seen)) < len(seen)
+
+
+def device_group_backend(dev: int) -> str:
+    """The torch.distributed backend of a group whose collectives run on the GPUs: "nccl", or "gloo" where
+    ranks share a GPU (ranks_share_a_gpu; collective)."""
+    return "gloo" if ranks_share_a_gpu(dev) else "nccl"
+
+
 @contextlib.contextmanager
 def collective_buffer(**kwargs):
     """A ``deepep_cupy.Buffer(comm=COMM, explicitly_destroy=True, **kwargs)``, destroyed at the end once every

@@ -8,7 +8,10 @@ between replays as SGLang's AUTO mode does. High-throughput ops are never captur
 
 Run on every rank:  mpirun -np 2 python -m pytest tests/gpu/test_frameworks.py -q
 Skips without a GPU, with fewer than 2 ranks, when torch has no CUDA; low-latency cases also without
-nvshmem4py. Groups are built as the frameworks build them: NCCL for Megatron-Core and SGLang, gloo for vLLM.
+nvshmem4py. Groups are built as the frameworks build them: NCCL for Megatron-Core and SGLang, gloo for vLLM;
+where ranks share a GPU (several ranks on one device, as under MPS), which NCCL refuses, Megatron-Core's and
+SGLang's group is a gloo group too (the library's collectives over a group are object collectives, which
+both backends carry).
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ import os
 
 import numpy as np
 import pytest
-from gpu_common import COMM, MULTI_RANK_GPU, TEST_TIMEOUT_S, bind_rank, bits, sync, together
+from gpu_common import (
+    COMM,
+    MULTI_RANK_GPU,
+    TEST_TIMEOUT_S,
+    bind_rank,
+    bits,
+    device_group_backend,
+    sync,
+    together,
+)
 from ll_common import NEEDS_NVSHMEM
 
 torch = pytest.importorskip("torch")
@@ -34,7 +46,8 @@ REPLAYS = 3
 
 @pytest.fixture(scope="module")
 def env():
-    """This rank's GPU, ``deep_ep`` through the alias, and the groups: NCCL (Megatron-Core, SGLang), gloo (vLLM)."""
+    """This rank's GPU, ``deep_ep`` through the alias, and the groups: ``group`` Megatron-Core's and SGLang's
+    (NCCL, or gloo where ranks share a GPU: ``backend`` says which), ``gloo`` vLLM's (the world)."""
     import torch.distributed as dist
 
     from deepep_cupy.device.torch_dist import init_torch_distributed
@@ -44,7 +57,10 @@ def env():
         mp.setenv("DEEPEP_CUPY_TIMEOUT_S", TEST_TIMEOUT_S)
         size = state["size"]
         init_torch_distributed(COMM, "gloo")
-        yield {"deep_ep": deep_ep, "nccl": dist.new_group(backend="nccl"), "gloo": dist.group.WORLD,
+        backend = device_group_backend(state["dev"])
+        group = dist.new_group(backend=backend)
+        assert dist.get_backend(group) == backend, f"asked for a {backend} group, got {dist.get_backend(group)}"
+        yield {"deep_ep": deep_ep, "group": group, "backend": backend, "gloo": dist.group.WORLD,
                "size": size, "experts": 4 * size}
 
 
@@ -106,7 +122,7 @@ def test_megatron_forward_backward(env, async_finish, side_stream):
     def scenario(device):
         stream = torch.cuda.Stream() if side_stream and device == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            mb = M.train_step(env["deep_ep"], env["nccl"], seed=3 + async_finish, device=device,
+            mb = M.train_step(env["deep_ep"], env["group"], seed=3 + async_finish, device=device,
                               num_experts=env["experts"], async_finish=async_finish, skip_last_rank=async_finish)
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)
@@ -116,7 +132,7 @@ def test_megatron_forward_backward(env, async_finish, side_stream):
 
 
 def test_megatron_interleaved_micro_batches(env):
-    together(lambda: M.interleaved_micro_batches(env["deep_ep"], env["nccl"], seed=21, device="cuda",
+    together(lambda: M.interleaved_micro_batches(env["deep_ep"], env["group"], seed=21, device="cuda",
                                                  num_experts=env["experts"]))
 
 
@@ -124,10 +140,10 @@ def test_megatron_interleaved_micro_batches(env):
 @pytest.mark.parametrize("fp8,alignment", [(False, 1), (True, 128)])
 def test_sglang_normal(env, fp8, alignment):
     def scenario(device):
-        buffer = S.sglang_buffer(env["deep_ep"], env["nccl"], S.NORMAL, hidden=H_NORMAL, num_experts=env["experts"],
+        buffer = S.sglang_buffer(env["deep_ep"], env["group"], S.NORMAL, hidden=H_NORMAL, num_experts=env["experts"],
                                  param_bytes=1 if fp8 else 2)
         try:
-            return S.sglang_normal_round(env["deep_ep"], buffer, _inputs(env, env["nccl"], 1, H_NORMAL), device,
+            return S.sglang_normal_round(env["deep_ep"], buffer, _inputs(env, env["group"], 1, H_NORMAL), device,
                                          fp8=fp8, column_major=fp8, alignment=alignment)
         finally:
             buffer.destroy()
@@ -140,17 +156,17 @@ def test_sglang_normal(env, fp8, alignment):
     (True, False, False, False, False), (False, True, False, False, True), (True, True, True, True, False)])
 def test_sglang_low_latency(env, hook, fp8, round_scale, use_ue8m0, zero_copy):
     def scenario(device):
-        buffer = S.sglang_buffer(env["deep_ep"], env["nccl"], S.AUTO, hidden=H_LL, num_experts=env["experts"],
+        buffer = S.sglang_buffer(env["deep_ep"], env["group"], S.AUTO, hidden=H_LL, num_experts=env["experts"],
                                  num_max_dispatch_tokens_per_rank=T)
         try:
-            out = S.sglang_normal_round(env["deep_ep"], buffer, _inputs(env, env["nccl"], 1, H_LL), device)
+            out = S.sglang_normal_round(env["deep_ep"], buffer, _inputs(env, env["group"], 1, H_LL), device)
             buffer.clean_low_latency_buffer(T, H_LL, env["experts"])
             out.update(S.sglang_low_latency_round(
-                env["deep_ep"], buffer, _inputs(env, env["nccl"], 2, H_LL), device,
+                env["deep_ep"], buffer, _inputs(env, env["group"], 2, H_LL), device,
                 num_max_dispatch_tokens_per_rank=T, hook=hook, fp8=fp8, round_scale=round_scale,
                 use_ue8m0=use_ue8m0, zero_copy=zero_copy))
-            out.update(S.sglang_two_batch_overlap(env["deep_ep"], buffer, _inputs(env, env["nccl"], 3, H_LL),
-                                                  _inputs(env, env["nccl"], 4, H_LL), device,
+            out.update(S.sglang_two_batch_overlap(env["deep_ep"], buffer, _inputs(env, env["group"], 3, H_LL),
+                                                  _inputs(env, env["group"], 4, H_LL), device,
                                                   num_max_dispatch_tokens_per_rank=T))
             return out
         finally:
@@ -227,7 +243,7 @@ def test_decode_step_in_cuda_graph(env, hook, out):
     replay on new inputs; between replays a normal round and ``clean_low_latency_buffer`` (AUTO mode)."""
     from graph_common import warm_up
 
-    deep_ep, group, experts = env["deep_ep"], env["nccl"], env["experts"]
+    deep_ep, group, experts = env["deep_ep"], env["group"], env["experts"]
     fixed = {"n": lambda r: num_tokens(r) or 1}  # shapes never change while a graph is alive
     buffer = S.sglang_buffer(deep_ep, group, S.AUTO, hidden=H_LL, num_experts=experts,
                              num_max_dispatch_tokens_per_rank=T)

@@ -32,10 +32,61 @@ def test_sglang_imports(deep_ep):
     assert Buffer is deep_ep.Buffer and Config is deep_ep.Config
 
 
+@pytest.mark.parametrize("param_bytes", [1, 2])
 @pytest.mark.parametrize("mode", [S.NORMAL, S.LOW_LATENCY, S.AUTO])
-def test_sglang_buffer_sizing(deep_ep, mode):
-    run_ranks(2, lambda g: S.sglang_buffer(deep_ep, g, mode, hidden=H_LL, num_experts=E, param_bytes=1,
-                                           num_max_dispatch_tokens_per_rank=T))
+def test_sglang_buffer_sizing(deep_ep, mode, param_bytes):
+    """SGLang's sizes are what the Buffer gets: ``num_nvl_bytes`` the larger of the recommended dispatch and
+    combine configs' NVLink hints for rows of ``hidden * param_bytes`` bytes (normal and auto modes, else 0),
+    ``num_rdma_bytes`` the low-latency hint (low-latency and auto modes; the configs' RDMA hint is 0 on one
+    NVLink domain). They suffice: a normal round at that hidden size (FP8 rows where sized for one byte)
+    and a low-latency round of T tokens on every rank go through. Below them the ops refuse with a
+    ValueError naming the size: a normal dispatch with a 4 KiB NVLink buffer (naming SGLang's hint, and a
+    need no larger than it), a low-latency dispatch with one byte less than the hint (which it names as the
+    need); a part SGLang sized 0 refuses its ops."""
+    import re
+
+    Buffer = deep_ep.Buffer
+    normal, low_latency = mode in (S.NORMAL, S.AUTO), mode in (S.LOW_LATENCY, S.AUTO)
+    fp8 = param_bytes == 1
+
+    def rank(g):
+        dispatch_config, combine_config = Buffer.get_dispatch_config(g.size), Buffer.get_combine_config(g.size)
+        hints = [c.get_nvl_buffer_size_hint(H_LL * param_bytes, g.size) for c in (dispatch_config, combine_config)]
+        nvl_hint, ll_hint = max(hints), Buffer.get_low_latency_rdma_size_hint(T, H_LL, g.size, E)
+        assert nvl_hint > 0 and ll_hint > 0
+        assert [c.get_rdma_buffer_size_hint(H_LL * param_bytes, g.size) for c in (dispatch_config, combine_config)] \
+            == [0, 0]
+        buffer = S.sglang_buffer(deep_ep, g, mode, hidden=H_LL, num_experts=E, param_bytes=param_bytes,
+                                 num_max_dispatch_tokens_per_rank=T)
+        assert (buffer.num_nvl_bytes, buffer.num_rdma_bytes) == (nvl_hint if normal else 0,
+                                                                 ll_hint if low_latency else 0)
+        if normal:
+            S.sglang_normal_round(deep_ep, buffer, _inputs(g, 1, H_LL), "cpu", fp8=fp8)
+            if low_latency:
+                buffer.clean_low_latency_buffer(T, H_LL, E)
+        else:
+            with pytest.raises(RuntimeError, match="num_nvl_bytes > 0"):
+                S.sglang_normal_round(deep_ep, buffer, _inputs(g, 1, H_LL), "cpu", fp8=fp8)
+        full = _inputs(g, 2, H_LL, n=lambda r: T)
+        if low_latency:
+            S.sglang_low_latency_round(deep_ep, buffer, full, "cpu", num_max_dispatch_tokens_per_rank=T)
+        else:
+            with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+                S.sglang_low_latency_round(deep_ep, buffer, full, "cpu", num_max_dispatch_tokens_per_rank=T)
+        if normal:
+            small = Buffer(g, 4096, buffer.num_rdma_bytes, low_latency_mode=low_latency)
+            with pytest.raises(ValueError, match=re.escape(
+                    f"num_nvl_bytes=4096 (Config.get_nvl_buffer_size_hint gives {hints[0]})")) as refused:
+                S.sglang_normal_round(deep_ep, small, _inputs(g, 1, H_LL), "cpu", fp8=fp8)
+            need = int(re.search(r"dispatch needs (\d+) bytes", str(refused.value)).group(1))
+            assert 4096 < need <= nvl_hint, f"need {need}, SGLang's size {nvl_hint}"
+        if low_latency:
+            small = Buffer(g, buffer.num_nvl_bytes, ll_hint - 1, low_latency_mode=True)
+            with pytest.raises(ValueError, match=re.escape(f"num_rdma_bytes={ll_hint - 1} is too small")
+                               + f".* need {ll_hint} "):
+                S.sglang_low_latency_round(deep_ep, small, full, "cpu", num_max_dispatch_tokens_per_rank=T)
+
+    run_ranks(2, rank)
 
 
 @pytest.mark.parametrize("size,fp8,column_major,alignment,json_config", [

@@ -78,6 +78,5 @@ def test_torch_version_is_one_number():
     floor = spec.removeprefix("torch>=")
     assert f"torch {floor} or later" in (ROOT / "docs" / "frameworks.md").read_text()
     assert f"PyTorch ≥ {floor}" in _readme()
-    from deepep_cupy.custom_ops import common
-
-    assert f"torch >= {floor}" in Path(common.__file__).read_text()
+    # Read as text: importing the module needs torch, which the suite's first pass runs without.
+    assert f"torch >= {floor}" in (ROOT / "deepep_cupy" / "custom_ops" / "common.py").read_text()
