@@ -126,12 +126,13 @@ def _floors(torch, cupy, stream, tensor, host_us, calls) -> list[str]:
     """Per-call cost of the primitives a call is made of."""
     from cuda.bindings import driver
 
-    from deepep_cupy.device.launch import LaunchPlan
+    from deepep_cupy.device.launch import ArgStruct, LaunchPlan
     from deepep_cupy.frameworks import meta
 
-    kernel = cupy.RawKernel("extern \"C\" __global__ void nop(long long a, int b) {}", "nop")
+    kernel = cupy.RawKernel("struct A { long long a; int b; };\n"
+                            "extern \"C\" __global__ void nop(const __grid_constant__ A args) {}", "nop")
     kernel.compile()
-    plan = LaunchPlan(kernel, 1, 32, [("a", "i64", 0), ("b", "i32", 0)])
+    plan = LaunchPlan(kernel, 1, 32, ArgStruct("A", [("a", "i64"), ("b", "i32")]), {"a": 0, "b": 0})
     function = driver.CUfunction(int(kernel.kernel.ptr))
     key = (meta(tensor), 128, 288, None, None, True, False, False, False, False)
     cache = {key: 1}

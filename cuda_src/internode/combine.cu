@@ -37,35 +37,6 @@
 
 namespace deepep_cupy::internode {
 
-struct CombineArgs {
-    const int4* x;
-    const float* topk_weights;
-    int num_topk;
-    const int4* bias_0;
-    const int4* bias_1;
-    const int* recv_rdma_cpm;     // entry 3 [D, C], inclusive
-    const int* recv_rdma_prefix;  // entry 4 [D]
-    const int* recv_gbl_cpm;      // entry 5 [R, C], row where (source, channel) starts
-    const int* recv_gbl_prefix;   // entry 6 [R]
-    const int* send_rdma_head;    // entry 8 [N, D]
-    const int* send_nvl_head;     // entry 9 [F, L]
-    int num_tokens, hidden_int4;
-    int4* combined_x;
-    float* combined_topk_weights;
-    uint8_t* rdma;
-    long long ring_offset;
-    int slot_bytes, slot_topk_weights_offset;
-    int rdma_cap, rdma_chunk;
-    uint8_t* sig;
-    const long long* nvl_bases;
-    long long nvl_ring_offset;
-    int nvl_cap, num_channels;
-    long long* state;
-    int rank;
-    int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores
-};
-
-
 template <int L, int D>
 struct CombineGeometry {
     const CombineArgs& a;
@@ -115,7 +86,7 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
         if (!ok) break;
         uint8_t* dst = g.nvl_slot(l, c, me, ds, k);
         const long long row = row0 + k;
-        warp_copy_nc(reinterpret_cast<int4*>(dst + 16), a.x + row * a.hidden_int4, a.hidden_int4, lane);
+        warp_copy_nc(reinterpret_cast<int4*>(dst + kSlotHeaderBytes), a.x + row * a.hidden_int4, a.hidden_int4, lane);
         if (a.topk_weights != nullptr) {
             float* ws = reinterpret_cast<float*>(dst + a.slot_topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) ws[q] = a.topk_weights[row * a.num_topk + q];
@@ -137,10 +108,10 @@ __device__ __forceinline__ void forward_row(const CombineArgs& a, uint8_t* out, 
     const bool weighted = a.topk_weights != nullptr && has_row;
     const float w0 = weighted && lane < a.num_topk ? ld_cg_f32(weights + lane) : 0.f;
     if (row != nullptr) {
-        warp_copy_nc(reinterpret_cast<int4*>(out + 16), row, a.hidden_int4, lane);
+        warp_copy_nc(reinterpret_cast<int4*>(out + kSlotHeaderBytes), row, a.hidden_int4, lane);
     } else {
         const int4* const none[1] = {nullptr};
-        warp_sum_rows<1, kRegisters>(reinterpret_cast<int4*>(out + 16), none, nullptr, nullptr, a.hidden_int4, lane);
+        warp_sum_rows<1, kRegisters>(reinterpret_cast<int4*>(out + kSlotHeaderBytes), none, nullptr, nullptr, a.hidden_int4, lane);
     }
     if (a.topk_weights != nullptr) {
         float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
@@ -309,7 +280,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
                 weights[j] = a.topk_weights != nullptr ? a.topk_weights + (x_row0 + ps[j]) * a.num_topk : nullptr;
             } else {
                 const uint8_t* slot = g.nvl_slot(l_me, c, j, ds, ps[j] >= 0 ? ps[j] : 0);
-                rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(slot + 16) + h_begin : nullptr;
+                rows[j] = ps[j] >= 0 ? reinterpret_cast<const int4*>(slot + kSlotHeaderBytes) + h_begin : nullptr;
                 weights[j] = reinterpret_cast<const float*>(slot + a.slot_topk_weights_offset);
             }
         }
@@ -317,7 +288,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         if constexpr (L == 1) {
             forward_row<kRegisters>(a, out, rows[0], weights[0], ps[0] >= 0, lane);
         } else {
-            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + 16) + h_begin, rows, nullptr, nullptr, h_count,
+            warp_sum_rows<L, kRegisters>(reinterpret_cast<int4*>(out + kSlotHeaderBytes) + h_begin, rows, nullptr, nullptr, h_count,
                                          lane);
             if (leader && a.topk_weights != nullptr) {
                 float* ws = reinterpret_cast<float*>(out + a.slot_topk_weights_offset);
@@ -369,15 +340,7 @@ namespace deepep_cupy::internode {
 
 template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
 __global__ void __launch_bounds__(32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels, 1)
-combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
-        const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
-        const int* __restrict__ recv_rdma_channel_prefix_matrix, const int* __restrict__ recv_rdma_rank_prefix_sum,
-        const int* __restrict__ recv_gbl_channel_prefix_matrix, const int* __restrict__ recv_gbl_rank_prefix_sum,
-        const int* __restrict__ send_rdma_head, const int* __restrict__ send_nvl_head, int num_tokens,
-        int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights, uint8_t* rdma,
-        long long ring_offset, int slot_bytes, int slot_topk_weights_offset, int rdma_cap, int rdma_chunk,
-        uint8_t* sig, const long long* __restrict__ nvl_bases, long long nvl_ring_offset, int nvl_cap,
-        int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma) {
+combine(const __grid_constant__ CombineArgs args) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = combine_channel_warps(L, D), S = kSubChannels;
     constexpr int NR = D;  // reducer warps of a channel
@@ -388,7 +351,7 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     // (docs/design/internode_measurements.md, "Sides alternating by channel").
     const bool sending = sends_here(sub);
     // L > 1: the sending block's warps whose rows this rank forwards itself reduce instead.
-    const bool reducer = L == 1 ? !sending : sending && role < L * D && role % L == rank % L;
+    const bool reducer = L == 1 ? !sending : sending && role < L * D && role % L == args.rank % L;
     __shared__ ReduceShared<D, NR> reduce_shared[S];
     __shared__ PairShared pair_shared[L > 1 ? S * D : 1];
     for (int k = threadIdx.x; k < static_cast<int>(sizeof(reduce_shared) / sizeof(int)); k += blockDim.x)
@@ -396,18 +359,14 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
     for (int k = threadIdx.x; k < static_cast<int>(sizeof(pair_shared) / sizeof(int)); k += blockDim.x)
         (&pair_shared[0].done)[k] = 0;
     __syncthreads();
-    if (c >= num_channels) return;  // the last block's spare channels (no block-wide barrier below)
-    const CombineArgs a{x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
-                        recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
-                        send_rdma_head, send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
-                        rdma, ring_offset, slot_bytes, slot_topk_weights_offset, rdma_cap, rdma_chunk, sig,
-                        nvl_bases, nvl_ring_offset, nvl_cap, num_channels, state, rank, force_rma};
-    const WaitCtx w{err, timeout_ns, rank};
+    if (c >= args.num_channels) return;  // the last block's spare channels (no block-wide barrier below)
+    const CombineArgs& a = args;
+    const WaitCtx w{args.err, args.timeout_ns, args.rank};
     const WarpClock clock(sending && !reducer);  // diagnostics builds only (layout.cuh)
     if (reducer) {
         reduce_domains<L, D, NR, kRegs>(a, w, c, L == 1 ? role : role / L, &reduce_shared[sub], lane);
         clock.stop();
-    } else if (L == 1 ? role < D && role != rank : sending && role < L * D) {
+    } else if (L == 1 ? role < D && role != args.rank : sending && role < L * D) {
         if constexpr (L == 1)  // no NVLink stage: the forwarders read x; the own domain's reducer reads x too
             forward_reduce<L, D, kRegs>(a, w, c, role, 0, nullptr, lane);
         else

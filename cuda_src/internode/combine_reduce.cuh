@@ -116,7 +116,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
                 ps[d] = own_x;
                 rows[d] = own_x >= 0 ? a.x + static_cast<long long>(own_x) * a.hidden_int4 : nullptr;
             } else {
-                rows[d] = ps[d] >= 0 ? reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, ps[d]) + 16) : nullptr;
+                rows[d] = ps[d] >= 0 ? reinterpret_cast<const int4*>(g.rdma_slot(1, c * D + d, ps[d]) + kSlotHeaderBytes) : nullptr;
             }
         }
         const long long off = static_cast<long long>(t) * a.hidden_int4;

@@ -21,50 +21,6 @@
 
 namespace deepep_cupy::internode {
 
-struct DispatchArgs {
-    const int4* x;
-    const unsigned int* x_scales;
-    long long scale_token_stride, scale_block_stride;
-    int num_scales;
-    const long long* topk_idx;
-    const float* topk_weights;
-    int num_topk, num_local_experts;
-    const bool* is_token_in_rank;
-    int num_tokens, hidden_int4;
-    const int* rdma_cpm;        // entry 1 [D, C]
-    const int* gbl_cpm;         // entry 2 [R, C]
-    const int* recv_rdma_prefix;  // entry 4 [D]
-    const int* recv_gbl_prefix;   // entry 6 [R]
-    int4* recv_x;
-    unsigned int* recv_x_scales;
-    long long* recv_topk_idx;
-    float* recv_topk_weights;
-    int* recv_rdma_cpm;   // entry 3 out
-    int* recv_gbl_cpm;    // entry 5 out
-    int* recv_src_meta;   // entry 7 out [rows][2]
-    int* send_rdma_head;  // entry 8 out [N, D]
-    int* send_nvl_head;   // entry 9 out [F, L]
-    int num_out_rows, num_nvl_head_rows;  // rows of recv_x (and the row outputs), of send_nvl_head
-    uint8_t* rdma;
-    long long ring_offset;
-    Slot slot;
-    int rdma_cap, rdma_chunk;
-    uint8_t* sig;
-    const long long* nvl_bases;
-    long long nvl_meta_offset, nvl_ring_offset;
-    int nvl_cap, num_channels;
-    long long* state;
-    ErrorRecord* err;
-    int rank;
-    int force_rma;  // 1: NVSHMEM puts and signals even to peers reachable by stores (tests the network path)
-    int own_rows_copied;  // L == 1: the copy engines copy the own domain's rows (ops/own_rows.py); send_own skips them
-    // L > 1 with an output pool (ops/internode/engine.py): the domain ranks' pools as mapped here, indexed by
-    // local rank (null: no pool, so receivers send no reply and every row goes through the NVLink rings).
-    const long long* pool_bases;
-    int outputs_in_pool;  // this rank's outputs of this call lie in its pool: forwarders write them in place
-    long long nvl_reply_offset;
-};
-
 // Words of a receiver's reply before its row bases (layout.py's nvl_layout sizes the replies).
 constexpr int kReplyWords = 8;
 
@@ -76,7 +32,7 @@ struct Geometry {
     }
     __device__ __forceinline__ uint8_t* rdma_slot(int half, int i, int k) const {
         const long long ring = static_cast<long long>(half) * a.num_channels * D + i;
-        return a.rdma + a.ring_offset + (ring * a.rdma_cap + k % a.rdma_cap) * a.slot.slot_bytes;
+        return a.rdma + a.ring_offset + (ring * a.rdma_cap + k % a.rdma_cap) * a.slot_bytes;
     }
     __device__ __forceinline__ int* nvl_meta(int j, int c, int l) const {
         return reinterpret_cast<int*>(nvl_base(a.nvl_bases, j) + a.nvl_meta_offset) +
@@ -90,7 +46,7 @@ struct Geometry {
     }
     __device__ __forceinline__ uint8_t* nvl_slot(int j, int c, int l, int n) const {
         return nvl_base(a.nvl_bases, j) + a.nvl_ring_offset +
-               ((static_cast<long long>(c) * L + l) * a.nvl_cap + n % a.nvl_cap) * a.slot.slot_bytes;
+               ((static_cast<long long>(c) * L + l) * a.nvl_cap + n % a.nvl_cap) * a.slot_bytes;
     }
 };
 
@@ -126,15 +82,15 @@ __device__ __forceinline__ unsigned int token_scale(const DispatchArgs& a, const
 // From a ring slot (the forwarders and receivers); the top-k entries only where `topk` (an op that writes them).
 __device__ __forceinline__ Extras slot_extras(const DispatchArgs& a, const uint8_t* s, bool topk, int lane) {
     Extras ex;
-    const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset);
+    const unsigned int* sc = reinterpret_cast<const unsigned int*>(s + a.slot_scales_offset);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int q = lane + 32 * u;
         ex.scale[u] = q < a.num_scales ? ld_cg_u32(sc + q) : 0u;
     }
     const bool here = topk && lane < a.num_topk;
-    ex.expert = here ? ld_cg_s32(reinterpret_cast<const int*>(s + a.slot.topk_idx_offset) + lane) : -1;
-    ex.weight = here ? ld_cg_f32(reinterpret_cast<const float*>(s + a.slot.topk_weights_offset) + lane) : 0.0f;
+    ex.expert = here ? ld_cg_s32(reinterpret_cast<const int*>(s + a.slot_topk_idx_offset) + lane) : -1;
+    ex.weight = here ? ld_cg_f32(reinterpret_cast<const float*>(s + a.slot_topk_weights_offset) + lane) : 0.0f;
     return ex;
 }
 
@@ -268,17 +224,17 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                 head = wait_reaching(sig.head(i), base + 2 + idx - a.rdma_cap, head, [] {}, w, kOpDispatchHead, pe,
                                      __LINE__, &ok);
             if (!ok) break;
-            uint8_t* s = direct ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot.slot_bytes
+            uint8_t* s = direct ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot_bytes
                                 : g.rdma_slot(0, i, idx);
             if (lane == 0) *reinterpret_cast<int4*>(s) = make_int4(d_me, tok_bits, token, 0);
             phase.lap(kPhaseSendExtras);
-            warp_copy_nc<U>(reinterpret_cast<int4*>(s + 16), a.x + static_cast<long long>(token) * a.hidden_int4,
+            warp_copy_nc<U>(reinterpret_cast<int4*>(s + kSlotHeaderBytes), a.x + static_cast<long long>(token) * a.hidden_int4,
                          a.hidden_int4, lane);
             phase.lap(kPhaseSendCopy);
-            unsigned int* sc = reinterpret_cast<unsigned int*>(s + a.slot.scales_offset);
+            unsigned int* sc = reinterpret_cast<unsigned int*>(s + a.slot_scales_offset);
             for (int q = lane; q < a.num_scales; q += 32) sc[q] = token_scale(a, ex, token, q, lane);
-            int* ids = reinterpret_cast<int*>(s + a.slot.topk_idx_offset);
-            float* ws = reinterpret_cast<float*>(s + a.slot.topk_weights_offset);
+            int* ids = reinterpret_cast<int*>(s + a.slot_topk_idx_offset);
+            float* ws = reinterpret_cast<float*>(s + a.slot_topk_weights_offset);
             for (int q = lane; q < a.num_topk; q += 32) {
                 const long long src = static_cast<long long>(token) * a.num_topk + q;
                 const long long e = q == lane ? ex.expert : a.topk_idx[src];
@@ -294,7 +250,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                     publish_direct(peer_tail, base + 1 + count, lane);
                 else
                     put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
-                                    static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer),
+                                    static_cast<size_t>(count - first) * a.slot_bytes, sig.tail(i_peer),
                                     base + 1 + count, NVSHMEM_SIGNAL_SET, pe, lane);
                 first = count;
             }
@@ -307,7 +263,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             publish_direct(peer_tail, base + 1 + count, lane);
         else
             put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
-                            static_cast<size_t>(count - first) * a.slot.slot_bytes, sig.tail(i_peer), base + 1 + count,
+                            static_cast<size_t>(count - first) * a.slot_bytes, sig.tail(i_peer), base + 1 + count,
                             NVSHMEM_SIGNAL_SET, pe, lane);
     }
     bad.report_from_warp(a.err, kValueOpInternodeDispatch, a.rank, __LINE__);
@@ -394,49 +350,25 @@ namespace deepep_cupy::internode {
 // kSubChannels channels a block (layout.py's sub_channels by default; the engine's sub_channels tuning picks others).
 template <int kNumNvlRanks, int kNumDomains, int kSubChannels>
 __global__ void __launch_bounds__(32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels, 1)
-dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
-         long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
-         const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
-         const bool* __restrict__ is_token_in_rank, int num_tokens, int hidden_int4,
-         const int* __restrict__ rdma_channel_prefix_matrix, const int* __restrict__ gbl_channel_prefix_matrix,
-         const int* __restrict__ recv_rdma_rank_prefix_sum, const int* __restrict__ recv_gbl_rank_prefix_sum,
-         int4* __restrict__ recv_x, unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
-         float* __restrict__ recv_topk_weights, int* __restrict__ recv_rdma_channel_prefix_matrix,
-         int* __restrict__ recv_gbl_channel_prefix_matrix, int* __restrict__ recv_src_meta,
-         int* __restrict__ send_rdma_head, int* __restrict__ send_nvl_head, int num_out_rows, int num_nvl_head_rows,
-         uint8_t* rdma, long long ring_offset, int slot_bytes, int slot_scales_offset, int slot_topk_idx_offset,
-         int slot_topk_weights_offset, int rdma_cap, int rdma_chunk, uint8_t* sig,
-         const long long* __restrict__ nvl_bases, long long nvl_meta_offset, long long nvl_ring_offset, int nvl_cap,
-         int num_channels, long long* state, ErrorRecord* err, long long timeout_ns, int rank, int force_rma,
-         int own_rows_copied, const long long* __restrict__ pool_bases, int outputs_in_pool,
-         long long nvl_reply_offset) {
+dispatch(const __grid_constant__ DispatchArgs args) {
     constexpr int L = kNumNvlRanks, D = kNumDomains;
     constexpr int W = dispatch_channel_warps(L, D), S = kSubChannels, U = dispatch_copy_unroll(W * S);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, sub = warp / W, role = warp % W;
     const int cb = blockIdx.x / 2, c = cb * S + sub;
-    const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
-                         num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4,
-                         rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
-                         recv_gbl_rank_prefix_sum, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-                         recv_rdma_channel_prefix_matrix, recv_gbl_channel_prefix_matrix, recv_src_meta,
-                         send_rdma_head, send_nvl_head, num_out_rows, num_nvl_head_rows, rdma, ring_offset,
-                         Slot{slot_bytes, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset},
-                         rdma_cap, rdma_chunk, sig, nvl_bases, nvl_meta_offset, nvl_ring_offset, nvl_cap,
-                         num_channels, state, err, rank, force_rma, own_rows_copied, pool_bases, outputs_in_pool,
-                         nvl_reply_offset};
-    const WaitCtx w{err, timeout_ns, rank};
+    const DispatchArgs& a = args;
+    const WaitCtx w{args.err, args.timeout_ns, args.rank};
     // Channel c's senders run in one block of the pair and its receivers in the other, alternating by c.
     __shared__ ForwardShared<L, D> shared[S];
     receive_begin<L, D, S>(a, shared, cb);
     __syncthreads();
     WarpClock clock(sends_here(sub));  // diagnostics builds only (layout.cuh)
-    if (c < num_channels && !sends_here(sub)) {
+    if (c < args.num_channels && !sends_here(sub)) {
         receive_role<L, D, U>(a, w, shared[sub], c, role, lane);
         if (role < (L == 1 ? D : 2 * L)) clock.stop();
-    } else if (c < num_channels && role < D) {
-        if (L == 1 && role == rank)
+    } else if (c < args.num_channels && role < D) {
+        if (L == 1 && role == args.rank)
             send_own<D, U>(a, c, lane);
-        else if (L > 1 && role == rank / L)
+        else if (L > 1 && role == args.rank / L)
             send_own_domain<L, D>(a, c, lane);
         else
             send_rdma<L, D, U>(a, w, c, role, lane);

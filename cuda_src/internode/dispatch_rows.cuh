@@ -18,16 +18,16 @@ struct SlotRow {
     __device__ __forceinline__ Extras extras(const DispatchArgs& a, bool topk, int lane) const {
         return slot_extras(a, s, topk, lane);
     }
-    __device__ __forceinline__ const int4* row() const { return reinterpret_cast<const int4*>(s + 16); }
+    __device__ __forceinline__ const int4* row() const { return reinterpret_cast<const int4*>(s + kSlotHeaderBytes); }
     __device__ __forceinline__ unsigned int scale(const DispatchArgs& a, const Extras& ex, int q, int lane) const {
-        return slot_scale(reinterpret_cast<const unsigned int*>(s + a.slot.scales_offset), ex, q, lane);
+        return slot_scale(reinterpret_cast<const unsigned int*>(s + a.slot_scales_offset), ex, q, lane);
     }
     __device__ __forceinline__ int expert(const DispatchArgs& a, const Extras& ex, int q, int lane) const {
-        const int* ids = reinterpret_cast<const int*>(s + a.slot.topk_idx_offset);
+        const int* ids = reinterpret_cast<const int*>(s + a.slot_topk_idx_offset);
         return q == lane ? static_cast<int>(ex.expert) : ld_cg_s32(ids + q);
     }
     __device__ __forceinline__ float weight(const DispatchArgs& a, const Extras& ex, int q, int lane) const {
-        return q == lane ? ex.weight : ld_cg_f32(reinterpret_cast<const float*>(s + a.slot.topk_weights_offset) + q);
+        return q == lane ? ex.weight : ld_cg_f32(reinterpret_cast<const float*>(s + a.slot_topk_weights_offset) + q);
     }
 };
 
@@ -62,10 +62,10 @@ __device__ __forceinline__ void copy_slot(uint8_t* dst, const Src& src, const Di
         warp_copy_cg<U>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(src.s), 1 + a.hidden_int4, lane);
     } else {
         if (lane == 0) *reinterpret_cast<int4*>(dst) = make_int4(src.domain, bits, src.token, 0);
-        warp_copy_nc<U>(reinterpret_cast<int4*>(dst + 16), src.row(), a.hidden_int4, lane);
+        warp_copy_nc<U>(reinterpret_cast<int4*>(dst + kSlotHeaderBytes), src.row(), a.hidden_int4, lane);
     }
     unsigned int* to = reinterpret_cast<unsigned int*>(dst);
-    const int sc = a.slot.scales_offset / 4, ids = a.slot.topk_idx_offset / 4, ws = a.slot.topk_weights_offset / 4;
+    const int sc = a.slot_scales_offset / 4, ids = a.slot_topk_idx_offset / 4, ws = a.slot_topk_weights_offset / 4;
     for (int q = lane; q < a.num_scales; q += 32) to[sc + q] = src.scale(a, ex, q, lane);
     for (int q = lane; q < a.num_topk; q += 32) {
         to[ids + q] = static_cast<unsigned int>(src.expert(a, ex, q, lane));

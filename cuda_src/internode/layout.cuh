@@ -35,6 +35,7 @@
 #include "common/nvrtc_compat.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "internode/args.cuh"
 #include "intranode/layout.cuh"
 #include "common/nvshmem_includes.cuh"
 
@@ -73,10 +74,9 @@ struct SlotHeader {
     int token;       // source token index (debugging aid)
     int unused;
 };
-
-struct Slot {
-    int slot_bytes, scales_offset, topk_idx_offset, topk_weights_offset;
-};
+// Bytes of a slot's header; the row follows (deepep_cupy/ops/internode/layout.py reads this value).
+constexpr int kSlotHeaderBytes = 16;
+static_assert(sizeof(SlotHeader) == kSlotHeaderBytes, "the slot header is kSlotHeaderBytes");
 
 // Persistent per-rank counters (int64, local memory), see the header comment.
 struct State {
@@ -320,8 +320,8 @@ constexpr int kPublishBatch = 8;
 // Giving slots back to their writer takes no fence: the reader's lanes have met after using every value they
 // loaded from those slots (stored or summed it), so each load has returned before the word can change, and
 // nothing else the reader wrote has to reach the writer. A fence would also wait for the reader's own output
-// stores to land: 1.6 us a row of the dispatch's L == 1 forwarder, about 2.7 us a token of the combine's
-// reducers (2 x H100, 12 SMs). Hand-backs are relaxed stores of a count, or signal ADDs that commute;
+// stores to land, microseconds a row of the dispatch's L == 1 forwarder and a token of the combine's
+// reducers. Hand-backs are relaxed stores of a count, or signal ADDs that commute;
 // a SET through the NVSHMEM API still goes behind nvshmem_fence, since two SETs must land in order.
 __device__ __forceinline__ void give_back_store(uint64_t* writer_word, uint64_t count) {
     st_relaxed_sys(writer_word, count);

@@ -36,35 +36,26 @@ namespace deepep_cupy::intranode {
 
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
-combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
-        const int4* __restrict__ bias_0, const int4* __restrict__ bias_1,
-        const int* __restrict__ rank_prefix_matrix, const int* __restrict__ channel_prefix_matrix,
-        const int* __restrict__ recv_channel_prefix_matrix, const int* __restrict__ send_head, int num_tokens,
-        int hidden_int4, int4* __restrict__ combined_x, float* __restrict__ combined_topk_weights,
-        const long long* __restrict__ bases, long long ring_offset, long long free_offset, int slot_bytes,
-        int cap, int slot_topk_weights_offset, int num_channels, int publish_batch, int* __restrict__ run_claims,
-        ErrorRecord* err, long long timeout_ns, int rank) {
+combine(const __grid_constant__ CombineArgs args) {
     constexpr int R = kNumRanks;
     // The pushes keep at least 4 loads a lane in flight, whatever the sums' unroll (2 with more than two
-    // ranks, for their registers): 4 x H200, 4 ranks, 32 x 2, 4096 x 7168, top-8 of 256, two passes each,
-    // 644-654 / 796-801 / 1111-1156 us at 24 / 12 / 8 SMs against 690-696 / 872-876 / 1180-1219 with 2.
+    // ranks, for their registers), which measured faster than 2 at every SM count.
     constexpr int kSendUnroll = kUnroll < 4 ? 4 : kUnroll;
     // The sums load every rank's words of a step before adding any where that fits: 4 ranks x 2 (ptxas spills
-    // 96 bytes at 32 warps), the same machine and workload, two passes each: 633-637 / 757-764 us at 24 / 12
-    // SMs against 644-654 / 796-801 loading one rank at a time (8 SMs: 1128-1144 against 1111-1156). The copy
+    // 96 bytes at 32 warps) measured faster at 12 and 24 SMs than one rank at a time, and level at 8. The copy
     // mode's kernel, with other registers live, keeps one rank at a time above 2 ranks.
     constexpr bool kLoadsFirst = R <= 2 || (R <= 4 && R * kUnroll <= 8);
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    uint8_t* my_base = rank_base(bases, rank);
+    uint8_t* my_base = rank_base(args.bases, args.rank);
     const Ctrl ctrl = ctrl_of(my_base, R);
     const uint64_t seq = begin_kernel(ctrl);
-    const WaitCtx wctx{err, timeout_ns, rank};
-    if (blockIdx.x == 0) announce_arrival(bases, R, rank, seq);
-    const long long ring_bytes = static_cast<long long>(cap) * slot_bytes;
+    const WaitCtx wctx{args.err, args.timeout_ns, args.rank};
+    if (blockIdx.x == 0) announce_arrival(args.bases, R, args.rank, seq);
+    const long long ring_bytes = static_cast<long long>(args.cap) * args.slot_bytes;
     // Runs of B tokens; the receiver needs one lane per (token, rank) of a run.
-    const int B = min(clamp_batch(publish_batch, cap), 32 / R);
+    const int B = min(clamp_batch(args.publish_batch, args.cap), 32 / R);
 
     bool reduce = !is_sender;  // sender warps join the reduction once their pushes are done
     if (is_sender) {
@@ -72,57 +63,57 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
         if (R > 1) {
             int g, gi, gs;
             split_warps(warp, kNumWarps, R - 1, g, gi, gs);
-            const int dst = (rank + 1 + g) % R;
-            const int dst_begin = dst > 0 ? rank_prefix_matrix[(dst - 1) * R + rank] : 0;
-            const int dst_end = rank_prefix_matrix[dst * R + rank];
-            const int ch_begin = recv_channel_prefix_matrix[dst * num_channels + c];
+            const int dst = (args.rank + 1 + g) % R;
+            const int dst_begin = dst > 0 ? args.rank_prefix_matrix[(dst - 1) * R + args.rank] : 0;
+            const int dst_end = args.rank_prefix_matrix[dst * R + args.rank];
+            const int ch_begin = args.recv_channel_prefix_matrix[dst * args.num_channels + c];
             const int ch_end =
-                c + 1 < num_channels ? recv_channel_prefix_matrix[dst * num_channels + c + 1] : dst_end - dst_begin;
+                c + 1 < args.num_channels ? args.recv_channel_prefix_matrix[dst * args.num_channels + c + 1] : dst_end - dst_begin;
             const int n = ch_end - ch_begin;
             const long long row_base = dst_begin + ch_begin;
-            uint8_t* ring = rank_base(bases, dst) + ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
+            uint8_t* ring = rank_base(args.bases, dst) + args.ring_offset + static_cast<long long>(c * R + args.rank) * ring_bytes;
             const uint64_t* free_words =
-                reinterpret_cast<const uint64_t*>(my_base + free_offset) + static_cast<long long>(c * R + dst) * cap;
+                reinterpret_cast<const uint64_t*>(my_base + args.free_offset) + static_cast<long long>(c * R + dst) * args.cap;
 
             bool ok = warp_wait(ctrl.arrive(dst), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineArrive,
                                 dst, __LINE__);
             for (int first = gi * B; ok && first < n; first += gs * B) {
                 const int len = min(B, n - first);
                 for (int idx = first; idx < first + len; ++idx) {
-                    const int slot = idx % cap;
-                    if (idx >= cap) {
+                    const int slot = idx % args.cap;
+                    if (idx >= args.cap) {
                         const uint64_t want = tag(seq, idx);
                         ok = warp_wait(free_words + slot, [want](uint64_t v) { return v == want; }, wctx,
                                        kOpCombineSlot, dst, __LINE__);
                         if (!ok) break;
                     }
-                    uint8_t* slot_ptr = ring + static_cast<long long>(slot) * slot_bytes;
+                    uint8_t* slot_ptr = ring + static_cast<long long>(slot) * args.slot_bytes;
                     const long long row = row_base + idx;
-                    warp_copy_nc<kSendUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), x + row * hidden_int4,
-                                              hidden_int4, lane);
-                    if (topk_weights != nullptr) {
-                        float* slot_w = reinterpret_cast<float*>(slot_ptr + slot_topk_weights_offset);
-                        for (int j = lane; j < num_topk; j += 32) slot_w[j] = topk_weights[row * num_topk + j];
+                    warp_copy_nc<kSendUnroll>(reinterpret_cast<int4*>(slot_ptr + kSlotHeaderBytes), args.x + row * args.hidden_int4,
+                                              args.hidden_int4, lane);
+                    if (args.topk_weights != nullptr) {
+                        float* slot_w = reinterpret_cast<float*>(slot_ptr + args.slot_topk_weights_offset);
+                        for (int j = lane; j < args.num_topk; j += 32) slot_w[j] = args.topk_weights[row * args.num_topk + j];
                     }
                 }
                 if (!ok) break;
-                publish_run(ring, slot_bytes, cap, seq, first, len, lane);
+                publish_run(ring, args.slot_bytes, args.cap, seq, first, len, lane);
             }
             reduce = ok;
         }
     }
     if (reduce) {
         int t_begin, t_end;
-        channel_range(num_tokens, num_channels, c, t_begin, t_end);
+        channel_range(args.num_tokens, args.num_channels, c, t_begin, t_end);
         // Lane l handles rank lr = l % R of token l / R of each run.
         const int lr = lane % R, lk = lane / R;
-        const int lr_prev = channel_start(channel_prefix_matrix, lr, num_channels, c);
-        const int lr_count = channel_prefix_matrix[lr * num_channels + c] - lr_prev;
-        const uint8_t* lr_ring = my_base + ring_offset + static_cast<long long>(c * R + lr) * ring_bytes;
-        const long long self_base = (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
-                                    recv_channel_prefix_matrix[rank * num_channels + c];
+        const int lr_prev = channel_start(args.channel_prefix_matrix, lr, args.num_channels, c);
+        const int lr_count = args.channel_prefix_matrix[lr * args.num_channels + c] - lr_prev;
+        const uint8_t* lr_ring = my_base + args.ring_offset + static_cast<long long>(c * R + lr) * ring_bytes;
+        const long long self_base = (args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * R + args.rank] : 0) +
+                                    args.recv_channel_prefix_matrix[args.rank * args.num_channels + c];
 
-        int* claim = run_claims + c;
+        int* claim = args.run_claims + c;
         int run = 0;
         if (lane == 0) run = atomicAdd(claim, 1);
         run = __shfl_sync(kFullMask, run, 0);
@@ -136,12 +127,12 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
             const uint64_t* my_flag = nullptr;
             uint64_t my_want = 0;
             if (lk < len) {
-                const int head = send_head[static_cast<long long>(t0 + lk) * R + lr];
+                const int head = args.send_head[static_cast<long long>(t0 + lk) * R + lr];
                 if (head >= 0) {
                     my_idx = head - lr_prev;
-                    if (lr != rank) {
+                    if (lr != args.rank) {
                         my_flag = reinterpret_cast<const uint64_t*>(lr_ring +
-                                                                    static_cast<long long>(my_idx % cap) * slot_bytes);
+                                                                    static_cast<long long>(my_idx % args.cap) * args.slot_bytes);
                         my_want = tag(seq, my_idx);
                     }
                 }
@@ -162,50 +153,50 @@ combine(const int4* __restrict__ x, const float* __restrict__ topk_weights, int 
                     const int idx = __shfl_sync(kFullMask, my_idx, k * R + r);
                     rows[r] = nullptr;
                     if (idx >= 0) {
-                        if (r == rank) {
+                        if (r == args.rank) {
                             self_row = self_base + idx;
-                            rows[r] = x + self_row * hidden_int4;
+                            rows[r] = args.x + self_row * args.hidden_int4;
                         } else {
-                            const uint8_t* slot_ptr = my_base + ring_offset +
+                            const uint8_t* slot_ptr = my_base + args.ring_offset +
                                                       static_cast<long long>(c * R + r) * ring_bytes +
-                                                      static_cast<long long>(idx % cap) * slot_bytes;
-                            rows[r] = reinterpret_cast<const int4*>(slot_ptr + 16);
+                                                      static_cast<long long>(idx % args.cap) * args.slot_bytes;
+                            rows[r] = reinterpret_cast<const int4*>(slot_ptr + kSlotHeaderBytes);
                         }
                     }
                 }
 
-                sum_token<R, kUnroll, false, kLoadsFirst>(rows, bias_0, bias_1, static_cast<long long>(t) * hidden_int4,
-                                                          hidden_int4, combined_x, lane);
-                if (combined_topk_weights != nullptr) {
+                sum_token<R, kUnroll, false, kLoadsFirst>(rows, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4,
+                                                          args.hidden_int4, args.combined_x, lane);
+                if (args.combined_topk_weights != nullptr) {
                     const float* w[R];
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         w[r] = nullptr;
                         if (rows[r] == nullptr) continue;
-                        w[r] = r == rank ? topk_weights + self_row * num_topk
+                        w[r] = r == args.rank ? args.topk_weights + self_row * args.num_topk
                                          : reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[r]) -
-                                                                          16 + slot_topk_weights_offset);
+                                                                          16 + args.slot_topk_weights_offset);
                     }
-                    sum_weights<R>(w, rank, num_topk, combined_topk_weights + static_cast<long long>(t) * num_topk,
+                    sum_weights<R>(w, args.rank, args.num_topk, args.combined_topk_weights + static_cast<long long>(t) * args.num_topk,
                                    lane);
                 }
             }
             // All reads of the run's slots are done: one fence, then hand back the ones the senders will reuse.
-            const bool give_back = my_idx >= 0 && lr != rank && my_idx + cap < lr_count;
+            const bool give_back = my_idx >= 0 && lr != args.rank && my_idx + args.cap < lr_count;
             if (__any_sync(kFullMask, give_back)) {
                 __syncwarp();
                 fence_acq_rel_sys();
                 if (give_back) {
-                    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(bases, lr) + free_offset) +
-                                          static_cast<long long>(c * R + rank) * cap;
-                    st_relaxed_sys(peer_free + (my_idx % cap), tag(seq, my_idx + cap));
+                    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(args.bases, lr) + args.free_offset) +
+                                          static_cast<long long>(c * R + args.rank) * args.cap;
+                    st_relaxed_sys(peer_free + (my_idx % args.cap), tag(seq, my_idx + args.cap));
                 }
                 __syncwarp();
             }
             run = __shfl_sync(kFullMask, next, 0);
         }
     }
-    end_kernel(ctrl, seq, run_claims, num_channels);
+    end_kernel(ctrl, seq, args.run_claims, args.num_channels);
 }
 
 }  // namespace deepep_cupy::intranode

@@ -50,54 +50,49 @@ __device__ __forceinline__ int blamed_peer(const Ctrl& ctrl, int num_ranks, int 
 
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
-combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights, int num_topk,
-             const int4* __restrict__ bias_0, const int4* __restrict__ bias_1, const int* __restrict__ rank_prefix_matrix,
-             const int* __restrict__ send_head, int num_tokens, int hidden_int4, int4* __restrict__ combined_x,
-             float* __restrict__ combined_topk_weights, const long long* __restrict__ bases,
-             const uint8_t* __restrict__ staging, long long weights_offset, unsigned long long copy_seq,
-             ErrorRecord* err, long long timeout_ns, int rank) {
+combine_copy(const __grid_constant__ CombineCopyArgs args) {
     constexpr int R = kNumRanks;
     const int lane = threadIdx.x % 32;
-    uint8_t* my_base = rank_base(bases, rank);
+    uint8_t* my_base = rank_base(args.bases, args.rank);
     const Ctrl ctrl = ctrl_of(my_base, R);
     const uint64_t seq = begin_kernel(ctrl);
-    const WaitCtx wctx{err, timeout_ns, rank};
-    if (blockIdx.x == 0) announce_arrival(bases, R, rank, seq);
+    const WaitCtx wctx{args.err, args.timeout_ns, args.rank};
+    if (blockIdx.x == 0) announce_arrival(args.bases, R, args.rank, seq);
 
     // Lane r < R: the first row of rank r's rows for this rank. A peer's is in its staging slot (rows this
     // rank sent to every source before it); this rank's own is in x (rows received from ranks before it).
     long long first_row = 0;
     if (lane < R) {
-        if (lane == rank) {
-            first_row = rank > 0 ? rank_prefix_matrix[(rank - 1) * R + rank] : 0;
+        if (lane == args.rank) {
+            first_row = args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * R + args.rank] : 0;
         } else {
             for (int q = 0; q < lane; ++q) {
-                if (q == rank) continue;
-                first_row += rank_prefix_matrix[rank * R + q] - (rank > 0 ? rank_prefix_matrix[(rank - 1) * R + q] : 0);
+                if (q == args.rank) continue;
+                first_row += args.rank_prefix_matrix[args.rank * R + q] - (args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * R + q] : 0);
             }
         }
     }
-    const uint64_t* my_flag = lane < R && lane != rank ? ctrl.copy_flag(lane) : nullptr;
+    const uint64_t* my_flag = lane < R && lane != args.rank ? ctrl.copy_flag(lane) : nullptr;
     uint64_t seen = 0;  // this lane's latest copy_flag value (chunks only ever complete)
-    const int4* staging_rows = reinterpret_cast<const int4*>(staging);
-    const float* staging_weights = reinterpret_cast<const float*>(staging + weights_offset);
-    const bool with_weights = combined_topk_weights != nullptr;
+    const int4* staging_rows = reinterpret_cast<const int4*>(args.staging);
+    const float* staging_weights = reinterpret_cast<const float*>(args.staging + args.weights_offset);
+    const bool with_weights = args.combined_topk_weights != nullptr;
 
     const int num_warps = gridDim.x * kNumWarps;
     int t = blockIdx.x * kNumWarps + threadIdx.x / 32;
-    int next_pos = lane < R && t < num_tokens ? send_head[static_cast<long long>(t) * R + lane] : -1;
+    int next_pos = lane < R && t < args.num_tokens ? args.send_head[static_cast<long long>(t) * R + lane] : -1;
     bool ok = true;
-    while (t < num_tokens) {
+    while (t < args.num_tokens) {
         const int pos = next_pos;
         const int next = t + num_warps;
-        next_pos = lane < R && next < num_tokens ? send_head[static_cast<long long>(next) * R + lane] : -1;
+        next_pos = lane < R && next < args.num_tokens ? args.send_head[static_cast<long long>(next) * R + lane] : -1;
         if (my_flag != nullptr && pos >= 0) {
-            const uint64_t want = (static_cast<uint64_t>(copy_seq) << kCopyRowBits) | static_cast<uint64_t>(pos + 1);
+            const uint64_t want = (static_cast<uint64_t>(args.copy_seq) << kCopyRowBits) | static_cast<uint64_t>(pos + 1);
             uint64_t start = 0;
             for (unsigned int spin = 1; seen < want; ++spin) {
                 seen = ld_acquire_sys(my_flag);
                 if ((spin & 63u) == 0 && seen < want &&
-                    wait_expired(spin, start, wctx, kOpCombineCopyRecv, blamed_peer(ctrl, R, rank, seq, lane),
+                    wait_expired(spin, start, wctx, kOpCombineCopyRecv, blamed_peer(ctrl, R, args.rank, seq, lane),
                                  __LINE__)) {
                     ok = false;
                     break;
@@ -107,8 +102,8 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
         if (!__all_sync(kFullMask, ok)) {
             // A wait ran out: every copy flag of this rank goes to its largest value of this call, so that no
             // peer's copies still wait for one of them (copy.py's turn_waits); the error is reported already.
-            if (lane < R && lane != rank)
-                st_relaxed_sys(ctrl.copy_flag(lane), (static_cast<uint64_t>(copy_seq) << kCopyRowBits) | 0xffffffffull);
+            if (lane < R && lane != args.rank)
+                st_relaxed_sys(ctrl.copy_flag(lane), (static_cast<uint64_t>(args.copy_seq) << kCopyRowBits) | 0xffffffffull);
             break;
         }
 
@@ -123,26 +118,26 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
             weights[r] = nullptr;
             w[r] = 0.0f;
             if (p < 0) continue;
-            rows[r] = (r == rank ? x : staging_rows) + row * hidden_int4;
-            weights[r] = (r == rank ? topk_weights : staging_weights) + row * num_topk;
-            if (with_weights && lane < num_topk) w[r] = r == rank ? weights[r][lane] : ld_cg_f32(weights[r] + lane);
+            rows[r] = (r == args.rank ? args.x : staging_rows) + row * args.hidden_int4;
+            weights[r] = (r == args.rank ? args.topk_weights : staging_weights) + row * args.num_topk;
+            if (with_weights && lane < args.num_topk) w[r] = r == args.rank ? weights[r][lane] : ld_cg_f32(weights[r] + lane);
         }
-        sum_token<R, kUnroll, true>(rows, bias_0, bias_1, static_cast<long long>(t) * hidden_int4, hidden_int4,
-                              combined_x, lane);
+        sum_token<R, kUnroll, true>(rows, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4, args.hidden_int4,
+                              args.combined_x, lane);
         if (with_weights) {
-            float* out = combined_topk_weights + static_cast<long long>(t) * num_topk;
-            if (lane < num_topk) {
+            float* out = args.combined_topk_weights + static_cast<long long>(t) * args.num_topk;
+            if (lane < args.num_topk) {
                 float acc = 0.0f;
 #pragma unroll
                 for (int r = 0; r < R; ++r)
                     if (weights[r] != nullptr) acc += w[r];
                 out[lane] = acc;
             }
-            if (num_topk > 32) {  // the rest, lanes 32.. of the row
+            if (args.num_topk > 32) {  // the rest, lanes 32.. of the row
                 const float* rest[R];
 #pragma unroll
                 for (int r = 0; r < R; ++r) rest[r] = weights[r] != nullptr ? weights[r] + 32 : nullptr;
-                sum_weights<R>(rest, rank, num_topk - 32, out + 32, lane);
+                sum_weights<R>(rest, args.rank, args.num_topk - 32, out + 32, lane);
             }
         }
         t = next;
@@ -151,9 +146,9 @@ combine_copy(const int4* __restrict__ x, const float* __restrict__ topk_weights,
     // Every block has read its rows: the last one tells the peers, then waits until they have read theirs.
     end_kernel(ctrl, seq, nullptr, 0, [&] {
         for (int r = 0; r < R; ++r)
-            if (r != rank) st_release_sys(ctrl_of(rank_base(bases, r), R).copy_done(rank), seq);
+            if (r != args.rank) st_release_sys(ctrl_of(rank_base(args.bases, r), R).copy_done(args.rank), seq);
         for (int r = 0; r < R; ++r) {
-            if (r == rank) continue;
+            if (r == args.rank) continue;
             if (!thread_wait(ctrl.copy_done(r), [seq](uint64_t v) { return v >= seq; }, wctx, kOpCombineCopyDone, r,
                              __LINE__))
                 break;

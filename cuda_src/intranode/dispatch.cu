@@ -11,8 +11,8 @@
 // [0, num_self_warps) of the sender block and [0, num_recv_self_warps) of the receiver block start on it;
 // every other warp joins it once its pushes or receives are done. The work is shared dynamically: runs of
 // kSelfRun consecutive own-token indices are claimed from a per-channel counter (self_claims[c], back to 0
-// when the kernel ends). With fixed shares the warps that started on it finished last: on 2 x H200 (4096 x
-// 7168 BF16, 24 SMs) they ended ~85 us after the pushes and ~60 us after the ring receivers.
+// when the kernel ends). With fixed shares the warps that started on it finished last, well after the pushes
+// and the ring receivers.
 //
 // Sender block, other warps: split evenly over the R - 1 peers. Every warp of a peer's group scans the
 // channel's is_token_in_rank column with ballots, so it knows the index i of each token going to that
@@ -51,7 +51,7 @@ namespace deepep_cupy::intranode {
 
 // Copies own token `token` into output row `row` (the self copy).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void copy_own_token(const DispatchArgs& a, int token, int row, BadValue& bad,
+__device__ __forceinline__ void copy_own_token(const DispatchCtx& a, int token, int row, BadValue& bad,
                                                int lane) {
     if (row >= a.num_out_rows) {
         if (lane == 0) report_timeout(a.err, kOpDispatchOverflow, a.rank, a.rank, __LINE__, a.num_recv);
@@ -65,7 +65,7 @@ constexpr int kSelfRun = 2;  // own tokens per claim
 
 // Writes the send_head column of this rank for channel c (non-cached mode; one warp per channel).
 template <int kNumRanks>
-__device__ __forceinline__ void write_own_send_head(const DispatchArgs& a, int c, int lane) {
+__device__ __forceinline__ void write_own_send_head(const DispatchCtx& a, int c, int lane) {
     constexpr int R = kNumRanks;
     const int send_base = channel_start(a.channel_prefix_matrix, a.rank, a.num_channels, c);
     int t_begin, t_end;
@@ -87,7 +87,7 @@ __device__ __forceinline__ void write_own_send_head(const DispatchArgs& a, int c
 // (Letting the ring receivers take runs while their slots were still empty was tried: they then finished
 // last, and FP8 got slower.)
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void dispatch_self(const DispatchArgs& a, int c, int lane) {
+__device__ __forceinline__ void dispatch_self(const DispatchCtx& a, int c, int lane) {
     constexpr int R = kNumRanks;
     const int rank = a.rank;
     int chunk, t_end;
@@ -130,7 +130,7 @@ __device__ __forceinline__ void dispatch_self(const DispatchArgs& a, int c, int 
 // One warp of the group pushing channel c's tokens to peer dst. gi / gs: index of the warp in its group and
 // the group size. Returns false when a wait ended without success (timeout, reported).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitCtx& wctx, int c, int dst, int gi,
+__device__ __forceinline__ bool dispatch_send(const DispatchCtx& a, const WaitCtx& wctx, int c, int dst, int gi,
                                               int gs, int lane) {
     constexpr int R = kNumRanks;
     const int rank = a.rank;
@@ -186,7 +186,7 @@ __device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitC
             }
             const TokenAux aux = load_aux(a, token, a.topk_idx != nullptr, lane);
             uint8_t* slot_ptr = ring + static_cast<long long>(slot) * a.slot_bytes;
-            warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + 16), src_row, a.hidden_int4, lane);
+            warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + kSlotHeaderBytes), src_row, a.hidden_int4, lane);
             store_scales(reinterpret_cast<unsigned int*>(slot_ptr + a.slot_scales_offset), a, token, aux, lane);
             if (a.topk_idx != nullptr) {
                 int* slot_idx = reinterpret_cast<int*>(slot_ptr + a.slot_topk_idx_offset);
@@ -217,7 +217,7 @@ __device__ __forceinline__ bool dispatch_send(const DispatchArgs& a, const WaitC
 
 // One warp of the group receiving channel c from src. Returns false when a wait timed out (reported).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ bool dispatch_recv(const DispatchArgs& a, const WaitCtx& wctx, int c, int src, int gi,
+__device__ __forceinline__ bool dispatch_recv(const DispatchCtx& a, const WaitCtx& wctx, int c, int src, int gi,
                                               int gs, int lane) {
     constexpr int R = kNumRanks;
     const int rank = a.rank;
@@ -268,7 +268,7 @@ __device__ __forceinline__ bool dispatch_recv(const DispatchArgs& a, const WaitC
                     lane == 0 && a.recv_src_idx != nullptr ? ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2) : 0;
 
                 warp_copy_ring<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4,
-                                        reinterpret_cast<const int4*>(slot_ptr + 16), a.hidden_int4, lane);
+                                        reinterpret_cast<const int4*>(slot_ptr + kSlotHeaderBytes), a.hidden_int4, lane);
                 unsigned int* out_scales = a.recv_x_scales + static_cast<long long>(row) * a.num_scales;
 #pragma unroll
                 for (int j = 0; j < kScaleRegs; ++j)
@@ -310,55 +310,36 @@ __device__ __forceinline__ bool dispatch_recv(const DispatchArgs& a, const WaitC
 // dispatch_direct.cuh if every rank's are, else the ring mode above.
 template <int kNumRanks, int kNumWarps, int kUnroll>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
-dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, long long scale_token_stride,
-         long long scale_block_stride, int num_scales, const long long* __restrict__ topk_idx,
-         const float* __restrict__ topk_weights, int num_topk, int num_local_experts,
-         const bool* __restrict__ is_token_in_rank, int num_tokens, int hidden_int4,
-         const int* __restrict__ rank_prefix_matrix, const int* __restrict__ channel_prefix_matrix,
-         const int* __restrict__ recv_channel_prefix_matrix, int4* __restrict__ recv_x,
-         unsigned int* __restrict__ recv_x_scales, long long* __restrict__ recv_topk_idx,
-         float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx, int* __restrict__ send_head,
-         int num_out_rows, int num_worst_tokens, int own_rows_copied, int fan_out,
-         const long long* __restrict__ bases,
-         const long long* __restrict__ pool_bases, long long done_offset, long long ring_offset,
-         long long free_offset, int slot_bytes, int cap, int slot_scales_offset, int slot_topk_idx_offset,
-         int slot_topk_weights_offset, int num_channels, int num_self_warps, int num_recv_self_warps,
-         int publish_batch, int* __restrict__ self_claims, ErrorRecord* err, long long timeout_ns, int rank) {
+dispatch(const __grid_constant__ DispatchArgs args) {
     constexpr int R = kNumRanks;
     const int c = blockIdx.x / 2;
     const bool is_sender = (blockIdx.x % 2) == 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    uint8_t* my_base = rank_base(bases, rank);
+    uint8_t* my_base = rank_base(args.bases, args.rank);
     const Ctrl ctrl = ctrl_of(my_base, R);
     const uint64_t seq = begin_kernel(ctrl);
-    const WaitCtx wctx{err, timeout_ns, rank};
+    const WaitCtx wctx{args.err, args.timeout_ns, args.rank};
 
-    const int num_recv = rank_prefix_matrix[(R - 1) * R + rank];
-    const DispatchArgs a{x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
-                         num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
-                         channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
-                         recv_topk_weights, recv_src_idx, send_head, num_out_rows, bases, pool_bases, done_offset,
-                         ring_offset, free_offset, slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset,
-                         slot_topk_weights_offset, num_channels, clamp_batch(publish_batch, cap), self_claims, err, rank,
-                         seq, num_recv, own_rows_copied, fan_out};
+    const int num_recv = args.rank_prefix_matrix[(R - 1) * R + args.rank];
+    const DispatchCtx a{args, clamp_batch(args.publish_batch, args.cap), seq, num_recv};
     if (blockIdx.x == 0) {
         publish_dest<R>(a);
-        announce_arrival(bases, R, rank, seq);
+        announce_arrival(args.bases, R, args.rank, seq);
     }
 
     // Padding rows of the index outputs (num_worst_tokens mode), by every block.
-    if (num_worst_tokens > 0) {
+    if (args.num_worst_tokens > 0) {
         const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
         const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-        const long long pad_begin = num_recv < num_out_rows ? num_recv : num_out_rows;
-        for (long long row = pad_begin + first; row < num_out_rows; row += stride) {
-            if (recv_src_idx != nullptr) recv_src_idx[row] = -1;
+        const long long pad_begin = num_recv < args.num_out_rows ? num_recv : args.num_out_rows;
+        for (long long row = pad_begin + first; row < args.num_out_rows; row += stride) {
+            if (args.recv_src_idx != nullptr) args.recv_src_idx[row] = -1;
         }
-        if (recv_topk_idx != nullptr) {
-            for (long long k = pad_begin * num_topk + first; k < static_cast<long long>(num_out_rows) * num_topk;
+        if (args.recv_topk_idx != nullptr) {
+            for (long long k = pad_begin * args.num_topk + first; k < static_cast<long long>(args.num_out_rows) * args.num_topk;
                  k += stride) {
-                recv_topk_idx[k] = -1;
-                if (recv_topk_weights != nullptr) recv_topk_weights[k] = 0.0f;
+                args.recv_topk_idx[k] = -1;
+                if (args.recv_topk_weights != nullptr) args.recv_topk_weights[k] = 0.0f;
             }
         }
     }
@@ -367,24 +348,24 @@ dispatch(const int4* __restrict__ x, const unsigned int* __restrict__ x_scales, 
     const int mode = begin_dispatch<R, kNumWarps>(a, wctx, c, sh, chunk_masks);
     if (mode == 1) {
         // Peers drop the rows past num_out_rows; this rank reports them.
-        if (blockIdx.x == 0 && threadIdx.x == 0 && num_recv > num_out_rows)
-            report_timeout(err, kOpDispatchOverflow, rank, rank, __LINE__, num_recv);
-        dispatch_direct<R, kNumWarps, kUnroll>(a, wctx, c, sh, chunk_masks, self_claims + c);
+        if (blockIdx.x == 0 && threadIdx.x == 0 && num_recv > args.num_out_rows)
+            report_timeout(args.err, kOpDispatchOverflow, args.rank, args.rank, __LINE__, num_recv);
+        dispatch_direct<R, kNumWarps, kUnroll>(a, wctx, c, sh, chunk_masks, args.self_claims + c);
     } else if (mode == 0) {
         // Role of this warp: push to a peer or receive from one, then join the self copy; or start on the
         // self copy (with a single rank every warp does).
-        const int self_in_block = is_sender ? num_self_warps : num_recv_self_warps;
+        const int self_in_block = is_sender ? args.num_self_warps : args.num_recv_self_warps;
         bool ok = true;
         if (warp >= self_in_block && R > 1) {
             int g, gi, gs;
             split_warps(warp - self_in_block, kNumWarps - self_in_block, R - 1, g, gi, gs);
-            const int peer = (rank + 1 + g) % R;
+            const int peer = (args.rank + 1 + g) % R;
             ok = is_sender ? dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane)
                            : dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
         }
         if (ok) dispatch_self<R, kUnroll>(a, c, lane);
     }
-    end_kernel(ctrl, seq, self_claims, num_channels);
+    end_kernel(ctrl, seq, args.self_claims, args.num_channels);
 }
 
 }  // namespace deepep_cupy::intranode

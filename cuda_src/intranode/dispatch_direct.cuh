@@ -15,8 +15,8 @@
 // channel is done; an item is one of two kinds, the same for the whole call (DispatchArgs::fan_out, chosen by
 // the host from the launch's SM count: ops/intranode/engine.py, FAN_OUT_MAX_SMS):
 // * By destination: (32-token chunk j, destination d, part p), the set bits p * kDirectRun ... of mask (j, d),
-//   one copy each; this rank's part of a chunk before the peers' (2 x H200, same run: FP8 122.8 against
-//   127.7-132.6 us with the peers first, BF16 214 against 219-223), so NVLink and local copies stay interleaved.
+//   one copy each; this rank's part of a chunk before the peers' (faster than the peers first), so NVLink and
+//   local copies stay interleaved.
 //   Warps pushing over NVLink and warps copying locally then wait on different things, which keeps NVLink busy
 //   on many SMs.
 // * By token (fan-out): (chunk j, part p), the tokens at positions p * kDirectRun ... of the chunk, each loaded
@@ -51,14 +51,14 @@ constexpr int kDirectParts = 32 / kDirectRun;  // items per chunk and destinatio
 // offsets of x, scales, top-k ids, top-k weights and source indices in the owner's pool (-1: none),
 // [6] the owner's num_out_rows, [7] 1 when the owner's outputs are in its pool (it can take the direct
 // mode), 0 when they are ordinary allocations.
-__device__ __forceinline__ uint64_t pool_offset(const void* p, const DispatchArgs& a) {
+__device__ __forceinline__ uint64_t pool_offset(const void* p, const DispatchCtx& a) {
     return p == nullptr ? ~uint64_t{0}
                         : static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(a.pool_bases[a.rank]));
 }
 
 // Thread r < R of block 0: tell rank r where this rank's outputs of this kernel are.
 template <int kNumRanks>
-__device__ __forceinline__ void publish_dest(const DispatchArgs& a) {
+__device__ __forceinline__ void publish_dest(const DispatchCtx& a) {
     const int r = threadIdx.x;
     if (r >= kNumRanks) return;
     uint64_t* e = ctrl_of(rank_base(a.bases, r), kNumRanks).dest(a.rank);
@@ -76,7 +76,7 @@ __device__ __forceinline__ void publish_dest(const DispatchArgs& a) {
 }
 
 template <typename T>
-__device__ __forceinline__ T* pool_ptr(const DispatchArgs& a, int r, uint64_t offset) {
+__device__ __forceinline__ T* pool_ptr(const DispatchCtx& a, int r, uint64_t offset) {
     return offset == ~uint64_t{0} ? nullptr
                                   : reinterpret_cast<T*>(static_cast<uintptr_t>(a.pool_bases[r]) + offset);
 }
@@ -85,7 +85,7 @@ __device__ __forceinline__ T* pool_ptr(const DispatchArgs& a, int r, uint64_t of
 // start at each rank and where its send_head entries count from. Returns 1 when every rank's outputs are in
 // its pool (the direct mode), 0 when some are not (the ring mode), -1 on timeout (reported).
 template <int kNumRanks>
-__device__ __forceinline__ int load_dests(const DispatchArgs& a, const WaitCtx& wctx, int c, DestRows* dests,
+__device__ __forceinline__ int load_dests(const DispatchCtx& a, const WaitCtx& wctx, int c, DestRows* dests,
                                           int* row_base, int* send_base, int lane) {
     constexpr int R = kNumRanks;
     const Ctrl ctrl = ctrl_of(rank_base(a.bases, a.rank), R);
@@ -119,7 +119,7 @@ __device__ __forceinline__ int load_dests(const DispatchArgs& a, const WaitCtx& 
 // Masks of channel c's 32-token chunks per destination (mask[j * R + d]) and their exclusive prefix counts
 // (prefix[j * R + d]), built by the whole block.
 template <int kNumRanks, int kNumWarps>
-__device__ __forceinline__ void build_masks(const DispatchArgs& a, int t_begin, int t_end, int num_chunks,
+__device__ __forceinline__ void build_masks(const DispatchCtx& a, int t_begin, int t_end, int num_chunks,
                                             unsigned int* mask, int* prefix, int warp, int lane) {
     constexpr int R = kNumRanks;
     for (int j = warp; j < num_chunks; j += kNumWarps) {
@@ -155,7 +155,7 @@ struct DirectShared {
 // Every block, first: the dest entries of all ranks (warp 0) and, meanwhile, the chunk masks of channel c
 // (the other warps). Returns the mode (see load_dests).
 template <int kNumRanks, int kNumWarps>
-__device__ __forceinline__ int begin_dispatch(const DispatchArgs& a, const WaitCtx& wctx, int c,
+__device__ __forceinline__ int begin_dispatch(const DispatchCtx& a, const WaitCtx& wctx, int c,
                                               DirectShared<kNumRanks>& sh, unsigned int* masks) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int t_begin, t_end;
@@ -176,7 +176,7 @@ __device__ __forceinline__ int begin_dispatch(const DispatchArgs& a, const WaitC
 // experts, weight 0), with the source index. An own token's row is left out when the copy engines move the own
 // rows (a.own_rows_copied). Bad ids are noted in `bad`.
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void fan_out_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh, int token,
+__device__ __forceinline__ void fan_out_token(const DispatchCtx& a, const DirectShared<kNumRanks>& sh, int token,
                                               unsigned int targets, int row, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
     const TokenAux aux = load_aux(a, token, a.topk_idx != nullptr, lane);
@@ -220,7 +220,7 @@ __device__ __forceinline__ void for_each_claimed(int* claim, int num_items, int 
 // send_head of the chunk's tokens for rank d (lane l: token chunk + l, m: the chunk's mask for d, whose first
 // token is number `before_chunk` of the (channel, d) stream there): the token's index in that stream, or -1.
 template <int kNumRanks>
-__device__ __forceinline__ void store_send_head(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
+__device__ __forceinline__ void store_send_head(const DispatchCtx& a, const DirectShared<kNumRanks>& sh,
                                                 unsigned int m, int before_chunk, int d, int chunk, int t_end,
                                                 int lane) {
     if (chunk + lane >= t_end) return;
@@ -233,7 +233,7 @@ __device__ __forceinline__ void store_send_head(const DispatchArgs& a, const Dir
 // (j, d), one copy each; this rank's part of a chunk first (see the header). `prefix`: the chunks' prefix counts
 // (begin_dispatch).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void direct_item_by_destination(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
+__device__ __forceinline__ void direct_item_by_destination(const DispatchCtx& a, const DirectShared<kNumRanks>& sh,
                                                            const unsigned int* mask, const int* prefix, int t_begin,
                                                            int t_end, int item, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
@@ -258,7 +258,7 @@ __device__ __forceinline__ void direct_item_by_destination(const DispatchArgs& a
 // Item (chunk j, part p): the tokens at positions p * kDirectRun ... of the chunk, each loaded once and stored
 // into every rank it goes to (fan_out_token; see the header).
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void direct_item_by_token(const DispatchArgs& a, const DirectShared<kNumRanks>& sh,
+__device__ __forceinline__ void direct_item_by_token(const DispatchCtx& a, const DirectShared<kNumRanks>& sh,
                                                      const unsigned int* mask, const int* prefix, int t_begin,
                                                      int t_end, int item, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
@@ -288,7 +288,7 @@ __device__ __forceinline__ void direct_item_by_token(const DispatchArgs& a, cons
 // The direct dispatch of one block (see the header), after begin_dispatch returned 1. Returns false when
 // a wait timed out (reported).
 template <int kNumRanks, int kNumWarps, int kUnroll>
-__device__ __noinline__ bool dispatch_direct(const DispatchArgs& a, const WaitCtx& wctx, int c,
+__device__ __noinline__ bool dispatch_direct(const DispatchCtx& a, const WaitCtx& wctx, int c,
                                              const DirectShared<kNumRanks>& sh, const unsigned int* mask, int* claim) {
     constexpr int R = kNumRanks;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

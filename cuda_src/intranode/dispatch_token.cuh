@@ -8,39 +8,11 @@
 
 namespace deepep_cupy::intranode {
 
-struct DispatchArgs {
-    const int4* x;
-    const unsigned int* x_scales;
-    long long scale_token_stride, scale_block_stride;
-    int num_scales;
-    const long long* topk_idx;
-    const float* topk_weights;
-    int num_topk, num_local_experts;
-    const bool* is_token_in_rank;
-    int num_tokens, hidden_int4;
-    const int* rank_prefix_matrix;
-    const int* channel_prefix_matrix;
-    const int* recv_channel_prefix_matrix;
-    int4* recv_x;
-    unsigned int* recv_x_scales;
-    long long* recv_topk_idx;
-    float* recv_topk_weights;
-    int* recv_src_idx;
-    int* send_head;
-    int num_out_rows;
-    const long long* bases;
-    const long long* pool_bases;  // every rank's output pool when this rank's outputs are in its own, else nullptr
-    long long done_offset;        // direct mode: done words [source rank][block] in every NVL buffer
-    long long ring_offset, free_offset;
-    int slot_bytes, cap, slot_scales_offset, slot_topk_idx_offset, slot_topk_weights_offset, num_channels;
-    int batch;
-    int* self_claims;
-    ErrorRecord* err;
-    int rank;
-    uint64_t seq;
-    int num_recv;
-    int own_rows_copied;  // this rank's own rows reach recv_x through the copy engines (ops/intranode/own_rows.py)
-    int fan_out;          // direct mode: each token loaded once for all its ranks (dispatch_direct.cuh)
+// What both dispatch modes read: the kernel's arguments (args.cuh) and what the kernel works out at its start.
+struct DispatchCtx : DispatchArgs {
+    int batch;      // tokens per publish: clamp_batch(publish_batch, cap)
+    uint64_t seq;   // this kernel's sequence number (begin_kernel)
+    int num_recv;   // rows this rank receives (the last row of rank_prefix_matrix)
 };
 
 // ---- a token's scales and top-k entries ------------------------------------------------------------
@@ -59,12 +31,12 @@ struct TokenAux {
     float weight;      // its weight (0 without weights)
 };
 
-__device__ __forceinline__ const unsigned int* token_scales(const DispatchArgs& a, int token) {
+__device__ __forceinline__ const unsigned int* token_scales(const DispatchCtx& a, int token) {
     return a.x_scales + token * a.scale_token_stride;
 }
 
 // Sender side: from the user's inputs (read-only for the whole kernel). `with_topk`: load the top-k pair.
-__device__ __forceinline__ TokenAux load_aux(const DispatchArgs& a, int token, bool with_topk, int lane) {
+__device__ __forceinline__ TokenAux load_aux(const DispatchCtx& a, int token, bool with_topk, int lane) {
     TokenAux t;
     const unsigned int* sc = token_scales(a, token);
 #pragma unroll
@@ -82,7 +54,7 @@ __device__ __forceinline__ TokenAux load_aux(const DispatchArgs& a, int token, b
     return t;
 }
 
-__device__ __forceinline__ void store_scales(unsigned int* dst, const DispatchArgs& a, int token, const TokenAux& t,
+__device__ __forceinline__ void store_scales(unsigned int* dst, const DispatchCtx& a, int token, const TokenAux& t,
                                              int lane) {
 #pragma unroll
     for (int j = 0; j < kScaleRegs; ++j)
@@ -93,7 +65,7 @@ __device__ __forceinline__ void store_scales(unsigned int* dst, const DispatchAr
 
 // Calls put(j, expert id, weight) for every top-k entry of the token, lane j % 32 doing entry j.
 template <typename Put>
-__device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, const TokenAux& t, int lane, Put put) {
+__device__ __forceinline__ void for_each_topk(const DispatchCtx& a, int token, const TokenAux& t, int lane, Put put) {
     if (lane < a.num_topk) put(lane, t.expert, t.weight);
     for (int j = lane + 32; j < a.num_topk; j += 32) {
         const long long k = static_cast<long long>(token) * a.num_topk + j;
@@ -104,7 +76,7 @@ __device__ __forceinline__ void for_each_topk(const DispatchArgs& a, int token, 
 // Asks L2 for the scales of tokens [t0, t1) (at most 32), a chunk ahead of their loads, so that the
 // first warp to load them does not wait for DRAM. Column-major: one run of 4 * (t1 - t0) bytes per scale
 // block (its first and last element cover it); row-major: one contiguous run. Other layouts: nothing.
-__device__ __forceinline__ void prefetch_scales(const DispatchArgs& a, int t0, int t1, int lane) {
+__device__ __forceinline__ void prefetch_scales(const DispatchCtx& a, int t0, int t1, int lane) {
     if (a.num_scales == 0 || t0 >= t1) return;
     const unsigned int* first = token_scales(a, t0);
     if (a.scale_token_stride == 1) {
@@ -134,7 +106,7 @@ struct DestRows {
 // What `token` carries besides its row, into row `row` of rank dst's outputs: scales, top-k ids made local to dst
 // (-1 for another rank's experts, weight 0) and the source index. Bad ids are noted in `bad`.
 template <int kNumRanks>
-__device__ __forceinline__ void store_extras(const DispatchArgs& a, int token, const TokenAux& aux, const DestRows& d,
+__device__ __forceinline__ void store_extras(const DispatchCtx& a, int token, const TokenAux& aux, const DestRows& d,
                                              int dst, int row, BadValue& bad, int lane) {
     store_scales(d.scales + static_cast<long long>(row) * a.num_scales, a, token, aux, lane);
     if (d.topk_idx != nullptr) {
@@ -153,7 +125,7 @@ __device__ __forceinline__ void store_extras(const DispatchArgs& a, int token, c
 // Copies `token` into row `row` of rank dst's outputs: its row and store_extras. An own token's row is left out
 // when the host copies the own rows with the copy engines (a.own_rows_copied), in either mode.
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, const DestRows& d, int dst, int row,
+__device__ __forceinline__ void copy_token(const DispatchCtx& a, int token, const DestRows& d, int dst, int row,
                                            BadValue& bad, int lane) {
     const TokenAux aux = load_aux(a, token, d.topk_idx != nullptr, lane);
     if (dst != a.rank || !a.own_rows_copied)
@@ -164,7 +136,7 @@ __device__ __forceinline__ void copy_token(const DispatchArgs& a, int token, con
 
 // Bits of the tokens of [chunk, chunk + 32) (clipped at end) that go to rank dst.
 template <int kNumRanks>
-__device__ __forceinline__ unsigned int chunk_mask(const DispatchArgs& a, int chunk, int end, int dst, int lane) {
+__device__ __forceinline__ unsigned int chunk_mask(const DispatchCtx& a, int chunk, int end, int dst, int lane) {
     const int t = chunk + lane;
     return __ballot_sync(kFullMask, t < end && a.is_token_in_rank[static_cast<long long>(t) * kNumRanks + dst]);
 }

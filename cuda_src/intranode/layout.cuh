@@ -48,8 +48,13 @@
 #include "common/nvrtc_compat.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "intranode/args.cuh"
 
 namespace deepep_cupy::intranode {
+
+// Bytes of a ring slot's header, [uint64 flag][int32 source token][int32 unused]; the payload follows
+// (deepep_cupy/ops/intranode/layout.py reads this value).
+constexpr int kSlotHeaderBytes = 16;
 
 // Op codes of the error record (names in deepep_cupy/ops/intranode/engine.py).
 enum OpCode : int {

@@ -21,34 +21,29 @@ constexpr int kNotifyThreads = 1024;
 
 template <int kNumRanks>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channels,
-       const int* __restrict__ num_tokens_per_expert, int num_local_experts, int expert_alignment,
-       int* __restrict__ rank_prefix_matrix, int* __restrict__ channel_prefix_matrix,
-       int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ meta,
-       const long long* __restrict__ bases, long long notify_offset, int notify_stride,
-       ErrorRecord* err, long long timeout_ns, int rank) {
+notify(const __grid_constant__ NotifyArgs args) {
     constexpr int R = kNumRanks;
     extern __shared__ int s_counts[];  // [R][C] per-channel counts, then [R] totals
     __shared__ int s_abort;
-    int* s_totals = s_counts + R * num_channels;
+    int* s_totals = s_counts + R * args.num_channels;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, num_warps = blockDim.x / 32;
-    uint8_t* my_base = rank_base(bases, rank);
+    uint8_t* my_base = rank_base(args.bases, args.rank);
     const Ctrl ctrl = ctrl_of(my_base, R);
     const uint64_t seq = begin_kernel(ctrl);
-    const WaitCtx wctx{err, timeout_ns, rank};
+    const WaitCtx wctx{args.err, args.timeout_ns, args.rank};
     if (tid == 0) s_abort = 0;
-    announce_arrival(bases, R, rank, seq);
+    announce_arrival(args.bases, R, args.rank, seq);
 
     // 2. Per-channel counts, one warp per channel.
-    for (int c = warp; c < num_channels; c += num_warps) {
+    for (int c = warp; c < args.num_channels; c += num_warps) {
         int begin, end;
-        channel_range(num_tokens, num_channels, c, begin, end);
+        channel_range(args.num_tokens, args.num_channels, c, begin, end);
         int cnt[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) cnt[r] = 0;
         for (int t = begin + lane; t < end; t += 32) {
-            const bool* row = is_token_in_rank + static_cast<long long>(t) * R;
+            const bool* row = args.is_token_in_rank + static_cast<long long>(t) * R;
 #pragma unroll
             for (int r = 0; r < R; ++r) cnt[r] += row[r] ? 1 : 0;
         }
@@ -57,15 +52,15 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
             int v = cnt[r];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-            if (lane == 0) s_counts[r * num_channels + c] = v;
+            if (lane == 0) s_counts[r * args.num_channels + c] = v;
         }
     }
     __syncthreads();
     if (tid < R) {
         int acc = 0;
-        for (int c = 0; c < num_channels; ++c) {
-            acc += s_counts[tid * num_channels + c];
-            channel_prefix_matrix[tid * num_channels + c] = acc;
+        for (int c = 0; c < args.num_channels; ++c) {
+            acc += s_counts[tid * args.num_channels + c];
+            args.channel_prefix_matrix[tid * args.num_channels + c] = acc;
         }
         s_totals[tid] = acc;
     }
@@ -77,25 +72,25 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
     }
     __syncthreads();
     if (s_abort == 0) {
-        const int rec_ints = R + num_channels + num_local_experts;
+        const int rec_ints = R + args.num_channels + args.num_local_experts;
         for (int k = tid; k < R * rec_ints; k += blockDim.x) {
             const int dst = k / rec_ints, j = k % rec_ints;
             int value;
             if (j < R)
                 value = s_totals[j];
-            else if (j < R + num_channels)
-                value = s_counts[dst * num_channels + (j - R)];
+            else if (j < R + args.num_channels)
+                value = s_counts[dst * args.num_channels + (j - R)];
             else
-                value = num_tokens_per_expert[dst * num_local_experts + (j - R - num_channels)];
-            int* area = reinterpret_cast<int*>(rank_base(bases, dst) + notify_offset);
-            area[rank * notify_stride + j] = value;
+                value = args.num_tokens_per_expert[dst * args.num_local_experts + (j - R - args.num_channels)];
+            int* area = reinterpret_cast<int*>(rank_base(args.bases, dst) + args.notify_offset);
+            area[args.rank * args.notify_stride + j] = value;
         }
         __threadfence_system();
     }
     __syncthreads();
     if (s_abort == 0 && tid < R) {
-        const Ctrl peer = ctrl_of(rank_base(bases, tid), R);
-        st_release_sys(peer.notify_flag(rank), seq);
+        const Ctrl peer = ctrl_of(rank_base(args.bases, tid), R);
+        st_release_sys(peer.notify_flag(args.rank), seq);
     }
 
     // 4. Collect every source's record.
@@ -106,28 +101,28 @@ notify(const bool* __restrict__ is_token_in_rank, int num_tokens, int num_channe
     }
     __syncthreads();
     if (s_abort == 0) {
-        const int* area = reinterpret_cast<const int*>(my_base + notify_offset);
+        const int* area = reinterpret_cast<const int*>(my_base + args.notify_offset);
         if (tid < R) {
             // Column r = tid of the rank prefix matrix.
             int acc = 0;
             for (int i = 0; i < R; ++i) {
-                acc += ld_cg_s32(area + i * notify_stride + tid);
-                rank_prefix_matrix[i * R + tid] = acc;
+                acc += ld_cg_s32(area + i * args.notify_stride + tid);
+                args.rank_prefix_matrix[i * R + tid] = acc;
             }
-            if (tid == rank) meta[0] = acc;
+            if (tid == args.rank) args.meta[0] = acc;
             // Row s = tid of the receive channel prefix matrix.
             int run = 0;
-            const int* rec = area + tid * notify_stride + R;
-            for (int c = 0; c < num_channels; ++c) {
-                recv_channel_prefix_matrix[tid * num_channels + c] = run;
+            const int* rec = area + tid * args.notify_stride + R;
+            for (int c = 0; c < args.num_channels; ++c) {
+                args.recv_channel_prefix_matrix[tid * args.num_channels + c] = run;
                 run += ld_cg_s32(rec + c);
             }
         }
-        for (int e = tid; e < num_local_experts; e += blockDim.x) {
+        for (int e = tid; e < args.num_local_experts; e += blockDim.x) {
             long long total = 0;
-            for (int s = 0; s < R; ++s) total += ld_cg_s32(area + s * notify_stride + R + num_channels + e);
-            if (expert_alignment > 1) total = (total + expert_alignment - 1) / expert_alignment * expert_alignment;
-            meta[1 + e] = static_cast<int>(total);
+            for (int s = 0; s < R; ++s) total += ld_cg_s32(area + s * args.notify_stride + R + args.num_channels + e);
+            if (args.expert_alignment > 1) total = (total + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
+            args.meta[1 + e] = static_cast<int>(total);
         }
     }
     end_kernel(ctrl, seq);

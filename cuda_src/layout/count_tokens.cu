@@ -8,8 +8,8 @@
 // experts live there), writes its is_token_in_rank bytes, and warps count the masks with ballots. Then
 // the blocks add up each other's shared counts through distributed shared memory, each block writing a
 // share of the outputs, so every output element is written exactly once.
-// (A block per 32 experts and one per 32 ranks, each reading all N*K ids, took 11.8 us of kernel time
-// on an H100 at N = 4096, K = 8: the single rank block did all the per-id work on one SM.)
+// (A block per 32 experts and one per 32 ranks, each reading all N*K ids, was several times slower: the
+// single rank block did all the per-id work on one SM.)
 // The grid does not depend on N, so N = 0 still launches and writes zero counts.
 // Experts map to ranks contiguously: rank = e / (E / R); RDMA rank = rank / num_nvl_ranks.
 // Id -1 selects nothing. Any other id outside [0, E) is bad: it selects nothing either, and the first
@@ -19,6 +19,7 @@
 #include "common/nvrtc_compat.cuh"
 #include "common/ptx.cuh"
 #include "common/value_errors.cuh"
+#include "layout/args.cuh"
 
 namespace deepep_cupy::layout {
 
@@ -223,21 +224,18 @@ __device__ __forceinline__ void count_block(const int64_t* __restrict__ topk_idx
 // bad id.
 template <int kTopK, int kCluster>
 __global__ void DEEPEP_LAYOUT_CLUSTER(kCluster) __launch_bounds__(kThreads, 1)
-    count_tokens(const int64_t* __restrict__ topk_idx, int num_tokens, int num_experts, int num_ranks,
-                 int num_nvl_ranks, int* __restrict__ num_tokens_per_expert, int* __restrict__ num_tokens_per_rank,
-                 int* __restrict__ num_tokens_per_rdma_rank, bool* __restrict__ is_token_in_rank,
-                 ErrorRecord* err, int rank) {
+    count_tokens(const __grid_constant__ CountTokensArgs args) {
     static_assert(kTopK >= 1 && kTopK <= 128, "top-k out of range");
     static_assert(kCluster >= 1 && kCluster <= 8, "a portable cluster has at most 8 blocks");
     extern __shared__ int s_counts[];
-    const int num_rdma_ranks = num_tokens_per_rdma_rank != nullptr ? num_ranks / num_nvl_ranks : 0;
-    const int words = num_experts + num_ranks + num_rdma_ranks;
+    const int num_rdma_ranks = args.num_tokens_per_rdma_rank != nullptr ? args.num_ranks / args.num_nvl_ranks : 0;
+    const int words = args.num_experts + args.num_ranks + num_rdma_ranks;
     int* hist = s_counts;
-    int* rank_counts = hist + num_experts;
-    int* rdma_counts = num_rdma_ranks > 0 ? rank_counts + num_ranks : nullptr;
+    int* rank_counts = hist + args.num_experts;
+    int* rdma_counts = num_rdma_ranks > 0 ? rank_counts + args.num_ranks : nullptr;
     for (int i = static_cast<int>(threadIdx.x); i < words; i += kThreads) s_counts[i] = 0;
-    count_block<kTopK, kCluster>(topk_idx, num_tokens, num_experts, num_ranks, num_nvl_ranks, num_rdma_ranks,
-                                 hist, rank_counts, rdma_counts, is_token_in_rank, err, rank);
+    count_block<kTopK, kCluster>(args.topk_idx, args.num_tokens, args.num_experts, args.num_ranks, args.num_nvl_ranks, num_rdma_ranks,
+                                 hist, rank_counts, rdma_counts, args.is_token_in_rank, args.err, args.rank);
     // Every block's counts are final; block b sums words b, b + kCluster, ... over the cluster and writes
     // them. The second barrier keeps every block's shared memory alive until the others have read it.
     cluster_barrier<kCluster>();
@@ -246,9 +244,9 @@ __global__ void DEEPEP_LAYOUT_CLUSTER(kCluster) __launch_bounds__(kThreads, 1)
         int sum = 0;
 #pragma unroll
         for (int b = 0; b < kCluster; ++b) sum += ld_cluster_shared<kCluster>(s_counts + i, b);
-        if (i < num_experts) num_tokens_per_expert[i] = sum;
-        else if (i < num_experts + num_ranks) num_tokens_per_rank[i - num_experts] = sum;
-        else num_tokens_per_rdma_rank[i - num_experts - num_ranks] = sum;
+        if (i < args.num_experts) args.num_tokens_per_expert[i] = sum;
+        else if (i < args.num_experts + args.num_ranks) args.num_tokens_per_rank[i - args.num_experts] = sum;
+        else args.num_tokens_per_rdma_rank[i - args.num_experts - args.num_ranks] = sum;
     }
     cluster_barrier<kCluster>();
 }

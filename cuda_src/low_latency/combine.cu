@@ -167,26 +167,7 @@ constexpr int kPhases = DEEPEP_CUPY_LL_PHASES;
 
 template <int kHidden, int kTopk, int kWarps, int kGroups, bool kLogfmt, bool kPartials>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
-    combine(const uint16_t* x,                        // [E_local, R*T, H] bf16 (the send area with zero-copy)
-            const int* __restrict__ src_info,         // [E_local, R*T]
-            const int64_t* __restrict__ layout_range, // [E_local, R]
-            const int* __restrict__ row_map,          // [R*T, E_local] from the dispatch, or null (kPartials)
-            const int64_t* __restrict__ topk_idx,     // [N, K]
-            const float* __restrict__ topk_weights,   // [N, K]
-            int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
-            uint32_t* sym_tags,                       // [E]
-            uint64_t* sym_arrivals,                   // [E]
-            uint32_t* sym_done,                       // kPartials: [R][grid] block completion words (src_idx region)
-            uint8_t* sym_recv,                        // [E][T] slots of 2H bytes
-            uint8_t* sym_send,                        // [E_local][R*T] rows of 2H bytes
-            uint32_t* seq_state,                      // [8]: [0..3] sequences, [4] send blocks done
-            uint64_t* arrival_base,                   // [E] local
-            uint32_t* ready,                          // [E] local
-            int* mask,                                // [R]
-            uint16_t* out,                            // [N, H] bf16 bits
-            int64_t* wait_recv_cost_stats,            // [R] or null
-            int phases, int zero_copy, int force_rma, int shrink, long long timeout_ns,
-            ErrorRecord* err) {
+    combine(const __grid_constant__ CombineArgs args) {
     constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
     constexpr int kBlockWarps = kWarps * kGroups;
     constexpr int kThreads = kBlockWarps * 32;
@@ -204,7 +185,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     static_assert(kPhases >= 1 && kPhases <= (kPhaseSend | kPhaseRecv), "kPhases: a mask of phases");
     // Phases outside kPhases are compiled out: a hook's parts run kernels that hold only their own
     // phase's code (kernel_names.LL_SEND, LL_RECV).
-    phases &= kPhases;
+    const int phases = args.phases & kPhases;
 
     __shared__ int s_mask[kMaxRanks];
     __shared__ int s_sent[kGroups];
@@ -218,63 +199,63 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const GroupCoords<kWarps, kGroups> at;
     const int warp_in_block = at.warp_in_block, lane = at.lane, group = at.group, warp = at.warp;
     const int gthread = at.gthread, barrier_id = at.barrier_id, total_groups = at.total_groups, gid = at.gid;
-    const int num_local_experts = num_experts / num_ranks;
-    const int slab = num_ranks * max_tokens;
-    const bool bail = !shrink;
+    const int num_local_experts = args.num_experts / args.num_ranks;
+    const int slab = args.num_ranks * args.max_tokens;
+    const bool bail = !args.shrink;
 
     // A partial-sum launch that only receives reads its warp's first item's top-k ids ahead (issued first:
     // the acquire below holds back later loads); in a receive hook they were a round trip after the prologue.
     const int64_t item_id_raw = kPartials && (phases & kPhaseRecv) && !(phases & kPhaseSend)
-                                    ? first_item_id<kHidden, kTopk, kThreads>(topk_idx, num_tokens)
+                                    ? first_item_id<kHidden, kTopk, kThreads>(args.topk_idx, args.num_tokens)
                                     : -1;
     // Stage B's first tag words, read ahead of the prologue (thread i waits for expert i there), and the
     // send's unit ranges. The partial-sum path reads its sources' block words instead, and only in a launch
     // that only receives (recv_partials' upfront case).
-    const uint32_t tag_ahead = kPartials ? read_tag_ahead((phases & kPhaseSend) ? 0 : phases, sym_done,
-                                                          num_ranks * static_cast<int>(gridDim.x))
-                                         : read_tag_ahead(phases, sym_tags, num_experts);
+    const uint32_t tag_ahead = kPartials ? read_tag_ahead((phases & kPhaseSend) ? 0 : phases, args.sym_done,
+                                                          args.num_ranks * static_cast<int>(gridDim.x))
+                                         : read_tag_ahead(phases, args.sym_tags, args.num_experts);
     // (Narrowed after the acquire is issued: an id outside [0, E) selects nothing, like -1.)
-    const int item_id_ahead = item_id_raw >= 0 && item_id_raw < num_experts ? static_cast<int>(item_id_raw) : -1;
+    const int item_id_ahead = item_id_raw >= 0 && item_id_raw < args.num_experts ? static_cast<int>(item_id_raw) : -1;
     const int64_t range_ahead =
-        (phases & kPhaseSend) && static_cast<int>(threadIdx.x) < num_experts ? __ldg(layout_range + threadIdx.x) : 0;
-    begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
-    const Deadline deadline(timeout_ns);
-    const bool self_masked = s_mask[rank] != 0;
+        (phases & kPhaseSend) && static_cast<int>(threadIdx.x) < args.num_experts ? __ldg(args.layout_range + threadIdx.x) : 0;
+    begin_launch(phases, args.seq_state, args.mask, args.num_ranks, s_seq, s_mask);
+    const Deadline deadline(args.timeout_ns);
+    const bool self_masked = s_mask[args.rank] != 0;
 
     // ------------------------------------------------------------------ send
     if (kPartials && (phases & kPhaseSend)) {
         const uint32_t tag = seq_tag(s_seq[0]);
-        publish_routes<kTopk, kThreads>(topk_idx, topk_weights, num_tokens, max_tokens, num_experts, num_ranks, rank,
-                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, sym_recv, s_seq[0],
-                                        err);
-        if (row_map == nullptr)  // the send builds its row table from the prefix
-            unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask,
+        publish_routes<kTopk, kThreads>(args.topk_idx, args.topk_weights, args.num_tokens, args.max_tokens, args.num_experts, args.num_ranks, args.rank,
+                                        kPartialRowBytes<kHidden, kLogfmt>, self_masked, s_mask, args.sym_recv, s_seq[0],
+                                        args.err);
+        if (args.row_map == nullptr)  // the send builds its row table from the prefix
+            unit_prefix<kThreads>(args.layout_range, range_ahead, args.num_experts, args.num_ranks, args.max_tokens, self_masked, s_mask,
                                   s_prefix, s_warp_sum);
-        send_partials<kHidden, kTopk, kThreads, kLogfmt>(x, src_info, layout_range, row_map, max_tokens, num_experts, num_ranks,
-                                                         rank, self_masked, s_mask, mask, s_prefix, s_table, sym_done,
-                                                         sym_recv, s_seq[0], tag, shrink != 0, deadline, err);
+        send_partials<kHidden, kTopk, kThreads, kLogfmt>(args.x, args.src_info, args.layout_range, args.row_map, args.max_tokens, args.num_experts, args.num_ranks,
+                                                         args.rank, self_masked, s_mask, args.mask, s_prefix, s_table, args.sym_done,
+                                                         args.sym_recv, s_seq[0], tag, args.shrink != 0, deadline, args.err);
     } else if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
         // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
         // on the block's mask snapshot, since all blocks have to take the same path for the completion
         // count.
-        bool direct = !force_rma;
-        for (int r = static_cast<int>(threadIdx.x); direct && r < num_ranks; r += kThreads)
-            if (nvshmem_ptr(sym_recv, r) == nullptr) direct = false;
+        bool direct = !args.force_rma;
+        for (int r = static_cast<int>(threadIdx.x); direct && r < args.num_ranks; r += kThreads)
+            if (nvshmem_ptr(args.sym_recv, r) == nullptr) direct = false;
         direct = __syncthreads_and(direct) != 0;
         if (direct) {
-            send_direct<kHidden, kLogfmt, kThreads>(x, src_info, layout_range, range_ahead, max_tokens, num_experts,
-                                                    num_ranks, rank, self_masked, s_mask, s_prefix, s_warp_sum, &s_last,
-                                                    sym_tags, sym_recv, seq_state + 4, tag);
+            send_direct<kHidden, kLogfmt, kThreads>(args.x, args.src_info, args.layout_range, range_ahead, args.max_tokens, args.num_experts,
+                                                    args.num_ranks, args.rank, self_masked, s_mask, s_prefix, s_warp_sum, &s_last,
+                                                    args.sym_tags, args.sym_recv, args.seq_state + 4, tag);
         } else {
-            for (int u = gid; u < num_experts; u += total_groups) {
-                const int le = u / num_ranks;
-                const int dst = u % num_ranks;
+            for (int u = gid; u < args.num_experts; u += total_groups) {
+                const int le = u / args.num_ranks;
+                const int dst = u % args.num_ranks;
                 if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group
-                const int e = rank * num_local_experts + le;
-                const int begin = static_cast<int>(layout_range[u] >> 32);
-                const int count = unit_rows_of(__ldg(layout_range + u), u, num_ranks, max_tokens, self_masked, s_mask);
-                uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
+                const int e = args.rank * num_local_experts + le;
+                const int begin = static_cast<int>(args.layout_range[u] >> 32);
+                const int count = unit_rows_of(__ldg(args.layout_range + u), u, args.num_ranks, args.max_tokens, self_masked, s_mask);
+                uint8_t* peer_recv = args.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(args.sym_recv, dst));
                 const bool p2p = peer_recv != nullptr;
                 if (gthread == 0) s_sent[group] = 0;
                 named_barrier_sync(barrier_id, kGroupThreads);
@@ -282,30 +263,30 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 int sent = 0;  // rows this warp returned (lane 0's count is the one that matters)
                 for (int i = warp; i < count; i += kWarps) {
                     const int row = begin + i;
-                    const int t = __ldg(src_info + static_cast<size_t>(le) * slab + row);
-                    if (t < 0 || t >= max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
-                    const uint16_t* src_row = x + (static_cast<size_t>(le) * slab + row) * kHidden;
-                    const size_t slot = static_cast<size_t>(e) * max_tokens + t;
+                    const int t = __ldg(args.src_info + static_cast<size_t>(le) * slab + row);
+                    if (t < 0 || t >= args.max_tokens) continue;  // corrupt handle: skip rather than write out of bounds
+                    const uint16_t* src_row = args.x + (static_cast<size_t>(le) * slab + row) * kHidden;
+                    const size_t slot = static_cast<size_t>(e) * args.max_tokens + t;
                     if (p2p) {
                         uint8_t* dst_row = peer_recv + slot * kSlotBytes;
                         if constexpr (kLogfmt) logfmt_encode_row<kHidden, Load::kNonCoherent>(src_row, dst_row, lane);
                         else warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(dst_row, src_row, lane);
                     } else {
-                        uint8_t* stage_row = sym_send + (static_cast<size_t>(le) * slab + row) * kSlotBytes;
+                        uint8_t* stage_row = args.sym_send + (static_cast<size_t>(le) * slab + row) * kSlotBytes;
                         if constexpr (kLogfmt) {
                             // In place when zero-copy (src_row is stage_row): coherent loads.
                             logfmt_encode_row<kHidden, Load::kPlain>(src_row, stage_row, lane);
-                        } else if (!zero_copy) {
+                        } else if (!args.zero_copy) {
                             warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(stage_row, src_row, lane);
                         }
                         __threadfence_system();  // the transport may read the staged row with a copy engine or NIC
                         __syncwarp();
-                        nvshmemx_putmem_nbi_warp(sym_recv + slot * kSlotBytes, stage_row, kRowBytes, dst);
+                        nvshmemx_putmem_nbi_warp(args.sym_recv + slot * kSlotBytes, stage_row, kRowBytes, dst);
                         __threadfence_system();  // whatever lanes stored for the put is ordered before the signal
                         __syncwarp();
                         if (lane == 0) {
                             nvshmem_fence();
-                            nvshmemx_signal_op(sym_arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dst);
+                            nvshmemx_signal_op(args.sym_arrivals + e, 1, NVSHMEM_SIGNAL_ADD, dst);
                         }
                         __syncwarp();
                     }
@@ -317,9 +298,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 if (gthread == 0) {
                     const uint32_t word = tag_word(tag, static_cast<uint32_t>(s_sent[group]));
                     if (p2p) {
-                        st_release_sys(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + e, dst)), word);
+                        st_release_sys(static_cast<uint32_t*>(nvshmem_ptr(args.sym_tags + e, dst)), word);
                     } else {
-                        nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + e), static_cast<int>(word), dst);
+                        nvshmem_int_atomic_set(reinterpret_cast<int*>(args.sym_tags + e), static_cast<int>(word), dst);
                     }
                 }
                 named_barrier_sync(barrier_id, kGroupThreads);  // s_sent is reused by the next unit
@@ -335,28 +316,28 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         // Stage A (thread 0 of each group, one global expert at a time): RMA owners -> local ready flag;
         // wait-time statistics for every owner when requested.
         if (!kPartials && gthread == 0 && !self_masked) {
-            for (int e = gid; e < num_experts; e += total_groups) {
+            for (int e = gid; e < args.num_experts; e += total_groups) {
                 const int owner = e / num_local_experts;
                 if (s_mask[owner] != 0) continue;
-                const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
-                if (p2p && wait_recv_cost_stats == nullptr) continue;
-                int cnt = wait_tag(sym_tags + e, tag, deadline, err, bail);
+                const bool p2p = !args.force_rma && nvshmem_ptr(args.sym_tags, owner) != nullptr;
+                if (p2p && args.wait_recv_cost_stats == nullptr) continue;
+                int cnt = wait_tag(args.sym_tags + e, tag, deadline, args.err, bail);
                 if (cnt >= 0 && !p2p) {
-                    const uint64_t base = arrival_base[e];
-                    if (cnt == 0 || wait_arrivals(sym_arrivals + e, base, static_cast<uint64_t>(cnt), deadline, err, bail))
-                        arrival_base[e] = base + static_cast<uint64_t>(cnt);
+                    const uint64_t base = args.arrival_base[e];
+                    if (cnt == 0 || wait_arrivals(args.sym_arrivals + e, base, static_cast<uint64_t>(cnt), deadline, args.err, bail))
+                        args.arrival_base[e] = base + static_cast<uint64_t>(cnt);
                     else
                         cnt = -1;
                 }
                 if (cnt < 0) {
-                    peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
-                } else if (wait_recv_cost_stats != nullptr) {
-                    atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + owner),
+                    peer_timed_out(args.mask, owner, args.shrink != 0, args.err, kOpCombineRecv, args.rank, __LINE__, deadline);
+                } else if (args.wait_recv_cost_stats != nullptr) {
+                    atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_recv_cost_stats + owner),
                               static_cast<unsigned long long>(globaltimer() - t_start));
                 }
                 // Always release the reducers; they re-check the mask (and give up on their own after a
                 // reported timeout).
-                if (!p2p) st_release_gpu(ready + e, tag);
+                if (!p2p) st_release_gpu(args.ready + e, tag);
             }
         }
 
@@ -367,16 +348,16 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             const long long stride = static_cast<long long>(gridDim.x) * kThreads;
             BadValue bad;
             for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
-                 i < static_cast<long long>(num_tokens) * kTopk; i += stride)
-                bad.check_expert_id(__ldg(topk_idx + i), num_experts);
-            bad.report_from_warp(err, kValueOpLowLatencyCombine, rank, __LINE__);
+                 i < static_cast<long long>(args.num_tokens) * kTopk; i += stride)
+                bad.check_expert_id(__ldg(args.topk_idx + i), args.num_experts);
+            bad.report_from_warp(args.err, kValueOpLowLatencyCombine, args.rank, __LINE__);
         }
         if constexpr (kPartials) {
-            recv_partials<kHidden, kTopk, kThreads, kLogfmt>(topk_idx, num_tokens, max_tokens, num_experts, num_ranks,
-                                                             rank, self_masked, s_mask, mask, sym_done, sym_recv, out,
-                                                             wait_recv_cost_stats, (phases & kPhaseSend) == 0,
-                                                             tag_ahead, item_id_ahead, s_arrived, tag, shrink != 0,
-                                                             deadline, err);
+            recv_partials<kHidden, kTopk, kThreads, kLogfmt>(args.topk_idx, args.num_tokens, args.max_tokens, args.num_experts, args.num_ranks,
+                                                             args.rank, self_masked, s_mask, args.mask, args.sym_done, args.sym_recv, args.out,
+                                                             args.wait_recv_cost_stats, (phases & kPhaseSend) == 0,
+                                                             tag_ahead, item_id_ahead, s_arrived, tag, args.shrink != 0,
+                                                             deadline, args.err);
             return;
         }
 
@@ -387,19 +368,19 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         // case). A block waits for every expert, not only its tokens' ones: all senders publish every
         // expert at once, so this costs nothing in the end-to-end time.
         __syncthreads();  // stage A's ready flags are set by this block's threads too
-        for (int e0 = warp_in_block * 32; e0 < num_experts; e0 += kThreads) {
+        for (int e0 = warp_in_block * 32; e0 < args.num_experts; e0 += kThreads) {
             const int e = e0 + lane;
             bool ok = false;
-            if (e < num_experts && !self_masked) {
+            if (e < args.num_experts && !self_masked) {
                 const int owner = e / num_local_experts;
-                if (s_mask[owner] == 0 && ld_volatile(mask + owner) == 0) {
-                    const bool p2p = !force_rma && nvshmem_ptr(sym_tags, owner) != nullptr;
+                if (s_mask[owner] == 0 && ld_volatile(args.mask + owner) == 0) {
+                    const bool p2p = !args.force_rma && nvshmem_ptr(args.sym_tags, owner) != nullptr;
                     const uint32_t seen = e == static_cast<int>(threadIdx.x) ? tag_ahead : 0u;
-                    ok = p2p ? wait_tag_seen(seen, sym_tags + e, tag, deadline, err, bail) >= 0
-                             : wait_ready(ready + e, tag, deadline, err, bail);
+                    ok = p2p ? wait_tag_seen(seen, args.sym_tags + e, tag, deadline, args.err, bail) >= 0
+                             : wait_ready(args.ready + e, tag, deadline, args.err, bail);
                     if (!ok) {
-                        peer_timed_out(mask, owner, shrink != 0, err, kOpCombineRecv, rank, __LINE__, deadline);
-                    } else if (!p2p && ld_volatile(mask + owner) != 0) {
+                        peer_timed_out(args.mask, owner, args.shrink != 0, args.err, kOpCombineRecv, args.rank, __LINE__, deadline);
+                    } else if (!p2p && ld_volatile(args.mask + owner) != 0) {
                         ok = false;  // stage A gave up on the owner
                     }
                 }
@@ -413,7 +394,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         // loaded before the first is used.
         const int total_warps = total_groups * kWarps;
         const int gwarp = gid * kWarps + warp;
-        for (int item = gwarp; item < num_tokens * kNumChunks; item += total_warps) {
+        for (int item = gwarp; item < args.num_tokens * kNumChunks; item += total_warps) {
             const int t = item / kNumChunks;
             const int col = (item % kNumChunks) * kChunk + lane * 8;
             const bool active = col < kHidden;
@@ -422,13 +403,13 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             // on the 64-bit id: narrowing first could turn a huge id into a valid one.
             int expert = -1;
             if (lane < kTopk) {
-                const int64_t id = __ldg(topk_idx + static_cast<size_t>(t) * kTopk + lane);
-                if (id >= 0 && id < num_experts) {
+                const int64_t id = __ldg(args.topk_idx + static_cast<size_t>(t) * kTopk + lane);
+                if (id >= 0 && id < args.num_experts) {
                     expert = static_cast<int>(id);
                     if (((s_arrived[expert / 32] >> (expert % 32)) & 1u) == 0) expert = -1;
                 }
             }
-            const float weight = expert >= 0 ? __ldg(topk_weights + static_cast<size_t>(t) * kTopk + lane) : 0.0f;
+            const float weight = expert >= 0 ? __ldg(args.topk_weights + static_cast<size_t>(t) * kTopk + lane) : 0.0f;
             // BF16: the sum is grouped by rank, in rank order, each rank's part an fma chain in top-k order
             // (the order of the partial-sum path and of the reference, so every BF16 path gives the same
             // bits): entry j of the loop below is the lane `order` names at place j in (rank, k) order among
@@ -470,7 +451,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     const int src = __shfl_sync(kFullMask, order, (k0 + j) & 31);
                     const int e = __shfl_sync(kFullMask, expert, src);
                     if ((kRankOrder ? k0 + j < num_valid : e >= 0) && active) {
-                        const uint8_t* row = sym_recv + (static_cast<size_t>(e) * max_tokens + t) * kSlotBytes;
+                        const uint8_t* row = args.sym_recv + (static_cast<size_t>(e) * args.max_tokens + t) * kSlotBytes;
                         if constexpr (kLogfmt) piece[j] = logfmt_load8<kHidden / kChannelsPerBlock>(row, col);
                         else raw[j] = ld_cg_v4(row + static_cast<size_t>(col) * 2);
                     }
@@ -507,7 +488,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
             }
-            if (active) st_na_v4(reinterpret_cast<int4*>(out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
+            if (active) st_na_v4(reinterpret_cast<int4*>(args.out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
         }
     }
 }

@@ -46,28 +46,7 @@ constexpr bool kRankMsgsOnly = DEEPEP_CUPY_LL_RANK_MSGS_ONLY != 0;
 // Symmetric pointers (sym_*) are this rank's addresses of the buffer half the call uses.
 template <int kHidden, int kTopk, int kWarps, int kGroups, bool kFP8>
 __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
-    dispatch(const uint16_t* __restrict__ x,       // [N, H] bf16 bits
-             const int64_t* __restrict__ topk_idx, // [N, K]
-             int num_tokens, int max_tokens, int num_experts, int num_ranks, int rank,
-             uint32_t* sym_tags,                   // [E]
-             uint64_t* sym_arrivals,               // [E]
-             int* sym_src_idx,                     // [E][T]
-             uint8_t* sym_recv,                    // [E][T] slots of 2H bytes
-             const uint8_t* sym_stage,             // [T] staged messages (RMA path)
-             uint32_t* seq_state,                  // [8] send seq, readers, recv seq, readers, -, send blocks done
-             uint64_t* arrival_base,               // [E] local
-             int* mask,                            // [R]
-             uint8_t* out_x,                       // [E_local, R*T, H or 2H bytes]
-             float* out_scales,                    // [E_local, H/128, R*T]
-             int* out_scales_ue8m0,                // [E_local, ceil(H/512), R*T]
-             int* out_count,                       // [E_local]
-             int* out_src_info,                    // [E_local, R*T]
-             int* out_row_map,                     // [R*T, E_local] or null (layout.cuh: record_row)
-             int64_t* out_layout_range,            // [E_local, R]
-             int* cumulative_recv_stats,           // [E_local] or null
-             int64_t* wait_recv_cost_stats,        // [R] or null
-             int phases, int staged, int force_rma, int rank_msgs, int round_scale, int use_ue8m0, int shrink,
-             long long timeout_ns, ErrorRecord* err) {
+    dispatch(const __grid_constant__ DispatchArgs args) {
     constexpr int kGroupThreads = GroupCoords<kWarps, kGroups>::kGroupThreads;
     constexpr int kNumScales = kHidden / kChannelsPerBlock;
     constexpr int kSlotBytes = 2 * kHidden;
@@ -78,7 +57,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     static_assert(kGroups >= 1 && kGroups <= 15 && kWarps >= 1 && kWarps * kGroups <= 32, "bad warp split");
     static_assert(kMsgBytes <= kSlotBytes, "message must fit a slot");
     static_assert(kPhases >= 1 && kPhases <= (kPhaseSend | kPhaseRecv), "kPhases: a mask of phases");
-    phases &= kPhases;  // as in combine.cu: the other phase's code is compiled out
+    const int phases = args.phases & kPhases;  // as in combine.cu: the other phase's code is compiled out
 
     __shared__ uint32_t s_chunks[kGroups][kMaxTokenChunks];
     __shared__ int s_mask[kMaxRanks];
@@ -92,9 +71,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const GroupCoords<kWarps, kGroups> at;
     const int lane = at.lane, group = at.group, warp = at.warp;
     const int gthread = at.gthread, barrier_id = at.barrier_id, total_groups = at.total_groups, gid = at.gid;
-    const int num_local_experts = num_experts / num_ranks;
-    const int slab = num_ranks * max_tokens;
-    const bool bail = !shrink;
+    const int num_local_experts = args.num_experts / args.num_ranks;
+    const int slab = args.num_ranks * args.max_tokens;
+    const bool bail = !args.shrink;
 
     // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot): the
     // grid-wide splits of dispatch_direct.cuh, where the routing bitmap (send) or the unit prefix sums
@@ -103,58 +82,58 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     // One message per (token, destination rank) when the host chose that format (rank_msgs: the same
     // decision on every rank; see dispatch_ranks.cuh).
     static_assert(!kRankMsgsOnly || kTopk <= 32, "per-rank messages need top-k <= 32");
-    const bool ranks = kTopk <= 32 && (kRankMsgsOnly || rank_msgs != 0);
-    uint32_t* rank_tags = reinterpret_cast<uint32_t*>(sym_arrivals);
-    const bool fits = kFP8 && kTopk <= 32 && !force_rma && num_experts * ((num_tokens + 31) / 32) <= kMaxHitWords;
+    const bool ranks = kTopk <= 32 && (kRankMsgsOnly || args.rank_msgs != 0);
+    uint32_t* rank_tags = reinterpret_cast<uint32_t*>(args.sym_arrivals);
+    const bool fits = kFP8 && kTopk <= 32 && !args.force_rma && args.num_experts * ((args.num_tokens + 31) / 32) <= kMaxHitWords;
     constexpr int kIdsAhead = 2;
     SendAhead<kIdsAhead> ahead;
     if constexpr (kTopk <= 32) {
         if ((ranks || fits) && (phases & kPhaseSend))
             dispatch_send_ahead<kHidden, kTopk, kWarps * kGroups * 32>(
-                x, topk_idx, num_tokens, ranks ? num_experts + num_ranks : num_experts, s_hits, ahead);
+                args.x, args.topk_idx, args.num_tokens, ranks ? args.num_experts + args.num_ranks : args.num_experts, s_hits, ahead);
     }
     // The peers' receive areas, looked up once per block while thread 0 runs the prologue's round trips
     // (rank r goes to thread kThreads - 1 - r, wrapping past kThreads ranks), not once per send item.
     constexpr int kThreads = kWarps * kGroups * 32;
-    for (int r = kThreads - 1 - static_cast<int>(threadIdx.x); ranks && (phases & kPhaseSend) && r < num_ranks;
+    for (int r = kThreads - 1 - static_cast<int>(threadIdx.x); ranks && (phases & kPhaseSend) && r < args.num_ranks;
          r += kThreads)
-        s_peer_recv[r] = static_cast<uint8_t*>(nvshmem_ptr(sym_recv, r));
+        s_peer_recv[r] = static_cast<uint8_t*>(nvshmem_ptr(args.sym_recv, r));
     // The receive phase's first count, read ahead too.
     const uint32_t tag_ahead =
-        ranks ? read_tag_ahead(phases, rank_tags, num_ranks) : read_tag_ahead(phases, sym_tags, num_experts);
+        ranks ? read_tag_ahead(phases, rank_tags, args.num_ranks) : read_tag_ahead(phases, args.sym_tags, args.num_experts);
     // Per-rank messages: the (source, expert) count words too (tagged, so a word read early is usable
     // when it carries this launch's tag).
-    const uint32_t count_ahead = ranks ? read_word_ahead(phases, sym_tags, num_experts) : 0u;
-    bool all_p2p = kTopk <= 32 && !force_rma && !ranks;  // (the per-expert format's paths only)
-    for (int r = static_cast<int>(threadIdx.x); all_p2p && r < num_ranks; r += kWarps * kGroups * 32)
-        if (nvshmem_ptr(sym_recv, r) == nullptr) all_p2p = false;
+    const uint32_t count_ahead = ranks ? read_word_ahead(phases, args.sym_tags, args.num_experts) : 0u;
+    bool all_p2p = kTopk <= 32 && !args.force_rma && !ranks;  // (the per-expert format's paths only)
+    for (int r = static_cast<int>(threadIdx.x); all_p2p && r < args.num_ranks; r += kWarps * kGroups * 32)
+        if (nvshmem_ptr(args.sym_recv, r) == nullptr) all_p2p = false;
     all_p2p = __syncthreads_and(all_p2p) != 0;
     const bool direct = fits && all_p2p;
-    const bool recv_direct = kFP8 && all_p2p && num_experts + 1 <= kMaxHitWords;
+    const bool recv_direct = kFP8 && all_p2p && args.num_experts + 1 <= kMaxHitWords;
 
-    begin_launch(phases, seq_state, mask, num_ranks, s_seq, s_mask);
-    const Deadline deadline(timeout_ns);
-    const bool self_masked = s_mask[rank] != 0;
+    begin_launch(phases, args.seq_state, args.mask, args.num_ranks, s_seq, s_mask);
+    const Deadline deadline(args.timeout_ns);
+    const bool self_masked = s_mask[args.rank] != 0;
 
     // ------------------------------------------------------------------ send
     if constexpr (kTopk <= 32) {
         if (ranks && (phases & kPhaseSend)) {
             dispatch_send_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
-                x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits, &s_last,
-                s_peer_recv, sym_tags, rank_tags, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
-                OwnRows{out_x, out_scales, out_scales_ue8m0, out_src_info, out_row_map, slab, use_ue8m0 != 0},
-                !kFP8 && (phases & kPhaseRecv) != 0, err);
+                args.x, args.topk_idx, args.num_tokens, args.max_tokens, args.num_experts, args.num_ranks, args.rank, self_masked, s_mask, s_hits, &s_last,
+                s_peer_recv, args.sym_tags, rank_tags, args.sym_recv, args.seq_state + 5, seq_tag(s_seq[0]), args.round_scale != 0, ahead,
+                OwnRows{args.out_x, args.out_scales, args.out_scales_ue8m0, args.out_src_info, args.out_row_map, slab, args.use_ue8m0 != 0},
+                !kFP8 && (phases & kPhaseRecv) != 0, args.err);
         } else if (direct && (phases & kPhaseSend)) {
             dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
-                x, topk_idx, num_tokens, max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, s_hits,
-                &s_last, sym_tags, sym_src_idx, sym_recv, seq_state + 5, seq_tag(s_seq[0]), round_scale != 0, ahead,
-                err);
+                args.x, args.topk_idx, args.num_tokens, args.max_tokens, args.num_experts, args.num_ranks, args.rank, self_masked, s_mask, s_hits,
+                &s_last, args.sym_tags, args.sym_src_idx, args.sym_recv, args.seq_state + 5, seq_tag(s_seq[0]), args.round_scale != 0, ahead,
+                args.err);
         }
     }
     if ((phases & kPhaseSend) && !direct && !ranks) {
         const uint32_t tag = seq_tag(s_seq[0]);
-        const int num_chunks = (num_tokens + 31) / 32;
-        for (int e = gid; e < num_experts; e += total_groups) {
+        const int num_chunks = (args.num_tokens + 31) / 32;
+        for (int e = gid; e < args.num_experts; e += total_groups) {
             const int dst = e / num_local_experts;
             const int le = e % num_local_experts;
             if (self_masked || s_mask[dst] != 0) continue;  // uniform over the group (shared snapshot)
@@ -164,26 +143,26 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             for (int c = warp; c < num_chunks; c += kWarps) {
                 const int t = c * 32 + lane;
                 bool hit = false;
-                if (t < num_tokens) {
-                    const int64_t* row = topk_idx + static_cast<int64_t>(t) * kTopk;
+                if (t < args.num_tokens) {
+                    const int64_t* row = args.topk_idx + static_cast<int64_t>(t) * kTopk;
 #pragma unroll
                     for (int k = 0; k < kTopk; ++k) {
                         const int64_t id = __ldg(row + k);
                         hit |= (id == static_cast<int64_t>(e));
-                        bad.check_expert_id(id, num_experts);
+                        bad.check_expert_id(id, args.num_experts);
                     }
                 }
                 const uint32_t bits = __ballot_sync(kFullMask, hit);
                 if (lane == 0) s_chunks[group][c] = bits;
             }
-            if (e == rank * num_local_experts) bad.report_from_warp(err, kValueOpLowLatencyDispatch, rank, __LINE__);
+            if (e == args.rank * num_local_experts) bad.report_from_warp(args.err, kValueOpLowLatencyDispatch, args.rank, __LINE__);
             named_barrier_sync(barrier_id, kGroupThreads);
 
-            uint8_t* peer_recv = force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(sym_recv, dst));
+            uint8_t* peer_recv = args.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(args.sym_recv, dst));
             const bool p2p = peer_recv != nullptr;
-            int* peer_src_idx = p2p ? static_cast<int*>(nvshmem_ptr(sym_src_idx, dst)) : nullptr;
-            const int u = le * num_ranks + rank;  // our slot block at the receiver
-            const int slot_base = u * max_tokens;
+            int* peer_src_idx = p2p ? static_cast<int*>(nvshmem_ptr(args.sym_src_idx, dst)) : nullptr;
+            const int u = le * args.num_ranks + args.rank;  // our slot block at the receiver
+            const int slot_base = u * args.max_tokens;
 
             int running = 0;
             for (int c = 0; c < num_chunks; ++c) {
@@ -198,27 +177,27 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                     const int slot = slot_base + s;
                     if (p2p) {
                         uint8_t* msg = peer_recv + static_cast<size_t>(slot) * kSlotBytes;
-                        if (staged) {
+                        if (args.staged) {
                             warp_copy<kMsgBytes / 16, Load::kNonCoherent>(
-                                msg, sym_stage + static_cast<size_t>(t) * kSlotBytes, lane);
+                                msg, args.sym_stage + static_cast<size_t>(t) * kSlotBytes, lane);
                         } else if constexpr (kFP8) {
-                            cast_row_fp8<kHidden>(x + static_cast<size_t>(t) * kHidden, msg,
-                                                  reinterpret_cast<float*>(msg + kHidden), round_scale != 0, lane);
+                            cast_row_fp8<kHidden>(args.x + static_cast<size_t>(t) * kHidden, msg,
+                                                  reinterpret_cast<float*>(msg + kHidden), args.round_scale != 0, lane);
                         } else {
-                            warp_copy<kDataBytes / 16, Load::kNonCoherent>(msg, x + static_cast<size_t>(t) * kHidden,
+                            warp_copy<kDataBytes / 16, Load::kNonCoherent>(msg, args.x + static_cast<size_t>(t) * kHidden,
                                                                            lane);
                         }
                         if (lane == 0) peer_src_idx[slot] = t;
                     } else {
                         // Row and token id, then (ordered behind them by the fence) one count increment.
-                        nvshmemx_putmem_nbi_warp(sym_recv + static_cast<size_t>(slot) * kSlotBytes,
-                                                 sym_stage + static_cast<size_t>(t) * kSlotBytes, kMsgBytes, dst);
+                        nvshmemx_putmem_nbi_warp(args.sym_recv + static_cast<size_t>(slot) * kSlotBytes,
+                                                 args.sym_stage + static_cast<size_t>(t) * kSlotBytes, kMsgBytes, dst);
                         __threadfence_system();  // whatever lanes stored for the put is ordered before the signal
                         __syncwarp();
                         if (lane == 0) {
-                            nvshmem_int_p(sym_src_idx + slot, t, dst);
+                            nvshmem_int_p(args.sym_src_idx + slot, t, dst);
                             nvshmem_fence();
-                            nvshmemx_signal_op(sym_arrivals + u, 1, NVSHMEM_SIGNAL_ADD, dst);
+                            nvshmemx_signal_op(args.sym_arrivals + u, 1, NVSHMEM_SIGNAL_ADD, dst);
                         }
                         __syncwarp();
                     }
@@ -232,9 +211,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             if (gthread == 0) {
                 const uint32_t word = tag_word(tag, static_cast<uint32_t>(running));
                 if (p2p) {
-                    st_release_sys(static_cast<uint32_t*>(nvshmem_ptr(sym_tags + u, dst)), word);
+                    st_release_sys(static_cast<uint32_t*>(nvshmem_ptr(args.sym_tags + u, dst)), word);
                 } else {
-                    nvshmem_int_atomic_set(reinterpret_cast<int*>(sym_tags + u), static_cast<int>(word), dst);
+                    nvshmem_int_atomic_set(reinterpret_cast<int*>(args.sym_tags + u), static_cast<int>(word), dst);
                 }
             }
         }
@@ -245,57 +224,57 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         if (ranks && (phases & kPhaseRecv)) {
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the receive tables
             dispatch_recv_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
-                max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
-                sym_tags, rank_tags, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
-                out_src_info, out_row_map, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
-                shrink != 0, seq_tag(s_seq[1]), tag_ahead, count_ahead, deadline, err);
+                args.max_tokens, args.num_experts, args.num_ranks, args.rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
+                args.sym_tags, rank_tags, args.sym_recv, args.mask, args.out_x, args.out_scales, args.out_scales_ue8m0, args.out_count,
+                args.out_src_info, args.out_row_map, args.out_layout_range, args.cumulative_recv_stats, args.wait_recv_cost_stats, args.use_ue8m0 != 0,
+                args.shrink != 0, seq_tag(s_seq[1]), tag_ahead, count_ahead, deadline, args.err);
         } else if (recv_direct && (phases & kPhaseRecv)) {
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the prefix array
             dispatch_recv_direct<kHidden, kFP8, kWarps * kGroups * 32>(
-                max_tokens, num_experts, num_ranks, rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
-                s_warp_sum, sym_tags, sym_src_idx, sym_recv, mask, out_x, out_scales, out_scales_ue8m0, out_count,
-                out_src_info, out_row_map, out_layout_range, cumulative_recv_stats, wait_recv_cost_stats, use_ue8m0 != 0,
-                shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, err);
+                args.max_tokens, args.num_experts, args.num_ranks, args.rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
+                s_warp_sum, args.sym_tags, args.sym_src_idx, args.sym_recv, args.mask, args.out_x, args.out_scales, args.out_scales_ue8m0, args.out_count,
+                args.out_src_info, args.out_row_map, args.out_layout_range, args.cumulative_recv_stats, args.wait_recv_cost_stats, args.use_ue8m0 != 0,
+                args.shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, args.err);
         }
     }
     if ((phases & kPhaseRecv) && !recv_direct && !ranks) {
         const uint32_t tag = seq_tag(s_seq[1]);
         const uint64_t t_start = globaltimer();
-        for (int u = gid; u < num_experts; u += total_groups) {
-            const int le = u / num_ranks;
-            const int src = u % num_ranks;
+        for (int u = gid; u < args.num_experts; u += total_groups) {
+            const int le = u / args.num_ranks;
+            const int src = u % args.num_ranks;
 
             // Warp 0: counts of the sources up to src in the slab's order (one lane per source).
             if (warp == 0) {
                 int before = 0, mine = 0, abort = 0;
-                const int last = source_position(src, rank, num_ranks);
+                const int last = source_position(src, args.rank, args.num_ranks);
                 for (int j = lane; j <= last; j += 32) {
-                    const int s = source_at(j, rank, num_ranks);
+                    const int s = source_at(j, args.rank, args.num_ranks);
                     int cnt = 0;
                     if (!self_masked && s_mask[s] == 0) {
-                        cnt = wait_tag(sym_tags + le * num_ranks + s, tag, deadline, err, bail);
+                        cnt = wait_tag(args.sym_tags + le * args.num_ranks + s, tag, deadline, args.err, bail);
                         if (cnt >= 0 && s == src) {
-                            const bool p2p = !force_rma && nvshmem_ptr(sym_tags, s) != nullptr;
+                            const bool p2p = !args.force_rma && nvshmem_ptr(args.sym_tags, s) != nullptr;
                             if (!p2p && cnt > 0) {
-                                const uint64_t base = arrival_base[u];
+                                const uint64_t base = args.arrival_base[u];
                                 const uint64_t need = static_cast<uint64_t>(cnt);
-                                if (wait_arrivals(sym_arrivals + u, base, need, deadline, err, bail)) {
-                                    arrival_base[u] = base + need;
+                                if (wait_arrivals(args.sym_arrivals + u, base, need, deadline, args.err, bail)) {
+                                    args.arrival_base[u] = base + need;
                                 } else {
                                     cnt = -1;
                                 }
                             }
-                            if (cnt >= 0 && wait_recv_cost_stats != nullptr) {
-                                atomicAdd(reinterpret_cast<unsigned long long*>(wait_recv_cost_stats + s),
+                            if (cnt >= 0 && args.wait_recv_cost_stats != nullptr) {
+                                atomicAdd(reinterpret_cast<unsigned long long*>(args.wait_recv_cost_stats + s),
                                           static_cast<unsigned long long>(globaltimer() - t_start));
                             }
                         }
                         if (cnt < 0) {
-                            peer_timed_out(mask, s, shrink != 0, err, kOpDispatchRecv, rank, __LINE__, deadline);
-                            abort |= !shrink;
+                            peer_timed_out(args.mask, s, args.shrink != 0, args.err, kOpDispatchRecv, args.rank, __LINE__, deadline);
+                            abort |= !args.shrink;
                             cnt = 0;
                         }
-                        cnt = min(cnt, max_tokens);
+                        cnt = min(cnt, args.max_tokens);
                     }
                     if (j < last) before += cnt;
                     else mine = cnt;
@@ -315,31 +294,31 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
             for (int i = warp; i < count; i += kWarps) {
                 const int row = begin + i;
-                const uint8_t* msg = sym_recv + static_cast<size_t>(u * max_tokens + i) * kSlotBytes;
-                uint8_t* dst_row = out_x + (static_cast<size_t>(le) * slab + row) * kDataBytes;
+                const uint8_t* msg = args.sym_recv + static_cast<size_t>(u * args.max_tokens + i) * kSlotBytes;
+                uint8_t* dst_row = args.out_x + (static_cast<size_t>(le) * slab + row) * kDataBytes;
                 warp_copy<kDataBytes / 16, Load::kL2>(dst_row, msg, lane);
                 if constexpr (kFP8) {
-                    store_recv_scales<kNumScales>(msg + kHidden, use_ue8m0, out_scales, out_scales_ue8m0, le, slab,
+                    store_recv_scales<kNumScales>(msg + kHidden, args.use_ue8m0, args.out_scales, args.out_scales_ue8m0, le, slab,
                                                   row, lane);
                 }
                 if (lane == 0) {
-                    record_row(out_src_info, out_row_map, le, row, src,
-                               static_cast<int>(ld_cg_u32(sym_src_idx + u * max_tokens + i)), max_tokens, num_ranks,
+                    record_row(args.out_src_info, args.out_row_map, le, row, src,
+                               static_cast<int>(ld_cg_u32(args.sym_src_idx + u * args.max_tokens + i)), args.max_tokens, args.num_ranks,
                                num_local_experts);
                 }
             }
             if (gthread == 0) {
-                out_layout_range[le * num_ranks + src] =
+                args.out_layout_range[le * args.num_ranks + src] =
                     (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(count);
             }
-            if (source_position(src, rank, num_ranks) == num_ranks - 1) {  // the slab's last group
+            if (source_position(src, args.rank, args.num_ranks) == args.num_ranks - 1) {  // the slab's last group
                 const int total = begin + count;
                 if (gthread == 0) {
-                    out_count[le] = total;
-                    if (cumulative_recv_stats != nullptr) atomicAdd(cumulative_recv_stats + le, total);
+                    args.out_count[le] = total;
+                    if (args.cumulative_recv_stats != nullptr) atomicAdd(args.cumulative_recv_stats + le, total);
                 }
                 for (int r = total + gthread; r < slab; r += kGroupThreads)
-                    out_src_info[static_cast<size_t>(le) * slab + r] = -1;
+                    args.out_src_info[static_cast<size_t>(le) * slab + r] = -1;
             }
             named_barrier_sync(barrier_id, kGroupThreads);  // s_unit is reused by the next unit
         }
@@ -348,19 +327,21 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
 
 // RMA path only: cast (or copy) every token once into the symmetric staging area, which the puts of
 // the dispatch kernel read. One warp per token.
+constexpr int kStageThreads = 256;
+
 template <int kHidden, bool kFP8>
-__global__ void __launch_bounds__(256, 1)
-    stage(const uint16_t* __restrict__ x, int num_tokens, uint8_t* sym_stage, int round_scale) {
+__global__ void __launch_bounds__(kStageThreads, 1)
+    stage(const __grid_constant__ StageArgs args) {
     constexpr int kSlotBytes = 2 * kHidden;
     const int lane = lane_id();
     const int warps = static_cast<int>(gridDim.x * blockDim.x) / 32;
-    for (int t = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); t < num_tokens; t += warps) {
-        uint8_t* msg = sym_stage + static_cast<size_t>(t) * kSlotBytes;
+    for (int t = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); t < args.num_tokens; t += warps) {
+        uint8_t* msg = args.sym_stage + static_cast<size_t>(t) * kSlotBytes;
         if constexpr (kFP8) {
-            cast_row_fp8<kHidden>(x + static_cast<size_t>(t) * kHidden, msg, reinterpret_cast<float*>(msg + kHidden),
-                                  round_scale != 0, lane);
+            cast_row_fp8<kHidden>(args.x + static_cast<size_t>(t) * kHidden, msg, reinterpret_cast<float*>(msg + kHidden),
+                                  args.round_scale != 0, lane);
         } else {
-            warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(msg, x + static_cast<size_t>(t) * kHidden, lane);
+            warp_copy<kHidden * 2 / 16, Load::kNonCoherent>(msg, args.x + static_cast<size_t>(t) * kHidden, lane);
         }
     }
 }

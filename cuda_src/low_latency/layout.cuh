@@ -31,6 +31,7 @@
 #include "common/nvrtc_compat.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "low_latency/args.cuh"
 
 namespace deepep_cupy::low_latency {
 

@@ -1,21 +1,25 @@
 """Kernel launches with their argument block packed once.
 
-A :class:`LaunchPlan` holds the driver function handle, grid, block and shared memory of one kernel and
-a ctypes parameter block laid out like the kernel's arguments (one C scalar per argument and the
-``void*[]`` array pointing at them). A call changes only the few slots that differ between calls
-(pointers, counts) by assigning ``.value`` of the slot, then calls ``cuLaunchKernel`` with the
-arguments of the call itself prebuilt as C values too (function, grid, block, shared memory, the
-array's address), the stream written into its own slot (see :func:`_choose_launcher`): nothing is
-converted at launch, which is what makes the host path of an op a few microseconds instead of the tens
-that generic launchers spend packing ~30 arguments.
+Every kernel takes one by-value parameter struct (``cuda_src/<family>/args.cuh``). An :class:`ArgStruct`
+describes it: field names, kinds and C offsets (read from the header by :mod:`deepep_cupy.ops.headers`).
+A :class:`LaunchPlan` holds the driver function handle, grid, block and shared memory of one kernel and the
+struct's bytes in one block, with a ctypes scalar over each field's bytes. A call changes only the few
+fields that differ between calls (pointers, counts) by assigning ``.value`` of the slot, then calls
+``cuLaunchKernel`` with the arguments of the call itself prebuilt as C values too (function, grid, block,
+shared memory, the one-entry parameter array's address), the stream written into its own slot (see
+:func:`_choose_launcher`): nothing is converted at launch, which is what makes the host path of an op a
+few microseconds instead of the tens that generic launchers spend packing ~30 arguments.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping, Sequence
 
-__all__ = ["LaunchPlan", "ARG_TYPES", "LAUNCHER"]
+import numpy as np
+
+__all__ = ["ArgStruct", "LaunchPlan", "ARG_TYPES", "LAUNCHER"]
 
 #: Argument kinds a plan understands, as ctypes types (pointers travel as 64-bit integers).
 ARG_TYPES = {
@@ -26,6 +30,44 @@ ARG_TYPES = {
     "u64": ctypes.c_uint64,
     "f32": ctypes.c_float,
 }
+#: The same kinds as NumPy types: their C layout (``align=True``) is the struct's.
+_NUMPY_TYPES = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,
+                "f32": np.float32}
+
+
+class ArgStruct:
+    """A kernel's parameter struct: ``fields`` ``[(name, kind), ...]`` in declaration order, ``kind`` a key of
+    :data:`ARG_TYPES`; offsets and size follow the C rules (each field at a multiple of its size, the size a
+    multiple of the largest), as a NumPy structured dtype with ``align=True`` lays them out.
+
+    Attributes: ``name``, ``names``, ``kinds`` (name -> kind), ``offsets`` (name -> byte offset), ``size``,
+    ``dtype``.
+    """
+
+    __slots__ = ("name", "names", "kinds", "offsets", "size", "dtype")
+
+    def __init__(self, name: str, fields: Sequence[tuple[str, str]]) -> None:
+        self.name = str(name)
+        self.names = tuple(n for n, _ in fields)
+        if not self.names:
+            raise ValueError(f"struct {name}: no fields")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"struct {name}: duplicate field names in {list(self.names)}")
+        for field, kind in fields:
+            if kind not in ARG_TYPES:
+                raise ValueError(f"struct {name}, field {field}: unknown kind {kind!r}")
+        self.kinds = dict(fields)
+        self.dtype = np.dtype({"names": list(self.names), "formats": [_NUMPY_TYPES[k] for _, k in fields]},
+                              align=True)
+        self.offsets = {n: int(self.dtype.fields[n][1]) for n in self.names}
+        self.size = int(self.dtype.itemsize)
+
+    def fields(self) -> list[tuple[str, str, int]]:
+        """``(name, kind, offset)`` of every field, in order."""
+        return [(n, self.kinds[n], self.offsets[n]) for n in self.names]
+
+    def __repr__(self) -> str:
+        return f"ArgStruct({self.name}, {len(self.names)} fields, {self.size} bytes)"
 
 
 def _driver():
@@ -35,42 +77,54 @@ def _driver():
 
 
 class LaunchPlan:
-    """One kernel launch: function, launch shape and a pre-packed argument block.
+    """One kernel launch: function, launch shape and a pre-packed parameter struct.
 
     Arguments:
         kernel: a loaded kernel (:class:`deepep_cupy.jit.module.Kernel` or anything with ``raw.ptr`` /
             ``ptr`` giving the ``CUfunction`` address).
         grid, block: launch dimensions (int or up to three ints).
-        args: ``[(name, kind, value), ...]`` in the kernel's parameter order; ``kind`` is a key of
-            :data:`ARG_TYPES`. ``value`` may be None for slots set before every launch.
+        struct: the kernel's parameter struct (:class:`ArgStruct`).
+        values: a value for every field of ``struct`` by name: an int (a pointer is its address), a float for
+            ``f32``, None for a field set before every launch (0 until then), or for a pointer an array (its
+            ``data.ptr``). A missing or unknown name raises ValueError naming it.
         shared_mem: dynamic shared memory bytes.
 
-    ``plan.slot(name)`` returns the ctypes scalar of an argument; assign ``.value`` to change it. The
-    plan keeps a reference to the kernel (and so to its module).
+    ``plan.slot(name)`` returns the ctypes scalar over a field's bytes in the block; assign ``.value`` to
+    change it. The plan keeps a reference to the kernel (and so to its module).
     """
 
-    __slots__ = ("kernel", "grid", "block", "shared_mem", "names", "_slots", "_array", "_address", "_fn", "_stream",
-                 "_call")
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "struct", "names", "_block", "_slots", "_array",
+                 "_address", "_fn", "_stream", "_call")
 
-    def __init__(self, kernel, grid, block, args, shared_mem: int = 0) -> None:
+    def __init__(self, kernel, grid, block, struct: ArgStruct, values: Mapping[str, object],
+                 shared_mem: int = 0) -> None:
+        if not isinstance(struct, ArgStruct):
+            raise TypeError(f"struct must be an ArgStruct, got {type(struct).__name__}")
         self.grid = _dim3(grid)
         self.block = _dim3(block)
         self.shared_mem = int(shared_mem)
-        self.names = [name for name, _, _ in args]
-        if len(set(self.names)) != len(self.names):
-            raise ValueError(f"duplicate kernel argument names in {self.names}")
+        self.struct = struct
+        self.names = list(struct.names)
+        missing = [n for n in struct.names if n not in values]
+        unknown = [n for n in values if n not in struct.kinds]
+        if missing or unknown:
+            raise ValueError(f"arguments of {struct.name}: " + "; ".join(
+                part for part in (f"no value for {', '.join(missing)}" if missing else "",
+                                  f"no field named {', '.join(map(str, unknown))}" if unknown else "") if part))
+        # The struct's bytes, 8-byte aligned; each slot is a ctypes scalar over its field's bytes.
+        self._block = (ctypes.c_uint64 * (-(-struct.size // 8)))()
         self._slots = {}
-        for name, kind, value in args:
-            try:
-                ctype = ARG_TYPES[kind]
-            except KeyError:
-                raise ValueError(f"argument {name}: unknown kind {kind!r}") from None
-            slot = ctype()
+        for name, kind, offset in struct.fields():
+            slot = ARG_TYPES[kind].from_buffer(self._block, offset)
+            value = values[name]
             if value is not None:
-                slot.value = int(value) if kind != "f32" else float(value)
+                try:
+                    slot.value = _field_value(kind, value)
+                except (TypeError, ValueError, AttributeError) as exc:
+                    raise ValueError(f"argument {name} of {struct.name}: {exc}") from None
             self._slots[name] = slot
-        self._array = (ctypes.c_void_p * max(len(args), 1))(
-            *[ctypes.addressof(self._slots[name]) for name in self.names])
+        # cuLaunchKernel's kernelParams: one entry, the struct.
+        self._array = (ctypes.c_void_p * 1)(ctypes.addressof(self._block))
         self._address = ctypes.addressof(self._array)
         self._bind(kernel)
 
@@ -98,8 +152,12 @@ class LaunchPlan:
         return other
 
     def slot(self, name: str):
-        """The ctypes scalar behind argument ``name`` (set ``.value`` to patch it)."""
+        """The ctypes scalar over field ``name`` (set ``.value`` to patch it)."""
         return self._slots[name]
+
+    def block_bytes(self) -> bytes:
+        """The struct's bytes as the next launch passes them."""
+        return ctypes.string_at(ctypes.addressof(self._block), self.struct.size)
 
     def value(self, name: str):
         return self._slots[name].value
@@ -232,6 +290,15 @@ def _function_address(kernel) -> int:
     raw = getattr(kernel, "raw", kernel)
     function = getattr(raw, "kernel", raw)  # RawKernel -> its loaded Function
     return int(function.ptr)
+
+
+def _field_value(kind: str, value):
+    """A plan-time value as the slot of ``kind`` takes it."""
+    if kind == "f32":
+        return float(value)
+    if kind == "ptr" and not isinstance(value, (int, np.integer)):
+        return int(value.data.ptr)  # an array: its address
+    return int(value)
 
 
 def _dim3(value) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["SOURCE_DIR_ENV", "source_root", "use_source_root", "source_digests"]
+__all__ = ["SOURCE_DIR_ENV", "source_root", "packaged_source_root", "use_source_root", "source_digests"]
 
 SOURCE_DIR_ENV = "DEEPEP_CUPY_SOURCE_DIR"
 
@@ -40,6 +40,13 @@ def source_root() -> Path:
     env = os.environ.get(SOURCE_DIR_ENV)
     if env:
         return Path(env).resolve()
+    return _packaged_root()
+
+
+def packaged_source_root() -> Path:
+    """The sources shipped with this package, whatever :func:`source_root` points the JIT at: the host's
+    description of the kernels' parameter structs (:mod:`deepep_cupy.ops.headers`) is read from these, since
+    it belongs to the host code of the same release."""
     return _packaged_root()
 
 

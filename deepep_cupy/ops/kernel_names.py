@@ -21,6 +21,8 @@ waited. :data:`VALUE_OP_ARGS` names the operation and the argument for each code
 
 from __future__ import annotations
 
+from .headers import constant
+
 __all__ = [
     "LL_BOTH",
     "LL_RECV",
@@ -47,15 +49,16 @@ __all__ = [
 ]
 
 #: The ``reserved`` word of the error record (word 5): what a complete record reports.
-RECORD_KIND_TIMEOUT = 0
-RECORD_KIND_VALUE_ERROR = 1
+RECORD_KIND_TIMEOUT = constant("common/timeout.cuh", "kRecordTimeout")
+RECORD_KIND_VALUE_ERROR = constant("common/timeout.cuh", "kRecordValueError")
 
 #: Op codes of value errors (``kValueOp*`` in ``cuda_src/common/value_errors.cuh``).
-VALUE_OP_LAYOUT = 301
-VALUE_OP_INTRANODE_DISPATCH = 302
-VALUE_OP_LL_DISPATCH = 303
-VALUE_OP_LL_COMBINE = 304
-VALUE_OP_INTERNODE_DISPATCH = 305
+_VALUES = "common/value_errors.cuh"
+VALUE_OP_LAYOUT = constant(_VALUES, "kValueOpLayout")
+VALUE_OP_INTRANODE_DISPATCH = constant(_VALUES, "kValueOpIntranodeDispatch")
+VALUE_OP_LL_DISPATCH = constant(_VALUES, "kValueOpLowLatencyDispatch")
+VALUE_OP_LL_COMBINE = constant(_VALUES, "kValueOpLowLatencyCombine")
+VALUE_OP_INTERNODE_DISPATCH = constant(_VALUES, "kValueOpInternodeDispatch")
 
 #: Op code -> (operation, argument) for error messages.
 VALUE_OP_ARGS: dict[int, tuple[str, str]] = {
@@ -80,7 +83,9 @@ def _ints(*values: int) -> str:
 #: part and its receive part, each compiled without the other phase's code. The phases are a define of the
 #: module, not part of the kernel's name: a hook's two parts are two modules whose kernels have the same
 #: name, so a profile shows one ``::dispatch`` and one ``::combine`` row, as DeepEP's tests count them.
-LL_BOTH, LL_SEND, LL_RECV = 3, 1, 2
+LL_SEND = constant("low_latency/layout.cuh", "kPhaseSend")
+LL_RECV = constant("low_latency/layout.cuh", "kPhaseRecv")
+LL_BOTH = LL_SEND | LL_RECV
 
 
 def ll_dispatch(hidden: int, topk: int, warps: int, groups: int, use_fp8: bool) -> str:

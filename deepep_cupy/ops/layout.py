@@ -12,12 +12,17 @@ from ..event import EventOverlap
 from ..frameworks import BOOL, I32, SmallOutputs, frame_for
 from ..jit import BuildSpec, load
 from . import kernel_names, limits
+from .headers import constant, kernel_struct
 
 __all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "representative_builds"]
 
 MAX_TOPK = limits.LAYOUT_MAX_TOPK
 _SOURCE = "layout/count_tokens.cu"
-_THREADS = 512  # kThreads in layout/count_tokens.cu
+#: Threads of a block (the kernel's launch bounds).
+_THREADS = constant("layout/count_tokens.cu", "kThreads")
+#: The kernel's parameter struct, and every kernel of the family -> its struct.
+COUNT_TOKENS = kernel_struct("layout/args.cuh", "CountTokensArgs")
+KERNEL_STRUCTS = {"count_tokens": COUNT_TOKENS}
 _CLUSTER = 8  # blocks of the kernel's cluster on sm_90 (one block before it)
 #: The kernel counts experts, ranks and RDMA ranks in dynamic shared memory, one int32 each.
 MAX_COUNT_WORDS = limits.LAYOUT_MAX_COUNT_WORDS
@@ -70,12 +75,11 @@ class LayoutPlan:
         cluster = _cluster_for(frame)
         kernel = load(layout_spec(num_topk, cluster)).get_function(_kernel_name(num_topk, cluster))
         # The grid does not depend on num_tokens: with N = 0 the kernel still writes zero counts.
-        self.plan = LaunchPlan(kernel, cluster, _THREADS, [
-            ("topk_idx", "ptr", None), ("num_tokens", "i32", num_tokens), ("num_experts", "i32", num_experts),
-            ("num_ranks", "i32", num_ranks), ("num_nvl_ranks", "i32", num_nvl_ranks if self.has_rdma else num_ranks),
-            ("num_tokens_per_expert", "ptr", None), ("num_tokens_per_rank", "ptr", None),
-            ("num_tokens_per_rdma_rank", "ptr", 0), ("is_token_in_rank", "ptr", None), ("err", "ptr", errors.ptr),
-            ("rank", "i32", rank)], shared_mem=4 * count_words)
+        self.plan = LaunchPlan(kernel, cluster, _THREADS, COUNT_TOKENS, dict(
+            topk_idx=None, num_tokens=num_tokens, num_experts=num_experts, num_ranks=num_ranks,
+            num_nvl_ranks=num_nvl_ranks if self.has_rdma else num_ranks, num_tokens_per_expert=None,
+            num_tokens_per_rank=None, num_tokens_per_rdma_rank=0, is_token_in_rank=None, err=errors.ptr, rank=rank),
+            shared_mem=4 * count_words)
         self.slots = tuple(self.plan.slot(n) for n in ("topk_idx", "num_tokens_per_expert", "num_tokens_per_rank",
                                                         "num_tokens_per_rdma_rank", "is_token_in_rank"))
         # The outputs are cut from one allocation (an allocation costs the host about what two views do, and

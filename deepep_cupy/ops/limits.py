@@ -8,8 +8,7 @@ with the same exception and message.
 
 The GPU's SM count is the one limit that is not an argument: the high-throughput kernels need every block
 resident at once, one per SM. The functions that check it take ``num_device_sms``; the reference backend
-passes None, which skips that check alone (it cannot know which GPU the code will run on; an H100 or
-H200 has 132 SMs).
+passes None, which skips that check alone (it cannot know which GPU the code will run on).
 """
 
 from __future__ import annotations

@@ -8,18 +8,15 @@ so 4096 tokens make ~13 runs. A side stream copies those runs while the kernel m
 kernel (``own_rows_copied``) then leaves the own rows' data out and still stores their scales.
 
 Why off by default: a copy within one GPU is not a copy-engine copy. The driver runs it as a kernel of its own,
-on SMs the dispatch's launch did not count. On one H200 (``cudaMemcpyAsync`` of 58.7 MB): 37-40 us alone, and
-queued beside a kernel holding every SM for 420 us it ended only after that kernel (448 us), where a copy of the
-same bytes to a peer GPU (copy engines) ended inside it (180 us); ``cuMemcpyBatchAsync`` with
+on SMs the dispatch's launch did not count: queued beside a kernel holding every SM it ended only after that
+kernel, where a copy of the same bytes to a peer GPU (copy engines) ended inside it; ``cuMemcpyBatchAsync`` with
 ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`` behaved the same. So with these copies a dispatch on N SMs holds
 more than N, and beside a GEMM that holds the rest it waits for them: what a few-SM config is for. Where the
-other SMs are idle they pay (2 x H200, 4096 x 7168, top-8 of 256, 2 ranks, one run, own rows by the kernel
-against these copies, each at its best block shape): BF16 337 against 214 us at 8 SMs, 238 against 209 at 12,
-198 against 200 at 16, 211 against 197 at 24; FP8 with column-major scales 208 against 147 at 8 SMs, 150
-against 117 at 12. Each run is a copy command of several microseconds of host time.
+other SMs are idle they pay, most at few SMs (docs/design/intranode.md). Each run is a copy command of several
+microseconds of host time.
 
-Queuing the runs as one ``cuMemcpyBatchAsync`` took as much host time as the copies one by one (about 100 us
-for 14 runs on 2 x H200), so they go one by one.
+Queuing the runs as one ``cuMemcpyBatchAsync`` took as much host time as the copies one by one, so they go one
+by one.
 
 The runs need ``is_token_in_rank`` on the host: a dispatch without a handle reads this rank's column back
 in its one host wait, together with the counts, and keeps it on its handle (``DispatchHandle.own_tokens``

@@ -15,7 +15,7 @@ from ..config import Config
 from ..device.streams import ForkJoin, OpStreams, external_stream
 from ..frameworks import F32, I32, logical_dtype
 
-__all__ = ["lookup", "store", "config_key", "NOT_A_KEY", "kernel_pointer", "launch_args", "strides", "scale_strides", "scales_dtype", "NormalPlan"]
+__all__ = ["lookup", "store", "config_key", "NOT_A_KEY", "kernel_pointer", "strides", "scale_strides", "scales_dtype", "NormalPlan"]
 
 _MEMCPY_D2H = 2
 
@@ -50,24 +50,8 @@ _NULL = np.uint64(0)
 
 
 def kernel_pointer(arr) -> object:
-    """A kernel pointer argument for :func:`launch_args`: the array itself, or a null pointer for None."""
+    """A pointer field's value for a LaunchPlan: the array itself, or a null pointer for None."""
     return _NULL if arr is None else arr
-
-
-def launch_args(named) -> list:
-    """``(name, value)`` pairs of the argument builders -> LaunchPlan arguments. Integers stand for
-    pointers (patched per call), NumPy scalars keep their width, arrays give their address."""
-    out = []
-    for name, value in named:
-        if isinstance(value, np.int32):
-            out.append((name, "i32", int(value)))
-        elif isinstance(value, np.int64):
-            out.append((name, "i64", int(value)))
-        elif isinstance(value, (np.uint64, int)):
-            out.append((name, "ptr", int(value)))
-        else:
-            out.append((name, "ptr", int(value.data.ptr)))
-    return out
 
 
 def strides(t) -> tuple[int, ...]:

@@ -1,48 +1,99 @@
-"""What the host-side argument tests share: a kernel's parameter list read from its CUDA source, and the
-check that a plan's packed argument list names and types those parameters in order (the lists are written
-by hand; a kernel signature change must show up on the CPU, not as garbage on a GPU)."""
+"""What the host-side argument tests share.
 
-import re
+Every kernel takes one parameter struct (``cuda_src/<family>/args.cuh``) that the host reads
+(deepep_cupy.ops.headers) and packs itself. :func:`layout_unit` writes a translation unit that includes the
+header and ``static_assert``\\ s, for every field, the offset, size and kind the host computed, and the struct's
+size: :func:`compile_unit` compiles it with NVRTC (no GPU needed), so a host layout that differs from the
+compiler's fails to compile. :func:`check_packing` checks that a plan's values name every field of a struct.
+"""
+
+from __future__ import annotations
+
+import types
 from pathlib import Path
 
 import numpy as np
-import pytest
+
+from deepep_cupy.device import launch
+
+#: Field kind -> the code the unit's ArgKind trait gives the C type.
+KIND_CODES = {"ptr": 1, "i32": 2, "i64": 3, "u32": 4, "u64": 5, "f32": 6}
+
+_TRAIT = """\
+#define DEEPEP_OFFSETOF(s, m) __builtin_offsetof(s, m)
+// 1 pointer, 2 int32, 3 int64, 4 uint32, 5 uint64, 6 float (and 0 for anything else).
+template <class T> struct ArgKind {
+    static constexpr int value = T(0.5) != T(0) ? (sizeof(T) == 4 ? 6 : 0)
+                               : T(-1) < T(0) ? (sizeof(T) == 4 ? 2 : sizeof(T) == 8 ? 3 : 0)
+                                              : (sizeof(T) == 4 ? 4 : sizeof(T) == 8 ? 5 : 0);
+};
+template <class T> struct ArgKind<T*> { static constexpr int value = 1; };
+template <class T> struct ArgKind<T* __restrict__> { static constexpr int value = 1; };
+template <class T> struct ArgKind<const T> : ArgKind<T> {};
+"""
 
 
-def kernel_params(path: Path, kernel: str) -> list[tuple[str, str]]:
-    """``(type, name)`` of every parameter of ``__global__ ... kernel(...)`` in ``path``, in order (line
-    comments dropped first: they hold shapes with commas; ``__restrict__`` dropped from the types)."""
-    text = re.sub(r"//[^\n]*", "", path.read_text())
-    # The kernel's definition: its name followed by "(" after the last __global__ before it.
-    match = re.search(r"__global__[^;{]*?\b" + re.escape(kernel) + r"\(", text, re.S)
-    assert match is not None, f"no __global__ {kernel}( in {path}"
-    depth, start = 1, match.end()
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            break
-    out = []
-    for p in text[start:i].split(","):
-        p = re.sub(r"\s+", " ", p.replace("__restrict__", "")).strip()
-        name = re.findall(r"[A-Za-z_]\w*$", p)[0]
-        out.append((p[: -len(name)].strip(), name))
-    return out
+def layout_unit(units, *, overrides=None) -> str:
+    """A translation unit checking ``units``: ``[(header, namespace, [ArgStruct, ...]), ...]``. ``overrides``
+    ``{(struct, field): offset}`` replaces the host's offset of a field (to see a wrong one rejected)."""
+    overrides = overrides or {}
+    lines = ['#include "common/nvrtc_compat.cuh"']
+    lines += [f'#include "{header}"' for header, _, _ in units]
+    lines.append(_TRAIT)
+    for _, namespace, structs in units:
+        for struct in structs:
+            qualified = f"{namespace}::{struct.name}"
+            for name, kind, offset in struct.fields():
+                offset = overrides.get((struct.name, name), offset)
+                size = struct.dtype.fields[name][0].itemsize
+                lines.append(f'static_assert(DEEPEP_OFFSETOF({qualified}, {name}) == {offset}, '
+                             f'"{struct.name}::{name}: offset is not {offset}");')
+                lines.append(f'static_assert(sizeof({qualified}::{name}) == {size}, '
+                             f'"{struct.name}::{name}: size is not {size}");')
+                lines.append(f'static_assert(ArgKind<decltype({qualified}::{name})>::value == {KIND_CODES[kind]}, '
+                             f'"{struct.name}::{name}: not of kind {kind}");')
+            lines.append(f'static_assert(sizeof({qualified}) == {struct.size}, '
+                         f'"{struct.name}: size is not {struct.size}");')
+    return "\n".join(lines) + "\n"
+
+
+def compile_unit(text: str, folder: Path, arch: str = "sm_90") -> None:
+    """Compile ``text`` with NVRTC against the package's CUDA sources; raises ``CompileError`` (with the log)
+    when a static_assert fails."""
+    from deepep_cupy.jit import BuildSpec, source_root
+    from deepep_cupy.jit.compiler import compile_cubin, compile_options
+
+    folder = Path(folder)
+    (folder / "args_layout.cu").write_text(text)
+    spec = BuildSpec.make("args_layout.cu")
+    compile_cubin(spec, arch, folder, compile_options(spec, arch, source_root()))
 
 
 class FakeArray:
-    """Stands in for a device array in argument lists."""
+    """Stands in for a device array in argument values (its address is ``data.ptr``)."""
+
+    data = types.SimpleNamespace(ptr=0x1000)
 
 
-def check_packing(params, packed):
-    """``packed`` (``(name, value)`` pairs) names ``params`` in order, each value of its C type: pointers
-    as np.uint64 (or a FakeArray), ``int`` as np.int32, ``long long`` as np.int64."""
-    assert [n for _, n in params] == [n for n, _ in packed]
-    for (ctype, name), (_, value) in zip(params, packed, strict=True):
-        if "*" in ctype:
-            assert isinstance(value, (np.uint64, FakeArray)), (name, type(value))
-        elif ctype == "int":
-            assert isinstance(value, np.int32), (name, type(value))
-        elif ctype == "long long":
-            assert isinstance(value, np.int64), (name, type(value))
-        else:
-            pytest.fail(f"unexpected parameter type {ctype!r} for {name}")
+class _Kernel:
+    name = "fake"
+
+    class raw:  # noqa: N801 - mirrors jit.module.Kernel
+        class kernel:  # noqa: N801
+            ptr = 1
+
+
+def check_packing(struct: launch.ArgStruct, values: dict) -> bytes:
+    """``values`` names every field of ``struct`` once and packs (a LaunchPlan takes it); returns the bytes."""
+    assert isinstance(values, dict)
+    assert sorted(values) == sorted(struct.names), set(values) ^ set(struct.names)
+    plan = launch.LaunchPlan(_Kernel, 1, 32, struct, values)
+    packed = plan.block_bytes()
+    assert len(packed) == struct.size
+    record = np.frombuffer(packed, dtype=struct.dtype)[0]
+    for name in struct.names:
+        value = values[name]
+        if struct.kinds[name] == "ptr" and not isinstance(value, (int, np.integer, type(None))):
+            value = value.data.ptr
+        assert record[name] == (0 if value is None else value), name
+    return packed

@@ -1,7 +1,8 @@
 """NVRTC compile (and NVSHMEM link) of every kernel instantiation the ops modules ship. No GPU needed.
 
 Every family of ``deepep_cupy.ops.FAMILIES`` gives its ``representative_builds()`` (``ops.BUILD_MODULES``); each spec is built for
-sm_90, and for sm_80 unless it uses NVSHMEM.
+sm_90, and for sm_80 unless it uses NVSHMEM. Every kernel must take its family's parameter struct (the one the
+host packs, ``KERNEL_STRUCTS`` of the family's args module) as its only parameter: its mangled name says so.
 """
 
 from __future__ import annotations
@@ -54,3 +55,15 @@ def test_compiles(module_name, spec, arch, import_error, shared_cache, monkeypat
     compiled = build(spec, arch)
     assert compiled.cubin_path.is_file() and compiled.cubin_path.stat().st_size > 0
     assert set(compiled.lowered_names) == set(spec.name_expressions)
+    family = spec.source.split("/")[0]
+    structs = importlib.import_module("deepep_cupy.ops.layout" if family == "layout" else
+                                      f"deepep_cupy.ops.{family}.args").KERNEL_STRUCTS
+    for expression, mangled in compiled.lowered_names.items():
+        struct = structs[expression.split("<")[0].split("::")[-1]].name
+        # ...E (template arguments) v (void) then the one parameter: the struct, nested in the family's namespace.
+        assert mangled.endswith(f"Ev{_nested(struct)}"), (expression, mangled, struct)
+
+
+def _nested(name: str) -> str:
+    """How a class of the kernel's own namespace is mangled as its parameter (a substitution of that namespace)."""
+    return f"NS0_{len(name)}{name}E"

@@ -4,12 +4,12 @@ argument blocks against the kernel signatures, op codes against the header, kern
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
-from kernel_args import FakeArray, check_packing, kernel_params
+from kernel_args import FakeArray, check_packing
 
 from deepep_cupy.config import Config
 from deepep_cupy.ops import kernel_names as K
+from deepep_cupy.ops.internode import args as internode_args
 from deepep_cupy.ops.internode import engine as internode
 from deepep_cupy.ops.internode import layout as IL
 
@@ -136,7 +136,7 @@ def _layouts():
     return IL.rdma_layout(2, 2, 12, 256, slot), IL.nvl_layout(2, 2, 12, 256, slot, 16), IL.signal_layout(2, 2)
 
 
-def test_notify_args_match_kernel_signature():
+def test_notify_args_fill_the_struct():
     a = FakeArray()
     _, nvl, sig = _layouts()
     packed = internode.notify_args(
@@ -144,11 +144,11 @@ def test_notify_args_match_kernel_signature():
         expert_alignment=1, rdma_channel_prefix_matrix=a, gbl_channel_prefix_matrix=a, recv_rdma_rank_prefix_sum=a,
         recv_gbl_rank_prefix_sum=a, meta=a, sig=1 << 20, signals=sig, nvl_bases=a, nvl=nvl, state=a, err_ptr=9,
         timeout_ns=10, rank=1)
-    check_packing(kernel_params(CUDA_SRC / "notify.cu", "notify"), packed)
-    assert dict(packed)["record_offset"] == sig.record_offset
+    check_packing(internode_args.NOTIFY, packed)
+    assert packed["record_offset"] == sig.record_offset
 
 
-def test_dispatch_args_match_kernel_signature():
+def test_dispatch_args_fill_the_struct():
     a = FakeArray()
     rdma, nvl, _ = _layouts()
     packed = internode.dispatch_args(
@@ -159,10 +159,10 @@ def test_dispatch_args_match_kernel_signature():
         recv_rdma_channel_prefix_matrix=a, recv_gbl_channel_prefix_matrix=a, recv_src_meta=a, send_rdma_head=a,
         send_nvl_head=a, num_out_rows=10, num_nvl_head_rows=4, rdma=1 << 30, layout=rdma, rdma_chunk=6,
         sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
-    check_packing(kernel_params(CUDA_SRC / "dispatch.cu", "dispatch"), packed)
-    d = dict(packed)
+    check_packing(internode_args.DISPATCH, packed)
+    d = packed
     assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
-    assert d["slot_bytes"] == rdma.slot.slot_bytes and d["x_scales"] == np.uint64(0)
+    assert d["slot_bytes"] == rdma.slot.slot_bytes and d["x_scales"] == 0 and d["rdma_cpm"] is a
 
 
 def test_op_codes_match_header():
@@ -202,7 +202,7 @@ def test_domain_view_keeps_domain_entries():
     assert (v.rank, v.size) == (1, 4) and v.allgather_object("x") == ["r4", "r5", "r6", "r7"]
 
 
-def test_combine_args_match_kernel_signature():
+def test_combine_args_fill_the_struct():
     a = FakeArray()
     rdma, nvl, _ = _layouts()
     packed = internode.combine_args(
@@ -210,10 +210,10 @@ def test_combine_args_match_kernel_signature():
         recv_rdma_rank_prefix_sum=a, recv_gbl_channel_prefix_matrix=a, recv_gbl_rank_prefix_sum=a, send_rdma_head=a,
         send_nvl_head=a, num_tokens=100, hidden_int4=896, combined_x=a, combined_topk_weights=None, rdma=1 << 30,
         layout=rdma, rdma_chunk=6, sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
-    check_packing(kernel_params(CUDA_SRC / "combine.cu", "combine"), packed)
-    d = dict(packed)
+    check_packing(internode_args.COMBINE, packed)
+    d = packed
     assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
-    assert d["slot_topk_weights_offset"] == rdma.slot.topk_weights_offset and d["bias_1"] == np.uint64(0)
+    assert d["slot_topk_weights_offset"] == rdma.slot.topk_weights_offset and d["bias_1"] == 0 and d["recv_gbl_prefix"] is a
 
 
 def test_combine_spec_and_block_shape():

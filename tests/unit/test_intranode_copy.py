@@ -3,18 +3,17 @@ the sums (cuda_src/intranode/combine_copy.cu) against the reference combine."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 from intranode_cases import model_inputs, reference_dispatch
-from kernel_args import kernel_params
+from kernel_args import check_packing
 from thread_group import run_ranks
 
 from deepep_cupy.ops.intranode import copy as CC
+from deepep_cupy.ops.intranode.args import COMBINE_COPY
 from deepep_cupy.reference import normal
 
-CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
 
 
 def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1, whole_turns=True):
@@ -262,16 +261,10 @@ def test_handle_keeps_counts_and_is_a_tuple():
     assert CC.IntranodeHandle((1,)).counts is None
 
 
-def test_combine_copy_args_match_kernel_signature():
-    params = kernel_params(CUDA_SRC / "combine_copy.cu", "combine_copy")
+def test_combine_copy_args_fill_the_struct():
     packed = CC.combine_copy_args(
         x=1, topk_weights=2, num_topk=8, bias_0=0, bias_1=0, rank_prefix_matrix=3, send_head=4, num_tokens=4096,
         hidden_int4=896, combined_x=5, combined_topk_weights=6, bases=7, staging=8, weights_offset=1 << 33,
         copy_seq=1 << 40, err_ptr=10, timeout_ns=1, rank=1)
-    assert [n for _, n in params] == [n for n, _ in packed]
-    kinds = {"int": np.int32, "long long": np.int64, "unsigned long long": np.uint64}
-    for (ctype, name), (_, value) in zip(params, packed, strict=True):
-        if "*" in ctype:
-            assert isinstance(value, (int, np.uint64)), (name, type(value))
-        else:
-            assert isinstance(value, kinds[ctype]), (name, ctype, type(value))
+    check_packing(COMBINE_COPY, packed)
+    assert COMBINE_COPY.kinds["copy_seq"] == "u64" and COMBINE_COPY.kinds["weights_offset"] == "i64"

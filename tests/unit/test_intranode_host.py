@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_args import FakeArray, check_packing, kernel_params
+from kernel_args import FakeArray, check_packing
 from thread_group import run_ranks
 
 from deepep_cupy.config import Config
+from deepep_cupy.ops.intranode import args as intranode_args
 from deepep_cupy.ops.intranode import engine as intranode
 from deepep_cupy.ops.intranode import layout as L
 from deepep_cupy.reference import normal
@@ -291,10 +292,10 @@ def test_claimed_combine_model_can_deadlock():
 def test_publish_batch_args():
     a = FakeArray()
     lay = L.buffer_layout(2, 12, 8, L.combine_slot(7168 * 2, 8))
-    d = dict(intranode.combine_args(
+    d = intranode.combine_args(
         x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=None, rank_prefix_matrix=a, channel_prefix_matrix=a,
         recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
-        combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1, batch=24))
+        combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1, batch=24)
     assert d["publish_batch"] == 4
 
 
@@ -315,18 +316,16 @@ def test_combine_batch_ignores_the_config(tuned):
 
 
 # ------------------------------------------------------------------------------------------- argument packing
-def test_notify_args_match_kernel_signature():
-    params = kernel_params(CUDA_SRC / "notify.cu", "notify")
+def test_notify_args_fill_the_struct():
     a = FakeArray()
     packed = intranode.notify_args(is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a,
                                    num_local_experts=4, expert_alignment=1, rank_prefix_matrix=a,
                                    channel_prefix_matrix=a, recv_channel_prefix_matrix=a, meta=a, bases=a,
                                    notify_offset=128, notify_stride=12, err_ptr=1234, timeout_ns=10**9, rank=1)
-    check_packing(params, packed)
+    check_packing(intranode_args.NOTIFY, packed)
 
 
-def test_dispatch_args_match_kernel_signature():
-    params = kernel_params(CUDA_SRC / "dispatch.cu", "dispatch")
+def test_dispatch_args_fill_the_struct():
     a = FakeArray()
     lay = L.buffer_layout(2, 12, 256, L.dispatch_slot(7168, 56, 8))
     packed = intranode.dispatch_args(
@@ -335,21 +334,20 @@ def test_dispatch_args_match_kernel_signature():
         rank_prefix_matrix=a, channel_prefix_matrix=a, recv_channel_prefix_matrix=a, recv_x=a, recv_x_scales=None,
         recv_topk_idx=a, recv_topk_weights=None, recv_src_idx=a, send_head=a, num_out_rows=10, num_worst_tokens=0,
         bases=a, layout=lay, num_self_warps=12, err_ptr=99, timeout_ns=1, rank=0)
-    check_packing(params, packed)
-    d = dict(packed)
+    check_packing(intranode_args.DISPATCH, packed)
+    d = packed
     assert d["slot_bytes"] == lay.slot.slot_bytes and d["ring_offset"] == lay.ring_offset
-    assert d["free_offset"] == lay.free_offset and d["x_scales"] == np.uint64(0)
+    assert d["free_offset"] == lay.free_offset and d["x_scales"] == 0 and d["done_offset"] == lay.end
 
 
-def test_combine_args_match_kernel_signature():
-    params = kernel_params(CUDA_SRC / "combine.cu", "combine")
+def test_combine_args_fill_the_struct():
     a = FakeArray()
     lay = L.buffer_layout(2, 12, 256, L.combine_slot(7168 * 2, 8))
     packed = intranode.combine_args(
         x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=a, rank_prefix_matrix=a, channel_prefix_matrix=a,
         recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
         combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1)
-    check_packing(params, packed)
+    check_packing(intranode_args.COMBINE, packed)
 
 
 def test_op_codes_match_header():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 from deepep_cupy.device import launch
@@ -23,12 +24,18 @@ class _Kernel:
         kernel = _Function
 
 
+def _plan(kernel, grid, block, args, shared_mem=0):
+    """A plan over a struct of ``args`` ``[(name, kind, value), ...]`` in that order."""
+    struct = launch.ArgStruct("S", [(n, k) for n, k, _ in args])
+    return launch.LaunchPlan(kernel, grid, block, struct, {n: v for n, _, v in args}, shared_mem=shared_mem)
+
+
 def _read_block(address: int, kinds):
-    array = (ctypes.c_void_p * len(kinds)).from_address(address)
-    out = []
-    for slot_address, kind in zip(array, kinds, strict=True):
-        out.append(launch.ARG_TYPES[kind].from_address(slot_address).value)
-    return out
+    """The fields of the struct the one-entry parameter array at ``address`` points at."""
+    (struct_address,) = (ctypes.c_void_p * 1).from_address(address)
+    struct = launch.ArgStruct("S", [(f"f{i}", k) for i, k in enumerate(kinds)])
+    record = np.frombuffer(ctypes.string_at(struct_address, struct.size), dtype=struct.dtype)[0]
+    return [record[f"f{i}"].item() for i in range(len(kinds))]
 
 
 @pytest.fixture
@@ -51,7 +58,7 @@ def captured(monkeypatch):
 def test_block_holds_every_argument_in_order(captured):
     args = [("x", "ptr", 0x1000), ("n", "i32", -7), ("big", "i64", 1 << 40), ("flag", "u32", 3),
             ("scale", "f32", 0.5), ("out", "ptr", None)]
-    plan = launch.LaunchPlan(_Kernel(), (12,), 256, args, shared_mem=64)
+    plan = _plan(_Kernel(), (12,), 256, args, shared_mem=64)
     plan.slot("out").value = 0x2000
     plan.launch(77)
     (call,) = captured
@@ -61,7 +68,7 @@ def test_block_holds_every_argument_in_order(captured):
 
 
 def test_patching_changes_only_that_slot(captured):
-    plan = launch.LaunchPlan(_Kernel(), (2, 3), (32, 4), [("a", "ptr", 1), ("b", "i32", 2)])
+    plan = _plan(_Kernel(), (2, 3), (32, 4), [("a", "ptr", 1), ("b", "i32", 2)])
     plan.launch(0)
     plan.set(b=5)
     plan.launch(0)
@@ -73,14 +80,19 @@ def test_patching_changes_only_that_slot(captured):
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="unknown kind"):
-        launch.LaunchPlan(_Kernel(), 1, 1, [("a", "float64", 1)])
+        _plan(_Kernel(), 1, 1, [("a", "float64", 1)])
     with pytest.raises(ValueError, match="duplicate"):
-        launch.LaunchPlan(_Kernel(), 1, 1, [("a", "ptr", 1), ("a", "i32", 1)])
+        _plan(_Kernel(), 1, 1, [("a", "ptr", 1), ("a", "i32", 1)])
+    struct = launch.ArgStruct("S", [("a", "ptr"), ("n", "i32")])
+    with pytest.raises(ValueError, match="S: no value for n"):
+        launch.LaunchPlan(_Kernel(), 1, 1, struct, {"a": 1})
+    with pytest.raises(ValueError, match="argument n of S"):
+        launch.LaunchPlan(_Kernel(), 1, 1, struct, {"a": 1, "n": "many"})
 
 
 def test_a_failed_launch_raises_with_the_kernel_name(monkeypatch):
     monkeypatch.setattr(launch, "_launch", lambda *a: 1)  # CUDA_ERROR_INVALID_VALUE
-    plan = launch.LaunchPlan(_Kernel(), 1, 1, [("a", "ptr", 1)])
+    plan = _plan(_Kernel(), 1, 1, [("a", "ptr", 1)])
     with pytest.raises(RuntimeError, match=r"fake<1>"):
         plan.launch(0)
 
@@ -108,26 +120,26 @@ def test_large_dynamic_shared_memory_is_opted_into(monkeypatch):
                                  cuFuncGetAttribute=lambda attr, fn: (0, status["static"] if attr == "static-shared"
                                                                       else status["max"]))
     monkeypatch.setattr(launch, "_driver", lambda: fake)
-    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=48 * 1024)
+    _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=48 * 1024)
     assert calls == []
-    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=80 * 1024)
+    _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=80 * 1024)
     assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 80 * 1024)]
     calls.clear()
-    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=60 * 1024)  # less: the limit stays
+    _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=60 * 1024)  # less: the limit stays
     assert calls == [] and status["max"] == 80 * 1024
     status["max"] = 48 * 1024
     status["static"] = 40 * 1024  # 40 KiB static + 16 KiB dynamic
-    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
+    _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
     assert calls == []  # within the function's limit already
     status["max"] = 0
-    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
+    _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=16 * 1024)
     assert calls == [(("CUfunction", 0xABC0), "max-dynamic-shared", 16 * 1024)]
     calls.clear()
-    launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=8 * 1024)
+    _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=8 * 1024)
     assert calls == []
     status["err"] = 1
     with pytest.raises(RuntimeError, match="fake<1>"):
-        launch.LaunchPlan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=100 * 1024)
+        _plan(_Kernel, 1, 32, [("a", "i32", 1)], shared_mem=100 * 1024)
 
 
 def test_with_kernel_shares_the_block_but_not_the_function_or_stream(captured):
@@ -136,7 +148,7 @@ def test_with_kernel_shares_the_block_but_not_the_function_or_stream(captured):
             class kernel:  # noqa: N801
                 ptr = 0xDEF0
 
-    send = launch.LaunchPlan(_Kernel(), 4, 64, [("a", "ptr", 1), ("phase", "i32", 1)])
+    send = _plan(_Kernel(), 4, 64, [("a", "ptr", 1), ("phase", "i32", 1)])
     recv = send.with_kernel(_Other())
     recv.slot("phase").value = 2
     send.launch(11)
@@ -153,7 +165,7 @@ def test_bindings_launcher_passes_the_same_values(monkeypatch):
     monkeypatch.setattr(launch, "_driver", lambda: type("D", (), {"CUfunction": staticmethod(lambda fn: ("fn", fn))}))
     monkeypatch.setattr(launch, "_functions", {})
     monkeypatch.setattr(launch, "_static_shared", lambda fn: 0)
-    plan = launch.LaunchPlan(_Kernel(), (3, 2), 128, [("a", "ptr", 5)], shared_mem=256)
+    plan = _plan(_Kernel(), (3, 2), 128, [("a", "ptr", 5)], shared_mem=256)
     monkeypatch.setattr(launch, "_launch", launch._bindings_launch)
     plan.launch(0)
     plan.launch(99)

@@ -1,5 +1,6 @@
-"""The argument blocks of the low-latency and layout plans name the kernels' parameters in order (the
-blocks are written by hand; a kernel signature change must show up here, not as garbage on a GPU)."""
+"""The argument blocks of the low-latency and layout plans: every field of the kernel's parameter struct
+(read from its header, so a plan that gives a field the header does not have, or leaves one out, fails here),
+and the values the plans put there."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import types
 from pathlib import Path
 
 import pytest
-from kernel_args import kernel_params
 
 from deepep_cupy.device import launch
 from deepep_cupy.ops.low_latency import plans as lp
@@ -45,8 +45,18 @@ def _engine(staged: bool):
 
 
 def _names(path: Path, kernel: str) -> list[str]:
-    """Parameter names of ``__global__ ... kernel(...)`` in ``path``."""
-    return [name for _, name in kernel_params(path, kernel)]
+    """Field names of ``kernel``'s parameter struct, read from the header of its family, after a check that the
+    kernel in ``path`` takes that struct as its one parameter."""
+    import importlib
+    import re
+
+    family = path.parent.name
+    module = "deepep_cupy.ops.layout" if family == "layout" else f"deepep_cupy.ops.{family}.args"
+    struct = importlib.import_module(module).KERNEL_STRUCTS[kernel]
+    text = re.sub(r"//[^\n]*", "", path.read_text())
+    assert re.search(r"__global__[^;{]*?\b" + kernel + r"\(\s*const __grid_constant__ " + struct.name + r" args\)",
+                     text), f"{kernel} in {path} does not take {struct.name}"
+    return list(struct.names)
 
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -22,10 +22,11 @@ from ...device.streams import SideStreams
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
+from ..headers import constant
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
-from ..plan import kernel_pointer as _ptr  # short: the argument lists below are dense
 from . import layout as IL
+from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",
@@ -33,13 +34,19 @@ __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "repre
 
 MAX_NVL_RANKS = limits.INTERNODE_MAX_NVL_RANKS
 MAX_DOMAINS = limits.INTERNODE_MAX_DOMAINS
-NOTIFY_THREADS = 1024
 
-OP_NOTIFY_RDMA, OP_NOTIFY_NVL = 401, 402
-OP_DISPATCH_HEAD, OP_DISPATCH_TAIL, OP_DISPATCH_NVL_HEAD, OP_DISPATCH_NVL_TAIL, OP_DISPATCH_OVERFLOW = (
-    403, 404, 405, 406, 407)
-OP_COMBINE_NVL_HEAD, OP_COMBINE_NVL_TAIL, OP_COMBINE_HEAD, OP_COMBINE_TAIL = 408, 409, 410, 411
-OP_DISPATCH_HELPER, OP_COMBINE_PARTNER = 425, 426  # after the phase codes of the diagnostics builds
+# Op codes of the error record (OpCode in cuda_src/internode/layout.cuh) -> names used in error messages.
+def _op(name: str) -> int:
+    return constant("internode/layout.cuh", "kOp" + name)
+
+
+OP_NOTIFY_RDMA, OP_NOTIFY_NVL = _op("NotifyRdma"), _op("NotifyNvl")
+OP_DISPATCH_HEAD, OP_DISPATCH_TAIL = _op("DispatchHead"), _op("DispatchTail")
+OP_DISPATCH_NVL_HEAD, OP_DISPATCH_NVL_TAIL = _op("DispatchNvlHead"), _op("DispatchNvlTail")
+OP_DISPATCH_OVERFLOW = _op("DispatchOverflow")
+OP_COMBINE_NVL_HEAD, OP_COMBINE_NVL_TAIL = _op("CombineNvlHead"), _op("CombineNvlTail")
+OP_COMBINE_HEAD, OP_COMBINE_TAIL = _op("CombineHead"), _op("CombineTail")
+OP_DISPATCH_HELPER, OP_COMBINE_PARTNER = _op("DispatchHelper"), _op("CombinePartner")
 OP_NAMES = {
     OP_NOTIFY_RDMA: "internode dispatch (notify: waiting for a source domain's counts over RDMA)",
     OP_NOTIFY_NVL: "internode dispatch (notify: waiting for a forwarder of this domain)",
@@ -123,107 +130,6 @@ def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int, sub_chan
     """Blocks of one kind (senders or receivers) for ``num_channels`` channels."""
     sub = IL.channels_per_block(num_nvl_ranks, num_domains, sub_channels)
     return (int(num_channels) + sub - 1) // sub
-
-
-def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
-                expert_alignment, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
-                recv_gbl_rank_prefix_sum, meta, sig, signals: IL.SignalLayout, nvl_bases, nvl: IL.NvlLayout,
-                state, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
-    """Arguments of ``notify<L, D>``, in order, with their parameter names (checked by the CPU tests)."""
-    return [
-        ("is_token_in_rank", is_token_in_rank),
-        ("num_tokens", np.int32(num_tokens)),
-        ("num_channels", np.int32(num_channels)),
-        ("num_tokens_per_expert", num_tokens_per_expert),
-        ("num_local_experts", np.int32(num_local_experts)),
-        ("expert_alignment", np.int32(expert_alignment)),
-        ("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix),
-        ("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix),
-        ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum),
-        ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum),
-        ("meta", meta),
-        ("sig", np.uint64(sig)),
-        ("record_offset", np.int64(signals.record_offset)),
-        ("record_stride", np.int32(signals.record_stride)),
-        ("nvl_bases", nvl_bases),
-        ("nvl_notify_offset", np.int64(nvl.notify_offset)),
-        ("nvl_record_stride", np.int32(nvl.record_stride)),
-        ("state_words", state),
-        ("err", np.uint64(err_ptr)),
-        ("timeout_ns", np.int64(timeout_ns)),
-        ("rank", np.int32(rank)),
-    ]
-
-
-def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
-                  num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rdma_channel_prefix_matrix,
-                  gbl_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_rank_prefix_sum, recv_x,
-                  recv_x_scales, recv_topk_idx, recv_topk_weights, recv_rdma_channel_prefix_matrix,
-                  recv_gbl_channel_prefix_matrix, recv_src_meta, send_rdma_head, send_nvl_head, num_out_rows,
-                  num_nvl_head_rows, rdma, layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout,
-                  state, err_ptr, timeout_ns, rank, force_rma=False, own_rows_copied=False, pool_bases=0,
-                  outputs_in_pool=False) -> list[tuple[str, object]]:
-    """Arguments of ``dispatch<L, D>``, in order, with their parameter names. ``pool_bases``: the domain's
-    output pools as mapped here (0: none; dispatch_forward.cuh)."""
-    slot = layout.slot
-    return [
-        ("x", x), ("x_scales", _ptr(x_scales)),
-        ("scale_token_stride", np.int64(scale_token_stride)), ("scale_block_stride", np.int64(scale_block_stride)),
-        ("num_scales", np.int32(num_scales)), ("topk_idx", _ptr(topk_idx)), ("topk_weights", _ptr(topk_weights)),
-        ("num_topk", np.int32(num_topk)), ("num_local_experts", np.int32(num_local_experts)),
-        ("is_token_in_rank", is_token_in_rank), ("num_tokens", np.int32(num_tokens)),
-        ("hidden_int4", np.int32(hidden_int4)),
-        ("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix),
-        ("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix),
-        ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum),
-        ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum),
-        ("recv_x", recv_x), ("recv_x_scales", _ptr(recv_x_scales)), ("recv_topk_idx", _ptr(recv_topk_idx)),
-        ("recv_topk_weights", _ptr(recv_topk_weights)),
-        ("recv_rdma_channel_prefix_matrix", _ptr(recv_rdma_channel_prefix_matrix)),
-        ("recv_gbl_channel_prefix_matrix", _ptr(recv_gbl_channel_prefix_matrix)),
-        ("recv_src_meta", _ptr(recv_src_meta)), ("send_rdma_head", _ptr(send_rdma_head)),
-        ("send_nvl_head", _ptr(send_nvl_head)),
-        ("num_out_rows", np.int32(num_out_rows)), ("num_nvl_head_rows", np.int32(num_nvl_head_rows)),
-        ("rdma", np.uint64(rdma)), ("ring_offset", np.int64(layout.ring_offset)),
-        ("slot_bytes", np.int32(slot.slot_bytes)), ("slot_scales_offset", np.int32(slot.scales_offset)),
-        ("slot_topk_idx_offset", np.int32(slot.topk_idx_offset)),
-        ("slot_topk_weights_offset", np.int32(slot.topk_weights_offset)),
-        ("rdma_cap", np.int32(layout.cap)), ("rdma_chunk", np.int32(rdma_chunk)), ("sig", np.uint64(sig)),
-        ("nvl_bases", nvl_bases), ("nvl_meta_offset", np.int64(nvl.meta_offset)),
-        ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
-        ("num_channels", np.int32(layout.num_channels)), ("state", state),
-        ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
-        ("force_rma", np.int32(bool(force_rma))), ("own_rows_copied", np.int32(bool(own_rows_copied))),
-        ("pool_bases", np.uint64(pool_bases)), ("outputs_in_pool", np.int32(bool(outputs_in_pool))),
-        ("nvl_reply_offset", np.int64(nvl.reply_offset)),
-    ]
-
-
-def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, recv_rdma_channel_prefix_matrix,
-                 recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, send_rdma_head,
-                 send_nvl_head, num_tokens, hidden_int4, combined_x, combined_topk_weights, rdma,
-                 layout: IL.RdmaLayout, rdma_chunk, sig, nvl_bases, nvl: IL.NvlLayout, state, err_ptr, timeout_ns,
-                 rank, force_rma=False) -> list[tuple[str, object]]:
-    """Arguments of ``combine<L, D>``, in order, with their parameter names."""
-    return [
-        ("x", x), ("topk_weights", _ptr(topk_weights)), ("num_topk", np.int32(num_topk)),
-        ("bias_0", _ptr(bias_0)), ("bias_1", _ptr(bias_1)),
-        ("recv_rdma_channel_prefix_matrix", recv_rdma_channel_prefix_matrix),
-        ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum),
-        ("recv_gbl_channel_prefix_matrix", recv_gbl_channel_prefix_matrix),
-        ("recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum),
-        ("send_rdma_head", send_rdma_head), ("send_nvl_head", send_nvl_head),
-        ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)),
-        ("combined_x", combined_x), ("combined_topk_weights", _ptr(combined_topk_weights)),
-        ("rdma", np.uint64(rdma)), ("ring_offset", np.int64(layout.ring_offset)),
-        ("slot_bytes", np.int32(layout.slot.slot_bytes)),
-        ("slot_topk_weights_offset", np.int32(layout.slot.topk_weights_offset)),
-        ("rdma_cap", np.int32(layout.cap)), ("rdma_chunk", np.int32(rdma_chunk)), ("sig", np.uint64(sig)),
-        ("nvl_bases", nvl_bases), ("nvl_ring_offset", np.int64(nvl.ring_offset)), ("nvl_cap", np.int32(nvl.cap)),
-        ("num_channels", np.int32(layout.num_channels)), ("state", state),
-        ("err", np.uint64(err_ptr)), ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
-        ("force_rma", np.int32(bool(force_rma))),
-    ]
 
 
 class _DomainView:

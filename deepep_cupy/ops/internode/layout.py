@@ -29,15 +29,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..headers import constant
+
 __all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "channels_per_block", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
            "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words",
            "REPLY_WORDS"]
 
-MAX_CHANNELS = 256  # kMaxChannels of layout.cuh
+MAX_CHANNELS = constant("internode/layout.cuh", "kMaxChannels")
 MAX_TOPK = 128
 MAX_SCALES = 128
 MAX_LOCAL_EXPERTS = 1024  # notify records are sized for this many experts per rank
-HEADER_BYTES = 16
+HEADER_BYTES = constant("internode/layout.cuh", "kSlotHeaderBytes")
 
 
 def dispatch_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
@@ -67,17 +69,9 @@ def sub_channels(num_nvl_ranks: int, num_domains: int, num_sms: int | None = Non
     where the kernels spill some). Each role of a channel is one warp moving one row at a time, so more
     channels keep more rows moving.
 
-    Measured on 4 x H200 (4096 x 7168, top-8 of 256, the bench's Config, ``tools/internode_sweep.py``, BF16 /
-    FP8 dispatch and combine, us):
-      * 2 x 2, rows in place and the combine's forwarders in pairs, 512 threads (4 channels) against 768 (6),
-        one call: 1045 / 651 / 1562 against 1102 / 674 / 1690 at 8 SMs, 711 / 436 / 1072 against
-        773 / 467 / 1178 at 12, 612 / 331 / 771 against 611 / 334 / 815 at 24 (before those two changes 768
-        threads were the faster: 2163 / 1554 / 1881 against 2453 / 1903 / 2475 at 12 SMs).
-      * 2 x 1, 1024 threads (16) against 768 (12): 519 / 385 / 662 against 518 / 385 / 827 at 8 SMs,
-        387 / 276 / 490 against 381 / 273 / 581 at 12; at 24 SMs 16 a block leave SMs unused (the channels
-        stop at MAX_CHANNELS / D) and were slower, 306 / 216 / 366 against 272 / 185 / 344.
-      * 4 x 1, 1024 threads (8) against 768 (6): 1359 / 850 / 1344 against 1324 / 843 / 1556 at 8 SMs,
-        952 / 593 / 934 against 917 / 572 / 1068 at 12.
+    These defaults measured fastest with ``tools/internode_sweep.py`` (the figures are in
+    docs/design/internode_measurements.md): 512 threads over 768 at 2 x 2; 1024 over 768 at 2 x 1 and 4 x 1 on
+    few SMs, where on more SMs 1024 leave SMs unused (the channels stop at ``MAX_CHANNELS / D``).
     """
     warps = _channel_warps(num_nvl_ranks, num_domains)
     sub = max(1, (24 if num_nvl_ranks == 1 else 16) // warps)
@@ -189,7 +183,7 @@ def signal_layout(num_nvl_ranks: int, num_domains: int) -> SignalLayout:
 
 
 #: int64 words of a dispatch receiver's reply before its row bases (``kReplyWords`` in dispatch.cu).
-REPLY_WORDS = 8
+REPLY_WORDS = constant("internode/dispatch.cu", "kReplyWords")
 
 
 @dataclass(frozen=True)

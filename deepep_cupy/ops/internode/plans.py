@@ -17,9 +17,10 @@ from .. import limits
 from ..handles import DispatchHandle
 from ..kernel_names import internode_combine, internode_dispatch, internode_notify
 from ..own_rows import OwnRowCopies
-from ..plan import NormalPlan, launch_args, scale_strides, scales_dtype
+from ..plan import NormalPlan, scale_strides, scales_dtype
 from ..pool_outputs import PoolOutputs
 from . import layout as IL
+from .args import COMBINE, DISPATCH, NOTIFY
 from .engine import (
     NOTIFY_THREADS,
     block_threads,
@@ -96,8 +97,8 @@ class DispatchPlan(NormalPlan):
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma,
             pool_bases=pool.bases.data.ptr if pool is not None else 0)
-        self.plan = LaunchPlan(kernel, grid, block_threads(L, D, sub), launch_args(named))
-        self.slots = {n: self.plan.slot(n) for n, _ in named if n not in _DISPATCH_CONSTANTS}
+        self.plan = LaunchPlan(kernel, grid, block_threads(L, D, sub), DISPATCH, named)
+        self.slots = {n: self.plan.slot(n) for n in named if n not in _DISPATCH_CONSTANTS}
         # With one rank a domain, device-to-device copies may move this rank's own rows (ops/own_rows.py); a dispatch
         # that waits for its counts then reads its column of is_token_in_rank and entry 6 back with them.
         self.own = OwnRowCopies(engine, hidden_bytes, comm_stream) if engine.own_row_copies() else None
@@ -113,7 +114,7 @@ class DispatchPlan(NormalPlan):
                 gbl_channel_prefix_matrix=0, recv_rdma_rank_prefix_sum=0, recv_gbl_rank_prefix_sum=0, meta=self.meta,
                 sig=engine.sig_ptr, signals=engine.signals, nvl_bases=engine.nvl_bases, nvl=self.nvl,
                 state=engine.state, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, launch_args(named))
+            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, NOTIFY, named)
             self.notify_slots = tuple(self.notify.slot(n) for n in (
                 "is_token_in_rank", "num_tokens_per_expert", "rdma_channel_prefix_matrix",
                 "gbl_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_rank_prefix_sum"))
@@ -152,12 +153,12 @@ class DispatchPlan(NormalPlan):
         recv_x, recv_scales, src_meta, recv_topk_idx, recv_topk_weights = (
             in_pool or [None if part is None else empty(*part) for part in self._output_parts(num_rows)])
         outs = {"x": x, "x_scales": x_scales, "is_token_in_rank": is_token_in_rank,
-                "rdma_channel_prefix_matrix": rdma_cpm, "gbl_channel_prefix_matrix": gbl_cpm,
-                "recv_rdma_rank_prefix_sum": recv_rdma_prefix, "recv_gbl_rank_prefix_sum": recv_gbl_prefix,
+                "rdma_cpm": rdma_cpm, "gbl_cpm": gbl_cpm, "recv_rdma_prefix": recv_rdma_prefix,
+                "recv_gbl_prefix": recv_gbl_prefix,
                 "recv_x": recv_x, "recv_x_scales": recv_scales}
         if not self.cached:
-            outs["recv_rdma_channel_prefix_matrix"] = recv_rdma_cpm = empty((D, C), I32)
-            outs["recv_gbl_channel_prefix_matrix"] = recv_gbl_cpm = empty((R, C), I32)
+            outs["recv_rdma_cpm"] = recv_rdma_cpm = empty((D, C), I32)
+            outs["recv_gbl_cpm"] = recv_gbl_cpm = empty((R, C), I32)
             outs["recv_src_meta"] = src_meta
             outs["send_rdma_head"] = send_rdma_head = empty((self.num_tokens, D), I32)
             outs["send_nvl_head"] = send_nvl_head = empty((nvl_rows, L), I32)
@@ -259,7 +260,7 @@ class CombinePlan(NormalPlan):
             combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank, force_rma=engine.force_rma)
-        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D, sub), launch_args(named))
+        self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D, sub), COMBINE, named)
         self.slots = tuple(self.plan.slot(n) for n in _COMBINE_PATCHED)
 
     def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):
@@ -279,6 +280,5 @@ class CombinePlan(NormalPlan):
         return combined, combined_w, EventOverlap(event, keep)
 
 
-_COMBINE_PATCHED = ("x", "topk_weights", "bias_0", "bias_1", "recv_rdma_channel_prefix_matrix",
-                    "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum",
-                    "send_rdma_head", "send_nvl_head", "combined_x", "combined_topk_weights")
+_COMBINE_PATCHED = ("x", "topk_weights", "bias_0", "bias_1", "recv_rdma_cpm", "recv_rdma_prefix", "recv_gbl_cpm",
+                    "recv_gbl_prefix", "send_rdma_head", "send_nvl_head", "combined_x", "combined_topk_weights")

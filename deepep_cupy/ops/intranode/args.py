@@ -1,15 +1,25 @@
-"""Argument lists of the intranode kernels (notify, dispatch, combine), in the kernels' parameter order, with
-their parameter names: what a launch plan packs once (:mod:`deepep_cupy.ops.intranode.plans`), and what the
-CPU tests check against the kernels' signatures."""
+"""The intranode kernels' parameter structs (``cuda_src/intranode/args.cuh``, read once at import) and the
+values a plan packs into them (:mod:`deepep_cupy.ops.intranode.plans`): each builder returns a value for every
+field by name, and a :class:`~deepep_cupy.device.launch.LaunchPlan` refuses a missing or unknown one."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from ..headers import constant, kernel_struct
 from ..plan import kernel_pointer
 from . import layout as L
 
-__all__ = ["notify_args", "dispatch_args", "combine_args", "publish_batch", "kernel_pointer"]
+__all__ = ["NOTIFY", "DISPATCH", "COMBINE", "COMBINE_COPY", "KERNEL_STRUCTS", "NOTIFY_THREADS", "notify_args",
+           "dispatch_args", "combine_args", "publish_batch", "kernel_pointer"]
+
+_HEADER = "intranode/args.cuh"
+NOTIFY = kernel_struct(_HEADER, "NotifyArgs")
+DISPATCH = kernel_struct(_HEADER, "DispatchArgs")
+COMBINE = kernel_struct(_HEADER, "CombineArgs")
+COMBINE_COPY = kernel_struct(_HEADER, "CombineCopyArgs")
+#: Every kernel of the family -> its parameter struct.
+KERNEL_STRUCTS = {"notify": NOTIFY, "dispatch": DISPATCH, "combine": COMBINE, "combine_copy": COMBINE_COPY}
+#: Threads of the notify kernel's one block (its launch bounds).
+NOTIFY_THREADS = constant("intranode/notify.cu", "kNotifyThreads")
 
 
 def publish_batch(send_tokens: int, cap: int) -> int:
@@ -20,26 +30,14 @@ def publish_batch(send_tokens: int, cap: int) -> int:
 
 def notify_args(*, is_token_in_rank, num_tokens, num_channels, num_tokens_per_expert, num_local_experts,
                 expert_alignment, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, meta,
-                bases, notify_offset, notify_stride, err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
-    """Arguments of notify_dispatch_kernel, in order, with their parameter names (checked by the CPU tests)."""
-    return [
-        ("is_token_in_rank", is_token_in_rank),
-        ("num_tokens", np.int32(num_tokens)),
-        ("num_channels", np.int32(num_channels)),
-        ("num_tokens_per_expert", num_tokens_per_expert),
-        ("num_local_experts", np.int32(num_local_experts)),
-        ("expert_alignment", np.int32(expert_alignment)),
-        ("rank_prefix_matrix", rank_prefix_matrix),
-        ("channel_prefix_matrix", channel_prefix_matrix),
-        ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
-        ("meta", meta),
-        ("bases", bases),
-        ("notify_offset", np.int64(notify_offset)),
-        ("notify_stride", np.int32(notify_stride)),
-        ("err", np.uint64(err_ptr)),
-        ("timeout_ns", np.int64(timeout_ns)),
-        ("rank", np.int32(rank)),
-    ]
+                bases, notify_offset, notify_stride, err_ptr, timeout_ns, rank) -> dict:
+    """Values of ``NotifyArgs``."""
+    return dict(is_token_in_rank=is_token_in_rank, num_tokens=num_tokens, num_channels=num_channels,
+                num_tokens_per_expert=num_tokens_per_expert, num_local_experts=num_local_experts,
+                expert_alignment=expert_alignment, rank_prefix_matrix=rank_prefix_matrix,
+                channel_prefix_matrix=channel_prefix_matrix, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
+                meta=meta, bases=bases, notify_offset=notify_offset, notify_stride=notify_stride, err=err_ptr,
+                timeout_ns=timeout_ns, rank=rank)
 
 
 def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_scales, topk_idx, topk_weights,
@@ -47,86 +45,40 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
                   layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank, num_recv_self_warps=0,
-                  batch=1, self_claims=0, pool_bases=None, fan_out=False) -> list[tuple[str, object]]:
-    """Arguments of dispatch_kernel, in order, with their parameter names. ``pool_bases``: every rank's output
-    pool when this call's outputs are in this rank's (patched per call); the done words of the direct mode
-    follow the rings (``layout.end``)."""
+                  batch=1, self_claims=0, pool_bases=None, fan_out=False) -> dict:
+    """Values of ``DispatchArgs``. ``pool_bases``: every rank's output pool when this call's outputs are in this
+    rank's (patched per call); the done words of the direct mode follow the rings (``layout.end``)."""
     slot = layout.slot
-    return [
-        ("x", x),
-        ("x_scales", kernel_pointer(x_scales)),
-        ("scale_token_stride", np.int64(scale_token_stride)),
-        ("scale_block_stride", np.int64(scale_block_stride)),
-        ("num_scales", np.int32(num_scales)),
-        ("topk_idx", kernel_pointer(topk_idx)),
-        ("topk_weights", kernel_pointer(topk_weights)),
-        ("num_topk", np.int32(num_topk)),
-        ("num_local_experts", np.int32(num_local_experts)),
-        ("is_token_in_rank", is_token_in_rank),
-        ("num_tokens", np.int32(num_tokens)),
-        ("hidden_int4", np.int32(hidden_int4)),
-        ("rank_prefix_matrix", rank_prefix_matrix),
-        ("channel_prefix_matrix", channel_prefix_matrix),
-        ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
-        ("recv_x", recv_x),
-        ("recv_x_scales", kernel_pointer(recv_x_scales)),
-        ("recv_topk_idx", kernel_pointer(recv_topk_idx)),
-        ("recv_topk_weights", kernel_pointer(recv_topk_weights)),
-        ("recv_src_idx", kernel_pointer(recv_src_idx)),
-        ("send_head", kernel_pointer(send_head)),
-        ("num_out_rows", np.int32(num_out_rows)),
-        ("num_worst_tokens", np.int32(num_worst_tokens)),
-        ("own_rows_copied", np.int32(0)),
-        ("fan_out", np.int32(fan_out)),
-        ("bases", bases),
-        ("pool_bases", kernel_pointer(pool_bases)),
-        ("done_offset", np.int64(layout.end)),
-        ("ring_offset", np.int64(layout.ring_offset)),
-        ("free_offset", np.int64(layout.free_offset)),
-        ("slot_bytes", np.int32(slot.slot_bytes)),
-        ("cap", np.int32(layout.cap)),
-        ("slot_scales_offset", np.int32(slot.scales_offset)),
-        ("slot_topk_idx_offset", np.int32(slot.topk_idx_offset)),
-        ("slot_topk_weights_offset", np.int32(slot.topk_weights_offset)),
-        ("num_channels", np.int32(layout.num_channels)),
-        ("num_self_warps", np.int32(num_self_warps)),
-        ("num_recv_self_warps", np.int32(num_recv_self_warps)),
-        ("publish_batch", np.int32(publish_batch(batch, layout.cap))),
-        ("self_claims", np.uint64(self_claims)),
-        ("err", np.uint64(err_ptr)),
-        ("timeout_ns", np.int64(timeout_ns)),
-        ("rank", np.int32(rank)),
-    ]
+    return dict(
+        x=x, x_scales=kernel_pointer(x_scales), scale_token_stride=scale_token_stride,
+        scale_block_stride=scale_block_stride, num_scales=num_scales, topk_idx=kernel_pointer(topk_idx),
+        topk_weights=kernel_pointer(topk_weights), num_topk=num_topk, num_local_experts=num_local_experts,
+        is_token_in_rank=is_token_in_rank, num_tokens=num_tokens, hidden_int4=hidden_int4,
+        rank_prefix_matrix=rank_prefix_matrix, channel_prefix_matrix=channel_prefix_matrix,
+        recv_channel_prefix_matrix=recv_channel_prefix_matrix, recv_x=recv_x,
+        recv_x_scales=kernel_pointer(recv_x_scales), recv_topk_idx=kernel_pointer(recv_topk_idx),
+        recv_topk_weights=kernel_pointer(recv_topk_weights), recv_src_idx=kernel_pointer(recv_src_idx),
+        send_head=kernel_pointer(send_head), num_out_rows=num_out_rows, num_worst_tokens=num_worst_tokens,
+        own_rows_copied=0, fan_out=int(bool(fan_out)), bases=bases, pool_bases=kernel_pointer(pool_bases),
+        done_offset=layout.end, ring_offset=layout.ring_offset, free_offset=layout.free_offset,
+        slot_bytes=slot.slot_bytes, cap=layout.cap, slot_scales_offset=slot.scales_offset,
+        slot_topk_idx_offset=slot.topk_idx_offset, slot_topk_weights_offset=slot.topk_weights_offset,
+        num_channels=layout.num_channels, num_self_warps=num_self_warps, num_recv_self_warps=num_recv_self_warps,
+        publish_batch=publish_batch(batch, layout.cap), self_claims=self_claims, err=err_ptr,
+        timeout_ns=timeout_ns, rank=rank)
 
 
 def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, channel_prefix_matrix,
                  recv_channel_prefix_matrix, send_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
-                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank, batch=1, run_claims=0) -> list[tuple[str, object]]:
-    """Arguments of combine_kernel, in order, with their parameter names."""
-    return [
-        ("x", x),
-        ("topk_weights", kernel_pointer(topk_weights)),
-        ("num_topk", np.int32(num_topk)),
-        ("bias_0", kernel_pointer(bias_0)),
-        ("bias_1", kernel_pointer(bias_1)),
-        ("rank_prefix_matrix", rank_prefix_matrix),
-        ("channel_prefix_matrix", channel_prefix_matrix),
-        ("recv_channel_prefix_matrix", recv_channel_prefix_matrix),
-        ("send_head", send_head),
-        ("num_tokens", np.int32(num_tokens)),
-        ("hidden_int4", np.int32(hidden_int4)),
-        ("combined_x", combined_x),
-        ("combined_topk_weights", kernel_pointer(combined_topk_weights)),
-        ("bases", bases),
-        ("ring_offset", np.int64(layout.ring_offset)),
-        ("free_offset", np.int64(layout.free_offset)),
-        ("slot_bytes", np.int32(layout.slot.slot_bytes)),
-        ("cap", np.int32(layout.cap)),
-        ("slot_topk_weights_offset", np.int32(layout.slot.topk_weights_offset)),
-        ("num_channels", np.int32(layout.num_channels)),
-        ("publish_batch", np.int32(publish_batch(batch, layout.cap))),
-        ("run_claims", np.uint64(run_claims)),
-        ("err", np.uint64(err_ptr)),
-        ("timeout_ns", np.int64(timeout_ns)),
-        ("rank", np.int32(rank)),
-    ]
+                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank, batch=1, run_claims=0) -> dict:
+    """Values of ``CombineArgs``."""
+    return dict(
+        x=x, topk_weights=kernel_pointer(topk_weights), num_topk=num_topk, bias_0=kernel_pointer(bias_0),
+        bias_1=kernel_pointer(bias_1), rank_prefix_matrix=rank_prefix_matrix,
+        channel_prefix_matrix=channel_prefix_matrix, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
+        send_head=send_head, num_tokens=num_tokens, hidden_int4=hidden_int4, combined_x=combined_x,
+        combined_topk_weights=kernel_pointer(combined_topk_weights), bases=bases, ring_offset=layout.ring_offset,
+        free_offset=layout.free_offset, slot_bytes=layout.slot.slot_bytes, cap=layout.cap,
+        slot_topk_weights_offset=layout.slot.topk_weights_offset, num_channels=layout.num_channels,
+        publish_batch=publish_batch(batch, layout.cap), run_claims=run_claims, err=err_ptr, timeout_ns=timeout_ns,
+        rank=rank)

@@ -26,33 +26,25 @@ from ...device.launch import LaunchPlan
 from ...device.streams import create_events, destroy_events
 from ...jit import BuildSpec
 from ..handles import DispatchHandle
+from ..headers import constant
 from ..kernel_names import intranode_combine_copy
-from ..plan import launch_args
 from . import layout as L
+from .args import COMBINE_COPY
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
            "default_rounds", "fits", "home_counts", "part_end", "part_rows", "round_weights", "staging_layout",
            "stream_writes_supported", "turn_waits"]
 
-ROW_BITS = 32  # kCopyRowBits of combine_copy.cu: flag = (copy sequence << ROW_BITS) | rows copied so far
-# 2 x H200, 4096 x 7168, top-8 of 256, 24 SMs, same run: 512 rows 223.5 us, 1024 223.3, 768 226.9, 256 242.0,
-# 1536 241.2; 1024 issues fewer copies (7 instead of 11 for 4078 rows: less host time per call). With the earlier
-# turns whole, 2048 rows took 1-2% longer at 4 ranks on 8 / 12 / 24 SMs.
+#: A copy flag is (copy sequence << ROW_BITS) | rows copied so far.
+ROW_BITS = constant("intranode/combine_copy.cu", "kCopyRowBits")
+# Rows per copy: 512 and 1024 measured fastest, and 1024 issues fewer copies (less host time per call); 2048
+# was slower.
 DEFAULT_CHUNK_ROWS = 1024
 # Rounds of turns (copy_schedule) by the copy kernel's SM count, ``(most SMs, rounds)`` with rounds a count of equal
-# parts or their relative sizes, the first row that covers a launch wins; 1 above them. 4 x H200, 4 ranks, 4096 x
-# 7168, top-8 of 256, 32 x 3 sums, turns gated (turn_waits), tools/sm_sweep.py with five passes: 8 SMs 685 / 709 /
-# 751 us for 3 / 2 / 1 rounds, 12 SMs 649 / 656 / 666, 16 SMs 650 / 641 / 627, 24 SMs 623 / 637 / 587. Where the
-# sums are slow, starting them after a part of the copies pays for the extra turns; the copies alone took 588 / 598
-# / 542 us at 8 SMs. The tokens of the last part are summed only once its last turn has landed, so a small last
-# part ends the combine sooner. Two calls, one process each, five and seven passes: at 8 SMs parts of 6:3:1
-# against 3 equal rounds -6.4% / -4.4% at 4 ranks and -4.0% at 3 ranks (3:2:1 -3.5% / -2.8%); at 12 SMs 2:1
-# against 2 equal rounds -3.9% / -3.5% at 4 ranks and -3.3% at 3 (3:1 -6.3% at 4 ranks in the second call). On 16
-# and 24 SMs one round stayed the best. A third call (seven passes, 6:3:1 and 2:1 kept): at 8 SMs 6:3:1 631 us
-# against 673 for 3 equal rounds at 4 ranks (8:3:1 and 5:2:1 the same), 470 against 487 at 3 ranks; at 12 SMs 2:1
-# 611 against 630 at 4 ranks and 441 against 445 at 3 (8:3:1 602 and 434, 3:1 613 and 461). With the earlier turns
-# whole (copy_schedule), seven passes, 4 ranks: 6:3:1 636 us at 8 SMs (3:1 642, 2:1 651, 1 round 726), 2:1 615 at
-# 12 (1 round 638), one round 595 / 558 at 16 / 24 (2:1 597 / 576); 3 ranks the same order.
+# parts or their relative sizes, the first row that covers a launch wins; 1 above them. Where the sums are slow
+# (few SMs), starting them after a part of the copies pays for the extra turns. The tokens of the last part are
+# summed only once its last turn has landed, so a small last part ends the combine sooner: 6:3:1 at 8 SMs and 2:1
+# at 12 measured fastest at 3 and 4 ranks; from 16 SMs one round did (docs/design/intranode.md).
 ROUNDS_BY_SMS = ((8, (6, 3, 1)), (12, (2, 1)))
 STAGING_ALIGN = 256
 _MEMCPY_DEFAULT = 4
@@ -163,17 +155,15 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
     Each home's block is cut into ``rounds`` parts of about equal rows, or of the relative sizes ``rounds`` gives
     (:func:`round_weights`);
     in every round the homes take their turns in the order ``me + 1, me + 2, ...``, so at each turn every rank
-    copies into a different home. Fewer rounds keep a copy engine on one destination longer: it moves about
-    360 GB/s out of a GPU when consecutive copies keep one destination and about 230 GB/s when they alternate
-    between three (4 x H200, chunks of 1024 rows). More rounds let every home's sums start earlier: a token is
-    summed once the parts holding its rows from every source have landed.
+    copies into a different home. Fewer rounds keep a copy engine on one destination longer, where it moves
+    about half as much again as when consecutive copies alternate between destinations. More rounds let every
+    home's sums start earlier: a token is summed once the parts holding its rows from every source have landed.
 
     A part goes in chunks (``chunk_sizes``) in the round's last turn only, or in every turn when ``whole_turns``
     is False; in the earlier turns it is one copy. A home's sums wait for the part of the round's last turn
     anyway (at 4 ranks 90% of the tokens have a row from every source), so only that part's flags let them
-    start sooner, and every copy costs the engine time of its own: 4 ranks copying blocks of 3670 rows x 14336
-    bytes into their 3 peers in turns (4 x H200, no sums) took 424 us as whole blocks and 489-492 us in chunks
-    of 1024 rows (+ their flags 496-548)."""
+    start sooner, and every copy costs the engine time of its own (whole blocks copied measurably faster than
+    chunks of 1024 rows)."""
     num_rounds = len(round_weights(rounds))
     R = len(cnt)
     homes = [(me + i) % R for i in range(1, R)]
@@ -205,9 +195,7 @@ def turn_waits(cnt, me: int, rounds, schedule) -> dict[int, tuple[int, int, int]
 
     In turn ``g`` (``g = k (R - 1) + i - 1`` for round ``k``, offset ``i``) rank ``p`` copies into ``p + i``, so
     no two ranks share a home while they keep in step. Unsynchronised, a rank that ran ahead started its next turn
-    into a home still being filled by the rank behind it, and both copies went at half speed: the copies alone
-    took 560 / 632 / 762 us for 1 / 2 / 3 rounds, and 542 / 598 / 588 with these waits (4 x H200, 4 ranks, 4096 x
-    7168, same call). Where the previous turn's rank copies no rows into the home (an empty part), the wait goes
+    into a home still being filled by the rank behind it, and both copies went at half speed. Where the previous turn's rank copies no rows into the home (an empty part), the wait goes
     to the turn before it, and so on; a turn whose occupant before it is ``me`` (two ranks), or that has none,
     waits for nothing."""
     R, weights = len(cnt), round_weights(rounds)
@@ -239,17 +227,13 @@ def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int) -> bool:
 
 def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
                       hidden_int4, combined_x, combined_topk_weights, bases, staging, weights_offset, copy_seq,
-                      err_ptr, timeout_ns, rank) -> list[tuple[str, object]]:
-    """Arguments of combine_copy, in order, with their parameter names (integers: pointers)."""
-    return [
-        ("x", x), ("topk_weights", topk_weights), ("num_topk", np.int32(num_topk)), ("bias_0", bias_0),
-        ("bias_1", bias_1), ("rank_prefix_matrix", rank_prefix_matrix), ("send_head", send_head),
-        ("num_tokens", np.int32(num_tokens)), ("hidden_int4", np.int32(hidden_int4)), ("combined_x", combined_x),
-        ("combined_topk_weights", combined_topk_weights), ("bases", bases), ("staging", staging),
-        ("weights_offset", np.int64(weights_offset)), ("copy_seq", np.uint64(copy_seq)),
-        ("err", np.uint64(err_ptr)),
-        ("timeout_ns", np.int64(timeout_ns)), ("rank", np.int32(rank)),
-    ]
+                      err_ptr, timeout_ns, rank) -> dict:
+    """Values of ``CombineCopyArgs`` (integers: pointers)."""
+    return dict(x=x, topk_weights=topk_weights, num_topk=num_topk, bias_0=bias_0, bias_1=bias_1,
+                rank_prefix_matrix=rank_prefix_matrix, send_head=send_head, num_tokens=num_tokens,
+                hidden_int4=hidden_int4, combined_x=combined_x, combined_topk_weights=combined_topk_weights,
+                bases=bases, staging=staging, weights_offset=weights_offset, copy_seq=copy_seq, err=err_ptr,
+                timeout_ns=timeout_ns, rank=rank)
 
 
 class CopyCombine:
@@ -279,7 +263,7 @@ class CopyCombine:
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-        self.plan = LaunchPlan(kernel, num_sms, warps * 32, launch_args(named))
+        self.plan = LaunchPlan(kernel, num_sms, warps * 32, COMBINE_COPY, named)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
             "combined_topk_weights", "weights_offset", "copy_seq"))

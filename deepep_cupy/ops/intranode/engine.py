@@ -33,9 +33,10 @@ from ...device.streams import SideStreams
 from ...device.vmm import PeerMappedBuffer
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
+from ..headers import constant
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
-from .args import combine_args, dispatch_args, notify_args, publish_batch
+from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 from .layout import required_bytes
 
@@ -53,37 +54,27 @@ __all__ = [
     "required_bytes",
 ]
 
-NOTIFY_THREADS = 1024
-# Defaults of the compile-time shape of the data kernels. Best guesses for 2 ranks (see
-# docs/design/intranode.md); the bench sweeps the alternatives.
+# Defaults of the compile-time shape of the data kernels (see docs/design/intranode.md); the bench sweeps the
+# alternatives.
 DISPATCH_WARPS, DISPATCH_UNROLL = 16, 8
 # Up to 2 ranks the dispatch loads 14 x 16 bytes per lane per round: a 7168-wide row then takes exactly one
-# round (FP8) or two (BF16) instead of 1.75 / 3.5 (2 x H200, 4096 x 7168, 24 SMs, two sweeps: FP8 195.6 /
-# 200.6 us at 16 x 14 against 204.3 / 208.7 at 16 x 8; BF16 303.4 against 321.4 in one of them).
+# round (FP8) or two (BF16) instead of 1.75 / 3.5, which measured faster.
 DISPATCH_UNROLL_FEW = 14
 COMBINE_WARPS, COMBINE_UNROLL = 16, 8
 # With more ranks the combine receiver keeps one accumulator per load in flight: fewer loads per lane,
-# more warps (8 x H200, send 8: 32 x 2 took 1654 us, 24 x 2 1748 us, 24 x 4 1819 us).
+# more warps (32 x 2 measured fastest of 32 x 2, 24 x 2 and 24 x 4 at 8 ranks).
 COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 
 
 # Block shapes by rank count and SM count: rows (ranks up to, SMs up to, warps, unroll), None meaning no bound;
 # the first row that covers a launch wins. SMs are those of the launch (2 x channels: config.num_sms for a
 # dispatch without handle, the handle's for a cached dispatch and a combine). A shape measured best at few
-# SMs goes above the catch-all rows; tools/sm_sweep.py times the candidates.
-# Few SMs, 2 ranks (2 x H200, 4096 x 7168, top-8 of 256, tools/sm_sweep.py, two runs): with fewer blocks, more
-# warps per block and fewer loads in flight per lane keep more rows moving. Dispatch 24 x 6 against 16 x 14:
-# FP8 -6.8% / -5.7% at 8 SMs and -7.8% / -6.9% at 12; BF16 within 3% either way (measured with the own rows
-# copied by device-to-device copies, own_rows.py; BF16 -9.5% at 8 SMs). Combine 32 x 2 against 16 x 8 at 8 SMs:
-# -8.7% / -9.6%; 24 x 4 at 12 and 16 SMs: -6.3% and -4.4% (32 x 2: -5.8% at 12). Above those counts the
-# sweeps were within their noise. The two modes of the combine are two kernels, each with its table. At 3 and 4
-# ranks the copy mode's sums keep 3 loads a lane in flight (32 x 3; ptxas spills 286 bytes a thread, reloaded
-# from L1), at every SM count: 4 x H200, 4 ranks, 32 x 3 against 32 x 2 over five rounds, one process, -7.7% /
-# -5.4% / -7.8% at 8 / 12 / 16 SMs (-4.9% / -6.0% at 8 / 12 in the call before), -3.4% / -3.6% / -1.4% / -1.0% at
-# 20 / 24 / 32 / 48 SMs (-3.1% at 24 in another process); 3 ranks (GPUs 0-2, 255 experts, three rounds) -0.7% /
-# -0.7% / -1.2% / -0.4% at 8 / 12 / 16 / 24. The ring mode lost with 3 loads (+0.6-1.5% at 8-16 SMs, +1.1-2.2%
-# at 20-48 at 4 ranks), so it keeps 32 x 2. At 2 ranks the same shapes serve both. 8 ranks were not measured:
-# the old shapes stay.
+# SMs goes above the catch-all rows; tools/sm_sweep.py times the candidates (the figures are in
+# docs/design/intranode.md). Few SMs, 2 ranks: with fewer blocks, more warps per block and fewer loads in flight
+# per lane keep more rows moving (dispatch 24 x 6 at up to 12 SMs; combine 32 x 2 at 8 SMs, 24 x 4 at 12 and 16).
+# The two modes of the combine are two kernels, each with its table. At 3 and 4 ranks the copy mode's sums keep
+# 3 loads a lane in flight (32 x 3, although ptxas spills), faster at every SM count; the ring mode was slower
+# with 3 loads and keeps 32 x 2. At 2 ranks the same shapes serve both; 8 ranks keep the general shapes.
 DISPATCH_SHAPE_TABLE = (
     (2, 12, 24, 6),
     (2, None, DISPATCH_WARPS, DISPATCH_UNROLL_FEW),
@@ -103,19 +94,12 @@ COPY_COMBINE_SHAPE_TABLE = _COMBINE_TWO_RANKS + (
 
 # The direct dispatch fans each token out (loaded once, stored into every rank it goes to) on launches of at most
 # this many SMs, where the SMs' loads and stores bound it; on more, where NVLink does, one copy a destination
-# kept a few percent ahead. 2 x H200, 4096 x 7168, top-8 of 256, both kinds in one process, results equal bit
-# for bit (docs/design/intranode.md): with the own rows on the SMs (as above 2 ranks) and 16 x 8 blocks (the
-# shape above 2 ranks), BF16 310-336 against 351-376 us at 8 SMs and 217-227 against 249-272 at 12, FP8 192-201
-# against 222-230 and 138-145 against 159-166; at 24 SMs (16 x 14, 2 ranks' shape) BF16 214-238 against 210-224.
-# Above 2 ranks a token goes to more ranks, and fan-out won at every count: 4 x H200, 4 ranks, 16 x 8, one
-# process, BF16 598 / 579 / 541 against 652 / 609 / 559 us at 8 / 12 / 24 SMs, FP8 358 / 314 / 302 against
-# 389 / 312 / 315. So the bound applies to 2 ranks only.
+# was a few percent ahead at 2 ranks. Above 2 ranks a token goes to more ranks and fan-out was faster at every
+# SM count, so the bound applies to 2 ranks only (docs/design/intranode.md).
 FAN_OUT_MAX_SMS = 12
 
-# The ring-mode combine publishes every token, whatever the config's send chunk: 4 x H200, 4096 x 7168, top-8 of
-# 256, 24 SMs, 4 ranks: in the bench's sweep a batch of 1 or 4 took 703-713 us and 8 took 787; DeepEP's own
-# test, sweeping the chunk, found 1 the best (641 us); through tools/deepep_normal.py with DeepEP's recommended
-# Config(24, 9, 256), 854-870 us with the config's 9 and 654 with 1 (DeepEP: 594).
+# The ring-mode combine publishes every token, whatever the config's send chunk: a batch of 1 measured fastest
+# (as in DeepEP's own sweep of the chunk), and the config's 9 much slower.
 COMBINE_PUBLISH_BATCH = 1
 
 
@@ -158,11 +142,16 @@ def default_combine_shape(num_ranks: int, num_sms: int | None = None, copy: bool
     return shape_from(COPY_COMBINE_SHAPE_TABLE if copy else COMBINE_SHAPE_TABLE, num_ranks, num_sms)
 
 
-# Op codes of cuda_src/intranode/layout.cuh -> names used in error messages.
-OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = 1, 2
-OP_DISPATCH_ARRIVE, OP_DISPATCH_SLOT, OP_DISPATCH_RECV, OP_DISPATCH_OVERFLOW = 3, 4, 5, 6
-OP_COMBINE_ARRIVE, OP_COMBINE_SLOT, OP_COMBINE_RECV = 7, 8, 9
-OP_COMBINE_COPY_RECV, OP_COMBINE_COPY_DONE = 10, 11
+# Op codes of the error record (OpCode in cuda_src/intranode/layout.cuh) -> names used in error messages.
+def _op(name: str) -> int:
+    return constant("intranode/layout.cuh", "kOp" + name)
+
+
+OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = _op("NotifyArrive"), _op("NotifyCounts")
+OP_DISPATCH_ARRIVE, OP_DISPATCH_SLOT = _op("DispatchArrive"), _op("DispatchSlot")
+OP_DISPATCH_RECV, OP_DISPATCH_OVERFLOW = _op("DispatchRecv"), _op("DispatchOverflow")
+OP_COMBINE_ARRIVE, OP_COMBINE_SLOT, OP_COMBINE_RECV = _op("CombineArrive"), _op("CombineSlot"), _op("CombineRecv")
+OP_COMBINE_COPY_RECV, OP_COMBINE_COPY_DONE = _op("CombineCopyRecv"), _op("CombineCopyDone")
 OP_NAMES = {
     OP_NOTIFY_ARRIVE: "dispatch (notify: waiting for the peer to start the same dispatch)",
     OP_NOTIFY_COUNTS: "dispatch (notify: waiting for the peer's token counts)",
@@ -222,9 +211,8 @@ def default_self_warps(num_ranks: int, warps: int) -> int:
     """Warps of a dispatch sender block that copy this rank's own tokens.
 
     With one peer, none: every sender warp pushes over NVLink and the receiver block does the local copy
-    (2 x H200, 16 warps, unroll 8, 4096 x 7168 BF16: 0 + 8 local warps took 390 us, 4 + 4 418 us, 12 + 0
-    458 us). With more peers, the warps left over once every peer has ``W // R`` of them (8 x H200, 16
-    warps: 2 + 2 took 1167 us, 0 + 4 1208 us, 0 + 2 over 1208 us).
+    (faster than sharing it with the senders). With more peers, the warps left over once every peer has
+    ``W // R`` of them (faster than none).
     """
     if num_ranks == 1:
         return warps
@@ -451,11 +439,8 @@ class IntranodeEngine(EngineHealth):
         """Whether a combine may take the copy mode: the tuning attribute where set, else always.
 
         Since its turns wait for each other and its sums keep 3 loads a lane, the copy mode beat the ring mode at
-        every count measured: 4 x H200, 4096 x 7168, top-8 of 256, BF16, both modes in one process over five
-        passes, 4 ranks 577 / 560 / 556 / 548 us against 627 / 602 / 593 / 588 at 20 / 24 / 32 / 48 SMs (666-675
-        against 1108 at 8 in an earlier call); 3 ranks (three passes) 477 / 445 / 411 / 395 against 779 / 543 /
-        473 / 433 at 8 / 12 / 16 / 24. Above 4 ranks the output pool, and with it the copy mode, is off unless
-        DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on; 8 ranks were not timed."""
+        every rank and SM count measured (3 and 4 ranks). Above 4 ranks the output pool, and with it the copy mode,
+        is off unless DEEPEP_CUPY_OUTPUT_POOL_BYTES turns it on."""
         if self.use_copy_combine is not None:
             return bool(self.use_copy_combine)
         return True

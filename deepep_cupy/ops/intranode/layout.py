@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..headers import constant
+
 __all__ = [
     "HEADER_BYTES",
     "MAX_DIRECT_SHARED",
@@ -43,7 +45,8 @@ __all__ = [
     "split_warps",
 ]
 
-HEADER_BYTES = 16
+#: Bytes of a ring slot's header (kSlotHeaderBytes).
+HEADER_BYTES = constant("intranode/layout.cuh", "kSlotHeaderBytes")
 MAX_RANKS = 8
 #: Most dynamic shared memory a dispatch block may use for its chunk masks (sm_90 allows 227 KiB).
 MAX_DIRECT_SHARED = 200 * 1024

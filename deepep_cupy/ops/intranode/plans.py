@@ -15,9 +15,10 @@ from .. import limits
 from ..handles import handle_meta
 from ..kernel_names import intranode_combine, intranode_dispatch, intranode_notify
 from ..own_rows import OwnRowCopies
-from ..plan import NormalPlan, config_key, launch_args, lookup, scale_strides, scales_dtype, store
+from ..plan import NormalPlan, config_key, lookup, scale_strides, scales_dtype, store
 from ..pool_outputs import PoolOutputs
 from . import layout as L
+from .args import COMBINE, DISPATCH, NOTIFY
 from .copy import CopyCombine, IntranodeHandle
 from .engine import (
     NOTIFY_THREADS,
@@ -85,7 +86,7 @@ class DispatchPlan(NormalPlan):
             num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
             num_recv_self_warps=recv_self_warps, batch=engine.batch(config), self_claims=engine.work_claims.data.ptr,
             fan_out=engine.fan_out(2 * self.num_channels))
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, launch_args(named), shared_mem=shared)
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, DISPATCH, named, shared_mem=shared)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "rank_prefix_matrix",
             "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_x", "recv_x_scales", "recv_topk_idx",
@@ -107,7 +108,7 @@ class DispatchPlan(NormalPlan):
                 rank_prefix_matrix=0, channel_prefix_matrix=0, recv_channel_prefix_matrix=0, meta=self.meta,
                 bases=engine.bases, notify_offset=notify_offset, notify_stride=notify_stride,
                 err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
-            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, launch_args(named),
+            self.notify = LaunchPlan(notify, 1, NOTIFY_THREADS, NOTIFY, named,
                                      shared_mem=(R * self.num_channels + R) * 4)
             self.notify_slots = tuple(self.notify.slot(n) for n in (
                 "is_token_in_rank", "num_tokens_per_expert", "rank_prefix_matrix", "channel_prefix_matrix",
@@ -239,7 +240,7 @@ class CombinePlan(NormalPlan):
             hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
             layout=layout, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
             batch=engine.combine_batch(), run_claims=engine.work_claims.data.ptr)
-        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, launch_args(named))
+        self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, COMBINE, named)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
             "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))

@@ -39,6 +39,7 @@ from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
 from ...frameworks import BF16
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
+from ..headers import constant
 from .layout import (
     MAX_EXPERTS,
     REGIONS,
@@ -58,13 +59,17 @@ __all__ = [
     "warp_split",
 ]
 
+_LAYOUT = "low_latency/layout.cuh"
 #: Op codes of cuda_src/low_latency/layout.cuh, for error messages.
-OP_NAMES = {201: "low_latency_dispatch (receive)", 202: "low_latency_combine (receive)",
-            203: "low_latency_combine (send)"}
+OP_NAMES = {constant(_LAYOUT, "kOpDispatchRecv"): "low_latency_dispatch (receive)",
+            constant(_LAYOUT, "kOpCombineRecv"): "low_latency_combine (receive)",
+            constant(_LAYOUT, "kOpCombineSend"): "low_latency_combine (send)"}
 
-PHASE_SEND = 1
-PHASE_RECV = 2
-STAGE_THREADS = 256
+#: The phases of a launch (the kernels' ``phases`` field).
+PHASE_SEND = constant(_LAYOUT, "kPhaseSend")
+PHASE_RECV = constant(_LAYOUT, "kPhaseRecv")
+#: Threads of a staging block (the stage kernel's launch bounds).
+STAGE_THREADS = constant("low_latency/dispatch.cu", "kStageThreads")
 _WARPS_PER_BLOCK = 24
 
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..headers import constant
+
 __all__ = [
     "LOGFMT_BLOCK_BYTES",
     "LowLatencyLayout",
@@ -52,24 +54,24 @@ __all__ = [
 ]
 
 #: Channels per FP8 scale and per LogFMT block.
-BLOCK = 128
+BLOCK = constant("low_latency/layout.cuh", "kChannelsPerBlock")
 #: Wire bytes of one LogFMT-10 block (128 channels): 128 low code bytes, 128 x 2 high code bits, float32 lo and
 #: step; two blocks form a 256-channel segment (cuda_src/low_latency/logfmt.cuh has the byte order).
 LOGFMT_BLOCK_BYTES = 8 + 128 + 32
 #: Token chunks of 32 are tracked in shared memory (kMaxTokenChunks in layout.cuh).
-MAX_TOKENS = 256 * 32
+MAX_TOKENS = constant("low_latency/layout.cuh", "kMaxTokenChunks") * 32
 #: Per-rank mask snapshot in shared memory (kMaxRanks in layout.cuh).
-MAX_RANKS = 1024
+MAX_RANKS = constant("low_latency/layout.cuh", "kMaxRanks")
 #: One "arrived" bit per expert in the combine's shared memory (kMaxExperts in layout.cuh).
-MAX_EXPERTS = 8192
+MAX_EXPERTS = constant("low_latency/layout.cuh", "kMaxExperts")
 #: A token's experts are awaited by the lanes of one warp in the combine.
 MAX_TOPK = 32
 #: Shared-memory table of the dispatch's grid-wide paths, in 4-byte words (kMaxHitWords in
 #: dispatch_direct.cuh).
-MAX_HIT_WORDS = 6144
+MAX_HIT_WORDS = constant("low_latency/dispatch_direct.cuh", "kMaxHitWords")
 
 #: Dynamic shared memory the partial-sum combine's send table may take (the kernel's static arrays use
-#: ~38 KiB of the 227 KiB an H100/H200 block may have).
+#: ~38 KiB of the 227 KiB an sm_90 block may have).
 MAX_PARTIAL_TABLE_BYTES = 160 * 1024
 
 #: The regions of one buffer half, in address order.

@@ -14,6 +14,7 @@ from ...device.streams import OpStreams
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
 from ..handles import LowLatencyHandle, foreign_handle, ll_handle_meta
+from .args import COMBINE, DISPATCH, STAGE
 from .engine import PHASE_RECV, PHASE_SEND, STAGE_THREADS, timeout_ns
 
 __all__ = ["DispatchPlan", "CombinePlan"]
@@ -65,10 +66,10 @@ class _Plan:
         streams = OpStreams(self.comm_stream, compute, self.frame.framework, self.frame.device_id, None, True)
         return self.comm_stream, streams
 
-    def _half_plan(self, kernels, blocks: int, threads: int, args: list, shared_mem: int = 0) -> LaunchPlan:
+    def _half_plan(self, kernels, blocks: int, threads: int, struct, args: dict, shared_mem: int = 0) -> LaunchPlan:
         """Half plan(s) from the kernels of ``kernel_phases(self.hook)``: the launch plan, and with a hook
         the receive part's plan over the same argument block (kept in ``self.recv_plans``)."""
-        plan = LaunchPlan(kernels[0], blocks, threads, args, shared_mem=shared_mem)
+        plan = LaunchPlan(kernels[0], blocks, threads, struct, args, shared_mem=shared_mem)
         self.recv_plans.append(plan.with_kernel(kernels[1]) if self.hook else None)
         return plan
 
@@ -92,14 +93,11 @@ class _Plan:
             return EventOverlap(None)
         return EventOverlap(streams.finish(), keep)
 
-    def _common_args(self, b: int) -> tuple[dict, dict, list]:
+    def _common_args(self, b: int) -> tuple[dict, dict, dict]:
         """Half ``b``'s region addresses, its state addresses, and the sizes both kernels take."""
         engine, r = self.engine, self.regions[b]
         state = engine.state_ptrs[b]
-        return r, state, [
-            ("num_experts", "i32", self.layout.num_experts), ("num_ranks", "i32", engine.num_ranks),
-            ("rank", "i32", engine.rank),
-        ]
+        return r, state, dict(num_experts=self.layout.num_experts, num_ranks=engine.num_ranks, rank=engine.rank)
 
 
 class DispatchPlan(_Plan):
@@ -134,26 +132,20 @@ class DispatchPlan(_Plan):
         self.plans, self.recv_plans, self.stages = [], [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
-            args = [("x", "ptr", None), ("topk_idx", "ptr", None), ("num_tokens", "i32", num_tokens),
-                    ("max_tokens", "i32", t_max), *common,
-                    ("sym_tags", "ptr", r["tags"]), ("sym_arrivals", "ptr", r["arrivals"]),
-                    ("sym_src_idx", "ptr", r["src_idx"]), ("sym_recv", "ptr", r["recv"]),
-                    ("sym_stage", "ptr", r["send"]), ("seq_state", "ptr", state["seq"]),
-                    ("arrival_base", "ptr", state["base"]), ("mask", "ptr", state["mask"]),
-                    ("out_x", "ptr", None), ("out_scales", "ptr", 0), ("out_scales_ue8m0", "ptr", 0),
-                    ("out_count", "ptr", None), ("out_src_info", "ptr", None), ("out_row_map", "ptr", 0),
-                    ("out_layout_range", "ptr", None),
-                    ("cumulative_recv_stats", "ptr", 0), ("wait_recv_cost_stats", "ptr", 0),
-                    ("phases", "i32", _BOTH), ("staged", "i32", int(engine.staged)),
-                    ("force_rma", "i32", int(engine.force_rma)), ("rank_msgs", "i32", int(self.rank_msgs)),
-                    ("round_scale", "i32", int(round_scale)), ("use_ue8m0", "i32", int(self.use_ue8m0)), ("shrink", "i32", int(engine.enable_shrink)),
-                    ("timeout_ns", "i64", timeout_ns()), ("err", "ptr", engine.errors.ptr)]
-            self.plans.append(self._half_plan(kernels, blocks, warps * groups * 32, args))
+            args = dict(
+                x=None, topk_idx=None, num_tokens=num_tokens, max_tokens=t_max, **common, sym_tags=r["tags"],
+                sym_arrivals=r["arrivals"], sym_src_idx=r["src_idx"], sym_recv=r["recv"], sym_stage=r["send"],
+                seq_state=state["seq"], arrival_base=state["base"], mask=state["mask"], out_x=None, out_scales=0,
+                out_scales_ue8m0=0, out_count=None, out_src_info=None, out_row_map=0, out_layout_range=None,
+                cumulative_recv_stats=0, wait_recv_cost_stats=0, phases=_BOTH, staged=int(engine.staged),
+                force_rma=int(engine.force_rma), rank_msgs=int(self.rank_msgs), round_scale=int(round_scale),
+                use_ue8m0=int(self.use_ue8m0), shrink=int(engine.enable_shrink), timeout_ns=timeout_ns(),
+                err=engine.errors.ptr)
+            self.plans.append(self._half_plan(kernels, blocks, warps * groups * 32, DISPATCH, args))
             if engine.staged and not self.rank_msgs and num_tokens > 0:
                 stage_blocks = max(1, min(-(-num_tokens // (STAGE_THREADS // 32)), engine.num_sms))
-                self.stages.append(LaunchPlan(stage, stage_blocks, STAGE_THREADS, [
-                    ("x", "ptr", None), ("num_tokens", "i32", num_tokens), ("sym_stage", "ptr", r["send"]),
-                    ("round_scale", "i32", int(round_scale))]))
+                self.stages.append(LaunchPlan(stage, stage_blocks, STAGE_THREADS, STAGE, dict(
+                    x=None, num_tokens=num_tokens, sym_stage=r["send"], round_scale=int(round_scale))))
         scales_slot = "out_scales_ue8m0" if self.use_ue8m0 else "out_scales"
         names = ("x", "topk_idx", "out_x", scales_slot, "out_count", "out_src_info", "out_row_map", "out_layout_range",
                  "cumulative_recv_stats", "wait_recv_cost_stats", "phases")
@@ -242,19 +234,15 @@ class CombinePlan(_Plan):
         self.plans, self.recv_plans = [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
-            args = [("x", "ptr", r["send"] if zero_copy else None), ("src_info", "ptr", None),
-                    ("layout_range", "ptr", None), ("row_map", "ptr", 0), ("topk_idx", "ptr", None),
-                    ("topk_weights", "ptr", None),
-                    ("num_tokens", "i32", num_tokens), ("max_tokens", "i32", t_max), *common,
-                    ("sym_tags", "ptr", r["tags"]), ("sym_arrivals", "ptr", r["arrivals"]),
-                    ("sym_done", "ptr", r["src_idx"]), ("sym_recv", "ptr", r["recv"]), ("sym_send", "ptr", r["send"]),
-                    ("seq_state", "ptr", state["seq"]), ("arrival_base", "ptr", state["base"]),
-                    ("ready", "ptr", state["ready"]), ("mask", "ptr", state["mask"]), ("out", "ptr", None),
-                    ("wait_recv_cost_stats", "ptr", 0), ("phases", "i32", _BOTH),
-                    ("zero_copy", "i32", int(zero_copy)), ("force_rma", "i32", int(engine.force_rma)),
-                    ("shrink", "i32", int(engine.enable_shrink)), ("timeout_ns", "i64", timeout_ns()),
-                    ("err", "ptr", engine.errors.ptr)]
-            self.plans.append(self._half_plan(kernels, blocks, warps * groups * 32, args, shared_mem=shared))
+            args = dict(
+                x=r["send"] if zero_copy else None, src_info=None, layout_range=None, row_map=0, topk_idx=None,
+                topk_weights=None, num_tokens=num_tokens, max_tokens=t_max, **common, sym_tags=r["tags"],
+                sym_arrivals=r["arrivals"], sym_done=r["src_idx"], sym_recv=r["recv"], sym_send=r["send"],
+                seq_state=state["seq"], arrival_base=state["base"], ready=state["ready"], mask=state["mask"],
+                out=None, wait_recv_cost_stats=0, phases=_BOTH, zero_copy=int(zero_copy),
+                force_rma=int(engine.force_rma), shrink=int(engine.enable_shrink), timeout_ns=timeout_ns(),
+                err=engine.errors.ptr)
+            self.plans.append(self._half_plan(kernels, blocks, warps * groups * 32, COMBINE, args, shared_mem=shared))
         names = ("x", "src_info", "layout_range", "row_map", "topk_idx", "topk_weights", "out",
                  "wait_recv_cost_stats", "phases")
         self.slots = [tuple(p.slot(n) for n in names) for p in self.plans]
