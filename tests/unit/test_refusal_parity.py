@@ -25,7 +25,7 @@ from thread_group import run_ranks
 
 from deepep_cupy import Buffer, Config
 from deepep_cupy import backends as backends_module
-from deepep_cupy import buffer as buffer_module
+from deepep_cupy import buffer_core as buffer_core_module
 from deepep_cupy.backends import cuda as cuda_backend
 from deepep_cupy.backends import make_backend
 from deepep_cupy.ops.internode.engine import InternodeEngine
@@ -242,7 +242,7 @@ def _gpu_backend(kind, group, **options):
 @pytest.fixture
 def gpu_path(monkeypatch):
     monkeypatch.setattr(backends_module, "gpu_count", lambda: 1)
-    monkeypatch.setattr(buffer_module, "make_backend", _gpu_backend)
+    monkeypatch.setattr(buffer_core_module, "make_backend", _gpu_backend)
     monkeypatch.setattr(cuda_backend, "current_device_id", _no_device)
     monkeypatch.setattr(cuda_backend.CudaBackend, "frame", lambda self, obj: None)
 
