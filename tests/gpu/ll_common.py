@@ -103,6 +103,25 @@ def with_low_latency_buffer(state):
         yield
 
 
+def engine_paths(env, run, **paths):
+    """Run ``run()`` with engine path attributes set (staged, per_expert), on plans made for them; the
+    Buffer's plans are dropped before and after, since a plan keeps the paths it was made with."""
+    buf = env["buf"]
+    engine = buf.runtime.low_latency
+    saved = {name: getattr(engine, name) for name in paths}
+    buf._ll_dispatch_plans.clear()
+    buf._ll_combine_plans.clear()
+    try:
+        for name, value in paths.items():
+            setattr(engine, name, value)
+        return run()
+    finally:
+        for name, value in saved.items():
+            setattr(engine, name, value)
+        buf._ll_dispatch_plans.clear()
+        buf._ll_combine_plans.clear()
+
+
 # ------------------------------------------------------------------------------------------- one round
 def dispatch_both(env, fw, x, topk, t_max, num_experts, *, fp8, round_scale=False, ue8m0=False, hook=False,
                   stats=False):

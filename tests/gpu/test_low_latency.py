@@ -28,6 +28,7 @@ from ll_common import (
     T_BIG,
     T_SMALL,
     dispatch_arrays,
+    engine_paths,
     make_expert_out,
     routing,
     run_round,
@@ -100,35 +101,16 @@ def test_logfmt(env, hidden):
 def test_logfmt_per_expert_rows(env, hidden):
     """LogFMT rows per (token, expert) where partial sums would apply: within LogFMT's tolerance."""
     experts = E_BIG if hidden == H_BIG else 32
-    failures, _, _ = _with_engine_paths(env, lambda: run_round(
+    failures, _, _ = engine_paths(env, lambda: run_round(
         env, FRAMEWORKS[0], seed=19, t_max=T_BIG, hidden=hidden, num_experts=experts, k=K_BIG, logfmt=True),
         staged=False, per_expert=True)
     agree(failures)
 
 
-def _with_engine_paths(env, run, **paths):
-    """Run ``run()`` with engine path attributes set (staged, per_expert), on plans made for them; the
-    Buffer's plans are dropped before and after, since a plan keeps the paths it was made with."""
-    buf = env["buf"]
-    engine = buf.runtime.low_latency
-    saved = {name: getattr(engine, name) for name in paths}
-    buf._ll_dispatch_plans.clear()
-    buf._ll_combine_plans.clear()
-    try:
-        for name, value in paths.items():
-            setattr(engine, name, value)
-        return run()
-    finally:
-        for name, value in saved.items():
-            setattr(engine, name, value)
-        buf._ll_dispatch_plans.clear()
-        buf._ll_combine_plans.clear()
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_precast_staging(env, fp8):
     """Tokens cast once into the staging area, then copied over NVLink as one row per (token, expert)."""
-    failures, _, _ = _with_engine_paths(env, lambda: run_round(
+    failures, _, _ = engine_paths(env, lambda: run_round(
         env, FRAMEWORKS[0], seed=17, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG, fp8=fp8,
         round_scale=fp8), staged=True, per_expert=True)
     agree(failures)
@@ -138,7 +120,7 @@ def test_precast_staging(env, fp8):
 def test_per_expert_rows(env, fp8):
     """One row per (token, expert) cast on the fly (the format used where per-rank messages do not fit),
     and a BF16 combine row per (token, expert) (where per-rank partial sums do not pay): the same bits."""
-    failures, _, _ = _with_engine_paths(env, lambda: run_round(
+    failures, _, _ = engine_paths(env, lambda: run_round(
         env, FRAMEWORKS[0], seed=18, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG, fp8=fp8, stats=True),
         staged=False, per_expert=True)
     agree(failures)
