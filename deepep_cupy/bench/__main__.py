@@ -4,8 +4,10 @@
 
 With no suite named, every suite runs (as with ``all``). ``compiled`` (torch.compile against eager calls,
 minutes of compiling) runs only when named; a difference or a compile error there makes the exit status
-non-zero. Every suite needs a CUDA GPU per rank, except ``compiled``: without a GPU it runs on the NumPy
-reference backend (host times only).
+non-zero, and so does a failure of ``overlap`` (hook-mode sends with a late peer, two micro-batches overlapped
+with compute), which first checks its overlapped step against the same calls made one at a time. Every suite
+needs a CUDA GPU per rank, except ``compiled``: without a GPU it runs on the NumPy reference backend (host
+times only).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import faulthandler
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -24,7 +27,7 @@ from . import targets
 from .plot import plot
 from .timing import format_table, parse_sm_counts, sm_counts
 
-SUITES = ("baselines", "intranode", "internode", "low_latency", "host")
+SUITES = ("baselines", "intranode", "internode", "low_latency", "overlap", "host")
 #: Suites that run only when named (not in ``all``).
 OPT_IN = ("compiled",)
 #: Suites that also run without a GPU, on the NumPy reference backend.
@@ -32,6 +35,17 @@ NO_GPU_SUITES = ("compiled",)
 DEFAULT_SUITE_TIMEOUT_S = 240.0
 
 _NAMES = SUITES + OPT_IN + ("all",)
+
+
+def _non_negative(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -53,6 +67,12 @@ def command_line() -> argparse.ArgumentParser:
                    help="tokens per rank, low-latency kernels (default: %(default)s)")
     p.add_argument("--ll-experts", type=int, default=288,
                    help="experts, low-latency kernels (default: %(default)s)")
+    p.add_argument("--late-ms", type=_non_negative, default=20,
+                   help="overlap suite: milliseconds the last rank sleeps before its send in the late-peer rows "
+                        "(default: %(default)s)")
+    p.add_argument("--compute-us", type=_non_negative, default=200,
+                   help="overlap suite: microseconds of GPU work (a one-thread sleep kernel) after each send of "
+                        "the two-micro-batch step (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="measure the library defaults only, no sweeps (default: off)")
     p.add_argument("--compiled-steps", type=int, default=None,
