@@ -32,7 +32,8 @@
 #include "low_latency/layout.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/logfmt.cuh"
-#include "low_latency/combine_partials.cuh"
+#include "low_latency/combine_partials_send.cuh"
+#include "low_latency/combine_partials_recv.cuh"
 
 namespace deepep_cupy::low_latency {
 
@@ -194,7 +195,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ int s_warp_sum[kBlockWarps];
     __shared__ int s_last;
     __shared__ uint32_t s_seq[2];
-    extern __shared__ int s_table[];  // kPartials: the send's row table (combine_partials.cuh), R * T * (K + 1) ints
+    extern __shared__ int s_table[];  // kPartials: the send's row table (combine_partials_send.cuh), R * T * (K + 1) ints
 
     const GroupCoords<kWarps, kGroups> at;
     const int warp_in_block = at.warp_in_block, lane = at.lane, group = at.group, warp = at.warp;

@@ -243,7 +243,7 @@ __device__ __forceinline__ int source_at(int position, int rank, int num_ranks) 
 
 // The dispatch's record of a received row: its source token, in the handle's source info, and where
 // row_map is given, the inverse, row_map[(source * T + token) * E_local + local expert] = row, which the
-// partial-sum combine reads instead of rebuilding it from the source info (combine_partials.cuh).
+// partial-sum combine reads instead of rebuilding it from the source info (combine_partials_send.cuh).
 __device__ __forceinline__ void record_row(int* out_src_info, int* out_row_map, int le, int row, int src, int t,
                                            int max_tokens, int num_ranks, int num_local) {
     out_src_info[static_cast<size_t>(le) * num_ranks * max_tokens + row] = t;

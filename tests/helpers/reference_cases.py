@@ -1,5 +1,5 @@
 """Inputs and plain-loop expectations of the reference backend, shared by the single-process tests
-(tests/unit/test_reference_single.py, thread-ranks) and the multi-process ones (tests/mpi, under mpiexec).
+(tests/unit/test_reference_single*.py, thread-ranks) and the multi-process ones (tests/mpi, under mpiexec).
 
 Every rank derives all ranks' inputs from the same seeds (``make_case``), so each expectation here is
 computed independently of the backend by plain loops over every rank's data. ``ll_dispatch`` and

@@ -5,15 +5,12 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "deepep_cupy"
 SOURCES = [*PACKAGE.rglob("*.py"), *(ROOT / "cuda_src").rglob("*.cu"), *(ROOT / "cuda_src").rglob("*.cuh")]
 MAX_LINES = 500
 
 
-@pytest.mark.xfail(reason="the kernel-argument pass has yet to move its files' lab notes and split two kernels", strict=False)
 def test_no_file_is_too_long_to_read_in_one_sitting():
     long = {str(p.relative_to(ROOT)): n for p in SOURCES if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
@@ -23,7 +20,6 @@ def test_no_file_is_too_long_to_read_in_one_sitting():
 _MACHINES = re.compile(r"\b(?:[AHBL][1-9]\d{1,2}[A-Z]?|GB\d{3}|MI\d{3}X?|RTX ?\d{4})\b")
 
 
-@pytest.mark.xfail(reason="the kernel-argument pass has yet to move its files' lab notes and split two kernels", strict=False)
 def test_no_machine_names_in_the_code():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in SOURCES
              for i, line in enumerate(p.read_text().splitlines(), 1) if _MACHINES.search(line)]
