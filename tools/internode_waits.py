@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from internode_sweep import config, precompile, rank_and_domains, workload_arguments  # noqa: E402  (after the path)
+from deepep_cupy.tuning.common import workload_arguments  # noqa: E402  (after the path)
+from deepep_cupy.tuning.internode import config, precompile, rank_and_domains  # noqa: E402
 
 SYMBOL = "deepep_cupy_internode_waits"
 DEFINES = {"DEEPEP_CUPY_WAIT_PROFILE": 1}
@@ -48,10 +48,11 @@ PHASES = {
 
 def command_line() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/internode_waits.py", description=__doc__.splitlines()[0])
-    p.add_argument("--num-sms", type=int, default=12)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--num-sms", type=int, default=12, help="SMs of the ops (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=10, help="calls of each op counted (default: %(default)s)")
     workload_arguments(p)
-    p.add_argument("--timeout-s", type=float, default=20.0)
+    p.add_argument("--timeout-s", type=float, default=20.0,
+                   help="kernel wait budget, the engine's timeout_s (default: %(default)g)")
     return p
 
 

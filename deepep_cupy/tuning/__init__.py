@@ -115,7 +115,7 @@ def read_entries(path: Path | None = None) -> dict:
         return {}
     except UntrustedFileError as exc:
         warnings.warn(f"deepep_cupy: ignoring the tuned configs in {path}: it {exc.reason}; delete it or run "
-                      "`python -m deepep_cupy.tune` again", CacheTrustWarning, stacklevel=3)
+                      "`python -m deepep_cupy.tuning` again", CacheTrustWarning, stacklevel=3)
         return {}
     except (OSError, ValueError) as exc:
         warnings.warn(f"deepep_cupy: ignoring the tuned configs in {path} ({exc}); delete the file or run "

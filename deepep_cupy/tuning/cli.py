@@ -8,16 +8,21 @@ for the rank count it runs with and ``--hidden``, timing each point as the intra
 slowest rank's median of CUDA-event timings). The best configs go to ``tuned_configs.json`` in the kernel
 cache directory, keyed by GPU model, rank count and hidden size, where ``Buffer.get_dispatch_config`` and
 ``get_combine_config`` find them.
+
+The commands (:data:`COMMANDS`) sweep what the engines choose for themselves (block shapes, channels a block,
+ring sizes): each prints a table, checked bit for bit, and stores nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import math
 import os
 import socket
 import sys
+import textwrap
 import time
 
 from .. import buffer as B
@@ -26,12 +31,21 @@ from ..bench.intranode import routing, slowest
 from ..bench.timing import time_op
 from ..buffer import Buffer
 from ..config import Config
-from ..device.gpus import no_gpu_message
 from ..device.group import comm_barrier
+from .common import require_gpu_and_mpi
 
-__all__ = ["main", "parse_args", "plan_points", "choose", "builtin_configs", "Progress"]
+__all__ = ["main", "parse_args", "plan_points", "choose", "builtin_configs", "Progress", "COMMANDS"]
 
 PROG = "python -m deepep_cupy.tuning"
+#: ``python -m deepep_cupy.tuning <command>``: each is the module of this package of that name.
+COMMANDS = {
+    "sms": "time the intranode kernels' block shapes (and the engine's fan-out and copy-mode choices) at a few SM "
+           "counts, every shape checked bit for bit against the default's (default: 8,12,24 SMs, the shapes "
+           "worth trying)",
+    "internode": "time the internode kernels' channels a block and RDMA ring sizes at a few SM counts, every "
+                 "setting checked bit for bit against the default's (default: 8,12,24 SMs, 2, 4, the default and "
+                 "the most channels a block)",
+}
 DEFAULT_SMS = (16, 20, 24, 32)
 DEFAULT_SEND = (1, 2, 4, 6, 8, 16, 32)
 DEFAULT_RECV = (256, 512)
@@ -51,11 +65,20 @@ def _csv(values) -> str:
     return ",".join(str(v) for v in values)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.replace("``", "'"),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Run it under mpirun with one rank per GPU of one node, e.g. "
-                                            f"`mpirun -np 8 {PROG} --hidden 7168`.")
+def _commands_help() -> str:
+    width = max(len(name) for name in COMMANDS) + 2
+    listing = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:<{width}}",
+                                      subsequent_indent=" " * (width + 2)) for name, text in COMMANDS.items())
+    return (f"Run it under mpirun with one rank per GPU of one node, e.g. `mpirun -np 8 {PROG} --hidden 7168`."
+            f"\n\ncommands:\n{listing}\n\n`{PROG} <command> --help` shows a command's options and their defaults.")
+
+
+def command_line() -> argparse.ArgumentParser:
+    """The config tuner's parser; its help lists the commands too (each parses its own options)."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\nThe commands")[0].replace("``", "'"),
+                                     usage=f"{PROG} [-h] [options]\n       {PROG} {{{','.join(COMMANDS)}}} "
+                                           "[options]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_commands_help())
     parser.add_argument("--hidden", type=int, default=7168,
                         help="hidden size of the tokens (BF16) (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default: %(default)s)")
@@ -80,6 +103,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="print the best configs without storing them (default: off)")
     parser.add_argument("--show", action="store_true",
                         help="print the stored configs and exit, no GPU needed (default: off)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = command_line()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}, or none to tune the configs")
     args = parser.parse_args(argv)
     odd = [s for s in args.sms if s % 2]
     if odd:
@@ -276,17 +307,16 @@ def show(out=sys.stdout) -> int:
 
 
 def main(argv=None) -> int:
+    """``python -m deepep_cupy.tuning [command] [options]``: a command's own main, or the config tuner."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return importlib.import_module(f"{__package__}.{argv[0]}").main(argv[1:])
     args = parse_args(argv)
     if args.show:
         return show()
-    no_gpu = no_gpu_message("tuning (all but --show) needs")
-    if no_gpu:
-        # One line, no traceback: the usual cause is running it on a machine without GPUs.
-        sys.exit(f"{PROG}: {no_gpu}")
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        sys.exit(f"{PROG}: needs mpi4py (pip install deepep_cupy[mpi]) and a launch under mpirun")
+    require_gpu_and_mpi(PROG, "tuning (all but --show) needs")
+    from mpi4py import MPI
+
     os.environ.setdefault("DEEPEP_CUPY_VALIDATE", "0")
     for var in ("NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
         os.environ.setdefault(var, "1")

@@ -1,6 +1,7 @@
 """What the command-line tools tell a newcomer: ``--help`` says what each command does and shows the default of
-every option; the benchmarks and the tuner on a machine without a GPU say "no GPU found" in one line, with
-what they need, whether CuPy is installed or not; ``precompile`` without NVRTC says once which extra brings it.
+every option (and the tuner's lists its commands); the benchmarks, the tuner and its sweeps on a machine without
+a GPU say "no GPU found" in one line, with what they need, whether CuPy is installed or not; ``precompile``
+without NVRTC says once which extra brings it.
 
 No GPU is simulated by faking the detection (the driver's device count, CuPy's), never by skipping, so each test
 holds on a machine with GPUs as well."""
@@ -18,7 +19,7 @@ from deepep_cupy.jit import precompile as pre
 from deepep_cupy.jit.compiler import Toolchain
 
 HELP = [("deepep_cupy.jit", ()), ("deepep_cupy.jit", ("precompile",)), ("deepep_cupy.bench", ()),
-        ("deepep_cupy.tuning", ())]
+        ("deepep_cupy.tuning", ()), ("deepep_cupy.tuning", ("sms",)), ("deepep_cupy.tuning", ("internode",))]
 OPTION_RE = re.compile(r"^  (-\S+|[a-z]\w*)")  # an option's (or a positional's) first help line
 
 
@@ -73,6 +74,31 @@ def test_help_of_the_jit_lists_its_commands(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err
     assert "no command given" in err and "precompile" in err
+
+
+def test_help_of_the_tuner_lists_its_commands_with_defaults(capsys):
+    from deepep_cupy.tuning import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert set(cli.COMMANDS) == {"sms", "internode"}
+    listing = out.split("\ncommands:\n", 1)[1].split("\n\n")[0]
+    entries = {}
+    for line in listing.splitlines():
+        if not line.startswith("   "):
+            name = line.split()[0]
+            entries[name] = line
+        else:
+            entries[name] += " " + line.strip()
+    assert set(entries) == set(cli.COMMANDS), listing
+    assert all("(default: " in text for text in entries.values()), listing
+    assert "<command> --help" in out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sweep"])
+    assert info.value.code == 2
+    assert "unknown command 'sweep'; choose from sms, internode" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------ no GPU
@@ -147,13 +173,35 @@ def test_bench_and_tuning_with_a_gpu_but_no_cupy(monkeypatch):
     assert _exit_line(tune.main, []).startswith("python -m deepep_cupy.tuning: CuPy is not installed; ")
 
 
-@pytest.mark.parametrize("module, argv", [("deepep_cupy.bench", ("host",)), ("deepep_cupy.tuning", ())])
-def test_without_a_gpu_the_commands_print_one_line(module, argv):
+@pytest.mark.parametrize("cupy", [None, _cupy(0)], ids=["no CuPy", "CuPy"])
+@pytest.mark.parametrize("command, needs", [("sms", "the block-shape sweep needs"),
+                                            ("internode", "the internode sweep needs")])
+def test_tuning_sweeps_without_a_gpu(monkeypatch, cupy, command, needs):
+    from deepep_cupy.tuning import cli as tune
+
+    monkeypatch.setattr(gpus, "gpu_count", lambda: 0)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    line = _exit_line(tune.main, [command, "--num-sms", "8"])
+    assert line.startswith(f"python -m deepep_cupy.tuning {command}: no GPU found; {needs} a CUDA GPU and CuPy: "
+                           "pip install \"deepep_cupy[cuda13]\""), line
+    monkeypatch.setattr(gpus, "gpu_count", lambda: 1)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert _exit_line(tune.main, [command]).startswith(f"python -m deepep_cupy.tuning {command}: CuPy is not "
+                                                       "installed; ")
+
+
+@pytest.mark.parametrize("module, argv, prog", [
+    ("deepep_cupy.bench", ("host",), "python -m deepep_cupy.bench"),
+    ("deepep_cupy.tuning", (), "python -m deepep_cupy.tuning"),
+    ("deepep_cupy.tuning", ("sms",), "python -m deepep_cupy.tuning sms"),
+    ("deepep_cupy.tuning", ("internode",), "python -m deepep_cupy.tuning internode"),
+])
+def test_without_a_gpu_the_commands_print_one_line(module, argv, prog):
     got = _module(module, *argv)  # DEEPEP_CUPY_FORCE_NO_GPU=1: no GPU, whatever this machine has
     assert got.returncode == 1, got.stdout + got.stderr
     assert got.stdout == "" and "Traceback" not in got.stderr
     lines = got.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"python -m {module}: no GPU found; "), got.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: no GPU found; "), got.stderr
 
 
 # -------------------------------------------------------------------------------------------- precompile, NVRTC

@@ -229,6 +229,7 @@ def test_help():
     got = _tune("--help")
     assert got.returncode == 0, got.stderr
     assert "--hidden" in got.stdout and "--sms" in got.stdout and "mpirun" in got.stdout
+    assert "\ncommands:\n  sms " in got.stdout and "\n  internode " in got.stdout
 
 
 def test_without_gpus_one_clear_line():
