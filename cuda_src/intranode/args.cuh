@@ -68,10 +68,10 @@ struct DispatchArgs {
     int slot_topk_idx_offset;
     int slot_topk_weights_offset;
     int num_channels;
-    int num_self_warps;       // sender-block warps that start on the self copy
-    int num_recv_self_warps;  // receiver-block warps that start on the self copy
-    int publish_batch;        // tokens per publish before clamp_batch
-    int* __restrict__ self_claims;  // [C] self-copy run counters, 0 between kernels
+    int num_own_rows_warps;       // sender-block warps that start on the own-rows copy
+    int num_recv_own_rows_warps;  // receiver-block warps that start on the own-rows copy
+    int publish_batch;            // tokens per publish before clamp_batch
+    int* __restrict__ own_rows_claims;  // [C] run counters of the own-rows copy (direct mode: items), 0 between kernels
     ErrorRecord* err;
     long long timeout_ns;
     int rank;

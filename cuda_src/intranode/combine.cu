@@ -110,8 +110,8 @@ combine(const __grid_constant__ CombineArgs args) {
         const int lr_prev = channel_start(args.channel_prefix_matrix, lr, args.num_channels, c);
         const int lr_count = args.channel_prefix_matrix[lr * args.num_channels + c] - lr_prev;
         const uint8_t* lr_ring = my_base + args.ring_offset + static_cast<long long>(c * R + lr) * ring_bytes;
-        const long long self_base = (args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * R + args.rank] : 0) +
-                                    args.recv_channel_prefix_matrix[args.rank * args.num_channels + c];
+        const long long own_base = (args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * R + args.rank] : 0) +
+                                   args.recv_channel_prefix_matrix[args.rank * args.num_channels + c];
 
         int* claim = args.run_claims + c;
         int run = 0;
@@ -147,15 +147,15 @@ combine(const __grid_constant__ CombineArgs args) {
                 // Where each rank's row for token t is (nullptr: rank r did not get the token). For peers the
                 // row is a ring slot (weights at slot_topk_weights_offset - 16 from it); for this rank, x.
                 const int4* rows[R];
-                long long self_row = -1;
+                long long own_row = -1;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const int idx = __shfl_sync(kFullMask, my_idx, k * R + r);
                     rows[r] = nullptr;
                     if (idx >= 0) {
                         if (r == args.rank) {
-                            self_row = self_base + idx;
-                            rows[r] = args.x + self_row * args.hidden_int4;
+                            own_row = own_base + idx;
+                            rows[r] = args.x + own_row * args.hidden_int4;
                         } else {
                             const uint8_t* slot_ptr = my_base + args.ring_offset +
                                                       static_cast<long long>(c * R + r) * ring_bytes +
@@ -173,7 +173,7 @@ combine(const __grid_constant__ CombineArgs args) {
                     for (int r = 0; r < R; ++r) {
                         w[r] = nullptr;
                         if (rows[r] == nullptr) continue;
-                        w[r] = r == args.rank ? args.topk_weights + self_row * args.num_topk
+                        w[r] = r == args.rank ? args.topk_weights + own_row * args.num_topk
                                          : reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[r]) -
                                                                           16 + args.slot_topk_weights_offset);
                     }

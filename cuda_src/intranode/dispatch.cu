@@ -7,12 +7,12 @@
 // Grid: 2 * C blocks; block 2c sends channel c, block 2c + 1 receives channel c. Channel c is the token
 // range [c * ceil(N/C), ...) of every rank.
 //
-// Self copy: this rank's own tokens of channel c go straight from x into the outputs (no ring). Warps
-// [0, num_self_warps) of the sender block and [0, num_recv_self_warps) of the receiver block start on it;
-// every other warp joins it once its pushes or receives are done. The work is shared dynamically: runs of
-// kSelfRun consecutive own-token indices are claimed from a per-channel counter (self_claims[c], back to 0
-// when the kernel ends). With fixed shares the warps that started on it finished last, well after the pushes
-// and the ring receivers.
+// Own rows: this rank's own tokens of channel c go straight from x into the outputs (no ring). Warps
+// [0, num_own_rows_warps) of the sender block and [0, num_recv_own_rows_warps) of the receiver block start
+// on this copy; every other warp joins it once its pushes or receives are done. The work is shared
+// dynamically: runs of kOwnRowsRun consecutive own-token indices are claimed from a per-channel counter
+// (own_rows_claims[c], back to 0 when the kernel ends). With fixed shares the warps that started on it
+// finished last, well after the pushes and the ring receivers.
 //
 // Sender block, other warps: split evenly over the R - 1 peers. Every warp of a peer's group scans the
 // channel's is_token_in_rank column with ballots, so it knows the index i of each token going to that
@@ -49,7 +49,7 @@
 
 namespace deepep_cupy::intranode {
 
-// Copies own token `token` into output row `row` (the self copy).
+// Copies own token `token` into output row `row` (the own-rows copy).
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void copy_own_token(const DispatchCtx& a, int token, int row, BadValue& bad,
                                                int lane) {
@@ -61,7 +61,7 @@ __device__ __forceinline__ void copy_own_token(const DispatchCtx& a, int token, 
     copy_token<kNumRanks, kUnroll>(a, token, own, a.rank, row, bad, lane);
 }
 
-constexpr int kSelfRun = 2;  // own tokens per claim
+constexpr int kOwnRowsRun = 2;  // own tokens per claim
 
 // Writes the send_head column of this rank for channel c (non-cached mode; one warp per channel).
 template <int kNumRanks>
@@ -81,20 +81,20 @@ __device__ __forceinline__ void write_own_send_head(const DispatchCtx& a, int c,
     }
 }
 
-// The self copy of channel c by one warp (see the header), in claimed runs until the channel's own tokens
-// are all claimed. Each warp walks the is_token_in_rank column forward from its own cursor, since the runs
-// it claims only grow. The warp that gets run 0 also writes the channel's send_head column for this rank.
-// (Letting the ring receivers take runs while their slots were still empty was tried: they then finished
-// last, and FP8 got slower.)
+// The own-rows copy of channel c by one warp (see the header), in claimed runs until the channel's own
+// tokens are all claimed. Each warp walks the is_token_in_rank column forward from its own cursor, since
+// the runs it claims only grow. The warp that gets run 0 also writes the channel's send_head column for
+// this rank. (Letting the ring receivers take runs while their slots were still empty was tried: they then
+// finished last, and FP8 got slower.)
 template <int kNumRanks, int kUnroll>
-__device__ __forceinline__ void dispatch_self(const DispatchCtx& a, int c, int lane) {
+__device__ __forceinline__ void dispatch_own_rows(const DispatchCtx& a, int c, int lane) {
     constexpr int R = kNumRanks;
     const int rank = a.rank;
     int chunk, t_end;
     channel_range(a.num_tokens, a.num_channels, c, chunk, t_end);
     const int out_base = (rank > 0 ? a.rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
                          a.recv_channel_prefix_matrix[rank * a.num_channels + c];
-    int* claim = a.self_claims + c;
+    int* claim = a.own_rows_claims + c;
     int run = 0;
     if (lane == 0) run = atomicAdd(claim, 1);
     run = __shfl_sync(kFullMask, run, 0);
@@ -107,7 +107,7 @@ __device__ __forceinline__ void dispatch_self(const DispatchCtx& a, int c, int l
         // The next claim is issued now and read after this run's copies, so its latency is hidden.
         int next = 0;
         if (lane == 0) next = atomicAdd(claim, 1);
-        for (int idx = run * kSelfRun; more && idx < (run + 1) * kSelfRun; ++idx) {
+        for (int idx = run * kOwnRowsRun; more && idx < (run + 1) * kOwnRowsRun; ++idx) {
             while (idx >= before + __popc(mask)) {
                 before += __popc(mask);
                 chunk += 32;
@@ -350,22 +350,22 @@ dispatch(const __grid_constant__ DispatchArgs args) {
         // Peers drop the rows past num_out_rows; this rank reports them.
         if (blockIdx.x == 0 && threadIdx.x == 0 && num_recv > args.num_out_rows)
             report_timeout(args.err, kOpDispatchOverflow, args.rank, args.rank, __LINE__, num_recv);
-        dispatch_direct<R, kNumWarps, kUnroll>(a, wctx, c, sh, chunk_masks, args.self_claims + c);
+        dispatch_direct<R, kNumWarps, kUnroll>(a, wctx, c, sh, chunk_masks, args.own_rows_claims + c);
     } else if (mode == 0) {
-        // Role of this warp: push to a peer or receive from one, then join the self copy; or start on the
-        // self copy (with a single rank every warp does).
-        const int self_in_block = is_sender ? args.num_self_warps : args.num_recv_self_warps;
+        // Role of this warp: push to a peer or receive from one, then join the own-rows copy; or start on
+        // the own-rows copy (with a single rank every warp does).
+        const int own_rows_in_block = is_sender ? args.num_own_rows_warps : args.num_recv_own_rows_warps;
         bool ok = true;
-        if (warp >= self_in_block && R > 1) {
+        if (warp >= own_rows_in_block && R > 1) {
             int g, gi, gs;
-            split_warps(warp - self_in_block, kNumWarps - self_in_block, R - 1, g, gi, gs);
+            split_warps(warp - own_rows_in_block, kNumWarps - own_rows_in_block, R - 1, g, gi, gs);
             const int peer = (args.rank + 1 + g) % R;
             ok = is_sender ? dispatch_send<R, kUnroll>(a, wctx, c, peer, gi, gs, lane)
                            : dispatch_recv<R, kUnroll>(a, wctx, c, peer, gi, gs, lane);
         }
-        if (ok) dispatch_self<R, kUnroll>(a, c, lane);
+        if (ok) dispatch_own_rows<R, kUnroll>(a, c, lane);
     }
-    end_kernel(ctrl, seq, args.self_claims, args.num_channels);
+    end_kernel(ctrl, seq, args.own_rows_claims, args.num_channels);
 }
 
 }  // namespace deepep_cupy::intranode

@@ -333,7 +333,7 @@ def test_dispatch_args_fill_the_struct():
         num_topk=8, num_local_experts=128, is_token_in_rank=a, num_tokens=4096, hidden_int4=448,
         rank_prefix_matrix=a, channel_prefix_matrix=a, recv_channel_prefix_matrix=a, recv_x=a, recv_x_scales=None,
         recv_topk_idx=a, recv_topk_weights=None, recv_src_idx=a, send_head=a, num_out_rows=10, num_worst_tokens=0,
-        bases=a, layout=lay, num_self_warps=12, err_ptr=99, timeout_ns=1, rank=0)
+        bases=a, layout=lay, num_own_rows_warps=12, err_ptr=99, timeout_ns=1, rank=0)
     check_packing(intranode_args.DISPATCH, packed)
     d = packed
     assert d["slot_bytes"] == lay.slot.slot_bytes and d["ring_offset"] == lay.ring_offset

@@ -44,8 +44,8 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
-                  layout: L.BufferLayout, num_self_warps, err_ptr, timeout_ns, rank, num_recv_self_warps=0,
-                  batch=1, self_claims=0, pool_bases=None, fan_out=False) -> dict:
+                  layout: L.BufferLayout, num_own_rows_warps, err_ptr, timeout_ns, rank,
+                  num_recv_own_rows_warps=0, batch=1, own_rows_claims=0, pool_bases=None, fan_out=False) -> dict:
     """Values of ``DispatchArgs``. ``pool_bases``: every rank's output pool when this call's outputs are in this
     rank's (patched per call); the done words of the direct mode follow the rings (``layout.end``)."""
     slot = layout.slot
@@ -63,8 +63,9 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         done_offset=layout.end, ring_offset=layout.ring_offset, free_offset=layout.free_offset,
         slot_bytes=slot.slot_bytes, cap=layout.cap, slot_scales_offset=slot.scales_offset,
         slot_topk_idx_offset=slot.topk_idx_offset, slot_topk_weights_offset=slot.topk_weights_offset,
-        num_channels=layout.num_channels, num_self_warps=num_self_warps, num_recv_self_warps=num_recv_self_warps,
-        publish_batch=publish_batch(batch, layout.cap), self_claims=self_claims, err=err_ptr,
+        num_channels=layout.num_channels, num_own_rows_warps=num_own_rows_warps,
+        num_recv_own_rows_warps=num_recv_own_rows_warps, publish_batch=publish_batch(batch, layout.cap),
+        own_rows_claims=own_rows_claims, err=err_ptr,
         timeout_ns=timeout_ns, rank=rank)
 
 

@@ -345,8 +345,9 @@ class IntranodeEngine(EngineHealth):
                 cupy.cuda.runtime.memset(self.buffer.local_ptr, 0, self.buffer.size)
                 cupy.cuda.Device(self.device_id).synchronize()
                 self.errors = KernelErrorRecord()
-                # Per-channel work counters: runs of the dispatch's self copy and of the combine's reduction
-                # claimed so far (0 between kernels; at most one channel per 2 SMs, see limits.intranode_grid).
+                # Per-channel work counters: runs of the dispatch's own-rows copy (direct mode: its items) and
+                # of the combine's reduction claimed so far (0 between kernels; at most one channel per 2 SMs,
+                # see limits.intranode_grid).
                 self.work_claims = cupy.zeros(max(1, self.num_device_sms // 2), dtype=cupy.int32)
                 # Every rank takes the smallest size asked for (the pool is collective, and 0 on one rank
                 # means none anywhere).

@@ -74,7 +74,7 @@ class DispatchPlan(NormalPlan):
         self.pool = PoolOutputs(pool, frame, self._output_parts, ((0, 1), (2, 3, 4))) if pool is not None else None
 
         warps, unroll = engine.dispatch_shape(2 * self.num_channels)
-        self_warps, recv_self_warps = engine.local_copy_warps(warps)
+        own_rows_warps, recv_own_rows_warps = engine.local_copy_warps(warps)
         kernel = engine.kernel(dispatch_spec(R, warps, unroll), intranode_dispatch(R, warps, unroll))
         named = dispatch_args(
             x=0, x_scales=0, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=self.num_scales,
@@ -83,8 +83,9 @@ class DispatchPlan(NormalPlan):
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, recv_x=0, recv_x_scales=0, recv_topk_idx=0,
             recv_topk_weights=0, recv_src_idx=0, send_head=0, num_out_rows=self.num_rows,
             num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
-            num_self_warps=self_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            num_recv_self_warps=recv_self_warps, batch=engine.batch(config), self_claims=engine.work_claims.data.ptr,
+            num_own_rows_warps=own_rows_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
+            num_recv_own_rows_warps=recv_own_rows_warps, batch=engine.batch(config),
+            own_rows_claims=engine.work_claims.data.ptr,
             fan_out=engine.fan_out(2 * self.num_channels))
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, DISPATCH, named, shared_mem=shared)
         self.slots = tuple(self.plan.slot(n) for n in (
