@@ -74,7 +74,7 @@ __device__ void send_nvl(const CombineArgs& a, const WaitCtx& w, int c, int ds, 
     int published = 0;  // rows made visible to l: one system-scope fence per batch, and all before a wait
     auto flush = [&](int upto) {
         if (upto > published) {
-            publish_direct(dest.tail(x_ring * L + me), base + upto, lane);
+            publish_p2p(dest.tail(x_ring * L + me), base + upto, lane);
             published = upto;
         }
     };
@@ -179,12 +179,12 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
     // As the dispatch's sender: straight into the ring of a source reachable by stores, else staged and put.
     uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
     uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
-    const bool direct = peer_tail != nullptr;
+    const bool p2p = peer_tail != nullptr;
     int first = 0;  // first slot not yet published
     auto publish = [&](int end) {
         if (end <= first) return;
-        if (direct)
-            publish_direct(peer_tail, base + end, lane);
+        if (p2p)
+            publish_p2p(peer_tail, base + end, lane);
         else
             put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
                             static_cast<size_t>(end - first) * a.slot_bytes, sig.tail(i_peer), base + end,
@@ -267,7 +267,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
             }
             if (!ok) break;
         }
-        uint8_t* out = direct ? peer_ring + static_cast<long long>(k % a.rdma_cap) * a.slot_bytes : g.rdma_slot(0, i, k);
+        uint8_t* out = p2p ? peer_ring + static_cast<long long>(k % a.rdma_cap) * a.slot_bytes : g.rdma_slot(0, i, k);
         // Every lane learns every position here: the loops below leave lanes idle, so no shuffle inside.
         int ps[L];
         const int4* rows[L];

@@ -196,7 +196,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
     // ordered behind nvshmem_fence (put_signal_warp). Either way the data is visible before the tail.
     uint8_t* const peer_ring = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(g.rdma_slot(1, i_peer, 0), pe));
     uint64_t* const peer_tail = peer_ring ? static_cast<uint64_t*>(nvshmem_ptr(sig.tail(i_peer), pe)) : nullptr;
-    const bool direct = peer_tail != nullptr;
+    const bool p2p = peer_tail != nullptr;
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     BadValue bad;
     PhaseClock phase;  // diagnostics builds only (layout.cuh)
@@ -224,7 +224,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
                 head = wait_reaching(sig.head(i), base + 2 + idx - a.rdma_cap, head, [] {}, w, kOpDispatchHead, pe,
                                      __LINE__, &ok);
             if (!ok) break;
-            uint8_t* s = direct ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot_bytes
+            uint8_t* s = p2p ? peer_ring + static_cast<long long>(idx % a.rdma_cap) * a.slot_bytes
                                 : g.rdma_slot(0, i, idx);
             if (lane == 0) *reinterpret_cast<int4*>(s) = make_int4(d_me, tok_bits, token, 0);
             phase.lap(kPhaseSendExtras);
@@ -246,8 +246,8 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
             phase.lap(kPhaseSendMeta);
             // Publish a chunk (Rt is a multiple of the chunk, so a chunk never wraps around the ring).
             if (count - first == a.rdma_chunk) {
-                if (direct)
-                    publish_direct(peer_tail, base + 1 + count, lane);
+                if (p2p)
+                    publish_p2p(peer_tail, base + 1 + count, lane);
                 else
                     put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
                                     static_cast<size_t>(count - first) * a.slot_bytes, sig.tail(i_peer),
@@ -259,8 +259,8 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
         if (!ok) break;
     }
     if (ok && count > first) {
-        if (direct)
-            publish_direct(peer_tail, base + 1 + count, lane);
+        if (p2p)
+            publish_p2p(peer_tail, base + 1 + count, lane);
         else
             put_signal_warp(g.rdma_slot(1, i_peer, first), g.rdma_slot(0, i, first),
                             static_cast<size_t>(count - first) * a.slot_bytes, sig.tail(i_peer), base + 1 + count,

@@ -68,7 +68,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
             m[2 * lane] = ns;
             m[2 * lane + 1] = ne;
         }
-        publish_direct(dest.tail(c * L + l_me), base_n + 1, lane);
+        publish_p2p(dest.tail(c * L + l_me), base_n + 1, lane);
     }
     // Rows in place: j's reply comes with its hand-back of the meta. When this rank's own rows arrive in place
     // too, its receiver warp for l = j has nothing to copy and helps: it takes the odd source domains, this warp
@@ -120,7 +120,7 @@ __device__ void forward(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
     // written but not published (j may be waiting for them).
     auto flush = [&]() {
         if (sent > published) {
-            publish_direct(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
+            publish_p2p(dest.tail(c * L + l_me), base_n + 1 + sent, lane);
             published = sent;
         }
     };
@@ -214,7 +214,7 @@ __device__ void receive(const DispatchArgs& a, const WaitCtx& w, ForwardShared<L
                         : lane == 6 ? static_cast<long long>(in_place)
                                     : static_cast<long long>(base + 1);
         if (lane < D) rep[kReplyWords + lane] = row_base;
-        publish_direct(writer.head(c * L + l_me), base + 1, lane);
+        publish_p2p(writer.head(c * L + l_me), base + 1, lane);
     } else {
         __syncwarp();
         if (lane == 0) give_back_store(writer.head(c * L + l_me), base + 1);

@@ -331,7 +331,7 @@ __device__ __forceinline__ void give_back_store(uint64_t* writer_word, uint64_t 
 // everything this warp wrote so far: the lanes meet, a system-scope fence, then lane 0 stores the tail value
 // into the peer's word (the reader acquires it). Fence and store make a release, so the store itself is
 // relaxed: a release store would fence a second time.
-__device__ __forceinline__ void publish_direct(uint64_t* peer_word, uint64_t value, int lane) {
+__device__ __forceinline__ void publish_p2p(uint64_t* peer_word, uint64_t value, int lane) {
     __syncwarp();
     fence_acq_rel_sys();
     if (lane == 0) st_relaxed_sys(peer_word, value);

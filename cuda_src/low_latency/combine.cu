@@ -77,11 +77,11 @@ __device__ __forceinline__ void unit_prefix(const int64_t* layout_range, int64_t
 // Send over stores to every live destination, the items (row, 256-channel segment) of all units shared
 // evenly by the grid's warps; the last block to finish publishes every unit's tag (see the top).
 template <int kHidden, bool kLogfmt, int kThreads>
-__device__ __forceinline__ void send_direct(const uint16_t* x, const int* src_info, const int64_t* layout_range,
-                                            int64_t range_ahead, int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked,
-                                            const int* s_mask, int* s_prefix, int* s_warp_sum, int* s_last,
-                                            uint32_t* sym_tags, uint8_t* sym_recv, uint32_t* done_counter,
-                                            uint32_t tag) {
+__device__ __forceinline__ void send_p2p(const uint16_t* x, const int* src_info, const int64_t* layout_range,
+                                         int64_t range_ahead, int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked,
+                                         const int* s_mask, int* s_prefix, int* s_warp_sum, int* s_last,
+                                         uint32_t* sym_tags, uint8_t* sym_recv, uint32_t* done_counter,
+                                         uint32_t tag) {
     constexpr int kBlockWarps = kThreads / 32;
     constexpr int kSlotBytes = 2 * kHidden;
     constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 per lane, or two LogFMT blocks
@@ -240,14 +240,14 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
         // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
         // on the block's mask snapshot, since all blocks have to take the same path for the completion
         // count.
-        bool direct = !args.force_rma;
-        for (int r = static_cast<int>(threadIdx.x); direct && r < args.num_ranks; r += kThreads)
-            if (nvshmem_ptr(args.sym_recv, r) == nullptr) direct = false;
-        direct = __syncthreads_and(direct) != 0;
-        if (direct) {
-            send_direct<kHidden, kLogfmt, kThreads>(args.x, args.src_info, args.layout_range, range_ahead, args.max_tokens, args.num_experts,
-                                                    args.num_ranks, args.rank, self_masked, s_mask, s_prefix, s_warp_sum, &s_last,
-                                                    args.sym_tags, args.sym_recv, args.seq_state + 4, tag);
+        bool all_p2p = !args.force_rma;
+        for (int r = static_cast<int>(threadIdx.x); all_p2p && r < args.num_ranks; r += kThreads)
+            if (nvshmem_ptr(args.sym_recv, r) == nullptr) all_p2p = false;
+        all_p2p = __syncthreads_and(all_p2p) != 0;
+        if (all_p2p) {
+            send_p2p<kHidden, kLogfmt, kThreads>(args.x, args.src_info, args.layout_range, range_ahead, args.max_tokens, args.num_experts,
+                                                 args.num_ranks, args.rank, self_masked, s_mask, s_prefix, s_warp_sum, &s_last,
+                                                 args.sym_tags, args.sym_recv, args.seq_state + 4, tag);
         } else {
             for (int u = gid; u < args.num_experts; u += total_groups) {
                 const int le = u / args.num_ranks;

@@ -8,7 +8,7 @@
 // receiver copies it into the rows of each local expert it picked. Otherwise one row per (token, expert):
 // Send over stores (every rank reachable through NVLink, routing bitmap small enough): the grid shares
 // (token, segment) items evenly, each segment read and cast once and stored to all of the token's
-// experts; see dispatch_direct.cuh.
+// experts; see dispatch_p2p.cuh.
 // Otherwise, and for the receive phase: kGroups warp groups of kWarps warps per block, one unit per
 // group (looping when there are more units than groups). The send phase has one unit per global expert
 // e: the group scans the routing for the tokens that pick e, in token order, so the i-th of them is
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool bail = !args.shrink;
 
     // Stores to every rank (masked ones too: all blocks must agree, whatever their mask snapshot): the
-    // grid-wide splits of dispatch_direct.cuh, where the routing bitmap (send) or the unit prefix sums
+    // grid-wide splits of dispatch_p2p.cuh, where the routing bitmap (send) or the unit prefix sums
     // (receive) fit shared memory. BF16 rows stay on the per-expert path: measured faster there (43
     // against 74 us at 128 x 7168).
     // One message per (token, destination rank) when the host chose that format (rank_msgs: the same
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     for (int r = static_cast<int>(threadIdx.x); all_p2p && r < args.num_ranks; r += kWarps * kGroups * 32)
         if (nvshmem_ptr(args.sym_recv, r) == nullptr) all_p2p = false;
     all_p2p = __syncthreads_and(all_p2p) != 0;
-    const bool direct = fits && all_p2p;
-    const bool recv_direct = kFP8 && all_p2p && args.num_experts + 1 <= kMaxHitWords;
+    const bool p2p_send = fits && all_p2p;
+    const bool p2p_recv = kFP8 && all_p2p && args.num_experts + 1 <= kMaxHitWords;
 
     begin_launch(phases, args.seq_state, args.mask, args.num_ranks, s_seq, s_mask);
     const Deadline deadline(args.timeout_ns);
@@ -123,14 +123,14 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 s_peer_recv, args.sym_tags, rank_tags, args.sym_recv, args.seq_state + 5, seq_tag(s_seq[0]), args.round_scale != 0, ahead,
                 OwnRows{args.out_x, args.out_scales, args.out_scales_ue8m0, args.out_src_info, args.out_row_map, slab, args.use_ue8m0 != 0},
                 !kFP8 && (phases & kPhaseRecv) != 0, args.err);
-        } else if (direct && (phases & kPhaseSend)) {
-            dispatch_send_direct<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
+        } else if (p2p_send && (phases & kPhaseSend)) {
+            dispatch_send_p2p<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
                 args.x, args.topk_idx, args.num_tokens, args.max_tokens, args.num_experts, args.num_ranks, args.rank, self_masked, s_mask, s_hits,
                 &s_last, args.sym_tags, args.sym_src_idx, args.sym_recv, args.seq_state + 5, seq_tag(s_seq[0]), args.round_scale != 0, ahead,
                 args.err);
         }
     }
-    if ((phases & kPhaseSend) && !direct && !ranks) {
+    if ((phases & kPhaseSend) && !p2p_send && !ranks) {
         const uint32_t tag = seq_tag(s_seq[0]);
         const int num_chunks = (args.num_tokens + 31) / 32;
         for (int e = gid; e < args.num_experts; e += total_groups) {
@@ -228,16 +228,16 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                 args.sym_tags, rank_tags, args.sym_recv, args.mask, args.out_x, args.out_scales, args.out_scales_ue8m0, args.out_count,
                 args.out_src_info, args.out_row_map, args.out_layout_range, args.cumulative_recv_stats, args.wait_recv_cost_stats, args.use_ue8m0 != 0,
                 args.shrink != 0, seq_tag(s_seq[1]), tag_ahead, count_ahead, deadline, args.err);
-        } else if (recv_direct && (phases & kPhaseRecv)) {
+        } else if (p2p_recv && (phases & kPhaseRecv)) {
             __syncthreads();  // the send phase's last readers of s_hits, which becomes the prefix array
-            dispatch_recv_direct<kHidden, kFP8, kWarps * kGroups * 32>(
+            dispatch_recv_p2p<kHidden, kFP8, kWarps * kGroups * 32>(
                 args.max_tokens, args.num_experts, args.num_ranks, args.rank, self_masked, s_mask, reinterpret_cast<int*>(s_hits),
                 s_warp_sum, args.sym_tags, args.sym_src_idx, args.sym_recv, args.mask, args.out_x, args.out_scales, args.out_scales_ue8m0, args.out_count,
                 args.out_src_info, args.out_row_map, args.out_layout_range, args.cumulative_recv_stats, args.wait_recv_cost_stats, args.use_ue8m0 != 0,
                 args.shrink != 0, seq_tag(s_seq[1]), tag_ahead, deadline, args.err);
         }
     }
-    if ((phases & kPhaseRecv) && !recv_direct && !ranks) {
+    if ((phases & kPhaseRecv) && !p2p_recv && !ranks) {
         const uint32_t tag = seq_tag(s_seq[1]);
         const uint64_t t_start = globaltimer();
         for (int u = gid; u < args.num_experts; u += total_groups) {

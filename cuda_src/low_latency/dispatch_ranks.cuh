@@ -28,7 +28,7 @@
 // an engine using this format never takes.
 #pragma once
 
-#include "low_latency/dispatch_direct.cuh"
+#include "low_latency/dispatch_p2p.cuh"
 
 namespace deepep_cupy::low_latency {
 

@@ -67,8 +67,8 @@ MAX_EXPERTS = constant("low_latency/layout.cuh", "kMaxExperts")
 #: A token's experts are awaited by the lanes of one warp in the combine.
 MAX_TOPK = 32
 #: Shared-memory table of the dispatch's grid-wide paths, in 4-byte words (kMaxHitWords in
-#: dispatch_direct.cuh).
-MAX_HIT_WORDS = constant("low_latency/dispatch_direct.cuh", "kMaxHitWords")
+#: dispatch_p2p.cuh).
+MAX_HIT_WORDS = constant("low_latency/dispatch_p2p.cuh", "kMaxHitWords")
 
 #: Dynamic shared memory the partial-sum combine's send table may take (the kernel's static arrays use
 #: ~38 KiB of the 227 KiB an sm_90 block may have).

@@ -18,7 +18,7 @@
 
 namespace deepep_cupy::low_latency {
 
-// Bitmap words in shared memory: the direct send is used when experts x token chunks fit.
+// Bitmap words in shared memory: the P2P send is used when experts x token chunks fit.
 constexpr int kMaxHitWords = 6144;
 
 // Channels per send item: 16 per lane.
@@ -190,7 +190,7 @@ struct SendSegment {
 // dispatch_send_ahead and a block barrier. s_hits holds num_experts * ceil(num_tokens / 32) <=
 // kMaxHitWords words, zeroed by dispatch_send_ahead.
 template <int kHidden, int kTopk, bool kFP8, int kThreads, int kIdsAhead>
-__device__ __forceinline__ void dispatch_send_direct(
+__device__ __forceinline__ void dispatch_send_p2p(
     const uint16_t* __restrict__ x, const int64_t* __restrict__ topk_idx, int num_tokens, int max_tokens,
     int num_experts, int num_ranks, int rank, bool self_masked, const int* s_mask, uint32_t* s_hits, int* s_last,
     uint32_t* sym_tags, int* sym_src_idx, uint8_t* sym_recv, uint32_t* done_counter, uint32_t tag, bool round_scale,
@@ -273,7 +273,7 @@ namespace deepep_cupy::low_latency {
 // warp group instead left most warps idle (about 3.6 rows per unit here), walked a row's loads in four
 // dependent rounds and waited for its sources one warp at a time. Called by every thread.
 template <int kHidden, bool kFP8, int kThreads>
-__device__ __forceinline__ void dispatch_recv_direct(
+__device__ __forceinline__ void dispatch_recv_p2p(
     int max_tokens, int num_experts, int num_ranks, int rank, bool self_masked, int* s_mask, int* s_pre,
     int* s_warp_sum, const uint32_t* sym_tags, const int* sym_src_idx, const uint8_t* sym_recv, int* mask,
     uint8_t* out_x, float* out_scales, int* out_scales_ue8m0, int* out_count, int* out_src_info,
