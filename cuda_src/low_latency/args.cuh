@@ -21,10 +21,11 @@ struct DispatchArgs {
     int rank;
     uint32_t* sym_tags;  // [E]
     uint64_t* sym_arrivals;  // [E]
+    uint32_t* sym_receipts;  // [R] (receipts.cuh)
     int* sym_src_idx;  // [E][T]
     uint8_t* sym_recv;  // [E][T] slots of 2H bytes
     const uint8_t* sym_stage;  // [T] staged messages (RMA path)
-    uint32_t* seq_state;  // [8] send seq, readers, recv seq, readers, -, send blocks done
+    uint32_t* seq_state;  // [8] send seq, readers, recv seq, readers, -, send blocks done, receive blocks done
     uint64_t* arrival_base;  // [E] local
     int* mask;  // [R]
     uint8_t* out_x;  // [E_local, R*T, H or 2H bytes]
@@ -70,10 +71,11 @@ struct CombineArgs {
     int rank;
     uint32_t* sym_tags;  // [E]
     uint64_t* sym_arrivals;  // [E]
+    uint32_t* sym_receipts;  // [R] (receipts.cuh)
     uint32_t* sym_done;  // kPartials: [R][grid] block completion words (src_idx region)
     uint8_t* sym_recv;  // [E][T] slots of 2H bytes
     uint8_t* sym_send;  // [E_local][R*T] rows of 2H bytes
-    uint32_t* seq_state;  // [8]: [0..3] sequences, [4] send blocks done
+    uint32_t* seq_state;  // [8]: [0..3] sequences, [4] send blocks done, [6] receive blocks done
     uint64_t* arrival_base;  // [E] local
     uint32_t* ready;  // [E] local
     int* mask;  // [R]

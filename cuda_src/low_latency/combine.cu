@@ -5,28 +5,24 @@
 //
 // Send phase. A unit is (local expert, destination rank), described by the dispatch handle (layout_range
 // gives the rows, src_info the token each row answers); a row lands in the slot [global expert][token]
-// of the destination's receive area, as BF16 or LogFMT-10.
-//   * Every live destination reached by stores (NVLink): units hold very different row counts, so a
-//     unit per warp group left most of the grid idle behind the largest units (and LogFMT's encode is
-//     compute-heavy). Instead every block takes the prefix sum of the unit row counts and the grid
-//     shares the (row, 256-channel segment) items out evenly, each warp a contiguous range of them.
-//     Completion is counted per launch: every block fences its stores and bumps a counter, and the
-//     last block publishes the tags of all units. Receivers wait for every unit anyway (below), so
-//     publishing them together costs nothing at the end.
-//   * Otherwise (puts): one unit per warp group, a row per warp: stage, put, signal (as the transport
-//     wants), then the unit's tag.
+// of the destination's receive area, as BF16 or LogFMT-10. It first waits for the destinations'
+// receipts of the call before it on the half (receipts.cuh).
+//   * Every live destination reached by stores (NVLink): units hold very different row counts, so the
+//     grid shares (row, 256-channel segment) items out evenly over the prefix sum of the unit row counts
+//     (a unit per warp group left most of the grid idle behind the largest units). Every block fences
+//     its stores and bumps a counter; the last block publishes the tags of all units.
+//   * Otherwise (puts): one unit per warp group, a row per warp: stage, put, signal, then the unit's tag.
 // Receive phase: the block's warps wait for the experts' tags together (one lane per expert, each
 // polled by a single thread, backing off) and publish an "arrived" bitmap in shared memory; then every
 // warp reduces (token, 256-channel chunk) items: it loads the K rows (all in flight) and accumulates
 // them per rank in rank order, each rank's part in k order (the order of the reference). On the RMA
-// path, units of the receive phase first turn put-with-signal counters into local ready flags (one unit
-// per global expert). See layout.cuh for the buffer layout and the protocol.
-// kPartials (the host's choice, the same on every rank): both phases send and add per-rank partial sums
-// instead (combine_partials.cuh), as float32 or, with LogFMT, as LogFMT-10 rows of the BF16-rounded sums.
+// path, units of the receive phase first turn put-with-signal counters into local ready flags. Once the
+// grid is done reading, it leaves its receipt with every rank. See layout.cuh for the protocol.
+// kPartials (the host's choice, the same on every rank; never with hooks): both phases send and add
+// per-rank partial sums instead (combine_partials.cuh), float32 or LogFMT-10 rows of the BF16 sums.
 //
-// Top-k ids outside [-1, E) contribute nothing, like -1. Before waiting, the warps check every id once
-// over the grid and report a bad one as a value error (op kValueOpLowLatencyCombine; the first report
-// wins).
+// Top-k ids outside [-1, E) contribute nothing, like -1; the warps check every id once over the grid and
+// report a bad one as a value error (op kValueOpLowLatencyCombine; the first report wins).
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
 #include "low_latency/layout.cuh"
@@ -34,6 +30,7 @@
 #include "low_latency/logfmt.cuh"
 #include "low_latency/combine_partials_send.cuh"
 #include "low_latency/combine_partials_recv.cuh"
+#include "low_latency/receipts.cuh"
 
 namespace deepep_cupy::low_latency {
 
@@ -224,6 +221,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool self_masked = s_mask[args.rank] != 0;
 
     // ------------------------------------------------------------------ send
+    if (phases & kPhaseSend)
+        wait_receipts(args.sym_receipts, s_seq[0], s_mask, args.num_ranks, self_masked, args.mask, args.shrink != 0,
+                      args.err, kOpCombineSend, args.rank, deadline);
     if (kPartials && (phases & kPhaseSend)) {
         const uint32_t tag = seq_tag(s_seq[0]);
         publish_routes<kTopk, kThreads>(args.topk_idx, args.topk_weights, args.num_tokens, args.max_tokens, args.num_experts, args.num_ranks, args.rank,
@@ -237,9 +237,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                                                          args.sym_recv, s_seq[0], tag, args.shrink != 0, deadline, args.err);
     } else if (phases & kPhaseSend) {
         const uint32_t tag = seq_tag(s_seq[0]);
-        // Stores when every rank is reachable by them. Masked ranks count too: the answer must not depend
-        // on the block's mask snapshot, since all blocks have to take the same path for the completion
-        // count.
+        // Stores when every rank is reachable by them. Masked ranks count too: all blocks must take the
+        // same path for the completion count, whatever their mask snapshot.
         bool all_p2p = !args.force_rma;
         for (int r = static_cast<int>(threadIdx.x); all_p2p && r < args.num_ranks; r += kThreads)
             if (nvshmem_ptr(args.sym_recv, r) == nullptr) all_p2p = false;
@@ -359,6 +358,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                                                              args.wait_recv_cost_stats, (phases & kPhaseSend) == 0,
                                                              tag_ahead, item_id_ahead, s_arrived, tag, args.shrink != 0,
                                                              deadline, args.err);
+            publish_receipts(args.sym_receipts, s_seq[1], args.num_ranks, args.rank, s_mask, args.force_rma != 0,
+                             args.seq_state + 6, &s_last);
             return;
         }
 
@@ -491,6 +492,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             }
             if (active) st_na_v4(reinterpret_cast<int4*>(args.out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
         }
+        publish_receipts(args.sym_receipts, s_seq[1], args.num_ranks, args.rank, s_mask, args.force_rma != 0,
+                         args.seq_state + 6, &s_last);
     }
 }
 

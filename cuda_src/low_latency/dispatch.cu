@@ -27,6 +27,7 @@
 #include "low_latency/layout.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/dispatch_ranks.cuh"
+#include "low_latency/receipts.cuh"
 
 namespace deepep_cupy::low_latency {
 
@@ -116,6 +117,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     const bool self_masked = s_mask[args.rank] != 0;
 
     // ------------------------------------------------------------------ send
+    if (phases & kPhaseSend)
+        wait_receipts(args.sym_receipts, s_seq[0], s_mask, args.num_ranks, self_masked, args.mask, args.shrink != 0,
+                      args.err, kOpDispatchSend, args.rank, deadline);
     if constexpr (kTopk <= 32) {
         if (ranks && (phases & kPhaseSend)) {
             dispatch_send_ranks<kHidden, kTopk, kFP8, kWarps * kGroups * 32>(
@@ -323,6 +327,9 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             named_barrier_sync(barrier_id, kGroupThreads);  // s_unit is reused by the next unit
         }
     }
+    if (phases & kPhaseRecv)
+        publish_receipts(args.sym_receipts, s_seq[1], args.num_ranks, args.rank, s_mask, args.force_rma != 0,
+                         args.seq_state + 6, &s_last);
 }
 
 // RMA path only: cast (or copy) every token once into the symmetric staging area, which the puts of

@@ -6,6 +6,8 @@
 //   tags      uint32 [E]          (sequence tag << 16) | count, written by the sending rank
 //   arrivals  uint64 [E]          put-with-signal counters (RMA path), or per-rank dispatch words
 //                                 (dispatch_ranks.cuh)
+//   receipts  uint32 [R]          the last receive each rank finished on its copy of this half
+//                                 (receipts.cuh)
 //   src_idx   int32  [E][T]       dispatch: source token of each received row
 //   recv      [E][T] slots of 2H bytes
 //   send      [E_local][R*T] rows of 2H bytes (combine), or [T] staged dispatch messages
@@ -25,7 +27,7 @@
 //     array), so no ordering is assumed between different warps' operations.
 //   * Readers compare the tag, so stale values from older ops are never mistaken for new ones, and any
 //     number of readers may look at a tag. clean_low_latency_buffer zeroes tags, arrivals, bases and the
-//     sequence counters on every rank together.
+//     sequence counters on every rank together (and the receipts with them).
 #pragma once
 
 #include "common/nvrtc_compat.cuh"
@@ -53,7 +55,8 @@ constexpr int kPhaseRecv = 2;
 // Op codes reported in the error record (mirrored in deepep_cupy/ops/low_latency/engine.py).
 constexpr int kOpDispatchRecv = 201;
 constexpr int kOpCombineRecv = 202;
-constexpr int kOpCombineSend = 203;  // the partial-sum combine waits for its sources' routes
+constexpr int kOpCombineSend = 203;  // its sources' routes (partial sums), or an owner's receipt (receipts.cuh)
+constexpr int kOpDispatchSend = 204;  // a destination's receipt (receipts.cuh)
 
 __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
 

@@ -12,6 +12,7 @@ from deepep_cupy.device import nvshmem as nvshmem_runtime
 from deepep_cupy.ops.low_latency import engine as ll
 from deepep_cupy.ops.low_latency.layout import (
     LOGFMT_BLOCK_BYTES,
+    REGIONS,
     LowLatencyLayout,
     combine_message_bytes,
     dispatch_message_bytes,
@@ -72,8 +73,9 @@ def test_layout_fits_in_deepep_hint(t, h, r, e):
 @pytest.mark.parametrize("t, h, r, e", [(128, 7168, 2, 288), (3, 2056, 8, 72), (1, 8, 1, 1), (1024, 4096, 16, 256)])
 def test_layout_regions_are_disjoint_and_aligned(t, h, r, e):
     layout = LowLatencyLayout(t, h, r, e)
-    sizes = {"tags": layout.tags_bytes, "arrivals": layout.arrivals_bytes, "src_idx": layout.src_idx_bytes,
-             "recv": layout.recv_bytes, "send": layout.send_bytes}
+    sizes = {"tags": layout.tags_bytes, "arrivals": layout.arrivals_bytes, "receipts": layout.receipts_bytes,
+             "src_idx": layout.src_idx_bytes, "recv": layout.recv_bytes, "send": layout.send_bytes}
+    assert list(sizes) == list(REGIONS) and layout.receipts_bytes == 4 * r
     spans = []
     for b in (0, 1):
         for name, size in sizes.items():
@@ -89,6 +91,11 @@ def test_layout_regions_are_disjoint_and_aligned(t, h, r, e):
     assert layout.region(1, "tags") == layout.half_bytes
     assert layout.total_bytes == 2 * layout.half_bytes and layout.half_bytes % 128 == 0
     assert layout.region(0, "arrivals") % 8 == 0  # uint64 signal words
+    # Cleaning zeroes the tags, the arrival counters and the receipts of each half, and nothing after them.
+    for b in (0, 1):
+        offset, length = layout.signal_span(b)
+        assert offset == layout.region(b, "tags")
+        assert offset + length == layout.region(b, "src_idx") >= layout.region(b, "receipts") + 4 * r
 
 
 def test_layout_slots_hold_every_message_format():
@@ -149,6 +156,20 @@ def test_partials_where_they_fit_and_pay():
     # Every block of a rank's grid leaves a completion word in the source-index region ([E, T] words).
     assert LowLatencyLayout(1, 7168, 2, 288).partials_fit(8, True, grid=144)
     assert not LowLatencyLayout(1, 7168, 2, 288).partials_fit(8, True, grid=145)
+
+
+def test_hook_mode_combines_never_send_partial_sums():
+    """A hook-mode combine takes per-expert rows where a fused one sends per-rank partial sums: the partial
+    sums need the owner's routes, written by the owner's own combine send, so their send would wait for
+    every peer to reach its combine."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(_stores_everywhere=lambda: True, num_sms=132)
+    layout = LowLatencyLayout(128, 7168, 2, 288)
+    for logfmt in (False, True):
+        assert ll.LowLatencyEngine.rank_partials(engine, layout, 8, logfmt)
+        assert ll.LowLatencyEngine.rank_partials(engine, layout, 8, logfmt, hook=False)
+        assert not ll.LowLatencyEngine.rank_partials(engine, layout, 8, logfmt, hook=True)
 
 
 @pytest.mark.parametrize("bad", [(0, 128, 2, 8), (8, 128, 2, 7), (8, 100, 2, 8), (8, 128, 0, 8)])
@@ -334,8 +355,6 @@ def test_engine_region_addresses_follow_the_layout():
     """The region addresses plans keep are the symmetric base plus the layout's offsets, and layouts of
     equal sizes are one object (plans compare them by identity)."""
     from types import SimpleNamespace
-
-    from deepep_cupy.ops.low_latency.layout import REGIONS
 
     engine = object.__new__(ll.LowLatencyEngine)
     engine._sym = SimpleNamespace(ptr=0x7F00_0000_0000)

@@ -63,7 +63,8 @@ _LAYOUT = "low_latency/layout.cuh"
 #: Op codes of cuda_src/low_latency/layout.cuh, for error messages.
 OP_NAMES = {constant(_LAYOUT, "kOpDispatchRecv"): "low_latency_dispatch (receive)",
             constant(_LAYOUT, "kOpCombineRecv"): "low_latency_combine (receive)",
-            constant(_LAYOUT, "kOpCombineSend"): "low_latency_combine (send)"}
+            constant(_LAYOUT, "kOpCombineSend"): "low_latency_combine (send)",
+            constant(_LAYOUT, "kOpDispatchSend"): "low_latency_dispatch (send)"}
 
 #: The phases of a launch (the kernels' ``phases`` field).
 PHASE_SEND = constant(_LAYOUT, "kPhaseSend")
@@ -151,8 +152,8 @@ def representative_builds() -> list[BuildSpec]:
         *dispatch_specs(7168, 8, w, g, True),
         *dispatch_specs(7168, 8, w, g, True, hook=True, rank_msgs=True),
         *dispatch_specs(7168, 8, w, g, False),
-        *combine_specs(7168, 8, w, g, False, True, hook=True),
-        *combine_specs(7168, 8, w, g, True, True, hook=True),
+        *combine_specs(7168, 8, w, g, False, hook=True),
+        *combine_specs(7168, 8, w, g, True, hook=True),
         *combine_specs(7168, 8, w, g, False),
         *combine_specs(7168, 8, w, g, False, True),
         *combine_specs(7168, 8, w, g, True),
@@ -297,13 +298,18 @@ class LowLatencyEngine:
         layout's tables fit."""
         return self._stores_everywhere() and layout.rank_messages_fit(topk, use_fp8)
 
-    def rank_partials(self, layout: LowLatencyLayout, topk: int, use_logfmt: bool) -> bool:
-        """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): every rank
-        reached by stores, not forced to puts or per-expert rows, the layout's regions and the send's
-        shared table fit, and a token is expected to pick enough experts of a rank it reaches
+    def rank_partials(self, layout: LowLatencyLayout, topk: int, use_logfmt: bool, hook: bool = False) -> bool:
+        """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): not in hook
+        mode, every rank reached by stores, not forced to puts or per-expert rows, the layout's regions and
+        the send's shared table fit, and a token is expected to pick enough experts of a rank it reaches
         (``LowLatencyLayout.partials_pay``) that one partial row beats its per-expert rows. The same
-        decision on every rank."""
-        return (self._stores_everywhere() and layout.partials_fit(topk, use_logfmt, self.num_sms)
+        decision on every rank (every rank passes the same ``return_recv_hook``).
+
+        A hook-mode combine sends per-expert rows: the expert side can sum a token's rows only with the
+        owner's routes and weights, which the owner's own combine send writes, so a partial-sum send
+        waits for every peer to reach its combine, and a late peer's delay would be added to this rank's
+        send instead of being hidden behind the compute before the hook."""
+        return (not hook and self._stores_everywhere() and layout.partials_fit(topk, use_logfmt, self.num_sms)
                 and layout.partials_pay(topk, use_logfmt))
 
     def _stores_everywhere(self) -> bool:

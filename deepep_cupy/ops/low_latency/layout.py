@@ -7,6 +7,9 @@ are the same on every rank (which is what makes the addresses symmetric)::
 
     tags      uint32 [E]          one word per (receiver-side) slot: (sequence tag << 16) | count
     arrivals  uint64 [E]          put-with-signal counters (only the RMA path, see below)
+    receipts  uint32 [R]          word r: the sequence number of the last receive rank r finished on its
+                                  copy of this half (written by rank r; a send to r waits for the one of
+                                  the call before it on the half: cuda_src/low_latency/receipts.cuh)
     src_idx   int32  [E, T]       dispatch: source token index of each received row
     recv      bytes  [E, T, 2H]   received rows; dispatch reads it as [E_local, R, T], combine as [E, T]
     send      bytes  [E_local, R*T, 2H]
@@ -75,7 +78,7 @@ MAX_HIT_WORDS = constant("low_latency/dispatch_p2p.cuh", "kMaxHitWords")
 MAX_PARTIAL_TABLE_BYTES = 160 * 1024
 
 #: The regions of one buffer half, in address order.
-REGIONS = ("tags", "arrivals", "src_idx", "recv", "send")
+REGIONS = ("tags", "arrivals", "receipts", "src_idx", "recv", "send")
 
 _ALIGN = 16
 _BUFFER_ALIGN = 128
@@ -163,6 +166,10 @@ class LowLatencyLayout:
         return 8 * self.num_experts
 
     @property
+    def receipts_bytes(self) -> int:
+        return 4 * self.num_ranks
+
+    @property
     def src_idx_bytes(self) -> int:
         return 4 * self.num_experts * self.num_max_dispatch_tokens_per_rank
 
@@ -185,8 +192,12 @@ class LowLatencyLayout:
         return _align(self.tags_offset + self.tags_bytes, _ALIGN)
 
     @property
-    def src_idx_offset(self) -> int:
+    def receipts_offset(self) -> int:
         return _align(self.arrivals_offset + self.arrivals_bytes, _ALIGN)
+
+    @property
+    def src_idx_offset(self) -> int:
+        return _align(self.receipts_offset + self.receipts_bytes, _ALIGN)
 
     @property
     def recv_offset(self) -> int:
@@ -212,17 +223,17 @@ class LowLatencyLayout:
         return buffer_idx * self.half_bytes
 
     def region(self, buffer_idx: int, name: str) -> int:
-        """Byte offset from the symmetric base of ``name`` (tags, arrivals, src_idx, recv, send) in half
+        """Byte offset from the symmetric base of region ``name`` (one of :data:`REGIONS`) in half
         ``buffer_idx``."""
         base = self.half_base(buffer_idx)
-        offsets = {"tags": self.tags_offset, "arrivals": self.arrivals_offset, "src_idx": self.src_idx_offset,
-                   "recv": self.recv_offset, "send": self.send_offset}
+        offsets = {"tags": self.tags_offset, "arrivals": self.arrivals_offset, "receipts": self.receipts_offset,
+                   "src_idx": self.src_idx_offset, "recv": self.recv_offset, "send": self.send_offset}
         if name not in offsets:
             raise KeyError(f"unknown low-latency buffer region {name!r}")
         return base + offsets[name]
 
     def signal_span(self, buffer_idx: int) -> tuple[int, int]:
-        """``(offset, bytes)`` of the tags and arrival counters of one half (what cleaning zeroes)."""
+        """``(offset, bytes)`` of the tags, arrival counters and receipts of one half (what cleaning zeroes)."""
         return self.region(buffer_idx, "tags"), self.src_idx_offset
 
     def rank_messages_fit(self, topk: int, use_fp8: bool) -> bool:

@@ -134,7 +134,7 @@ class DispatchPlan(_Plan):
             r, state, common = self._common_args(b)
             args = dict(
                 x=None, topk_idx=None, num_tokens=num_tokens, max_tokens=t_max, **common, sym_tags=r["tags"],
-                sym_arrivals=r["arrivals"], sym_src_idx=r["src_idx"], sym_recv=r["recv"], sym_stage=r["send"],
+                sym_arrivals=r["arrivals"], sym_receipts=r["receipts"], sym_src_idx=r["src_idx"], sym_recv=r["recv"], sym_stage=r["send"],
                 seq_state=state["seq"], arrival_base=state["base"], mask=state["mask"], out_x=None, out_scales=0,
                 out_scales_ue8m0=0, out_count=None, out_src_info=None, out_row_map=0, out_layout_range=None,
                 cumulative_recv_stats=0, wait_recv_cost_stats=0, phases=_BOTH, staged=int(engine.staged),
@@ -222,9 +222,9 @@ class CombinePlan(_Plan):
         self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         # Per-rank partial sums (float32, or LogFMT with use_logfmt) where they pay and fit
-        # (combine_partials.cuh); the same decision on every rank, since an owner reads the format its
-        # sources write.
-        self.partials = engine.rank_partials(layout, topk, bool(use_logfmt))
+        # (combine_partials.cuh), never in hook mode (their send waits for the peers); the same decision on
+        # every rank, since an owner reads the format its sources write.
+        self.partials = engine.rank_partials(layout, topk, bool(use_logfmt), self.hook)
         warps, groups, blocks, kernels, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt),
                                                            self.partials, hook=self.hook)
         # Every phase loops over the grid's groups or warps, so the grid may cover all SMs (one block each,
@@ -237,7 +237,7 @@ class CombinePlan(_Plan):
             args = dict(
                 x=r["send"] if zero_copy else None, src_info=None, layout_range=None, row_map=0, topk_idx=None,
                 topk_weights=None, num_tokens=num_tokens, max_tokens=t_max, **common, sym_tags=r["tags"],
-                sym_arrivals=r["arrivals"], sym_done=r["src_idx"], sym_recv=r["recv"], sym_send=r["send"],
+                sym_arrivals=r["arrivals"], sym_receipts=r["receipts"], sym_done=r["src_idx"], sym_recv=r["recv"], sym_send=r["send"],
                 seq_state=state["seq"], arrival_base=state["base"], ready=state["ready"], mask=state["mask"],
                 out=None, wait_recv_cost_stats=0, phases=_BOTH, zero_copy=int(zero_copy),
                 force_rma=int(engine.force_rma), shrink=int(engine.enable_shrink), timeout_ns=timeout_ns(),
