@@ -140,8 +140,9 @@ class BufferCore:
                                     allow_mnnvl=bool(allow_mnnvl), use_fabric=bool(use_fabric),
                                     enable_shrink=self.enable_shrink,
                                     num_channels=max(self.num_sms // 2, 1))
-        # Engine tuning (block shapes, batches) is part of what the normal ops' plans fixed. A weak reference:
-        # the backend must not keep its Buffer alive (the destructor releases what needs no peer).
+        # Engine tuning (block shapes, batches; changed with the engines' tune) is part of what the normal ops'
+        # plans fixed. A weak reference: the backend must not keep its Buffer alive (the destructor releases
+        # what needs no peer).
         drop = weakref.WeakMethod(self._drop_normal_plans)
         self.runtime.plans_invalidated = lambda: (method := drop()) is not None and method()
         # Agreement checks across ranks still in flight (see CudaBackend.agree); looked at by every call

@@ -134,7 +134,7 @@ def main() -> int:
                  num_rdma_bytes=cfg.get_rdma_buffer_size_hint(hidden * 2, num_ranks, lsize) + (1 << 20),
                  num_nvl_ranks=lsize, explicitly_destroy=True)
     engine = buf.runtime.internode
-    engine.timeout_s = args.timeout_s
+    engine.tune(timeout_s=args.timeout_s)
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
     n, e, k = args.tokens, args.experts, args.topk
     scores = torch.randn(n, e, device="cuda", generator=gen).abs() + 1

@@ -58,7 +58,7 @@ class CudaBackend:
         try:
             if num_nvl_bytes > 0 and not self.spans_domains:
                 self.intranode = IntranodeEngine(group, self.device_id, num_nvl_bytes, use_fabric=use_fabric)
-                self.intranode.on_tuning_change = self._drop_intranode_plans
+                self.intranode.on_tuning_change = self._tuning_changed
             if low_latency_mode or num_rdma_bytes > 0:
                 self.low_latency = LowLatencyEngine(group, self.device_id, num_rdma_bytes,
                                                     allow_nvlink=allow_nvlink, num_qps_per_rank=num_qps_per_rank,
@@ -67,17 +67,17 @@ class CudaBackend:
                 # One NVSHMEM buffer for both modes, as DeepEP's (the low-latency engine made it).
                 self.internode = InternodeEngine(group, self.device_id, num_nvl_ranks, num_nvl_bytes, num_rdma_bytes,
                                                  rdma=self.low_latency.symmetric_buffer)
-                self.internode.on_tuning_change = self._drop_intranode_plans
+                self.internode.on_tuning_change = self._tuning_changed
         except BaseException:
             self.release_local()
             raise
 
     # ------------------------------------------------------------------ helpers
-    #: Called with no arguments when the intranode or internode engine's tuning changes (the Buffer drops
-    #: its plans).
+    #: Called with no arguments when the intranode or internode engine's ``tune`` changed its tuning (the
+    #: Buffer drops its plans of the normal ops).
     plans_invalidated = None
 
-    def _drop_intranode_plans(self) -> None:
+    def _tuning_changed(self) -> None:
         if self.plans_invalidated is not None:
             self.plans_invalidated()
 

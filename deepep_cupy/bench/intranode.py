@@ -9,7 +9,7 @@ same). The non-cached dispatch (a host sync inside) and the layout's "one call" 
 
 Each op is swept in stages (coordinate descent, to keep the run short): first the compile-time block
 shapes (warps per block, 16-byte loads in flight per lane) at default runtime knobs, then, at the best
-shape, the runtime knobs: for dispatch the warps that copy local tokens in the sender / receiver block
+shape, the runtime knobs: for dispatch the warps that start on the own rows in the sender / receiver block
 times the publish batch (``num_max_nvl_chunked_send_tokens``), then the ring capacity
 (``num_max_nvl_chunked_recv_tokens``), all in the ring mode (with an output pool the dispatch takes the
 direct mode, which has none of these knobs: the shapes are swept in it, and rows "(cached, ring mode)" give
@@ -17,7 +17,7 @@ the ring mode at the defaults in the same run); for combine the copy mode's shap
 rounds of turns above 2 ranks), then the ring mode's shapes and capacity times batch (row "(ring mode)": the
 ring mode at the defaults). The TOP best points of every stage are printed; the row keeps the best point, the
 engine defaults' time (``default_us``) and the old protocol (one release per token, 24 warps, unroll 4, half the
-sender block on local tokens: ``old_protocol_us``) measured in the same run.
+sender block on the own rows: ``old_protocol_us``) measured in the same run.
 
 With several SM counts (``--num-sms 8,12,24``) the layout is timed once and everything else once per count,
 on a handle made at that count; every row records its count (``SMs``).
@@ -52,8 +52,8 @@ DISPATCH_SHAPES = ((24, 8), (24, 4), (24, 7), (16, 8), (16, 14), (32, 4), (32, 8
 COMBINE_SHAPES = ((16, 8), (24, 4), (24, 2), (16, 4), (32, 2), (32, 4))
 COPY_CHUNK_ROWS = (128, 256, 512, 1024, 4096)
 COPY_ROUNDS = (1, 2)
-# Local-copy warps (sender block, receiver block) as fractions of W (rounded; at least 1 in total).
-SELF_SPLITS = ((0.5, 0.0), (0.25, 0.25), (0.25, 0.0), (0.125, 0.125), (0.0, 0.25), (0.0, 0.5), (0.125, 0.375))
+# Own-rows warps (sender block, receiver block) as fractions of W (rounded; at least 1 in total).
+OWN_ROWS_SPLITS = ((0.5, 0.0), (0.25, 0.25), (0.25, 0.0), (0.125, 0.125), (0.0, 0.25), (0.0, 0.5), (0.125, 0.375))
 # Points sampled in the first stage (shape sweep) and default runtime knobs there.
 STAGE1_RECV, STAGE1_SEND = 512, 8
 TOP = 3  # best points printed per stage
@@ -73,12 +73,9 @@ def _default_split(warps: int) -> tuple[int, int]:
 
 
 def _restore_defaults(engine) -> None:
-    engine.dispatch_warps = engine.dispatch_unroll = engine.combine_warps = engine.combine_unroll = None
-    engine.self_warps = engine.recv_self_warps = engine.publish_batch = None
-    engine.use_output_pool = True
-    engine.use_copy_combine = engine.use_own_row_copies = None
-    engine.copy_chunk_rows = DEFAULT_CHUNK_ROWS
-    engine.copy_rounds = None
+    engine.tune(dispatch_warps=None, dispatch_unroll=None, combine_warps=None, combine_unroll=None,
+                own_rows_warps=None, recv_own_rows_warps=None, publish_batch=None, use_output_pool=True,
+                use_copy_combine=None, use_own_row_copies=None, copy_chunk_rows=DEFAULT_CHUNK_ROWS, copy_rounds=None)
 
 
 def slowest(comm, us: float) -> float:
@@ -189,7 +186,7 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
 
     def splits(warps):
         out = []
-        for fs, fr in SELF_SPLITS:
+        for fs, fr in OWN_ROWS_SPLITS:
             ss, rs = round(warps * fs), round(warps * fr)
             if ss + rs == 0:
                 ss = 1
@@ -207,10 +204,10 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
 
     def dispatch_defaults_us(data, data_scales, ring=False, own_copies=None):
         _restore_defaults(engine)
-        engine.use_output_pool = not ring
+        engine.tune(use_output_pool=not ring)
         used = handle
         if own_copies is not None:
-            engine.use_own_row_copies = own_copies
+            engine.tune(use_own_row_copies=own_copies)
             if own_copies:  # a handle whose dispatch read this rank's column back, as the copies need
                 used = dispatch_full()[5]
         return timed(lambda: direct_dispatch(engine,
@@ -222,16 +219,15 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
         """The combine at the defaults (the engine picks the mode), in the ring mode (``ring``), or in the copy
         mode launched on ``launch_sms`` SMs."""
         _restore_defaults(engine)
-        engine.use_copy_combine = False if ring else (True if launch_sms is not None else None)
+        engine.tune(use_copy_combine=False if ring else (True if launch_sms is not None else None))
         cfg = ccfg if launch_sms is None else dataclasses.replace(ccfg, num_sms=launch_sms)
         return timed(lambda: direct_combine(engine, recv_x, handle, topk_weights=recv_w, bias_0=None, bias_1=None,
                                             config=cfg, stream=stream))
 
     def sweep_dispatch(data, data_scales, nbytes, name):
         def point(warps, unroll, ss, rs, recv, send, ring=False):
-            engine.dispatch_warps, engine.dispatch_unroll = warps, unroll
-            engine.self_warps, engine.recv_self_warps = ss, rs
-            engine.use_output_pool = not ring
+            engine.tune(dispatch_warps=warps, dispatch_unroll=unroll, own_rows_warps=ss, recv_own_rows_warps=rs,
+                        use_output_pool=not ring)
             cfg = Config(num_sms, send, recv)
 
             def op():
@@ -247,7 +243,7 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
             if not ring and engine.output_pool is not None:
                 return f"direct mode, warps {w}, unroll {u}"
             split = "default" if ss is None else f"{ss}+{rs}"
-            return f"ring mode, recv {recv}, send {send}, warps {w}, unroll {u}, self warps {split}"
+            return f"ring mode, recv {recv}, send {send}, warps {w}, unroll {u}, own-rows warps {split}"
 
         # Reference: the old best shape and split with one release per token (send 1).
         ref = point(24, 4, 12, 0, 512, 1, ring=True)
@@ -255,7 +251,7 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
         s1 = [point(w, u, *_default_split(w), STAGE1_RECV, STAGE1_SEND) for w, u in DISPATCH_SHAPES]
         report(name + " shapes", [(us, desc(k)) for us, k in s1], nbytes)
         w, u = min(s1, key=lambda p: p[0])[1][:2]
-        # The ring mode's knobs at that shape: local split x publish batch, then the ring capacity.
+        # The ring mode's knobs at that shape: own-rows split x publish batch, then the ring capacity.
         s2 = [point(w, u, ss, rs, STAGE1_RECV, send, ring=True) for ss, rs in splits(w) for send in SEND_TOKENS]
         report(name + " ring mode, split x batch", [(us, desc(k)) for us, k in s2], nbytes)
         _, _, ss, rs, _, send, _ = min(s2, key=lambda p: p[0])[1]
@@ -310,11 +306,10 @@ def _at_sms(comm, engine, stream, args, inputs: _Inputs, num_sms: int) -> list[d
     # Combine the received rows (plus their weights): the copy mode's block shapes and chunk sizes, then
     # the ring mode's knobs, swept the same way as the dispatch's.
     def combine_point(warps, unroll, recv, send, chunk=None, rounds=None):
-        engine.combine_warps, engine.combine_unroll = warps, unroll
-        engine.use_copy_combine = chunk is not None
-        engine.copy_chunk_rows = chunk or DEFAULT_CHUNK_ROWS
-        engine.copy_rounds = rounds
-        engine.publish_batch = None if chunk else send  # the combine's batch is not the config's (engine.py)
+        # publish_batch as well: the ring-mode combine's batch is not the config's send chunk (engine.py).
+        engine.tune(combine_warps=warps, combine_unroll=unroll, use_copy_combine=chunk is not None,
+                    copy_chunk_rows=chunk or DEFAULT_CHUNK_ROWS, copy_rounds=rounds,
+                    publish_batch=None if chunk else send)
         cfg = Config(num_sms, send, recv)
 
         def op():

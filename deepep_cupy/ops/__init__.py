@@ -6,7 +6,8 @@ RDMA between them, NVLink within) and ``low_latency`` (decoding) each build thei
 ``representative_builds()``: the :class:`~deepep_cupy.jit.BuildSpec` instantiations it ships, which the CPU
 test suite and ``python -m deepep_cupy.jit precompile`` compile. :mod:`.limits` holds every refusal the GPU
 path makes from arguments alone, which the reference backend makes too. Shared by the families: :mod:`.plan` (plan keys, the high-throughput plan base),
-:mod:`.handles`, :mod:`.health` (error state of the engines) and :mod:`.kernel_names`.
+:mod:`.handles`, :mod:`.health` (error state of the engines), :mod:`.tunable` (their tuning attributes,
+changed through ``tune``) and :mod:`.kernel_names`.
 """
 
 #: The op families.

@@ -25,15 +25,6 @@ class EngineHealth:
     overflow_op: int | None = None
     broken: str | None = None
     _destroyed = False
-    #: Attributes plans are built from: setting one calls ``on_tuning_change`` (the Buffer drops its plans).
-    TUNING: tuple = ()
-
-    def __setattr__(self, name, value) -> None:
-        object.__setattr__(self, name, value)
-        if name in self.TUNING:
-            listener = self.__dict__.get("on_tuning_change")
-            if listener is not None:
-                listener()
 
     def require_alive(self) -> None:
         if self._destroyed:

@@ -180,7 +180,7 @@ def _sweep(comm, args, shape, todo, print_row) -> tuple[list, dict, int]:
     buf = Buffer(comm=comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes, num_nvl_ranks=lsize,
                  explicitly_destroy=True)
     engine = buf.runtime.internode
-    engine.timeout_s = args.timeout_s
+    engine.tune(timeout_s=args.timeout_s)
     stream = current_stream("torch", torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
     n, e, k = args.tokens, args.experts, args.topk
@@ -202,7 +202,7 @@ def _sweep(comm, args, shape, todo, print_row) -> tuple[list, dict, int]:
         layout = buf.get_dispatch_layout(topk_idx, e)
         inputs = (x_bf16, x_fp8, scales_col, topk_idx, topk_weights)
         for sms, sub, recv, send in todo:
-            engine.sub_channels = sub
+            engine.tune(sub_channels=sub)
             cfg = config(sms, recv, send)
             used = engine.channels_per_block(sms)
             cap, chunk, _ = IL.ring_sizes(cfg, used)

@@ -206,9 +206,9 @@ def _sweep(comm, args, start: float, say) -> tuple[list[dict], str | None]:
     configs = {n: (dataclasses.replace(base_d, num_sms=n), dataclasses.replace(base_c, num_sms=n)) for n in args.num_sms}
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, R) for pair in configs.values() for c in pair)
     engine = IntranodeEngine(MPIGroup(comm), cupy.cuda.runtime.getDevice(), nvl_bytes)
-    engine.timeout_s = args.timeout_s
+    engine.tune(timeout_s=args.timeout_s)
     if args.copy_combine in ("on", "off"):
-        engine.use_copy_combine = args.copy_combine == "on"
+        engine.tune(use_copy_combine=args.copy_combine == "on")
     stream = cupy.cuda.Stream(non_blocking=True)
     steps = Steps(comm, engine, args.budget, start)
     pool = engine.output_pool

@@ -89,7 +89,8 @@ class Sweep:
     """The variants of one op at one SM count: ``fn()`` runs the op with the engine's current attributes.
 
     Arguments:
-        engine: the intranode engine (its tuning attributes are set for each variant, and restored after).
+        engine: the intranode engine (its tuning attributes are set with its ``tune`` for each variant, and
+            restored after).
         stream: the stream the ops run on.
         steps: the :class:`Steps` every rank runs.
         rounds: timing passes over the variants, interleaved; a variant's time is the median of its passes.
@@ -103,8 +104,7 @@ class Sweep:
         self.first_default: dict = {}  # op -> (SM count, bits of its default variant's outputs)
 
     def _use(self, names, variant) -> None:
-        for name, value in zip(names, variant, strict=True):
-            setattr(self.engine, name, value)
+        self.engine.tune(**dict(zip(names, variant, strict=True)))
 
     def _prepare(self, op, num_sms, fn, names, variant, is_default, ref):
         """First call (plan, kernel load): ``(mode, bits, why the bits differ or None)``."""

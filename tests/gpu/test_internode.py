@@ -75,7 +75,7 @@ def _new_buffer(deepep_cupy, size, lsize):
     buf = deepep_cupy.Buffer(comm=COMM, num_nvl_bytes=max(nvl, 1 << 26), num_rdma_bytes=rdma, num_nvl_ranks=lsize,
                              explicitly_destroy=True)
     assert buf.runtime.internode is not None
-    buf.runtime.internode.timeout_s = TEST_TIMEOUT_S
+    buf.runtime.internode.tune(timeout_s=TEST_TIMEOUT_S)
     return buf
 
 
@@ -320,7 +320,7 @@ def test_timeout_reports_and_recovers(env):
     topk, weights = routing(rng, n, experts, k, me, env["size"])
     x, topk_dev, w_dev = to_dev(bf16(rng, (n, hidden)), fw, env), to_dev(topk, fw, env), to_dev(weights, fw, env)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_dev, experts)
-    buf.runtime.internode.timeout_s = 2.0
+    buf.runtime.internode.tune(timeout_s=2.0)
     COMM.Barrier()
     if me != 1:
         t0 = time.time()
@@ -369,7 +369,7 @@ def test_sub_channels_tuning(env, sub):
     engine, lsize, ndom = env["buf"].runtime.internode, env["L"], env["size"] // env["L"]
     value = 1 if sub == "one" else IL.max_sub_channels(lsize, ndom)
     saved = env["ref"]
-    engine.sub_channels = value
+    engine.tune(sub_channels=value)
     try:
         channels = default_channels(_cfg(env["deepep_cupy"]), lsize, ndom, value)
         env["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=lsize, low_latency_mode=False, enable_shrink=False,
@@ -378,7 +378,7 @@ def test_sub_channels_tuning(env, sub):
         for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
             _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
     finally:
-        engine.sub_channels = None
+        engine.tune(sub_channels=None)
         env["ref"] = saved
 
 
@@ -410,7 +410,8 @@ def test_own_rows_by_device_copies(env, copies):
     from deepep_cupy.ops.own_rows import MIN_ROWS
 
     engine = env["buf"].runtime.internode
-    engine.use_own_row_copies, engine.own_copy_min_rows = copies, 1
+    engine.tune(use_own_row_copies=copies)
+    engine.own_copy_min_rows = 1
     before = engine.own_copies
     shapes = (SMALL[1], SMALL[2], SMALL[6], SMALL[7])
     try:
@@ -418,7 +419,8 @@ def test_own_rows_by_device_copies(env, copies):
         for n, hidden, experts, k, extra in shapes:
             _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
     finally:
-        engine.use_own_row_copies, engine.own_copy_min_rows = None, MIN_ROWS
+        engine.tune(use_own_row_copies=None)
+        engine.own_copy_min_rows = MIN_ROWS
     moved = engine.own_copies - before
     # Each round is a dispatch and a cached dispatch; a rank with no own token or too many runs keeps the SMs.
     if copies and env["L"] == 1:
@@ -437,14 +439,14 @@ def test_rows_in_place(env, mode):
     is no pool and every mode is the same."""
     engine = env["buf"].runtime.internode
     use = {"pool": True, "ring": False, "mixed": env["rank"] % 2 == 0}[mode]
-    engine.use_output_pool = use
+    engine.tune(use_output_pool=use)
     before = engine.pool_dispatches
     try:
         rng = np.random.default_rng([len(mode), env["rank"], 17])
         for n, hidden, experts, k, extra in (SMALL[2], SMALL[6], SMALL[9]):
             _round(env, frameworks()[0], rng, n=n, hidden=hidden, num_experts=experts, k=k, **extra)
     finally:
-        engine.use_output_pool = True
+        engine.tune(use_output_pool=True)
     placed = engine.pool_dispatches - before
     if use and env["L"] > 1:
         assert engine.output_pool is not None, "no output pool with domains of more than one rank"

@@ -64,7 +64,7 @@ ENV = _with_buffers
 
 def _new_buffer(deepep_cupy):
     buf = deepep_cupy.Buffer(comm=COMM, num_nvl_bytes=NVL_BYTES, explicitly_destroy=True)
-    buf.runtime.intranode.timeout_s = TEST_TIMEOUT_S
+    buf.runtime.intranode.tune(timeout_s=TEST_TIMEOUT_S)
     return buf
 
 
@@ -193,15 +193,14 @@ def test_small_shapes(env, fw, n, hidden, experts, k, extra, mode):
     assert engine.output_pool is not None, "the default Buffer has no output pool"
     assert engine.copy_supported, "the GPUs do not run 64-bit stream writes: no copy-mode combine"
     direct = mode != "ring"
-    engine.use_output_pool = engine.use_copy_combine = engine.use_own_row_copies = direct
-    engine.use_fan_out = mode == "fan-out"
+    engine.tune(use_output_pool=direct, use_copy_combine=direct, use_own_row_copies=direct,
+                use_fan_out=mode == "fan-out")
     engine.own_copy_min_rows = 1  # small shapes too: own rows by copies in the pool, the kernel in the rings
     try:
         for _ in range(2):
             _round(env, fw, rng, n=n, hidden=hidden, num_experts=experts, k=k, in_pool=direct, **extra)
     finally:
-        engine.use_output_pool, engine.use_copy_combine = True, None
-        engine.use_own_row_copies = engine.use_fan_out = None
+        engine.tune(use_output_pool=True, use_copy_combine=None, use_own_row_copies=None, use_fan_out=None)
         engine.own_copy_min_rows = OWN_MIN_ROWS
 
 
@@ -221,7 +220,7 @@ def test_few_sms(env, mode, fp8):
     ref = env["ref"]
     env["ref"] = ReferenceOracle(MPIGroup(COMM), num_nvl_ranks=env["size"], low_latency_mode=False,
                                  enable_shrink=False, num_channels=4)
-    engine.use_output_pool = engine.use_copy_combine = mode == "direct"
+    engine.tune(use_output_pool=mode == "direct", use_copy_combine=mode == "direct")
     try:
         assert engine.dispatch_shape(8) != engine.dispatch_shape(NUM_SMS) or env["size"] > 2
         for combine_sms in (None, 24):
@@ -229,7 +228,7 @@ def test_few_sms(env, mode, fp8):
                    bias=1, recv=512, in_pool=mode == "direct", num_sms=8, combine_sms=combine_sms)
     finally:
         env["ref"] = ref
-        engine.use_output_pool, engine.use_copy_combine = True, None
+        engine.tune(use_output_pool=True, use_copy_combine=None)
 
 
 def test_full_pool_on_one_rank_takes_the_ring_mode(env):
@@ -421,7 +420,7 @@ def _times_out_then_recovers(env, small, call, what, **round_kw):
     from deepep_cupy.errors import DeepEPTimeoutError
 
     fw, buf, me, rng, n, hidden, experts, k, _, _ = small
-    buf.runtime.intranode.timeout_s = 2.0
+    buf.runtime.intranode.tune(timeout_s=2.0)
     COMM.Barrier()
     if me != 1:
         t0 = time.time()
@@ -449,7 +448,7 @@ def test_copy_combine_timeout_reports_and_recovers(env):
     small = _small_call(env, 32)
     buf, x, layout = small[1], small[8], small[9]
     engine = buf.runtime.intranode
-    engine.use_copy_combine = True  # above 2 ranks the default takes it only on handles of few SMs
+    engine.tune(use_copy_combine=True)  # above 2 ranks the default takes it only on handles of few SMs
     recv, _, recv_w, _, handle, _ = buf.dispatch(x, **layout, config=_cfg(env))
 
     def combine():

@@ -102,14 +102,14 @@ def test_channel_bounds_match_reference():
                 assert e == ends[ch] and b == (ends[ch - 1] if ch else 0)
 
 
-def test_default_self_warps():
-    assert intranode.default_self_warps(1, 24) == 24
-    assert intranode.default_recv_self_warps(1, 24) == 0
-    assert intranode.default_self_warps(2, 16) == 0 and intranode.default_recv_self_warps(2, 16) == 8
-    assert intranode.default_self_warps(8, 16) == 2 and intranode.default_recv_self_warps(8, 16) == 2
+def test_default_own_rows_warps():
+    assert intranode.default_own_rows_warps(1, 24) == 24
+    assert intranode.default_recv_own_rows_warps(1, 24) == 0
+    assert intranode.default_own_rows_warps(2, 16) == 0 and intranode.default_recv_own_rows_warps(2, 16) == 8
+    assert intranode.default_own_rows_warps(8, 16) == 2 and intranode.default_recv_own_rows_warps(8, 16) == 2
     for w in (16, 24, 32):
         for r in range(2, 9):
-            s, rs = intranode.default_self_warps(r, w), intranode.default_recv_self_warps(r, w)
+            s, rs = intranode.default_own_rows_warps(r, w), intranode.default_recv_own_rows_warps(r, w)
             assert 0 <= s <= w - (r - 1) and 0 <= rs <= w - (r - 1) and s + rs >= 1
 
 
@@ -147,13 +147,14 @@ def test_block_shapes_by_rank_and_sm_count(monkeypatch):
     # The engine takes the table's shape for the launch's SM count unless a tuning attribute is set.
     engine = object.__new__(intranode.IntranodeEngine)
     engine.num_ranks = 2
-    engine.dispatch_warps = engine.dispatch_unroll = engine.combine_warps = engine.combine_unroll = None
+    engine.tune(dispatch_warps=None, dispatch_unroll=None, combine_warps=None, combine_unroll=None)
     assert engine.dispatch_shape(8) == (32, 8) and engine.dispatch_shape(24) == (16, 14)
-    engine.dispatch_unroll = 4
+    engine.tune(dispatch_unroll=4)
     assert engine.dispatch_shape(8) == (32, 4)
-    engine.combine_warps = 24
+    engine.tune(combine_warps=24)
     assert engine.combine_shape(24) == (24, 8) and engine.combine_shape(8) == (24, 2)
-    engine.num_ranks, engine.combine_warps = 4, None
+    engine.num_ranks = 4
+    engine.tune(combine_warps=None)
     assert engine.combine_shape(8) == (32, 2) and engine.combine_shape(8, copy=True) == (32, 3)
 
 
@@ -161,13 +162,15 @@ def test_copy_combine_by_default():
     """The combine's copy mode wherever it can run, at every rank and SM count; the tuning attribute
     overrides."""
     engine = object.__new__(intranode.IntranodeEngine)
-    engine.use_copy_combine = None
+    engine.tune(use_copy_combine=None)
     for ranks in (1, 2, 4, 8):
         engine.num_ranks = ranks
         assert engine.copy_combine(), ranks
-    engine.num_ranks, engine.use_copy_combine = 2, False
+    engine.num_ranks = 2
+    engine.tune(use_copy_combine=False)
     assert not engine.copy_combine()
-    engine.num_ranks, engine.use_copy_combine = 4, True
+    engine.num_ranks = 4
+    engine.tune(use_copy_combine=True)
     assert engine.copy_combine()
 
 
@@ -175,16 +178,17 @@ def test_fan_out_by_rank_and_sm_count():
     """The direct dispatch's fan-out items by default: above 2 ranks on every launch, at up to 2 ranks on at
     most FAN_OUT_MAX_SMS SMs (where NVLink does not bound it); the tuning attribute overrides."""
     engine = object.__new__(intranode.IntranodeEngine)
-    engine.use_fan_out = None
+    engine.tune(use_fan_out=None)
     counts = (2, 8, 12, 16, 24, 132)
     for ranks in (1, 2, 4, 8):
         engine.num_ranks = ranks
         got = [engine.fan_out(sms) for sms in counts]
         assert got == [ranks > 2 or sms <= intranode.FAN_OUT_MAX_SMS for sms in counts], ranks
     engine.num_ranks = 4
-    engine.use_fan_out = False
+    engine.tune(use_fan_out=False)
     assert not engine.fan_out(8)
-    engine.num_ranks, engine.use_fan_out = 2, True
+    engine.num_ranks = 2
+    engine.tune(use_fan_out=True)
     assert engine.fan_out(132)
 
 

@@ -55,7 +55,7 @@ def _channel_rows(rpm, rcpm, src, me, c, C):
     return src_begin + ch_begin, ch_end - ch_begin
 
 
-def _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, warps, self_warps, alignment):
+def _model_dispatch(xs, in_ranks, topks, per_experts, C, cap, warps, own_rows_warps, alignment):
     R = len(xs)
     rpm, cpms, rcpms, metas = _model_notify(in_ranks, per_experts, C, alignment)
     El = per_experts[0].shape[0] // R
@@ -135,7 +135,7 @@ def _model_combine(ys, handles, C):
             tb, te = L.channel_bounds(n, C, c)
             ch_prev = [cpm[r, c - 1] if c > 0 else 0 for r in range(R)]
             ch_count = [cpm[r, c] - ch_prev[r] for r in range(R)]
-            self_base = (rpm[me - 1, me] if me > 0 else 0) + rcpm[me, c]
+            own_base = (rpm[me - 1, me] if me > 0 else 0) + rcpm[me, c]
             for t in range(tb, te):
                 acc = np.zeros(ys[me].shape[1:], np.float32)
                 for r in range(R):
@@ -144,7 +144,7 @@ def _model_combine(ys, handles, C):
                         continue
                     idx = head - ch_prev[r]
                     assert 0 <= idx < ch_count[r]
-                    row = ys[me][self_base + idx] if r == me else rings.pop((me, c, r, idx))
+                    row = ys[me][own_base + idx] if r == me else rings.pop((me, c, r, idx))
                     acc = acc + row.astype(np.float32)
                 out[t] = acc
         outs.append(out)

@@ -74,11 +74,12 @@ def test_own_row_copies_only_when_asked():
     from deepep_cupy.ops.intranode.engine import IntranodeEngine
 
     engine = object.__new__(IntranodeEngine)
-    engine.__dict__.update(num_ranks=2, use_own_row_copies=None)
+    engine.num_ranks = 2
+    engine.tune(use_own_row_copies=None)
     assert not engine.own_row_copies()
-    engine.__dict__["use_own_row_copies"] = True
+    engine.tune(use_own_row_copies=True)
     assert engine.own_row_copies()
-    engine.__dict__["use_own_row_copies"] = False
+    engine.tune(use_own_row_copies=False)
     assert not engine.own_row_copies()
 
 
@@ -86,11 +87,12 @@ def test_internode_own_row_copies_with_one_rank_a_domain_when_asked():
     from deepep_cupy.ops.internode.engine import InternodeEngine
 
     engine = object.__new__(InternodeEngine)
-    engine.__dict__.update(num_nvl_ranks=1, use_own_row_copies=None)
+    engine.num_nvl_ranks = 1
+    engine.tune(use_own_row_copies=None)
     assert not engine.own_row_copies()
-    engine.__dict__["use_own_row_copies"] = True
+    engine.tune(use_own_row_copies=True)
     assert engine.own_row_copies()
-    engine.__dict__.update(num_nvl_ranks=2, use_own_row_copies=True)  # own rows cross the NVLink forwarder
+    engine.num_nvl_ranks = 2  # own rows cross the NVLink forwarder
     assert not engine.own_row_copies()
 
 

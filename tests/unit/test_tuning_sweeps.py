@@ -81,6 +81,11 @@ class _Engine:
     def __init__(self):
         self.broken, self.copy_seq, self.own_copies = None, 0, 0
         self.combine_warps = self.combine_unroll = None
+        self.tuned = []  # the settings of every tune call
+
+    def tune(self, **settings):
+        self.tuned.append(settings)
+        self.__dict__.update(settings)
 
     def check_errors(self, stream):
         pass
@@ -120,6 +125,9 @@ def test_variants_are_checked_timed_and_tabulated():
     assert by_shape[(24, 8)]["error"] == "rank 0: FAILED: RuntimeError: launch failed" and "us" not in by_shape[(24, 8)]
     assert by_shape[(32, 8)]["mismatch"] == "rank 0: differs from the default"
     assert (engine.combine_warps, engine.combine_unroll) == (None, None)  # the engine's defaults again
+    # Every variant is set through the engine's tune (which drops plans made with other values), names and all.
+    assert engine.tuned[-1] == {"combine_warps": None, "combine_unroll": None}
+    assert {"combine_warps": 32, "combine_unroll": 4} in engine.tuned
     table = variants.format_table(rows)
     assert "MISMATCH" in table and "FAILED" in table and "-18.0%" in table
     best = table.split("best shape per (op, SMs):")[1]
@@ -134,7 +142,7 @@ def test_variants_are_checked_timed_and_tabulated():
 def test_fan_out_variants_set_the_engine_and_reset_it():
     np = pytest.importorskip("numpy")
     engine = _Engine()
-    engine.dispatch_warps = engine.dispatch_unroll = engine.use_fan_out = None
+    engine.tune(dispatch_warps=None, dispatch_unroll=None, use_fan_out=None)
     sweep = variants.Sweep(engine, _STREAM, variants.Steps(_Comm(), engine, budget=1e9, start=0.0), rounds=2,
                            say=lambda *a, **k: None, in_pool=lambda a: True)
     seen = []

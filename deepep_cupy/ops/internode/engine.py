@@ -25,6 +25,7 @@ from .. import kernel_names, limits
 from ..headers import constant
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
+from ..tunable import Tunable
 from . import layout as IL
 from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args
 
@@ -149,7 +150,7 @@ def group_slice(values: list, first: int, size: int) -> list:
     return list(values[first:first + size])
 
 
-class InternodeEngine(EngineHealth):
+class InternodeEngine(EngineHealth, Tunable):
     """RDMA buffer, signal words, NVLink buffer and persistent counters of one rank (collective to create).
 
     Arguments:
@@ -160,7 +161,9 @@ class InternodeEngine(EngineHealth):
             low-latency engine's: the two modes share it, as in DeepEP, so a low-latency op after internode
             ops needs ``clean_low_latency_buffer`` first); None allocates one.
 
-    Attributes (tuning, may be changed between ops; all ranks must use the same value):
+    Attributes (tuning: read them as attributes, change them between ops with :meth:`tune`, e.g.
+    ``engine.tune(sub_channels=8)``, which drops the plans made with the old values; all ranks must use the
+    same value):
         timeout_s: wait budget of the kernels.
         sub_channels: channels a block runs side by side, in dispatch and combine alike (compile-time; None,
             the default: ``layout.sub_channels`` for the config's SMs, blocks of at most 768 threads with one
@@ -221,12 +224,9 @@ class InternodeEngine(EngineHealth):
         if self.num_nvl_bytes <= 0 or self.num_rdma_bytes <= 0:
             raise ValueError("internode ops need num_nvl_bytes > 0 and num_rdma_bytes > 0 "
                              "(Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint)")
-        self.timeout_s = timeout_seconds()
-        self.sub_channels: int | None = None
-        self.use_own_row_copies: bool | None = None
+        self.tune(timeout_s=timeout_seconds(), sub_channels=None, use_own_row_copies=None, use_output_pool=True)
         self.own_copy_min_rows = OWN_MIN_ROWS
         self.own_copies = 0  # dispatches whose own rows device copies moved
-        self.use_output_pool = True
         self.output_pool = None
         self.pool_dispatches = 0  # dispatches whose outputs lay in the output pool
         self._side = SideStreams(self.device_id, 1)

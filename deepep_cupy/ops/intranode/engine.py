@@ -36,6 +36,7 @@ from .. import kernel_names, limits
 from ..headers import constant
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
+from ..tunable import Tunable
 from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 from .layout import required_bytes
@@ -207,8 +208,8 @@ def representative_builds() -> list[BuildSpec]:
     return out
 
 
-def default_self_warps(num_ranks: int, warps: int) -> int:
-    """Warps of a dispatch sender block that copy this rank's own tokens.
+def default_own_rows_warps(num_ranks: int, warps: int) -> int:
+    """Warps of a dispatch sender block that copy this rank's own rows.
 
     With one peer, none: every sender warp pushes over NVLink and the receiver block does the local copy
     (faster than sharing it with the senders). With more peers, the warps left over once every peer has
@@ -219,9 +220,9 @@ def default_self_warps(num_ranks: int, warps: int) -> int:
     return 0 if num_ranks == 2 else _leftover_warps(num_ranks, warps)
 
 
-def default_recv_self_warps(num_ranks: int, warps: int) -> int:
-    """Warps of a dispatch receiver block that copy this rank's own tokens: ``W / 2`` with one peer, else
-    the warps left over once every peer has ``W // R`` of them (see :func:`default_self_warps`)."""
+def default_recv_own_rows_warps(num_ranks: int, warps: int) -> int:
+    """Warps of a dispatch receiver block that copy this rank's own rows: ``W / 2`` with one peer, else
+    the warps left over once every peer has ``W // R`` of them (see :func:`default_own_rows_warps`)."""
     if num_ranks == 1:
         return 0
     return min(warps // 2, warps - 1) if num_ranks == 2 else _leftover_warps(num_ranks, warps)
@@ -237,7 +238,7 @@ def _override(value, default: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- engine
-class IntranodeEngine(EngineHealth):
+class IntranodeEngine(EngineHealth, Tunable):
     """The NVL buffer of one rank and the intranode kernels that use it (collective to create).
 
     Arguments:
@@ -250,13 +251,16 @@ class IntranodeEngine(EngineHealth):
             1 GiB up to 4 ranks, 0 above; 0: none). Dispatch outputs that fit are allocated there and peers
             write them in place (deepep_cupy/device/output_pool.py); the smallest value of all ranks is used.
 
-    Attributes (tuning, may be changed between ops; all ranks must use the same values):
+    Attributes (tuning: read them as attributes, change them between ops with :meth:`tune`, e.g.
+    ``engine.tune(dispatch_warps=24, dispatch_unroll=6)``, which drops the plans made with the old values;
+    all ranks must use the same values):
         timeout_s: wait budget of the kernels.
         dispatch_warps, dispatch_unroll, combine_warps, combine_unroll: block shapes (compile-time; None, the
             default: :func:`default_dispatch_shape` / :func:`default_combine_shape` for the launch's SM count).
-        self_warps: warps of a dispatch sender block that copy local tokens (None: :func:`default_self_warps`).
-        recv_self_warps: warps of a dispatch receiver block that copy local tokens (None:
-            :func:`default_recv_self_warps`). The local copy is shared by both groups.
+        own_rows_warps: warps of a dispatch sender block that start on the own rows (None:
+            :func:`default_own_rows_warps`).
+        recv_own_rows_warps: warps of a dispatch receiver block that start on the own rows (None:
+            :func:`default_recv_own_rows_warps`). The own-rows copy is shared by both groups.
         publish_batch: tokens per flag publish (None: ``config.num_max_nvl_chunked_send_tokens`` for a dispatch,
             :data:`COMBINE_PUBLISH_BATCH` for a combine).
         use_output_pool: allocate dispatch outputs from the output pool when they fit (the direct mode);
@@ -290,8 +294,8 @@ class IntranodeEngine(EngineHealth):
     """
 
     #: Attributes plans are built from: changing one drops the plans made with the old value.
-    TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "self_warps",
-              "recv_self_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows",
+    TUNING = ("timeout_s", "dispatch_warps", "dispatch_unroll", "combine_warps", "combine_unroll", "own_rows_warps",
+              "recv_own_rows_warps", "publish_batch", "use_output_pool", "use_copy_combine", "copy_chunk_rows",
               "copy_rounds", "copy_turn_waits", "copy_whole_turns", "use_own_row_copies", "use_fan_out")
 
     def __init__(self, group, device_id: int, num_nvl_bytes: int, *, use_fabric: bool = False,
@@ -307,26 +311,15 @@ class IntranodeEngine(EngineHealth):
         self.num_ranks = group.size
         self.device_id = int(device_id)
         self.num_nvl_bytes = int(num_nvl_bytes)
-        self.timeout_s = timeout_seconds()
-        # None: the shape tables' value for the launch's SM count (dispatch_shape / combine_shape).
-        self.dispatch_warps: int | None = None
-        self.dispatch_unroll: int | None = None
-        self.combine_warps: int | None = None
-        self.combine_unroll: int | None = None
-        self.self_warps: int | None = None
-        self.recv_self_warps: int | None = None
-        self.publish_batch: int | None = None
-        self.use_output_pool = True
-        self.use_copy_combine: bool | None = None
-        self.copy_chunk_rows = DEFAULT_CHUNK_ROWS
-        self.copy_rounds: int | None = None
-        self.copy_turn_waits = True
-        self.copy_whole_turns = True
+        # None: the engine's choice (for the shapes, the shape tables' value for the launch's SM count:
+        # dispatch_shape / combine_shape).
+        self.tune(timeout_s=timeout_seconds(), dispatch_warps=None, dispatch_unroll=None, combine_warps=None,
+                  combine_unroll=None, own_rows_warps=None, recv_own_rows_warps=None, publish_batch=None,
+                  use_output_pool=True, use_copy_combine=None, copy_chunk_rows=DEFAULT_CHUNK_ROWS, copy_rounds=None,
+                  copy_turn_waits=True, copy_whole_turns=True, use_own_row_copies=None, use_fan_out=None)
         self.copy_seq = 0  # copy-mode combines so far (the same on every rank: all run the same ops)
         # Tests turn it on at any size.
-        self.use_own_row_copies: bool | None = None
         self.own_copy_min_rows = OWN_MIN_ROWS
-        self.use_fan_out: bool | None = None
         self.own_copies = 0  # cached dispatches whose own rows device copies moved
         self.copy_supported = False
         self._side = SideStreams(self.device_id, 2)
@@ -407,15 +400,16 @@ class IntranodeEngine(EngineHealth):
             raise ValueError(f"the publish batch must be positive, got {batch}")
         return batch
 
-    def local_copy_warps(self, warps: int) -> tuple[int, int]:
-        """``(sender-block, receiver-block)`` warps of a dispatch that copy this rank's own tokens."""
+    def own_rows_split(self, warps: int) -> tuple[int, int]:
+        """``(sender-block, receiver-block)`` warps of a dispatch that start on this rank's own rows."""
         R = self.num_ranks
         if R == 1:
             return warps, 0
-        send = default_self_warps(R, warps) if self.self_warps is None else int(self.self_warps)
-        recv = default_recv_self_warps(R, warps) if self.recv_self_warps is None else int(self.recv_self_warps)
+        send = default_own_rows_warps(R, warps) if self.own_rows_warps is None else int(self.own_rows_warps)
+        recv = (default_recv_own_rows_warps(R, warps) if self.recv_own_rows_warps is None
+                else int(self.recv_own_rows_warps))
         if not 0 <= send <= warps - (R - 1) or not 0 <= recv <= warps - (R - 1) or send + recv < 1:
-            raise ValueError(f"self_warps ({send}) and recv_self_warps ({recv}) must each be in "
+            raise ValueError(f"own_rows_warps ({send}) and recv_own_rows_warps ({recv}) must each be in "
                              f"[0, {warps - (R - 1)}] for {R} ranks and {warps} warps, and not both 0")
         return send, recv
 

@@ -74,7 +74,7 @@ class DispatchPlan(NormalPlan):
         self.pool = PoolOutputs(pool, frame, self._output_parts, ((0, 1), (2, 3, 4))) if pool is not None else None
 
         warps, unroll = engine.dispatch_shape(2 * self.num_channels)
-        own_rows_warps, recv_own_rows_warps = engine.local_copy_warps(warps)
+        own_rows_warps, recv_own_rows_warps = engine.own_rows_split(warps)
         kernel = engine.kernel(dispatch_spec(R, warps, unroll), intranode_dispatch(R, warps, unroll))
         named = dispatch_args(
             x=0, x_scales=0, scale_token_stride=s_tok, scale_block_stride=s_blk, num_scales=self.num_scales,
