@@ -2,7 +2,7 @@
 
 Everything the library needs from the group is here: rank, size, all-gather and all-to-all of picklable
 objects, broadcast and barrier. None of them waits forever: each has a deadline of ``DEEPEP_CUPY_TIMEOUT_S``
-seconds (:func:`deepep_cupy.runtime.kernel_errors.timeout_seconds`, default 100) and then raises
+seconds (:func:`deepep_cupy.device.kernel_errors.timeout_seconds`, default 100) and then raises
 ``DeepEPTimeoutError`` naming the op, this rank and the ranks that did not arrive.
 
 How: on an mpi4py communicator the library sends point-to-point messages on a communicator of its own

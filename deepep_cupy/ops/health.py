@@ -1,7 +1,7 @@
 """Error state of the high-throughput engines (intranode, internode), shared by both.
 
 Their kernels record a failure (a timeout, or more received rows than ``num_worst_tokens``) in a
-host-mapped :class:`~deepep_cupy.runtime.kernel_errors.KernelErrorRecord`. The host looks at the record
+host-mapped :class:`~deepep_cupy.device.kernel_errors.KernelErrorRecord`. The host looks at the record
 without a sync at the start of every op and after the dispatch's one wait for counts; the first failure
 marks the engine broken, because ranks that gave up on each other are out of step for good.
 """

@@ -134,7 +134,7 @@ def num_blocks(num_channels: int, num_nvl_ranks: int, num_domains: int, sub_chan
 
 
 class _DomainView:
-    """The ranks of this rank's NVLink domain as a group for :class:`~deepep_cupy.runtime.vmm.PeerMappedBuffer`
+    """The ranks of this rank's NVLink domain as a group for :class:`~deepep_cupy.device.vmm.PeerMappedBuffer`
     (which only gathers): every rank of the parent group takes part, each keeps its domain's entries."""
 
     def __init__(self, group, num_nvl_ranks: int) -> None:
@@ -195,7 +195,7 @@ class InternodeEngine(EngineHealth, Tunable):
         ``use_own_row_copies`` asks, and only with one rank per domain (the sender warps write them straight
         into the outputs, ``send_own`` in dispatch.cu; with more, they cross the NVLink forwarder like
         everyone's). Those warps share the SM with the warps that push the rows for the other domains: with 2
-        domains the copies took 12-29% off the dispatch at 24-8 SMs (docs/design/internode_measurements.md), but
+        domains the copies took 12-29% off the dispatch at 24-8 SMs (docs/design/internode.md), but
         the driver runs them on SMs outside the launch's count, so they are off by default. With 4 domains a
         rank's own tokens of DeepEP's routing make more than ``own_rows.MAX_RUNS`` runs, so the SMs keep them."""
         return self.num_nvl_ranks == 1 and bool(self.use_own_row_copies)

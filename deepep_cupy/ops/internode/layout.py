@@ -70,7 +70,7 @@ def sub_channels(num_nvl_ranks: int, num_domains: int, num_sms: int | None = Non
     channels keep more rows moving.
 
     These defaults measured fastest with ``python -m deepep_cupy.tuning internode`` (the figures are in
-    docs/design/internode_measurements.md): 512 threads over 768 at 2 x 2; 1024 over 768 at 2 x 1 and 4 x 1 on
+    docs/design/internode.md, Channels): 512 threads over 768 at 2 x 2; 1024 over 768 at 2 x 1 and 4 x 1 on
     few SMs, where on more SMs 1024 leave SMs unused (the channels stop at ``MAX_CHANNELS / D``).
     """
     warps = _channel_warps(num_nvl_ranks, num_domains)

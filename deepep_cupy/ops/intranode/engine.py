@@ -70,8 +70,8 @@ COMBINE_WARPS_MANY, COMBINE_UNROLL_MANY = 32, 2
 # Block shapes by rank count and SM count: rows (ranks up to, SMs up to, warps, unroll), None meaning no bound;
 # the first row that covers a launch wins. SMs are those of the launch (2 x channels: config.num_sms for a
 # dispatch without handle, the handle's for a cached dispatch and a combine). A shape measured best at few
-# SMs goes above the catch-all rows; tools/sm_sweep.py times the candidates (the figures are in
-# docs/design/intranode.md). Few SMs, 2 ranks: with fewer blocks, more warps per block and fewer loads in flight
+# SMs goes above the catch-all rows; ``python -m deepep_cupy.tuning sms`` times the candidates (the figures are
+# in docs/design/intranode.md). Few SMs, 2 ranks: with fewer blocks, more warps per block and fewer loads in flight
 # per lane keep more rows moving (dispatch 24 x 6 at up to 12 SMs; combine 32 x 2 at 8 SMs, 24 x 4 at 12 and 16).
 # The two modes of the combine are two kernels, each with its table. At 3 and 4 ranks the copy mode's sums keep
 # 3 loads a lane in flight (32 x 3, although ptxas spills), faster at every SM count; the ring mode was slower
