@@ -2,32 +2,57 @@
 finds a bad argument value.
 
 The record is 8 int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, kind,
-waited_ns (int64 in words 6-7)``. ``kind`` 0 is a timeout; ``kind`` 1 is a bad argument value a kernel
-found (an expert id out of range), with the offending value in ``waited_ns`` and the op code naming the
-op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as ``ValueError``.
-``flag`` is 0 while nothing was recorded, negative while a thread is writing the record (-1 for a
-timeout, -2 for a value) and 1 once it is complete. By default it lives in pinned, device-mapped host
-memory, so the host reads it without a device synchronisation (kernels write it with system-scope
-fences).
+waited_ns (int64 in words 6-7)``. ``kind`` (:class:`RecordKind`) is ``TIMEOUT`` or ``VALUE_ERROR``, a bad
+argument value a kernel found (an expert id out of range), with the offending value in ``waited_ns`` and
+the op code naming the op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as
+``ValueError``. ``flag`` (:class:`RecordFlag`) is ``EMPTY`` while nothing was recorded, one of the
+``WRITING_*`` values while a thread is writing the record and ``COMPLETE`` once it is. By default it lives
+in pinned, device-mapped host memory, so the host reads it without a device synchronisation (kernels write
+it with system-scope fences).
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import weakref
 from collections.abc import Mapping
 
 import numpy as np
 
 from ..errors import DeepEPError, DeepEPTimeoutError
+from ..ops.headers import constant
 from ..ops.kernel_names import VALUE_OP_ARGS
 from ..settings import env_seconds
 
-__all__ = ["KernelErrorRecord", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "KIND_VALUE", "timeout_seconds",
-           "value_error"]
+__all__ = ["KernelErrorRecord", "RecordFlag", "RecordKind", "RECORD_WORDS", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S",
+           "timeout_seconds", "value_error"]
 
-#: ``kind`` word of a record that reports a bad argument value rather than a timeout.
-KIND_VALUE = 1
+_TIMEOUT_CUH = "common/timeout.cuh"
+
+
+class RecordFlag(enum.IntEnum):
+    """The record's ``flag`` word (word 0): the host reads the other words only when it is ``COMPLETE``."""
+
+    EMPTY = 0
+    COMPLETE = 1
+    #: A thread won the record and is writing a timeout / a value error into it.
+    WRITING_TIMEOUT = constant(_TIMEOUT_CUH, "kFlagWritingTimeout")
+    WRITING_VALUE_ERROR = constant(_TIMEOUT_CUH, "kFlagWritingValueError")
+
+
+class RecordKind(enum.IntEnum):
+    """What a complete record reports (word 5, ``reserved`` in the struct)."""
+
+    #: A wait ran past its budget: ``peer`` is whom it waited for, ``waited_ns`` how long.
+    TIMEOUT = constant(_TIMEOUT_CUH, "kRecordTimeout")
+    #: A bad argument value: ``op`` names the op and argument, ``waited_ns`` holds the value, ``peer`` is -1.
+    VALUE_ERROR = constant(_TIMEOUT_CUH, "kRecordValueError")
+
+
+# As a plain int: NumPy compares its scalars with an IntEnum member through the slow object path (microseconds),
+# and every dispatch that waits for its counts reads the flag.
+_COMPLETE = int(RecordFlag.COMPLETE)
 
 
 def value_error(info: dict) -> ValueError:
@@ -96,9 +121,10 @@ class KernelErrorRecord:
             self.array = cupy.zeros(RECORD_WORDS, dtype=cupy.int32)
 
     def flag_word(self) -> int:
-        """The record's flag as the host sees it now (nonzero: something was, or is being, recorded).
-        For a record in device memory this always returns 1 so callers fall through to :meth:`check`."""
-        return self._flag.value if self._flag is not None else 1
+        """The record's flag (:class:`RecordFlag`) as the host sees it now (nonzero: something was, or is being,
+        recorded). For a record in device memory this is always ``COMPLETE``, so callers fall through to
+        :meth:`check`."""
+        return self._flag.value if self._flag is not None else RecordFlag.COMPLETE
 
     @staticmethod
     def _device_pointer(host_ptr: int) -> int:
@@ -122,7 +148,7 @@ class KernelErrorRecord:
     def peek(self) -> dict | None:
         """The recorded timeout as a dict, or None when none is (completely) recorded."""
         words = self._words()
-        if words[0] != 1:
+        if words[0] != _COMPLETE:
             return None
         waited = int(words[6:8].view(np.int64)[0])
         return {
@@ -151,7 +177,7 @@ class KernelErrorRecord:
         if info is None:
             return
         self.reset()
-        if info["kind"] == KIND_VALUE:
+        if info["kind"] == RecordKind.VALUE_ERROR:
             raise value_error(info)
         op = (op_names or {}).get(info["op"], f"op {info['op']}")
         ms = info["waited_ns"] / 1e6

@@ -15,7 +15,7 @@ booleans as ``true`` / ``false``, separated by ``", "``.
 Value errors: a kernel that reads ``topk_idx`` treats an id outside ``[-1, num_experts)`` as ``-1`` (no
 expert) and reports one such id through its error record (``cuda_src/common/value_errors.cuh``): flag 1,
 ``op`` one of the ``VALUE_OP_*`` codes below, ``peer`` -1, the word after ``line`` set to
-:data:`RECORD_KIND_VALUE_ERROR`, and the offending id in the 64-bit word where a timeout keeps the time it
+:attr:`~deepep_cupy.device.kernel_errors.RecordKind.VALUE_ERROR`, and the offending id in the 64-bit word where a timeout keeps the time it
 waited. :data:`VALUE_OP_ARGS` names the operation and the argument for each code.
 """
 
@@ -27,8 +27,6 @@ __all__ = [
     "LL_BOTH",
     "LL_RECV",
     "LL_SEND",
-    "RECORD_KIND_TIMEOUT",
-    "RECORD_KIND_VALUE_ERROR",
     "VALUE_OP_ARGS",
     "VALUE_OP_INTERNODE_DISPATCH",
     "VALUE_OP_INTRANODE_DISPATCH",
@@ -47,10 +45,6 @@ __all__ = [
     "ll_dispatch",
     "ll_stage",
 ]
-
-#: The ``reserved`` word of the error record (word 5): what a complete record reports.
-RECORD_KIND_TIMEOUT = constant("common/timeout.cuh", "kRecordTimeout")
-RECORD_KIND_VALUE_ERROR = constant("common/timeout.cuh", "kRecordValueError")
 
 #: Op codes of value errors (``kValueOp*`` in ``cuda_src/common/value_errors.cuh``).
 _VALUES = "common/value_errors.cuh"

@@ -43,10 +43,10 @@ def test_value_error_codes_name_an_op_and_argument():
 
 
 def test_a_value_record_becomes_a_named_value_error():
-    from deepep_cupy.device.kernel_errors import value_error
+    from deepep_cupy.device.kernel_errors import RecordKind, value_error
 
-    exc = value_error({"op": K.VALUE_OP_LL_DISPATCH, "rank": 1, "peer": -1, "line": 10, "kind": 1,
-                       "waited_ns": 300})
+    exc = value_error({"op": K.VALUE_OP_LL_DISPATCH, "rank": 1, "peer": -1, "line": 10,
+                       "kind": RecordKind.VALUE_ERROR, "waited_ns": 300})
     assert isinstance(exc, ValueError)
     text = str(exc)
     assert "low_latency_dispatch" in text and "topk_idx" in text and "300" in text and "rank 1" in text
