@@ -25,7 +25,48 @@ from ..frameworks import TensorKind, cupy_holds, from_numpy
 from ..ops.low_latency.engine import warp_split
 from .timing import kernel_durations, park, row
 
-__all__ = ["run"]
+__all__ = ["run", "decode_shape", "device_kind", "low_latency_buffer", "micro_batch"]
+
+
+def decode_shape(args) -> tuple[int, int, int, int]:
+    """The decode workload from the command line: tokens per rank, hidden, experts, top-k."""
+    return (int(getattr(args, "ll_tokens", 128)), int(getattr(args, "hidden", 7168)),
+            int(getattr(args, "ll_experts", 288)), int(getattr(args, "topk", 8)))
+
+
+def device_kind() -> TensorKind:
+    """Arrays for this device: CuPy's where it holds bfloat16, else torch's."""
+    import cupy
+    import ml_dtypes
+
+    fw = "cupy" if cupy_holds(np.dtype(ml_dtypes.bfloat16)) else "torch"
+    return TensorKind(fw, cupy.cuda.runtime.getDevice())
+
+
+def low_latency_buffer(comm, t_max: int, hidden: int, num_experts: int):
+    """A low-latency Buffer sized by DeepEP's hint for the workload, destroyed explicitly by the caller."""
+    import deepep_cupy
+
+    size = comm.Get_size()
+    return deepep_cupy.Buffer(comm=comm, num_rdma_bytes=deepep_cupy.Buffer.get_low_latency_rdma_size_hint(
+        t_max, hidden, size, num_experts), low_latency_mode=True, num_qps_per_rank=max(1, num_experts // size),
+        explicitly_destroy=True)
+
+
+def micro_batch(seed, t_max: int, hidden: int, num_experts: int, topk: int):
+    """One micro-batch of the decode workload on the host: ``x`` `[t_max, hidden]` bf16, ``topk_idx``
+    `[t_max, topk]` int64 (distinct experts, ten slots set to -1) and ``weights`` `[t_max, topk]` float32."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t_max, hidden), dtype=np.float32) * 0.5).astype(ml_dtypes.bfloat16)
+    scores = np.abs(rng.standard_normal((t_max, num_experts), dtype=np.float32)) + 1
+    topk_idx = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int64)
+    for _ in range(10):  # a few empty slots, as DeepEP's test has
+        topk_idx[rng.integers(t_max), rng.integers(topk)] = -1
+    weights = rng.random((t_max, topk), dtype=np.float32)
+    return x, topk_idx, weights
+
 
 def _bytes(topk_idx: np.ndarray, hidden: int) -> dict[str, float]:
     selections = int((topk_idx != -1).sum())
@@ -41,34 +82,20 @@ def run(comm, args) -> list[dict]:
     import cupy
     import ml_dtypes
 
-    import deepep_cupy
-
     rank, size = comm.Get_rank(), comm.Get_size()
-    t_max = int(getattr(args, "ll_tokens", 128))
-    hidden = int(getattr(args, "hidden", 7168))
-    num_experts = int(getattr(args, "ll_experts", 288))
-    topk = int(getattr(args, "topk", 8))
+    t_max, hidden, num_experts, topk = decode_shape(args)
     reps = int(getattr(args, "ll_reps", 10))
     samples = int(getattr(args, "ll_samples", 20))
-    dev = cupy.cuda.runtime.getDevice()
-    fw = "cupy" if cupy_holds(np.dtype(ml_dtypes.bfloat16)) else "torch"
-    like = TensorKind(fw, dev)
+    like = device_kind()
 
-    rng = np.random.default_rng(2024 + rank)
-    x = (rng.standard_normal((t_max, hidden)) * 0.5).astype(np.float32).astype(ml_dtypes.bfloat16)
-    scores = np.abs(rng.standard_normal((t_max, num_experts))).astype(np.float32) + 1
-    topk_idx = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int64)
-    for _ in range(10):  # a few empty slots, as DeepEP's test has
-        topk_idx[rng.integers(t_max), rng.integers(topk)] = -1
-    weights = rng.random((t_max, topk), dtype=np.float32)
+    x, topk_idx, weights = micro_batch(2024 + rank, t_max, hidden, num_experts, topk)
+    rng = np.random.default_rng((2024, rank, 2))
     e_local = num_experts // size
-    expert_out = (rng.standard_normal((e_local, size * t_max, hidden)) * 0.1).astype(np.float32).astype(
+    expert_out = (rng.standard_normal((e_local, size * t_max, hidden), dtype=np.float32) * 0.1).astype(
         ml_dtypes.bfloat16)
     nbytes = _bytes(topk_idx, hidden)
 
-    buf = deepep_cupy.Buffer(comm=comm, num_rdma_bytes=deepep_cupy.Buffer.get_low_latency_rdma_size_hint(
-        t_max, hidden, size, num_experts), low_latency_mode=True, num_qps_per_rank=max(1, num_experts // size),
-        explicitly_destroy=True)
+    buf = low_latency_buffer(comm, t_max, hidden, num_experts)
     rows: list[dict] = []
     try:
         x_d, topk_d, w_d, eo_d = (from_numpy(a, like) for a in (x, topk_idx, weights, expert_out))
@@ -156,7 +183,7 @@ def run(comm, args) -> list[dict]:
         # expert group.
         engine = buf.runtime.low_latency
         sms = engine.num_sms
-        per_rank_bf16 = engine.rank_messages(engine.make_layout(t_max, hidden, num_experts), topk, False)
+        per_rank_bf16 = engine.rank_messages(engine.make_buffer_map(t_max, hidden, num_experts), topk, False)
         sms_bf16 = sms if per_rank_bf16 else warp_split(num_experts, sms)[2]
 
         us, _ = measure(lambda: dispatch())

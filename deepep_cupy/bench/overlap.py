@@ -42,7 +42,8 @@ import time
 import numpy as np
 
 from ..device.group import comm_barrier
-from ..frameworks import TensorKind, cupy_holds, from_numpy, to_numpy
+from ..frameworks import from_numpy, to_numpy
+from .low_latency import decode_shape, device_kind, low_latency_buffer, micro_batch
 from .timing import park, row
 
 __all__ = ["run", "two_batch_step", "one_at_a_time", "check_outputs", "hidden_fraction", "micro_batch"]
@@ -52,21 +53,6 @@ FAIL_RUN = True
 #: Microseconds the GPU is parked ahead of a timed region: long enough for the host to queue a whole step.
 PARK_US = 5000.0
 WARMUP = 2
-
-
-def micro_batch(seed, t_max: int, hidden: int, num_experts: int, topk: int):
-    """One micro-batch of the decode workload on the host: ``x`` `[t_max, hidden]` bf16, ``topk_idx``
-    `[t_max, topk]` int64 (distinct experts, ten slots set to -1) and ``weights`` `[t_max, topk]` float32."""
-    import ml_dtypes
-
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((t_max, hidden), dtype=np.float32) * 0.5).astype(ml_dtypes.bfloat16)
-    scores = np.abs(rng.standard_normal((t_max, num_experts), dtype=np.float32)) + 1
-    topk_idx = np.argsort(-scores, axis=1, kind="stable")[:, :topk].astype(np.int64)
-    for _ in range(10):  # a few empty slots, as DeepEP's test has
-        topk_idx[rng.integers(t_max), rng.integers(topk)] = -1
-    weights = rng.random((t_max, topk), dtype=np.float32)
-    return x, topk_idx, weights
 
 
 def two_batch_step(dispatch, combine, batches, expert_outputs, compute=None):
@@ -222,29 +208,21 @@ def run(comm, args) -> list[dict]:
     import cupy
     import ml_dtypes
 
-    import deepep_cupy
-
     late_ms = float(getattr(args, "late_ms", 20.0))
     compute_us = float(getattr(args, "compute_us", 200.0))
     for name, value in (("late_ms", late_ms), ("compute_us", compute_us)):
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
     rank, size = comm.Get_rank(), comm.Get_size()
-    t_max = int(getattr(args, "ll_tokens", 128))
-    hidden = int(getattr(args, "hidden", 7168))
-    num_experts = int(getattr(args, "ll_experts", 288))
-    topk = int(getattr(args, "topk", 8))
+    t_max, hidden, num_experts, topk = decode_shape(args)
     samples = int(getattr(args, "ll_samples", 20))
-    dev = cupy.cuda.runtime.getDevice()
-    like = TensorKind("cupy" if cupy_holds(np.dtype(ml_dtypes.bfloat16)) else "torch", dev)
+    like = device_kind()
 
     host = [micro_batch((2024, rank, b), t_max, hidden, num_experts, topk) for b in (0, 1)]
     rng = np.random.default_rng((2024, rank, 2))
     eo = (rng.standard_normal((num_experts // size, size * t_max, hidden), dtype=np.float32) * 0.1).astype(
         ml_dtypes.bfloat16)
-    buf = deepep_cupy.Buffer(comm=comm, num_rdma_bytes=deepep_cupy.Buffer.get_low_latency_rdma_size_hint(
-        t_max, hidden, size, num_experts), low_latency_mode=True, num_qps_per_rank=max(1, num_experts // size),
-        explicitly_destroy=True)
+    buf = low_latency_buffer(comm, t_max, hidden, num_experts)
     try:
         batches = [tuple(from_numpy(a, like) for a in b) for b in host]
         # B's expert outputs are A's with the sign flipped: distinct values without a second random draw.
