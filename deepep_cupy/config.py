@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .ops.low_latency.layout import rdma_size_hint
+from .ops.low_latency.buffer_map import rdma_size_hint
 
 __all__ = ["Config", "NUM_MAX_NVL_PEERS", "low_latency_rdma_size_hint"]
 

@@ -2,7 +2,7 @@
 
     mpirun -np 2 -x DEEPEP_CUPY_NVL_RANKS=1 python tools/internode_waits.py --num-sms 12
 
-The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/layout.cuh``): every wait that finds
+The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/buffer_map.cuh``): every wait that finds
 its progress word short adds the nanoseconds its warp waited to a counter of its kind (the op codes of
 ``ops/internode/engine.py``) and side (sending: RDMA senders, and the combine's NVLink senders or, with one rank a
 domain, its forwarders; receiving: receivers and forwarders, and the combine's forwarders and reducers), and every
@@ -28,7 +28,7 @@ from deepep_cupy.tuning.internode import config, precompile, rank_and_domains  #
 
 SYMBOL = "deepep_cupy_internode_waits"
 DEFINES = {"DEEPEP_CUPY_WAIT_PROFILE": 1}
-# PhaseClock's codes (cuda_src/internode/layout.cuh): a role's time cut into phases, each lap charged to one.
+# PhaseClock's codes (cuda_src/internode/buffer_map.cuh): a role's time cut into phases, each lap charged to one.
 PHASES = {
     412: "phase: RDMA sender, token's extras loaded, ring space, slot header",
     413: "phase: RDMA sender, row copied into the slot",
@@ -61,7 +61,7 @@ def use_profiled_builds() -> None:
     from deepep_cupy.jit import BuildSpec
     from deepep_cupy.ops import kernel_names
     from deepep_cupy.ops.internode import engine, plans
-    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode import buffer_map as IL
 
     @functools.cache
     def dispatch_spec(lsize: int, ndom: int, sub: int | None = None) -> BuildSpec:
@@ -117,7 +117,7 @@ def main() -> int:
     from deepep_cupy import Buffer
     from deepep_cupy.device.group import comm_barrier
     from deepep_cupy.ops.internode import engine as E
-    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode import buffer_map as IL
 
     comm = MPI.COMM_WORLD
     shape = rank_and_domains(comm)

@@ -5,8 +5,8 @@
 // report through an ErrorRecord instead of hanging or trapping: __trap() would poison the CUDA context,
 // while a reported timeout lets the kernel return and the host raise a clear Python error
 // (deepep_cupy.runtime.kernel_errors.KernelErrorRecord.check()). The waits themselves live with their
-// kernel families (intranode/layout.cuh, low_latency/layout.cuh): each polls its flag tightly and reads
-// the host-mapped record only rarely, since every such read is a PCIe round trip.
+// kernel families (intranode/buffer_map.cuh, low_latency/buffer_map.cuh): each polls its flag tightly
+// and reads the host-mapped record only rarely, since every such read is a PCIe round trip.
 //
 // The same record carries value errors (report_value_error, see common/value_errors.cuh): a kernel that
 // finds a bad input value treats it as harmless, finishes its work normally and leaves the value for the
@@ -19,7 +19,7 @@
 
 namespace deepep_cupy {
 
-// Layout shared with the host: 8 x int32 words (32 bytes). waited_ns sits at byte offset 24.
+// The host reads the same 8 x int32 words (32 bytes). waited_ns sits at byte offset 24.
 // flag: 0 = no error; -1 = a timeout is being written, -2 = a value error is being written (the host
 // treats both as "not yet recorded"); 1 = complete (fields valid).
 // reserved: what the complete record holds, kRecordTimeout (waited_ns = nanoseconds waited on `peer`) or

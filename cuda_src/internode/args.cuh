@@ -28,7 +28,7 @@ struct NotifyArgs {
     const long long* __restrict__ nvl_bases;  // [L] the domain's NVLink buffers as mapped here
     long long nvl_notify_offset;
     int nvl_record_stride;
-    long long* state_words;  // persistent per-rank counters (State in layout.cuh)
+    long long* state_words;  // persistent per-rank counters (State in buffer_map.cuh)
     ErrorRecord* err;
     long long timeout_ns;
     int rank;

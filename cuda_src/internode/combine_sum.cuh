@@ -4,7 +4,7 @@
 #pragma once
 
 #include "common/bf16.cuh"
-#include "internode/layout.cuh"
+#include "internode/buffer_map.cuh"
 
 namespace deepep_cupy::internode {
 

@@ -13,7 +13,7 @@
 // reader's meta), and the reader's forwarder runs after the reader's notify.
 
 #include "common/nvshmem_includes.cuh"
-#include "internode/layout.cuh"
+#include "internode/buffer_map.cuh"
 
 namespace deepep_cupy::internode {
 

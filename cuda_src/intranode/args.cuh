@@ -2,7 +2,7 @@
 // parameter. The host reads these declarations (deepep_cupy/ops/headers.py) to pack the same bytes, so
 // each field is declared here only: one field per declaration, a pointer or int / long long /
 // unsigned long long / float. Offsets of the NVL buffer are bytes from the start of a rank's buffer
-// (layout.cuh, deepep_cupy/ops/intranode/layout.py).
+// (buffer_map.cuh, deepep_cupy/ops/intranode/buffer_map.py).
 #pragma once
 
 #include "common/nvrtc_compat.cuh"

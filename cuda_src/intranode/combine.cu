@@ -29,7 +29,7 @@
 
 #include "common/nvrtc_compat.cuh"
 #include "intranode/combine_sum.cuh"
-#include "intranode/layout.cuh"
+#include "intranode/buffer_map.cuh"
 
 
 namespace deepep_cupy::intranode {

@@ -5,7 +5,7 @@
 #pragma once
 
 #include "common/bf16.cuh"
-#include "intranode/layout.cuh"
+#include "intranode/buffer_map.cuh"
 
 namespace deepep_cupy::intranode {
 

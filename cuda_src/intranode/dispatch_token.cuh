@@ -4,7 +4,7 @@
 
 #include "common/nvrtc_compat.cuh"
 #include "common/value_errors.cuh"
-#include "intranode/layout.cuh"
+#include "intranode/buffer_map.cuh"
 
 namespace deepep_cupy::intranode {
 

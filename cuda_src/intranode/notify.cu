@@ -13,7 +13,7 @@
 // On a timeout the block stops early; the host raises from the error record after its sync.
 
 #include "common/nvrtc_compat.cuh"
-#include "intranode/layout.cuh"
+#include "intranode/buffer_map.cuh"
 
 namespace deepep_cupy::intranode {
 

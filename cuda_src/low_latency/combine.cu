@@ -17,7 +17,7 @@
 // warp reduces (token, 256-channel chunk) items: it loads the K rows (all in flight) and accumulates
 // them per rank in rank order, each rank's part in k order (the order of the reference). On the RMA
 // path, units of the receive phase first turn put-with-signal counters into local ready flags. Once the
-// grid is done reading, it leaves its receipt with every rank. See layout.cuh for the protocol.
+// grid is done reading, it leaves its receipt with every rank. See buffer_map.cuh for the protocol.
 // kPartials (the host's choice, the same on every rank; never with hooks): both phases send and add
 // per-rank partial sums instead (combine_partials.cuh), float32 or LogFMT-10 rows of the BF16 sums.
 //
@@ -25,7 +25,7 @@
 // report a bad one as a value error (op kValueOpLowLatencyCombine; the first report wins).
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/logfmt.cuh"
 #include "low_latency/combine_partials_send.cuh"
@@ -94,7 +94,7 @@ __device__ __forceinline__ void send_p2p(const uint16_t* x, const int* src_info,
 
     unit_prefix<kThreads>(layout_range, range_ahead, num_experts, num_ranks, max_tokens, self_masked, s_mask, s_prefix,
                           s_warp_sum);
-    // 64-bit item numbers: rows x segments may pass 2^31 at the largest shapes the layout allows.
+    // 64-bit item numbers: rows x segments may pass 2^31 at the largest shapes the buffer map allows.
     const long long total_items = static_cast<long long>(s_prefix[num_experts]) * kSegs;
     const long long total_warps = static_cast<long long>(gridDim.x) * kBlockWarps;
     const long long per_warp = (total_items + total_warps - 1) / total_warps;

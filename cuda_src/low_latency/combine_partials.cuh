@@ -19,13 +19,13 @@
 // so a reader never waits for a token the owner does not have.
 //
 // The expert side's send is combine_partials_send.cuh, the owner's reduction combine_partials_recv.cuh;
-// this header holds what both read: the wire layout and how the send splits its items over the grid.
+// this header holds what both read: the wire format and how the send splits its items over the grid.
 //
-// Layout inside the receive region of a half: rows [R][T] (float32 [H], or H / 128 LogFMT blocks), then
-// the routes [R][T][K] of 16 bytes (LowLatencyLayout.partials_fit checks that both fit).
+// The receive region of a half holds the rows [R][T] (float32 [H], or H / 128 LogFMT blocks), then
+// the routes [R][T][K] of 16 bytes (LowLatencyBufferMap.partials_fit checks that both fit).
 #pragma once
 
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 
 namespace deepep_cupy::low_latency {
 
@@ -49,7 +49,7 @@ __device__ __forceinline__ uint64_t route_word(uint32_t seq, uint32_t high) {
 // per_warp items, every block kBlockWarps such ranges. The owner uses the same split to learn which of a
 // source's blocks wrote its rows, so every rank must run the same grid (each block's completion word
 // carries the grid size, and an owner waiting for another one times out instead of reading early).
-// Item counts fit 32 bits: R * T <= 2^16 (LowLatencyLayout.partials_fit) and kSegs is small.
+// Item counts fit 32 bits: R * T <= 2^16 (LowLatencyBufferMap.partials_fit) and kSegs is small.
 template <int kHidden, int kThreads>
 struct PartialItems {
     static constexpr int kSeg = 256;  // channels per item: 16 bytes of BF16 in per lane; one LogFMT wire segment

@@ -8,7 +8,7 @@
 #pragma once
 
 #include "low_latency/combine_partials.cuh"
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 #include "low_latency/logfmt.cuh"
 #include "low_latency/rows.cuh"
 

@@ -1,7 +1,7 @@
 // Low-latency dispatch: every rank sends each token to the ranks of its top-k experts, packed per local
 // expert on the receiver, grouped by source rank, each group in source token order (deterministic). The
 // receiver's own group comes first, then the other sources cyclically (rank + 1, ..., rank - 1): see
-// source_position in layout.cuh.
+// source_position in buffer_map.cuh.
 //
 // One message per (token, destination rank) where the host chose that format (every rank reachable by
 // stores and the tables fit; dispatch_ranks.cuh): the token crosses the link once per rank and the
@@ -16,7 +16,7 @@
 // straight into the receiver's slot (NVLink), casting to FP8 on the way, or put staged messages (any
 // transport). The receive phase has one unit per (local expert, source rank): it waits for the counts of the sources
 // before it in the slab's order (its rows start after theirs), then copies its rows into the packed outputs.
-// See layout.cuh for the buffer layout and the completion protocol.
+// See buffer_map.cuh for the buffer map and the completion protocol.
 //
 // Top-k ids outside [-1, E) never equal the expert a group scans for, so they select nothing, like -1.
 // The group that scans for this rank's first local expert (never skipped unless this rank is masked)
@@ -24,7 +24,7 @@
 // compare per id, which keeps the scan loop free of branches.
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/dispatch_ranks.cuh"
 #include "low_latency/receipts.cuh"

@@ -13,7 +13,7 @@
 // every source before it knows where its rows go, so publishing them together costs nothing.
 #pragma once
 
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 #include "low_latency/rows.cuh"
 
 namespace deepep_cupy::low_latency {

@@ -4,7 +4,7 @@
 // moves ~4x fewer bytes than one row per (token, expert); on 8 ranks ~1.5x fewer.
 //
 // Used when the host says so (every rank reached by stores, top-k <= 32, the tables below fit shared
-// memory and the messages fit the receive region; LowLatencyLayout.rank_messages_fit). Every rank takes
+// memory and the messages fit the receive region; LowLatencyBufferMap.rank_messages_fit). Every rank takes
 // the same decision, since a receiver must read the format its sources write.
 //
 // Message j from source s sits at recv + (s * T + j) * Msg::kBytes: the data (BF16 row, or FP8 row and

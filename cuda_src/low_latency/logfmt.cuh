@@ -19,12 +19,12 @@
 // block and a warp a segment; min/max are reduced over the 16 lanes of each half with 4 shuffle rounds.
 #pragma once
 
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 #include "low_latency/rows.cuh"
 
 namespace deepep_cupy::low_latency {
 
-// kLogfmtBlockBytes and kLogfmtLevels live in layout.cuh with the rest of the wire layout.
+// kLogfmtBlockBytes and kLogfmtLevels live in buffer_map.cuh with the rest of the wire format.
 constexpr int kLogfmtSegBytes = 2 * kLogfmtBlockBytes;
 
 // Encode the (one or two, nb) blocks of wire segment `seg`: lane L holds channels [8 L, 8 L + 8) of the

@@ -2,7 +2,7 @@
 // scales into the column-major scale outputs, and warp copies.
 #pragma once
 
-#include "low_latency/layout.cuh"
+#include "low_latency/buffer_map.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>

@@ -223,37 +223,37 @@ class CudaBackend:
                                   return_recv_hook):
         engine = self._engine("low_latency")
         hidden = int(x.shape[1])
-        layout = engine.make_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        buffer_map = engine.make_buffer_map(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.agree("low_latency_dispatch", num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                    hidden=hidden, num_experts=num_experts, use_fp8=use_fp8)
         wait_row = dispatch_wait_recv_cost_stats is not None and dispatch_wait_recv_cost_stats.ndim == 2
-        return DispatchPlan(engine, self.frame(x), layout, num_tokens=int(x.shape[0]), topk=int(topk_idx.shape[1]),
-                            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                            return_recv_hook=return_recv_hook, wait_stats_row=int(wait_row),
+        return DispatchPlan(engine, self.frame(x), buffer_map, num_tokens=int(x.shape[0]),
+                            topk=int(topk_idx.shape[1]), use_fp8=use_fp8, round_scale=round_scale,
+                            use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook, wait_stats_row=int(wait_row),
                             async_finish=async_finish, comm_stream=self.comm_stream.ptr)
 
     def plan_low_latency_combine(self, x, topk_idx, handle, *, use_logfmt, zero_copy, combine_wait_recv_cost_stats,
                                  async_finish, return_recv_hook):
         engine = self._engine("low_latency")
         t_max, hidden, num_experts = int(handle[2]), int(handle[3]), int(handle[4])
-        layout = engine.make_layout(t_max, hidden, num_experts)
+        buffer_map = engine.make_buffer_map(t_max, hidden, num_experts)
         self.agree("low_latency_combine", num_max_dispatch_tokens_per_rank=t_max, hidden=hidden,
                    num_experts=num_experts, use_logfmt=use_logfmt)
         stats = combine_wait_recv_cost_stats
         wait_row = stats is not None and stats.ndim == 2
-        return CombinePlan(engine, self.frame(topk_idx), layout, num_tokens=int(topk_idx.shape[0]),
+        return CombinePlan(engine, self.frame(topk_idx), buffer_map, num_tokens=int(topk_idx.shape[0]),
                            topk=int(topk_idx.shape[1]), use_logfmt=use_logfmt, zero_copy=zero_copy,
                            return_recv_hook=return_recv_hook, wait_stats_row=int(wait_row),
                            async_finish=async_finish, comm_stream=self.comm_stream.ptr)
 
     def get_next_low_latency_combine_buffer(self, handle):
         engine = self._engine("low_latency")
-        layout = engine.make_layout(int(handle[2]), int(handle[3]), int(handle[4]))
-        return engine.combine_buffer_view(self.frame(handle[0]), layout, engine.peek_next_buffer())
+        buffer_map = engine.make_buffer_map(int(handle[2]), int(handle[3]), int(handle[4]))
+        return engine.combine_buffer_view(self.frame(handle[0]), buffer_map, engine.peek_next_buffer())
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         engine = self._engine("low_latency")
-        engine.make_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)  # the limits, before any wait
+        engine.make_buffer_map(num_max_dispatch_tokens_per_rank, hidden, num_experts)  # the limits, before any wait
         stream = current_stream(None, self.device_id)
         engine.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=stream)
 

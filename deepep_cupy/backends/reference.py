@@ -148,8 +148,8 @@ class ReferenceBackend:
             limits.intranode_dispatch(self.num_ranks, self.num_nvl_bytes, config, num_tokens=num_tokens, **shape)
 
     def _ll_limits(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
-        limits.low_latency_layout(self.num_ranks, self.num_rdma_bytes, num_max_dispatch_tokens_per_rank, hidden,
-                                  num_experts)
+        limits.low_latency_buffer_map(self.num_ranks, self.num_rdma_bytes, num_max_dispatch_tokens_per_rank,
+                                      hidden, num_experts)
 
     def plan_low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                   round_scale, use_ue8m0, async_finish, return_recv_hook, **_unused):

@@ -1,6 +1,6 @@
 """On-disk cubin cache and :func:`build`.
 
-Layout: ``<cache_dir>/<key[:2]>/<key>/kernel.cubin`` + ``meta.json``. An entry is written into a temporary
+Files: ``<cache_dir>/<key[:2]>/<key>/kernel.cubin`` + ``meta.json``. An entry is written into a temporary
 directory under the cache root and renamed into place in one step, so readers never see half an entry.
 A miss takes the entry's lock file first: the ranks of a node that need the same kernel wait for the one
 compiling it instead of compiling it each (where the file system has no locks they all compile, and the
@@ -62,7 +62,7 @@ __all__ = [
     "entry_for",
 ]
 
-# Bump when the entry layout or anything the key does not see (e.g. how options are built) changes.
+# Bump when the entry's files or anything the key does not see (e.g. how options are built) changes.
 JIT_FORMAT_VERSION = 2
 CACHE_DIR_ENV = "DEEPEP_CUPY_CACHE_DIR"
 DEBUG_ENV = "DEEPEP_CUPY_JIT_DEBUG"

@@ -77,8 +77,8 @@ def _ints(*values: int) -> str:
 #: part and its receive part, each compiled without the other phase's code. The phases are a define of the
 #: module, not part of the kernel's name: a hook's two parts are two modules whose kernels have the same
 #: name, so a profile shows one ``::dispatch`` and one ``::combine`` row, as DeepEP's tests count them.
-LL_SEND = constant("low_latency/layout.cuh", "kPhaseSend")
-LL_RECV = constant("low_latency/layout.cuh", "kPhaseRecv")
+LL_SEND = constant("low_latency/buffer_map.cuh", "kPhaseSend")
+LL_RECV = constant("low_latency/buffer_map.cuh", "kPhaseRecv")
 LL_BOTH = LL_SEND | LL_RECV
 
 

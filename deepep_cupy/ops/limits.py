@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 
-from .internode import layout as IL
-from .intranode import layout as L
-from .low_latency import layout as LL
+from .internode import buffer_map as IL
+from .intranode import buffer_map as L
+from .low_latency import buffer_map as LL
 
 __all__ = [
     "LAYOUT_MAX_TOPK", "LAYOUT_MAX_COUNT_WORDS", "INTERNODE_MAX_NVL_RANKS", "INTERNODE_MAX_DOMAINS",
     "buffer_sizes", "intranode_ranks", "internode_shape", "low_latency_buffer", "normal_buffers",
     "internode_buffers", "layout_args", "nvl_cap", "intranode_channels", "intranode_grid", "nvl_size",
     "intranode_dispatch", "intranode_combine", "default_channels", "internode_grid", "internode_sizes",
-    "internode_dispatch", "internode_combine", "low_latency_layout",
+    "internode_dispatch", "internode_combine", "low_latency_buffer_map",
 ]
 
 #: Top-k of the layout kernel (one instantiation per value).
@@ -155,7 +155,7 @@ def intranode_dispatch(num_ranks: int, num_nvl_bytes: int, config, *, num_tokens
                        num_scales: int, num_topk: int, num_local_experts: int, handle_channels: int | None,
                        num_device_sms: int | None):
     """An intranode dispatch's limits (``handle_channels``: the cached handle's channel count, None without
-    handle). Returns ``(num_channels, ring capacity, buffer layout, notify layout or None)``."""
+    handle). Returns ``(num_channels, ring capacity, buffer map, notify map or None)``."""
     hidden_bytes = _row_bytes(hidden, 1 if fp8 else 2)
     cap = nvl_cap(config)
     if handle_channels is not None:
@@ -163,27 +163,27 @@ def intranode_dispatch(num_ranks: int, num_nvl_bytes: int, config, *, num_tokens
         intranode_grid(num_channels, num_device_sms)
     else:
         num_channels = intranode_channels(config, num_device_sms)
-    layout = L.buffer_layout(num_ranks, num_channels, cap, L.dispatch_slot(hidden_bytes, num_scales, num_topk))
-    notify = None if handle_channels is not None else L.notify_layout(num_ranks, num_channels, num_local_experts)
-    need = L.required_bytes(layout, 0 if notify is None else notify[2], dispatch=True)
+    buffer_map = L.buffer_map(num_ranks, num_channels, cap, L.dispatch_slot(hidden_bytes, num_scales, num_topk))
+    notify = None if handle_channels is not None else L.notify_map(num_ranks, num_channels, num_local_experts)
+    need = L.required_bytes(buffer_map, 0 if notify is None else notify[2], dispatch=True)
     nvl_size("dispatch", need, num_nvl_bytes, config, hidden_bytes, num_ranks)
     shared = L.direct_shared_bytes(num_ranks, num_tokens, num_channels)
     if shared > L.MAX_DIRECT_SHARED:
         raise ValueError(f"dispatch of {num_tokens} tokens over {num_channels} channels needs {shared} bytes "
                          f"of shared memory per block (at most {L.MAX_DIRECT_SHARED}); use more SMs "
                          "(config.num_sms) or fewer tokens per call")
-    return num_channels, cap, layout, notify
+    return num_channels, cap, buffer_map, notify
 
 
 def intranode_combine(num_ranks: int, num_nvl_bytes: int, config, *, hidden: int, num_topk: int,
                       handle_channels: int, num_device_sms: int | None):
-    """An intranode combine's limits; returns ``(ring capacity, buffer layout)``."""
+    """An intranode combine's limits; returns ``(ring capacity, buffer map)``."""
     hidden_bytes = _row_bytes(hidden, 2)
     intranode_grid(handle_channels, num_device_sms)
     cap = nvl_cap(config)
-    layout = L.buffer_layout(num_ranks, handle_channels, cap, L.combine_slot(hidden_bytes, num_topk))
-    nvl_size("combine", L.required_bytes(layout), num_nvl_bytes, config, hidden_bytes, num_ranks)
-    return cap, layout
+    buffer_map = L.buffer_map(num_ranks, handle_channels, cap, L.combine_slot(hidden_bytes, num_topk))
+    nvl_size("combine", L.required_bytes(buffer_map), num_nvl_bytes, config, hidden_bytes, num_ranks)
+    return cap, buffer_map
 
 
 # ---------------------------------------------------------------------------------------------------- internode
@@ -209,8 +209,8 @@ def internode_grid(num_channels: int, num_nvl_ranks: int, num_domains: int, num_
     return blocks
 
 
-def internode_sizes(num_nvl_bytes: int, num_rdma_bytes: int, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
-    """The layouts must fit the buffers the Buffer was created with."""
+def internode_sizes(num_nvl_bytes: int, num_rdma_bytes: int, rdma: IL.RdmaBufferMap, nvl: IL.NvlBufferMap) -> None:
+    """The buffer maps must fit the buffers the Buffer was created with."""
     if rdma.end > num_rdma_bytes:
         raise ValueError(f"internode ops need {rdma.end} bytes of RDMA buffer for this config and hidden size, "
                          f"the Buffer has num_rdma_bytes={num_rdma_bytes} (Config.get_rdma_buffer_size_hint)")
@@ -223,7 +223,7 @@ def internode_dispatch(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int,
                        hidden: int, fp8: bool, num_scales: int, num_topk: int, num_local_experts: int,
                        handle_channels: int | None, num_device_sms: int | None, sub: int | None = None):
     """An internode dispatch's limits, ``sub`` channels a block (default ``sub_channels``). Returns
-    ``(num_channels, grid, rdma layout, nvl layout, rdma chunk)``."""
+    ``(num_channels, grid, rdma buffer map, nvl buffer map, rdma chunk)``."""
     _row_bytes(hidden, 1 if fp8 else 2)
     L_, D = num_nvl_ranks, num_domains
     sub = IL.channels_per_block(L_, D, sub, config.num_sms)
@@ -235,8 +235,8 @@ def internode_dispatch(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int,
         raise ValueError(f"internode notify supports up to {IL.MAX_LOCAL_EXPERTS} experts per rank")
     slot = IL.slot_for(hidden)
     rdma_cap, chunk, nvl_cap_ = IL.ring_sizes(config, sub)
-    rdma = IL.rdma_layout(L_, D, num_channels, rdma_cap, slot)
-    nvl = IL.nvl_layout(L_, D, num_channels, nvl_cap_, slot, num_local_experts)
+    rdma = IL.rdma_buffer_map(L_, D, num_channels, rdma_cap, slot)
+    nvl = IL.nvl_buffer_map(L_, D, num_channels, nvl_cap_, slot, num_local_experts)
     internode_sizes(num_nvl_bytes, num_rdma_bytes, rdma, nvl)
     return num_channels, grid, rdma, nvl, chunk
 
@@ -247,7 +247,7 @@ def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, 
     """An internode combine's limits. The NVLink ring of each (channel, domain rank -> forwarder) is split
     into one sub-ring per source domain, so the config's NVLink ring needs at least ``D`` slots, and its
     progress words are those of ring ``c * D + d``: ``C * D`` must not exceed ``MAX_CHANNELS``. Returns
-    ``(grid, rdma layout, nvl layout, rdma chunk)``."""
+    ``(grid, rdma buffer map, nvl buffer map, rdma chunk)``."""
     _row_bytes(hidden, 2)
     L_, D = num_nvl_ranks, num_domains
     sub = IL.channels_per_block(L_, D, sub, config.num_sms)
@@ -259,8 +259,8 @@ def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, 
                          f"{handle_channels} x {D}")
     slot = IL.slot_for(hidden)
     rdma_cap, chunk, nvl_cap_ = IL.ring_sizes(config, sub)
-    rdma = IL.rdma_layout(L_, D, handle_channels, rdma_cap, slot)
-    nvl = IL.nvl_layout(L_, D, handle_channels, nvl_cap_, slot, 0)
+    rdma = IL.rdma_buffer_map(L_, D, handle_channels, rdma_cap, slot)
+    nvl = IL.nvl_buffer_map(L_, D, handle_channels, nvl_cap_, slot, 0)
     if L_ > 1 and nvl.cap < D:  # one rank per domain has no NVLink stage
         raise ValueError(f"the internode combine needs at least {D} NVLink ring slots per channel (one per "
                          f"domain), got {nvl.cap}: config.num_max_nvl_chunked_recv_tokens must be at least "
@@ -270,20 +270,20 @@ def internode_combine(num_nvl_ranks: int, num_domains: int, num_nvl_bytes: int, 
 
 
 # ---------------------------------------------------------------------------------------------------- low latency
-def low_latency_layout(num_ranks: int, num_rdma_bytes: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                       num_experts: int) -> LL.LowLatencyLayout:
-    """The symmetric buffer's layout for these sizes, checked against the kernels' limits and the buffer:
-    ``num_rdma_bytes`` must hold the layout and be at least DeepEP's size hint (what the Buffer promises
+def low_latency_buffer_map(num_ranks: int, num_rdma_bytes: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                           num_experts: int) -> LL.LowLatencyBufferMap:
+    """The symmetric buffer's map for these sizes, checked against the kernels' limits and the buffer:
+    ``num_rdma_bytes`` must hold the buffer map and be at least DeepEP's size hint (what the Buffer promises
     to accept), for every low-latency op alike."""
-    layout = LL.LowLatencyLayout(int(num_max_dispatch_tokens_per_rank), int(hidden), num_ranks, int(num_experts))
-    t, h, e = layout.num_max_dispatch_tokens_per_rank, layout.hidden, layout.num_experts
+    bmap = LL.LowLatencyBufferMap(int(num_max_dispatch_tokens_per_rank), int(hidden), num_ranks, int(num_experts))
+    t, h, e = bmap.num_max_dispatch_tokens_per_rank, bmap.hidden, bmap.num_experts
     if e > LL.MAX_EXPERTS:
         raise ValueError(f"low-latency mode supports up to {LL.MAX_EXPERTS} experts, got {e}")
     if t > LL.MAX_TOKENS:
         raise ValueError(f"num_max_dispatch_tokens_per_rank must be at most {LL.MAX_TOKENS}, got {t}")
-    need = max(LL.rdma_size_hint(t, h, num_ranks, e), layout.total_bytes)
+    need = max(LL.rdma_size_hint(t, h, num_ranks, e), bmap.total_bytes)
     if num_rdma_bytes < need:
         raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for the low-latency kernels with T={t}, "
                          f"hidden={h}, {num_ranks} ranks, {e} experts: need {need} "
                          "(Buffer.get_low_latency_rdma_size_hint)")
-    return layout
+    return bmap

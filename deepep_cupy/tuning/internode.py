@@ -4,9 +4,9 @@
         --sub-channels 2,4,8,12,16 --rdma-recv 128,256 --rdma-send 8,16
 
 A setting is (SMs, sub_channels, RDMA ring, RDMA chunk): 'sub_channels' is the engine's tuning attribute
-(channels a block runs, a compile-time parameter; its default is layout.sub_channels in ops/internode), the
-rings are the Config the ops get ('num_max_rdma_chunked_recv_tokens' per SM pair, split between the block's
-channels, and 'num_max_rdma_chunked_send_tokens', the publish chunk), the rest of the Config as the
+(channels a block runs, a compile-time parameter; its default is buffer_map.sub_channels in ops/internode),
+the rings are the Config the ops get ('num_max_rdma_chunked_recv_tokens' per SM pair, split between the
+block's channels, and 'num_max_rdma_chunked_send_tokens', the publish chunk), the rest of the Config as the
 benchmark's ('Config(num_sms, 8, 512, 16, 128)' with the default sub_channels is the reference setting). For
 each setting, on a handle made by a dispatch with that setting, three ops are timed, a cached BF16 dispatch, a
 cached FP8 dispatch with column-major scales and a BF16 combine with top-k weights, on the benchmark's inputs:
@@ -16,7 +16,7 @@ scales) and combined rows and weights are compared bit for bit with the referenc
 count; a difference is a failure. The benchmark's naive NCCL path is timed once, and each row gives the ratio
 of our time to its time. With domains of more than one rank the 'out' column says 'pl' where every rank's
 outputs lay in its output pool (rows written in place) and 'rg' where some went through the NVLink rings.
-Nothing is stored: the defaults in ops/internode/layout.py are edited by hand from the table.
+Nothing is stored: the defaults in ops/internode/buffer_map.py are edited by hand from the table.
 
 The domain size is DEEPEP_CUPY_NVL_RANKS (default 1); the ranks must make two or more domains. The buffers
 are sized for the largest setting. Kernel waits give up after '--timeout-s' (then the engine is unusable and
@@ -75,7 +75,7 @@ def settings(args, lsize: int, ndom: int) -> list[tuple]:
     """``(sms, sub or None, rdma_recv, rdma_send)``, the reference setting (sub None: the default, with the
     benchmark's rings) first at each SM count; settings whose chunk is not below its ring, or whose channels do
     not fit a block, are left out."""
-    from ..ops.internode import layout as IL
+    from ..ops.internode import buffer_map as IL
 
     top = IL.max_sub_channels(lsize, ndom)
     out = []
@@ -168,7 +168,7 @@ def _sweep(comm, args, shape, todo, print_row) -> tuple[list, dict, int]:
     from ..buffer import Buffer
     from ..device.group import comm_barrier
     from ..device.streams import current_stream
-    from ..ops.internode import layout as IL
+    from ..ops.internode import buffer_map as IL
 
     rank, num_ranks, lsize, ndom = shape
     hidden = args.hidden
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         sys.exit(f"{PROG}: needs torch (it times torch tensors on torch's current stream)")
     from mpi4py import MPI
 
-    from ..ops.internode import layout as IL
+    from ..ops.internode import buffer_map as IL
 
     comm = MPI.COMM_WORLD
     shape = rank_and_domains(comm)

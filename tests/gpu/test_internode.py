@@ -362,7 +362,7 @@ def test_sub_channels_tuning(env, sub):
     """Other channel counts per block (the engine's compile-time sub_channels): same rows, and the handle of
     the reference run with as many channels; the default comes back for the tests after this one."""
     from deepep_cupy.device.group import MPIGroup
-    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode import buffer_map as IL
     from deepep_cupy.ops.internode.plans import default_channels
     from deepep_cupy.reference.oracle import ReferenceOracle
 
@@ -386,7 +386,7 @@ def test_sub_channels_tuning(env, sub):
 def test_default_blocks_on_few_sms(env, monkeypatch, num_sms):
     """A config of few SMs takes its own default channels a block (1024-thread blocks with one rank a domain):
     same rows as the reference run with as many channels, small shapes and DeepEP's workload."""
-    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode import buffer_map as IL
 
     lsize, ndom = env["L"], env["size"] // env["L"]
     _few_sms(env, monkeypatch, num_sms)

@@ -91,7 +91,7 @@ def test_logfmt(env, hidden):
     for bit); elsewhere rows per (token, expert), within LogFMT's tolerance."""
     experts = E_BIG if hidden == H_BIG else 32
     engine = env["buf"].runtime.low_latency
-    partials = engine.rank_partials(engine.make_layout(T_BIG, hidden, experts), K_BIG, True)
+    partials = engine.rank_partials(engine.make_buffer_map(T_BIG, hidden, experts), K_BIG, True)
     failures, _, _ = run_round(env, FRAMEWORKS[0], seed=13, t_max=T_BIG, hidden=hidden, num_experts=experts, k=K_BIG,
                                fp8=True, logfmt=True, logfmt_exact=0.99 if partials else None)
     agree(failures)
@@ -129,8 +129,8 @@ def test_per_expert_rows(env, fp8):
 def test_rank_messages_are_used(env):
     """The benchmark shape takes the per-(token, rank) format on NVLink (the other tests check its results)."""
     engine = env["buf"].runtime.low_latency
-    layout = engine.make_layout(T_BIG, H_BIG, E_BIG)
-    assert engine.rank_messages(layout, K_BIG, True) == (all(engine.p2p_peers) and not engine.force_rma)
+    buffer_map = engine.make_buffer_map(T_BIG, H_BIG, E_BIG)
+    assert engine.rank_messages(buffer_map, K_BIG, True) == (all(engine.p2p_peers) and not engine.force_rma)
 
 
 def test_rank_partials_are_used(env):
@@ -138,10 +138,10 @@ def test_rank_partials_are_used(env):
     and 8 (the other tests check their results; test_per_expert_rows and test_logfmt_per_expert_rows
     check the rows they replace)."""
     engine = env["buf"].runtime.low_latency
-    layout = engine.make_layout(T_BIG, H_BIG, E_BIG)
+    buffer_map = engine.make_buffer_map(T_BIG, H_BIG, E_BIG)
     nvlink = all(engine.p2p_peers) and not engine.force_rma
-    assert engine.rank_partials(layout, K_BIG, False) == (nvlink and env["size"] == 2)
-    assert engine.rank_partials(layout, K_BIG, True) == (nvlink and env["size"] <= 8)
+    assert engine.rank_partials(buffer_map, K_BIG, False) == (nvlink and env["size"] == 2)
+    assert engine.rank_partials(buffer_map, K_BIG, True) == (nvlink and env["size"] <= 8)
 
 
 @pytest.mark.parametrize("logfmt", [False, True])
@@ -149,7 +149,7 @@ def test_partials_from_a_rebuilt_handle(env, logfmt):
     """A handle the caller rebuilt (a plain tuple) carries no row map from the dispatch: the partial-sum send
     then rebuilds the rows from the source info. Both frameworks; the other tests use the row map."""
     engine = env["buf"].runtime.low_latency
-    partials = engine.rank_partials(engine.make_layout(T_BIG, H_BIG, E_BIG), K_BIG, logfmt)
+    partials = engine.rank_partials(engine.make_buffer_map(T_BIG, H_BIG, E_BIG), K_BIG, logfmt)
     for fw in FRAMEWORKS:
         failures, _, _ = run_round(env, fw, seed=23, t_max=T_BIG, hidden=H_BIG, num_experts=E_BIG, k=K_BIG,
                                    logfmt=logfmt, logfmt_exact=0.99 if logfmt and partials else None,
@@ -161,8 +161,8 @@ def test_partials_with_a_table_past_48_kib(env):
     """T=1024 at top-8 on 2 ranks: the partial-sum send's row table (~74 KB of dynamic shared memory) needs
     the function's opt-in past 48 KiB. The table is built for a rebuilt handle (no row map), and the row
     map is used from the dispatch's own handle."""
-    layout = env["buf"].runtime.low_latency.make_layout(1024, 2048, 32)
-    assert layout.partial_table_bytes(8) > 48 * 1024
+    buffer_map = env["buf"].runtime.low_latency.make_buffer_map(1024, 2048, 32)
+    assert buffer_map.partial_table_bytes(8) > 48 * 1024
     for rebuild in (True, False):
         failures, _, _ = run_round(env, FRAMEWORKS[0], seed=21, t_max=1024, hidden=2048, num_experts=32, k=8,
                                    rebuild_handle=rebuild)

@@ -1,4 +1,4 @@
-"""Host side of the internode kernels, on the CPU: layouts against the size hints and the device structs,
+"""Host side of the internode kernels, on the CPU: buffer maps against the size hints and the device structs,
 argument blocks against the kernel signatures, op codes against the header, kernel names."""
 
 import re
@@ -11,7 +11,7 @@ from deepep_cupy.config import Config
 from deepep_cupy.ops import kernel_names as K
 from deepep_cupy.ops.internode import args as internode_args
 from deepep_cupy.ops.internode import engine as internode
-from deepep_cupy.ops.internode import layout as IL
+from deepep_cupy.ops.internode import buffer_map as IL
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "internode"
 
@@ -29,14 +29,14 @@ def test_slot_holds_worst_case_rows(hidden):
 @pytest.mark.parametrize("lsize,ndom", [(1, 2), (2, 2), (4, 2), (8, 2), (8, 4), (1, 32)])
 @pytest.mark.parametrize("num_sms,rdma_recv,nvl_recv", [(20, 256, 256), (24, 128, 512), (2, 2, 2), (132, 64, 64)])
 @pytest.mark.parametrize("hidden", [2048, 7168])
-def test_layouts_fit_hints(lsize, ndom, num_sms, rdma_recv, nvl_recv, hidden):
+def test_buffer_maps_fit_hints(lsize, ndom, num_sms, rdma_recv, nvl_recv, hidden):
     cfg = Config(num_sms=num_sms, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=nvl_recv,
                  num_max_rdma_chunked_send_tokens=1, num_max_rdma_chunked_recv_tokens=rdma_recv)
     ranks = lsize * ndom
     slot = IL.slot_for(hidden)
-    rdma = IL.rdma_layout(lsize, ndom, cfg.num_channels, cfg.num_max_rdma_chunked_recv_tokens, slot)
+    rdma = IL.rdma_buffer_map(lsize, ndom, cfg.num_channels, cfg.num_max_rdma_chunked_recv_tokens, slot)
     assert rdma.end <= cfg.get_rdma_buffer_size_hint(hidden * 2, ranks, lsize)
-    nvl = IL.nvl_layout(lsize, ndom, cfg.num_channels, nvl_recv, slot, 256 // lsize)
+    nvl = IL.nvl_buffer_map(lsize, ndom, cfg.num_channels, nvl_recv, slot, 256 // lsize)
     # The NVLink control words are sized for MAX_CHANNELS channels (16 KiB with 8 ranks per domain): only
     # the tiniest rings (2 slots, 1 channel) need more than the hint, and check_sizes says so.
     fixed = (2 * IL.MAX_CHANNELS * lsize + lsize) * 8
@@ -53,25 +53,25 @@ def _nvl_hint(cfg, hidden_bytes, lsize, ndom):
 
 @pytest.mark.parametrize("lsize,ndom,channels,cap", [(1, 2, 10, 8), (4, 2, 3, 6), (8, 4, 12, 256)])
 def test_rdma_regions_disjoint(lsize, ndom, channels, cap):
-    lay = IL.rdma_layout(lsize, ndom, channels, cap, IL.slot_for(256))
-    metas = [lay.meta(h, i) for h in (0, 1) for i in range(channels * ndom)]
-    assert metas == sorted(metas) and metas[-1] + lay.meta_ints * 4 <= lay.ring_offset
-    assert lay.ring_offset % 128 == 0
-    slots = [lay.slot_start(h, i, k) for h in (0, 1) for i in range(channels * ndom) for k in range(cap)]
-    assert all(b - a == lay.slot.slot_bytes for a, b in zip(slots, slots[1:], strict=False))
-    assert slots[-1] + lay.slot.slot_bytes == lay.end
-    assert lay.slot_start(1, 0, cap) == lay.slot_start(1, 0, 0)  # ring index wraps
+    bmap = IL.rdma_buffer_map(lsize, ndom, channels, cap, IL.slot_for(256))
+    metas = [bmap.meta(h, i) for h in (0, 1) for i in range(channels * ndom)]
+    assert metas == sorted(metas) and metas[-1] + bmap.meta_ints * 4 <= bmap.ring_offset
+    assert bmap.ring_offset % 128 == 0
+    slots = [bmap.slot_start(h, i, k) for h in (0, 1) for i in range(channels * ndom) for k in range(cap)]
+    assert all(b - a == bmap.slot.slot_bytes for a, b in zip(slots, slots[1:], strict=False))
+    assert slots[-1] + bmap.slot.slot_bytes == bmap.end
+    assert bmap.slot_start(1, 0, cap) == bmap.slot_start(1, 0, 0)  # ring index wraps
 
 
-def test_signal_and_nvl_layouts_match_device_structs():
-    text = (CUDA_SRC / "layout.cuh").read_text()
+def test_signal_and_nvl_maps_match_device_structs():
+    text = (CUDA_SRC / "buffer_map.cuh").read_text()
     assert f"kMaxChannels = {IL.MAX_CHANNELS};" in text
     for lsize, ndom in ((1, 2), (8, 4)):
-        sig = IL.signal_layout(lsize, ndom)
+        sig = IL.signal_map(lsize, ndom)
         # Signals: tail at 0, head after kMaxChannels * D words, notify after twice that.
         assert sig.head_offset == IL.MAX_CHANNELS * ndom * 8 and sig.notify_offset == 2 * sig.head_offset
         assert sig.record_offset >= sig.notify_offset + 8 * ndom and sig.record_stride >= lsize + lsize * 1024 + 1
-        nvl = IL.nvl_layout(lsize, ndom, 4, 16, IL.slot_for(256), 32)
+        nvl = IL.nvl_buffer_map(lsize, ndom, 4, 16, IL.slot_for(256), 32)
         # NvlCtrl: tail[kMaxChannels*L], head[kMaxChannels*L], notify_flag[L] before the meta.
         assert nvl.meta_offset >= (2 * IL.MAX_CHANNELS * lsize + lsize) * 8
         assert nvl.ring_offset >= nvl.meta_offset + 4 * lsize * ndom * 2 * 4
@@ -105,7 +105,7 @@ def test_sub_channels_take_1024_threads_with_one_rank_a_domain_on_few_sms():
         assert limits_default_channels(cfg) == min(n // 2 * sub, IL.MAX_CHANNELS // 2)
         assert max(internode.block_threads(1, 2, sub), internode.combine_block_threads(1, 2, sub)) <= 1024
     # The device sizes the combine's loads by the block's channels, not by a default of its own.
-    assert "constexpr int combine_registers(int L, int D, int S)" in (CUDA_SRC / "layout.cuh").read_text()
+    assert "constexpr int combine_registers(int L, int D, int S)" in (CUDA_SRC / "buffer_map.cuh").read_text()
     assert "constexpr int kRegs = combine_registers(L, D, S);" in (CUDA_SRC / "combine.cu").read_text()
 
 
@@ -131,14 +131,15 @@ def test_ring_sizes_split_the_configs_rings_between_sub_channels():
             assert nvl * sub <= cfg.num_max_nvl_chunked_recv_tokens and nvl >= 1
 
 
-def _layouts():
+def _buffer_maps():
     slot = IL.slot_for(7168)
-    return IL.rdma_layout(2, 2, 12, 256, slot), IL.nvl_layout(2, 2, 12, 256, slot, 16), IL.signal_layout(2, 2)
+    return (IL.rdma_buffer_map(2, 2, 12, 256, slot), IL.nvl_buffer_map(2, 2, 12, 256, slot, 16),
+            IL.signal_map(2, 2))
 
 
 def test_notify_args_fill_the_struct():
     a = FakeArray()
-    _, nvl, sig = _layouts()
+    _, nvl, sig = _buffer_maps()
     packed = internode.notify_args(
         is_token_in_rank=a, num_tokens=5, num_channels=3, num_tokens_per_expert=a, num_local_experts=4,
         expert_alignment=1, rdma_channel_prefix_matrix=a, gbl_channel_prefix_matrix=a, recv_rdma_rank_prefix_sum=a,
@@ -150,14 +151,14 @@ def test_notify_args_fill_the_struct():
 
 def test_dispatch_args_fill_the_struct():
     a = FakeArray()
-    rdma, nvl, _ = _layouts()
+    rdma, nvl, _ = _buffer_maps()
     packed = internode.dispatch_args(
         x=a, x_scales=None, scale_token_stride=0, scale_block_stride=0, num_scales=0, topk_idx=a, topk_weights=None,
         num_topk=8, num_local_experts=16, is_token_in_rank=a, num_tokens=100, hidden_int4=896,
         rdma_channel_prefix_matrix=a, gbl_channel_prefix_matrix=a, recv_rdma_rank_prefix_sum=a,
         recv_gbl_rank_prefix_sum=a, recv_x=a, recv_x_scales=None, recv_topk_idx=a, recv_topk_weights=None,
         recv_rdma_channel_prefix_matrix=a, recv_gbl_channel_prefix_matrix=a, recv_src_meta=a, send_rdma_head=a,
-        send_nvl_head=a, num_out_rows=10, num_nvl_head_rows=4, rdma=1 << 30, layout=rdma, rdma_chunk=6,
+        send_nvl_head=a, num_out_rows=10, num_nvl_head_rows=4, rdma=1 << 30, rdma_map=rdma, rdma_chunk=6,
         sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
     check_packing(internode_args.DISPATCH, packed)
     d = packed
@@ -166,7 +167,7 @@ def test_dispatch_args_fill_the_struct():
 
 
 def test_op_codes_match_header():
-    text = (CUDA_SRC / "layout.cuh").read_text()
+    text = (CUDA_SRC / "buffer_map.cuh").read_text()
     codes = {int(v) for v in re.findall(r"kOp\w+ = (\d+)", text)}
     assert codes == set(internode.OP_NAMES)
     assert f"kValueOpInternodeDispatch = {K.VALUE_OP_INTERNODE_DISPATCH};" in (
@@ -188,7 +189,7 @@ def test_kernel_names_and_specs():
     assert "32 * dispatch_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels" in (
         CUDA_SRC / "dispatch.cu").read_text()
     assert "constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }" in (
-        CUDA_SRC / "layout.cuh").read_text()
+        CUDA_SRC / "buffer_map.cuh").read_text()
 
 
 def test_domain_view_keeps_domain_entries():
@@ -204,12 +205,13 @@ def test_domain_view_keeps_domain_entries():
 
 def test_combine_args_fill_the_struct():
     a = FakeArray()
-    rdma, nvl, _ = _layouts()
+    rdma, nvl, _ = _buffer_maps()
     packed = internode.combine_args(
         x=a, topk_weights=None, num_topk=8, bias_0=a, bias_1=None, recv_rdma_channel_prefix_matrix=a,
         recv_rdma_rank_prefix_sum=a, recv_gbl_channel_prefix_matrix=a, recv_gbl_rank_prefix_sum=a, send_rdma_head=a,
         send_nvl_head=a, num_tokens=100, hidden_int4=896, combined_x=a, combined_topk_weights=None, rdma=1 << 30,
-        layout=rdma, rdma_chunk=6, sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10, rank=3)
+        rdma_map=rdma, rdma_chunk=6, sig=1 << 20, nvl_bases=a, nvl=nvl, state=a, err_ptr=9, timeout_ns=10,
+        rank=3)
     check_packing(internode_args.COMBINE, packed)
     d = packed
     assert d["ring_offset"] == rdma.ring_offset and d["nvl_ring_offset"] == nvl.ring_offset
@@ -225,7 +227,7 @@ def test_combine_spec_and_block_shape():
         internode.combine_spec(2, 32)  # one sender warp per (forwarder, source domain): 64 warps
     assert "32 * combine_channel_warps(kNumNvlRanks, kNumDomains) * kSubChannels" in (
         CUDA_SRC / "combine.cu").read_text()
-    assert "return L == 1 ? D : L * D;" in (CUDA_SRC / "layout.cuh").read_text()
+    assert "return L == 1 ? D : L * D;" in (CUDA_SRC / "buffer_map.cuh").read_text()
 
 
 def test_sub_channels_tuning_sets_blocks_channels_and_rings():

@@ -24,7 +24,7 @@ def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1, whole_turns=True)
     counts = handles[0][0]
     cnt = CC.home_counts(counts)
     row_bytes, K = ys[0].shape[1] * 4, ws[0].shape[1]
-    used = [CC.staging_layout(cnt, h, row_bytes, K)[2] for h in range(R)]
+    used = [CC.staging_map(cnt, h, row_bytes, K)[2] for h in range(R)]
     staging = [np.full(max(used[h], 1), 0xEE, np.uint8) for h in range(R)]
     flags = np.zeros((R, R), np.int64)  # flags[h][p]: chunks of p's rows landed at h
     for p in range(R):
@@ -43,7 +43,7 @@ def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1, whole_turns=True)
     outs, out_ws = [], []
     for me in range(R):
         rpm, send_head = handles[me][0], handles[me][5]
-        first, weights_offset, _ = CC.staging_layout(cnt, me, row_bytes, K)
+        first, weights_offset, _ = CC.staging_map(cnt, me, row_bytes, K)
         rows = staging[me][: weights_offset].view(np.float32).reshape(-1, ys[me].shape[1]) if weights_offset else None
         wrows = staging[me][weights_offset: used[me]].view(np.float32).reshape(-1, K)
         self_base = rpm[me - 1, me] if me > 0 else 0
@@ -90,13 +90,13 @@ def test_copy_mode_model_matches_reference(R, C, n_tokens, chunk_rows, rounds, w
         np.testing.assert_array_equal(combined_w[me], ref[me][1])
 
 
-def test_staging_layout_and_fit():
+def test_staging_map_and_fit():
     rpm = np.array([[5, 7, 0], [9, 7, 4], [9, 10, 6]])  # [i][r]: rows rank r receives from ranks 0..i
     cnt = CC.home_counts(rpm)
     assert cnt == [[5, 7, 0], [4, 0, 4], [0, 3, 2]]
-    first, weights_offset, used = CC.staging_layout(cnt, 0, 32, 2)
+    first, weights_offset, used = CC.staging_map(cnt, 0, 32, 2)
     assert first == [0, 0, 7] and weights_offset == 256 and used == 256 + 7 * 8
-    first, weights_offset, used = CC.staging_layout(cnt, 1, 32, 0)
+    first, weights_offset, used = CC.staging_map(cnt, 1, 32, 0)
     assert first == [0, 0, 4] and used == weights_offset == 256
     assert CC.fits(cnt, 32, 2, 320)  # home 1: 8 rows of 32 bytes, then 8 x 2 weights
     assert not CC.fits(cnt, 32, 2, 319)

@@ -1,4 +1,4 @@
-"""Host side of the intranode path, on the CPU: NVL buffer layout, size checks, kernel argument packing and
+"""Host side of the intranode path, on the CPU: NVL buffer map, size checks, kernel argument packing and
 descriptor passing (the NumPy model of the kernels' index arithmetic is in test_intranode_model.py)."""
 
 import os
@@ -13,13 +13,13 @@ from thread_group import run_ranks
 from deepep_cupy.config import Config
 from deepep_cupy.ops.intranode import args as intranode_args
 from deepep_cupy.ops.intranode import engine as intranode
-from deepep_cupy.ops.intranode import layout as L
+from deepep_cupy.ops.intranode import buffer_map as L
 from deepep_cupy.reference import normal
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"
 
 
-# ------------------------------------------------------------------------------------------- layout
+# --------------------------------------------------------------------------------------- buffer map
 @pytest.mark.parametrize("hidden_bytes,scales,topk", [(7168 * 2, 0, 8), (7168, 56, 8), (2048 * 2, 0, 1),
                                                       (16, 0, 0), (4096, 32, 9), (7168 * 2, 0, 32)])
 def test_dispatch_slot_alignment(hidden_bytes, scales, topk):
@@ -43,18 +43,18 @@ def test_combine_slot():
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
 def test_buffer_regions_disjoint(ranks):
     slot = L.dispatch_slot(7168, 56, 8)
-    lay = L.buffer_layout(ranks, 12, 7, slot)
+    bmap = L.buffer_map(ranks, 12, 7, slot)
     ctrl = L.ctrl_bytes(ranks)
     assert ctrl >= 8 * (2 * ranks + 2) and ctrl % 128 == 0
-    assert lay.ring_offset == ctrl
+    assert bmap.ring_offset == ctrl
     # Rings tile [ring_offset, free_offset) exactly, free words tile [free_offset, end).
-    starts = sorted(lay.ring_start(c, s) for c in range(12) for s in range(ranks))
-    assert starts[0] == lay.ring_offset
+    starts = sorted(bmap.ring_start(c, s) for c in range(12) for s in range(ranks))
+    assert starts[0] == bmap.ring_offset
     assert all(b - a == 7 * slot.slot_bytes for a, b in zip(starts, starts[1:], strict=False))
-    assert starts[-1] + 7 * slot.slot_bytes == lay.free_offset
-    assert lay.free_word(11, ranks - 1, 6) + 8 == lay.end
-    assert lay.slot_start(3, ranks - 1, 2) % 16 == 0 and lay.free_offset % 8 == 0
-    off, stride, end = L.notify_layout(ranks, 12, 32)
+    assert starts[-1] + 7 * slot.slot_bytes == bmap.free_offset
+    assert bmap.free_word(11, ranks - 1, 6) + 8 == bmap.end
+    assert bmap.slot_start(3, ranks - 1, 2) % 16 == 0 and bmap.free_offset % 8 == 0
+    off, stride, end = L.notify_map(ranks, 12, 32)
     assert off == ctrl and stride % 4 == 0 and stride >= ranks + 12 + 32 and end == off + ranks * stride * 4
 
 
@@ -72,9 +72,9 @@ def test_needs_fit_in_deepep_hint(ranks, num_sms, recv, hidden):
     channels = num_sms // 2
     for slot in (L.dispatch_slot(hidden * 2, 0, 32), L.dispatch_slot(hidden, hidden // 128, 32),
                  L.combine_slot(hidden * 2, 32)):
-        lay = L.buffer_layout(ranks, channels, recv, slot)
-        notify_end = L.notify_layout(ranks, channels, 256 // ranks)[2]
-        assert intranode.required_bytes(lay, notify_end) <= hint
+        bmap = L.buffer_map(ranks, channels, recv, slot)
+        notify_end = L.notify_map(ranks, channels, 256 // ranks)[2]
+        assert intranode.required_bytes(bmap, notify_end) <= hint
 
 
 def test_split_warps_covers_every_warp():
@@ -295,11 +295,11 @@ def test_claimed_combine_model_can_deadlock():
 
 def test_publish_batch_args():
     a = FakeArray()
-    lay = L.buffer_layout(2, 12, 8, L.combine_slot(7168 * 2, 8))
+    bmap = L.buffer_map(2, 12, 8, L.combine_slot(7168 * 2, 8))
     d = intranode.combine_args(
         x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=None, rank_prefix_matrix=a, channel_prefix_matrix=a,
         recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
-        combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1, batch=24)
+        combined_topk_weights=a, bases=a, buffer_map=bmap, err_ptr=7, timeout_ns=1, rank=1, batch=24)
     assert d["publish_batch"] == 4
 
 
@@ -331,31 +331,31 @@ def test_notify_args_fill_the_struct():
 
 def test_dispatch_args_fill_the_struct():
     a = FakeArray()
-    lay = L.buffer_layout(2, 12, 256, L.dispatch_slot(7168, 56, 8))
+    bmap = L.buffer_map(2, 12, 256, L.dispatch_slot(7168, 56, 8))
     packed = intranode.dispatch_args(
         x=a, x_scales=None, scale_token_stride=0, scale_block_stride=0, num_scales=0, topk_idx=a, topk_weights=None,
         num_topk=8, num_local_experts=128, is_token_in_rank=a, num_tokens=4096, hidden_int4=448,
         rank_prefix_matrix=a, channel_prefix_matrix=a, recv_channel_prefix_matrix=a, recv_x=a, recv_x_scales=None,
         recv_topk_idx=a, recv_topk_weights=None, recv_src_idx=a, send_head=a, num_out_rows=10, num_worst_tokens=0,
-        bases=a, layout=lay, num_own_rows_warps=12, err_ptr=99, timeout_ns=1, rank=0)
+        bases=a, buffer_map=bmap, num_own_rows_warps=12, err_ptr=99, timeout_ns=1, rank=0)
     check_packing(intranode_args.DISPATCH, packed)
     d = packed
-    assert d["slot_bytes"] == lay.slot.slot_bytes and d["ring_offset"] == lay.ring_offset
-    assert d["free_offset"] == lay.free_offset and d["x_scales"] == 0 and d["done_offset"] == lay.end
+    assert d["slot_bytes"] == bmap.slot.slot_bytes and d["ring_offset"] == bmap.ring_offset
+    assert d["free_offset"] == bmap.free_offset and d["x_scales"] == 0 and d["done_offset"] == bmap.end
 
 
 def test_combine_args_fill_the_struct():
     a = FakeArray()
-    lay = L.buffer_layout(2, 12, 256, L.combine_slot(7168 * 2, 8))
+    bmap = L.buffer_map(2, 12, 256, L.combine_slot(7168 * 2, 8))
     packed = intranode.combine_args(
         x=a, topk_weights=a, num_topk=8, bias_0=None, bias_1=a, rank_prefix_matrix=a, channel_prefix_matrix=a,
         recv_channel_prefix_matrix=a, send_head=a, num_tokens=4096, hidden_int4=896, combined_x=a,
-        combined_topk_weights=a, bases=a, layout=lay, err_ptr=7, timeout_ns=1, rank=1)
+        combined_topk_weights=a, bases=a, buffer_map=bmap, err_ptr=7, timeout_ns=1, rank=1)
     check_packing(intranode_args.COMBINE, packed)
 
 
 def test_op_codes_match_header():
-    text = (CUDA_SRC / "layout.cuh").read_text()
+    text = (CUDA_SRC / "buffer_map.cuh").read_text()
     codes = {name: int(v) for name, v in re.findall(r"kOp(\w+) = (\d+)", text)}
     assert codes["NotifyArrive"] == intranode.OP_NOTIFY_ARRIVE
     assert codes["DispatchOverflow"] == intranode.OP_DISPATCH_OVERFLOW

@@ -12,7 +12,7 @@ from intranode_cases import model_inputs, reference_dispatch
 from thread_group import run_ranks
 
 from deepep_cupy.ops.intranode import engine as intranode
-from deepep_cupy.ops.intranode import layout as L
+from deepep_cupy.ops.intranode import buffer_map as L
 from deepep_cupy.reference import normal
 
 
@@ -221,11 +221,11 @@ def test_direct_dispatch_model_matches_reference(R, C, n_tokens):
 def test_direct_shared_bytes_and_done_words():
     assert L.direct_shared_bytes(2, 4096, 12) == 8 * 2 * 11
     assert L.direct_shared_bytes(8, 0, 12) == 8 * 8
-    lay = L.buffer_layout(4, 12, 7, L.dispatch_slot(7168, 56, 8))
-    assert intranode.required_bytes(lay, dispatch=True) == lay.end + 8 * 4 * 24
-    assert intranode.required_bytes(lay) == lay.end
-    # The dest entries of layout.cuh (8 words per rank after 2R + 2 control words), then the copy flags and
-    # copy-done words (R each), fit in the control area.
+    bmap = L.buffer_map(4, 12, 7, L.dispatch_slot(7168, 56, 8))
+    assert intranode.required_bytes(bmap, dispatch=True) == bmap.end + 8 * 4 * 24
+    assert intranode.required_bytes(bmap) == bmap.end
+    # The dest entries of buffer_map.cuh (8 words per rank after 2R + 2 control words), then the copy flags
+    # and copy-done words (R each), fit in the control area.
     for r in range(1, 9):
         assert L.ctrl_bytes(r) >= 8 * (2 * r + 2 + 8 * r + 2 * r)
         assert L.copy_flag_offset(r, 0) == 8 * (2 * r + 2 + 8 * r)

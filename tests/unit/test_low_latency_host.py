@@ -1,4 +1,4 @@
-"""Host side of the low-latency path, no GPU needed: DeepEP's size hint, the buffer layout, the warp
+"""Host side of the low-latency path, no GPU needed: DeepEP's size hint, the buffer map, the warp
 split, the NVSHMEM environment, the kernels' row-assignment arithmetic, and a compile of small kernels."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from deepep_cupy.device import nvshmem as nvshmem_runtime
 from deepep_cupy.ops.low_latency import engine as ll
-from deepep_cupy.ops.low_latency.layout import (
+from deepep_cupy.ops.low_latency.buffer_map import (
     LOGFMT_BLOCK_BYTES,
     REGIONS,
-    LowLatencyLayout,
+    LowLatencyBufferMap,
     combine_message_bytes,
     dispatch_message_bytes,
     rank_message_bytes,
@@ -56,7 +56,7 @@ def test_size_hint_is_128_aligned():
         assert hint % 128 == 0 and hint > 0
 
 
-# ---------------------------------------------------------------- layout
+# ---------------------------------------------------------------- buffer map
 SHAPES = [(t, h, r, e_local * r)
           for t in (1, 3, 32, 128, 1024)
           for h in (8, 120, 128, 2048, 2056, 4096, 7168)
@@ -65,97 +65,98 @@ SHAPES = [(t, h, r, e_local * r)
 
 
 @pytest.mark.parametrize("t, h, r, e", SHAPES)
-def test_layout_fits_in_deepep_hint(t, h, r, e):
-    layout = LowLatencyLayout(t, h, r, e)
-    assert layout.fits(rdma_size_hint(t, h, r, e))
+def test_buffer_map_fits_in_deepep_hint(t, h, r, e):
+    bmap = LowLatencyBufferMap(t, h, r, e)
+    assert bmap.fits(rdma_size_hint(t, h, r, e))
 
 
 @pytest.mark.parametrize("t, h, r, e", [(128, 7168, 2, 288), (3, 2056, 8, 72), (1, 8, 1, 1), (1024, 4096, 16, 256)])
-def test_layout_regions_are_disjoint_and_aligned(t, h, r, e):
-    layout = LowLatencyLayout(t, h, r, e)
-    sizes = {"tags": layout.tags_bytes, "arrivals": layout.arrivals_bytes, "receipts": layout.receipts_bytes,
-             "src_idx": layout.src_idx_bytes, "recv": layout.recv_bytes, "send": layout.send_bytes}
-    assert list(sizes) == list(REGIONS) and layout.receipts_bytes == 4 * r
+def test_buffer_map_regions_are_disjoint_and_aligned(t, h, r, e):
+    bmap = LowLatencyBufferMap(t, h, r, e)
+    sizes = {"tags": bmap.tags_bytes, "arrivals": bmap.arrivals_bytes, "receipts": bmap.receipts_bytes,
+             "src_idx": bmap.src_idx_bytes, "recv": bmap.recv_bytes, "send": bmap.send_bytes}
+    assert list(sizes) == list(REGIONS) and bmap.receipts_bytes == 4 * r
     spans = []
     for b in (0, 1):
         for name, size in sizes.items():
-            off = layout.region(b, name)
+            off = bmap.region(b, name)
             assert off % 16 == 0, (name, off)
             spans.append((off, off + size, f"{name}{b}"))
-        lo, hi = layout.half_base(b), layout.half_base(b) + layout.half_bytes
+        lo, hi = bmap.half_base(b), bmap.half_base(b) + bmap.half_bytes
         for off, end, name in spans[-len(sizes):]:
             assert lo <= off and end <= hi, name
     spans.sort()
     for (_a0, a1, na), (b0, _b1, nb) in zip(spans[:-1], spans[1:], strict=True):
         assert a1 <= b0, f"{na} overlaps {nb}"
-    assert layout.region(1, "tags") == layout.half_bytes
-    assert layout.total_bytes == 2 * layout.half_bytes and layout.half_bytes % 128 == 0
-    assert layout.region(0, "arrivals") % 8 == 0  # uint64 signal words
+    assert bmap.region(1, "tags") == bmap.half_bytes
+    assert bmap.total_bytes == 2 * bmap.half_bytes and bmap.half_bytes % 128 == 0
+    assert bmap.region(0, "arrivals") % 8 == 0  # uint64 signal words
     # Cleaning zeroes the tags, the arrival counters and the receipts of each half, and nothing after them.
     for b in (0, 1):
-        offset, length = layout.signal_span(b)
-        assert offset == layout.region(b, "tags")
-        assert offset + length == layout.region(b, "src_idx") >= layout.region(b, "receipts") + 4 * r
+        offset, length = bmap.signal_span(b)
+        assert offset == bmap.region(b, "tags")
+        assert offset + length == bmap.region(b, "src_idx") >= bmap.region(b, "receipts") + 4 * r
 
 
-def test_layout_slots_hold_every_message_format():
+def test_buffer_map_slots_hold_every_message_format():
     for h in (128, 256, 2048, 7168, 8192):
-        layout = LowLatencyLayout(64, h, 2, 16)
-        assert dispatch_message_bytes(h, True) <= layout.slot_bytes
-        assert dispatch_message_bytes(h, False) == layout.slot_bytes
-        assert combine_message_bytes(h, True) <= layout.slot_bytes
-        assert combine_message_bytes(h, False) == layout.slot_bytes
+        bmap = LowLatencyBufferMap(64, h, 2, 16)
+        assert dispatch_message_bytes(h, True) <= bmap.slot_bytes
+        assert dispatch_message_bytes(h, False) == bmap.slot_bytes
+        assert combine_message_bytes(h, True) <= bmap.slot_bytes
+        assert combine_message_bytes(h, False) == bmap.slot_bytes
         assert dispatch_message_bytes(h, True) % 16 == 0
     assert combine_message_bytes(7168, True) == 56 * LOGFMT_BLOCK_BYTES
     # The combine rows of every local expert and source fit the send area, and so do T staged messages.
-    layout = LowLatencyLayout(128, 7168, 2, 288)
-    assert layout.send_bytes >= 144 * 2 * 128 * 2 * 7168
-    assert layout.send_bytes >= 128 * layout.slot_bytes
+    bmap = LowLatencyBufferMap(128, 7168, 2, 288)
+    assert bmap.send_bytes >= 144 * 2 * 128 * 2 * 7168
+    assert bmap.send_bytes >= 128 * bmap.slot_bytes
 
 
 def test_rank_messages_fit_where_their_tables_and_messages_do():
     # The benchmark shape at 2, 8 and 72 ranks: per-(token, rank) messages.
     for r in (2, 8, 72):
-        assert LowLatencyLayout(128, 7168, r, 288 if r < 72 else 576).rank_messages_fit(8, True)
-    layout = LowLatencyLayout(128, 7168, 2, 288)
-    assert layout.rank_messages_fit(8, False) and layout.rank_messages_fit(32, False)
+        assert LowLatencyBufferMap(128, 7168, r, 288 if r < 72 else 576).rank_messages_fit(8, True)
+    bmap = LowLatencyBufferMap(128, 7168, 2, 288)
+    assert bmap.rank_messages_fit(8, False) and bmap.rank_messages_fit(32, False)
     assert rank_message_bytes(7168, 8, True) == 7392 + 48 and rank_message_bytes(7168, 8, False) == 14336 + 48
-    assert 2 * 128 * rank_message_bytes(7168, 32, False) <= layout.recv_bytes
+    assert 2 * 128 * rank_message_bytes(7168, 32, False) <= bmap.recv_bytes
     # Per-expert rows: top-k past 32, one expert per rank, bitmaps too large for shared memory.
-    assert not layout.rank_messages_fit(33, True)
-    assert not LowLatencyLayout(128, 7168, 8, 8).rank_messages_fit(8, True)
-    assert not LowLatencyLayout(1024, 7168, 2, 288).rank_messages_fit(8, True)
-    assert LowLatencyLayout(512, 7168, 2, 288).rank_messages_fit(8, True)
+    assert not bmap.rank_messages_fit(33, True)
+    assert not LowLatencyBufferMap(128, 7168, 8, 8).rank_messages_fit(8, True)
+    assert not LowLatencyBufferMap(1024, 7168, 2, 288).rank_messages_fit(8, True)
+    assert LowLatencyBufferMap(512, 7168, 2, 288).rank_messages_fit(8, True)
 
 
 def test_partials_where_they_fit_and_pay():
     # The benchmark shape: 4 experts of 8 per rank reached on 2 ranks (float32 partial rows pay); on 4 and
     # 8 ranks a token picks ~2.2 and ~1.5 experts per rank reached, so BF16 rows per expert stay.
-    layout = LowLatencyLayout(128, 7168, 2, 288)
-    assert layout.partials_fit(8) and layout.partials_pay(8)
-    assert 2 * 128 * (4 * 7168 + 16 * 8) <= layout.recv_bytes
-    assert layout.partial_table_bytes(8) == 4 * 2 * 128 * 9
+    bmap = LowLatencyBufferMap(128, 7168, 2, 288)
+    assert bmap.partials_fit(8) and bmap.partials_pay(8)
+    assert 2 * 128 * (4 * 7168 + 16 * 8) <= bmap.recv_bytes
+    assert bmap.partial_table_bytes(8) == 4 * 2 * 128 * 9
     for r in (4, 8):
-        assert LowLatencyLayout(128, 7168, r, 288).partials_fit(8)
-        assert not LowLatencyLayout(128, 7168, r, 288).partials_pay(8)
+        assert LowLatencyBufferMap(128, 7168, r, 288).partials_fit(8)
+        assert not LowLatencyBufferMap(128, 7168, r, 288).partials_pay(8)
     # A LogFMT partial row is as long as one LogFMT expert row: it pays from 1.5 experts per rank reached,
     # so on 2, 4 and 8 ranks; at 16 ranks (~1.3) it does not.
-    assert layout.partial_row_bytes(True) == 56 * LOGFMT_BLOCK_BYTES and layout.partial_row_bytes(False) == 4 * 7168
-    assert LowLatencyLayout(128, 2176, 2, 32).partial_row_bytes(True) == 17 * LOGFMT_BLOCK_BYTES + 8  # 16-byte rows
+    assert bmap.partial_row_bytes(True) == 56 * LOGFMT_BLOCK_BYTES and bmap.partial_row_bytes(False) == 4 * 7168
+    # LogFMT partial rows are padded to 16 bytes
+    assert LowLatencyBufferMap(128, 2176, 2, 32).partial_row_bytes(True) == 17 * LOGFMT_BLOCK_BYTES + 8
     for r in (2, 4, 8):
-        assert LowLatencyLayout(128, 7168, r, 288).partials_fit(8, True)
-        assert LowLatencyLayout(128, 7168, r, 288).partials_pay(8, True)
-    assert not LowLatencyLayout(128, 7168, 16, 288).partials_pay(8, True)
+        assert LowLatencyBufferMap(128, 7168, r, 288).partials_fit(8, True)
+        assert LowLatencyBufferMap(128, 7168, r, 288).partials_pay(8, True)
+    assert not LowLatencyBufferMap(128, 7168, 16, 288).partials_pay(8, True)
     # Top-1 never pays; one expert per rank leaves no room for float32 rows (LogFMT rows fit); top-k past
     # 32 and tables past shared memory do not fit.
-    assert not layout.partials_pay(1) and not layout.partials_pay(1, True)
-    assert not LowLatencyLayout(128, 7168, 2, 2).partials_fit(8)
-    assert LowLatencyLayout(128, 7168, 2, 2).partials_fit(8, True)
-    assert not layout.partials_fit(33)
-    assert not LowLatencyLayout(8192, 7168, 2, 288).partials_fit(8)
+    assert not bmap.partials_pay(1) and not bmap.partials_pay(1, True)
+    assert not LowLatencyBufferMap(128, 7168, 2, 2).partials_fit(8)
+    assert LowLatencyBufferMap(128, 7168, 2, 2).partials_fit(8, True)
+    assert not bmap.partials_fit(33)
+    assert not LowLatencyBufferMap(8192, 7168, 2, 288).partials_fit(8)
     # Every block of a rank's grid leaves a completion word in the source-index region ([E, T] words).
-    assert LowLatencyLayout(1, 7168, 2, 288).partials_fit(8, True, grid=144)
-    assert not LowLatencyLayout(1, 7168, 2, 288).partials_fit(8, True, grid=145)
+    assert LowLatencyBufferMap(1, 7168, 2, 288).partials_fit(8, True, grid=144)
+    assert not LowLatencyBufferMap(1, 7168, 2, 288).partials_fit(8, True, grid=145)
 
 
 def test_hook_mode_combines_never_send_partial_sums():
@@ -165,25 +166,25 @@ def test_hook_mode_combines_never_send_partial_sums():
     from types import SimpleNamespace
 
     engine = SimpleNamespace(_stores_everywhere=lambda: True, num_sms=132)
-    layout = LowLatencyLayout(128, 7168, 2, 288)
+    bmap = LowLatencyBufferMap(128, 7168, 2, 288)
     for logfmt in (False, True):
-        assert ll.LowLatencyEngine.rank_partials(engine, layout, 8, logfmt)
-        assert ll.LowLatencyEngine.rank_partials(engine, layout, 8, logfmt, hook=False)
-        assert not ll.LowLatencyEngine.rank_partials(engine, layout, 8, logfmt, hook=True)
+        assert ll.LowLatencyEngine.rank_partials(engine, bmap, 8, logfmt)
+        assert ll.LowLatencyEngine.rank_partials(engine, bmap, 8, logfmt, hook=False)
+        assert not ll.LowLatencyEngine.rank_partials(engine, bmap, 8, logfmt, hook=True)
 
 
 @pytest.mark.parametrize("bad", [(0, 128, 2, 8), (8, 128, 2, 7), (8, 100, 2, 8), (8, 128, 0, 8)])
-def test_layout_rejects_bad_sizes(bad):
+def test_buffer_map_rejects_bad_sizes(bad):
     with pytest.raises(ValueError):
-        LowLatencyLayout(*bad)
+        LowLatencyBufferMap(*bad)
 
 
-def test_layout_region_names():
-    layout = LowLatencyLayout(8, 128, 2, 8)
+def test_buffer_map_region_names():
+    bmap = LowLatencyBufferMap(8, 128, 2, 8)
     with pytest.raises(KeyError):
-        layout.region(0, "nope")
+        bmap.region(0, "nope")
     with pytest.raises(ValueError):
-        layout.region(2, "recv")
+        bmap.region(2, "recv")
 
 
 # ---------------------------------------------------------------- warp split
@@ -351,20 +352,20 @@ def test_small_kernels_build(spec, tmp_path, monkeypatch):
     assert set(compiled.lowered_names) == set(spec.name_expressions)
 
 
-def test_engine_region_addresses_follow_the_layout():
-    """The region addresses plans keep are the symmetric base plus the layout's offsets, and layouts of
-    equal sizes are one object (plans compare them by identity)."""
+def test_engine_region_addresses_follow_the_buffer_map():
+    """The region addresses plans keep are the symmetric base plus the buffer map's offsets, and buffer
+    maps of equal sizes are one object (plans compare them by identity)."""
     from types import SimpleNamespace
 
     engine = object.__new__(ll.LowLatencyEngine)
     engine._sym = SimpleNamespace(ptr=0x7F00_0000_0000)
-    engine._layouts = {}
+    engine._buffer_maps = {}
     for t, h, r, e in ((128, 7168, 2, 288), (1, 2056, 4, 16)):
         engine.num_ranks, engine.num_rdma_bytes = r, 1 << 40
-        layout = engine.make_layout(t, h, e)
-        assert engine.make_layout(t, h, e) is layout
-        assert layout == LowLatencyLayout(t, h, r, e)
-        addrs = engine.region_addresses(layout)
+        bmap = engine.make_buffer_map(t, h, e)
+        assert engine.make_buffer_map(t, h, e) is bmap
+        assert bmap == LowLatencyBufferMap(t, h, r, e)
+        addrs = engine.region_addresses(bmap)
         for b in (0, 1):
             for name in REGIONS:
-                assert addrs[b][name] == 0x7F00_0000_0000 + layout.region(b, name)
+                assert addrs[b][name] == 0x7F00_0000_0000 + bmap.region(b, name)

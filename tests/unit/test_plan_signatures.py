@@ -11,7 +11,7 @@ import pytest
 
 from deepep_cupy.device import launch
 from deepep_cupy.ops.low_latency import plans as lp
-from deepep_cupy.ops.low_latency.layout import REGIONS, LowLatencyLayout
+from deepep_cupy.ops.low_latency.buffer_map import REGIONS, LowLatencyBufferMap
 
 SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 
@@ -33,15 +33,15 @@ class _RecvKernel:
 
 
 def _engine(staged: bool):
-    layout = LowLatencyLayout(32, 2048, 2, 16)
+    buffer_map = LowLatencyBufferMap(32, 2048, 2, 16)
     return types.SimpleNamespace(
-        num_ranks=2, rank=1, errors=types.SimpleNamespace(ptr=99, flag_word=lambda: 0), layout=layout,
+        num_ranks=2, rank=1, errors=types.SimpleNamespace(ptr=99, flag_word=lambda: 0), buffer_map=buffer_map,
         staged=staged, force_rma=False, enable_shrink=False, num_sms=132,
         state_ptrs=({"seq": 1, "base": 2, "ready": 3, "mask": 4},) * 2,
         region_addresses=lambda _: ({n: 100 + i for i, n in enumerate(REGIONS)},) * 2,
         kernels=lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel) if k.get("hook") else (_Kernel,), _Kernel),
-        use_layout=lambda _: None,
-        rank_messages=lambda *a: not staged, rank_partials=lambda *a: not staged), layout
+        use_buffer_map=lambda _: None,
+        rank_messages=lambda *a: not staged, rank_partials=lambda *a: not staged), buffer_map
 
 
 def _names(path: Path, kernel: str) -> list[str]:
@@ -61,8 +61,8 @@ def _names(path: Path, kernel: str) -> list[str]:
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_low_latency_dispatch_block_matches_the_kernel(staged):
-    engine, layout = _engine(staged)
-    plan = lp.DispatchPlan(engine, None, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+    engine, buffer_map = _engine(staged)
+    plan = lp.DispatchPlan(engine, None, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
                            use_ue8m0=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,
                            comm_stream=0)
     assert plan.plans[0].names == _names(SRC / "low_latency" / "dispatch.cu", "dispatch")
@@ -77,15 +77,15 @@ def test_low_latency_dispatch_block_matches_the_kernel(staged):
 
 @pytest.mark.parametrize("partials", [False, True])
 def test_low_latency_combine_block_matches_the_kernel(partials):
-    engine, layout = _engine(not partials)
+    engine, buffer_map = _engine(not partials)
     asked = []
     engine.kernels = lambda *a, **k: asked.append((a, k)) or (4, 2, 8, (_Kernel, _RecvKernel), None)
-    plan = lp.CombinePlan(engine, None, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
+    plan = lp.CombinePlan(engine, None, buffer_map, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
                           return_recv_hook=True, wait_stats_row=1, async_finish=False, comm_stream=0)
     assert plan.plans[1].names == _names(SRC / "low_latency" / "combine.cu", "combine")
     # The partial-sum path is its own kernel, with its row table in dynamic shared memory.
     assert asked == [(("combine", 2048, 4, 16, False, partials), {"hook": True})]
-    assert plan.plans[1].shared_mem == (layout.partial_table_bytes(4) if partials else 0)
+    assert plan.plans[1].shared_mem == (buffer_map.partial_table_bytes(4) if partials else 0)
     assert plan.plans[1].value("x") == 100 + REGIONS.index("send")  # zero-copy sends from the send area
     assert plan.wait_offset == 8 * 2 * 1  # this rank's row of an [R, R] stats tensor
 
@@ -96,13 +96,13 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     (or a combine without partial sums) passes none, and the kernel then uses the handle's source info."""
     from deepep_cupy.ops.handles import LowLatencyHandle
 
-    engine, layout = _engine(not partials)
+    engine, buffer_map = _engine(not partials)
     engine.kernels = lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel), None)
     engine.check_errors = lambda: None
     engine.next_buffer = lambda: 0
     ptrs = {}
     frame = types.SimpleNamespace(ptr=lambda t: ptrs[id(t)], stream=lambda: 0, framework="cupy", device_id=0)
-    plan = lp.CombinePlan(engine, frame, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
+    plan = lp.CombinePlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
                           return_recv_hook=True, wait_stats_row=0, async_finish=False, comm_stream=0)
     monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
     src_info, layout_range, row_map, x, topk, weights, out = (object() for _ in range(7))
@@ -120,7 +120,7 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
 def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hook):
     """With a receive hook the send part launches the send-only kernel and the hook the receive-only one,
     both over the half's one argument block (the call's pointers); without, one kernel does both."""
-    engine, layout = _engine(False)
+    engine, buffer_map = _engine(False)
     engine.check_errors = lambda: None
     engine.next_buffer = lambda: 1
     frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
@@ -129,7 +129,7 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
     launched = []
     monkeypatch.setattr(lp.LaunchPlan, "launch",
                         lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
-    plan = lp.DispatchPlan(engine, frame, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+    plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
                            use_ue8m0=False, return_recv_hook=hook, wait_stats_row=0, async_finish=False,
                            comm_stream=0)
     *_, recv_hook = plan.run(object(), object())
@@ -191,13 +191,13 @@ def test_a_dispatch_handle_cuts_its_tensors_where_the_kernel_writes(monkeypatch,
     from deepep_cupy.frameworks import TorchFrame
     from deepep_cupy.ops.handles import LowLatencyHandle
 
-    engine, layout = _engine(not row_map)
+    engine, buffer_map = _engine(not row_map)
     engine.check_errors = lambda: None
     engine.next_buffer = lambda: 0
     frame = TorchFrame(0, device="cpu")
     frame.stream = lambda: 0
     monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
-    plan = lp.DispatchPlan(engine, frame, layout, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+    plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
                            use_ue8m0=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,
                            comm_stream=0)
     x, topk = torch.zeros(8, 2048, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.int64)
@@ -228,8 +228,9 @@ def test_a_dispatch_handle_cuts_its_tensors_where_the_kernel_writes(monkeypatch,
 
     # A combine reads the handle's pointers; its tensors stay uncut.
     engine.kernels = lambda *a, **k: (4, 2, 8, (_Kernel,), None)
-    combine = lp.CombinePlan(engine, frame, layout, num_tokens=8, topk=4, use_logfmt=False, zero_copy=False,
-                             return_recv_hook=False, wait_stats_row=0, async_finish=False, comm_stream=0)
+    combine = lp.CombinePlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_logfmt=False,
+                             zero_copy=False, return_recv_hook=False, wait_stats_row=0, async_finish=False,
+                             comm_stream=0)
     _, _, fresh, _, _ = plan.run(x, topk)
     out = combine.run(torch.zeros(8, 64, 2048, dtype=torch.bfloat16), topk, torch.zeros(8, 4), fresh)[0]
     assert fresh._entries is None and tuple(out.shape) == (8, 2048)

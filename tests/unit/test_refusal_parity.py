@@ -232,7 +232,8 @@ def _gpu_backend(kind, group, **options):
         b.intranode = _EngineStandIn(num_ranks=group.size, **common)
     if options["low_latency_mode"] or rdma > 0:
         b.low_latency = object.__new__(LowLatencyEngine)
-        b.low_latency.num_ranks, b.low_latency.num_rdma_bytes, b.low_latency._layouts = group.size, rdma, {}
+        b.low_latency.num_ranks, b.low_latency.num_rdma_bytes = group.size, rdma
+        b.low_latency._buffer_maps = {}
     if b.spans_domains and nvl > 0 and rdma > 0:
         b.internode = _EngineStandIn(num_nvl_ranks=lsize, num_domains=group.size // lsize, sub_channels=None,
                                      **common)

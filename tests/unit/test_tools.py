@@ -74,7 +74,7 @@ def _phase_codes() -> dict[str, int]:
     """PhaseCode's enumerators as the kernels' header defines them (each one more than the last unless given)."""
     import re
 
-    text = (TOOLS.parent / "cuda_src" / "internode" / "layout.cuh").read_text()
+    text = (TOOLS.parent / "cuda_src" / "internode" / "buffer_map.cuh").read_text()
     body = re.search(r"enum PhaseCode : int \{(.*?)\};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     codes, value = {}, None
@@ -90,7 +90,7 @@ def _phase_codes() -> dict[str, int]:
 def test_wait_profile_names_every_phase_in_its_own_counter():
     tool = _tool("internode_waits")
     codes = _phase_codes()
-    assert sorted(codes.values()) == sorted(tool.PHASES), "PHASES and PhaseCode in layout.cuh disagree"
+    assert sorted(codes.values()) == sorted(tool.PHASES), "PHASES and PhaseCode in buffer_map.cuh disagree"
     from deepep_cupy.ops.internode import engine
 
     # Counters are [32][2][3] by code - 400: no phase may share one with a wait kind or the role clock (431).

@@ -199,7 +199,7 @@ def test_internode_arguments():
 
 
 def test_internode_settings_put_the_reference_first():
-    from deepep_cupy.ops.internode import layout as IL
+    from deepep_cupy.ops.internode import buffer_map as IL
 
     lsize, ndom = 1, 2
     args = internode.parse_args(["--num-sms", "8,24", "--rdma-recv", "128,256", "--rdma-send", "16,128"])

@@ -5,7 +5,7 @@ domains, handle entries 1, 2, 4, 6), ``dispatch<L, D>`` (rows over RDMA to the f
 to the destinations; entries 3, 5, 7, 8, 9) and ``combine<L, D>`` (sums inside the domain over NVLink,
 partial sums over RDMA, sum across domains at the source). ``L`` ranks per domain and ``D`` domains are
 template parameters, instantiated on first use; the rest are arguments. Offsets come from
-:mod:`.layout`; launch plans from :mod:`.plans`.
+:mod:`.buffer_map`; launch plans from :mod:`.plans`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..headers import constant
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
 from ..tunable import Tunable
-from . import layout as IL
+from . import buffer_map as IL
 from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
@@ -36,9 +36,9 @@ __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "repre
 MAX_NVL_RANKS = limits.INTERNODE_MAX_NVL_RANKS
 MAX_DOMAINS = limits.INTERNODE_MAX_DOMAINS
 
-# Op codes of the error record (OpCode in cuda_src/internode/layout.cuh) -> names used in error messages.
+# Op codes of the error record (OpCode in cuda_src/internode/buffer_map.cuh) -> names used in error messages.
 def _op(name: str) -> int:
-    return constant("internode/layout.cuh", "kOp" + name)
+    return constant("internode/buffer_map.cuh", "kOp" + name)
 
 
 OP_NOTIFY_RDMA, OP_NOTIFY_NVL = _op("NotifyRdma"), _op("NotifyNvl")
@@ -166,10 +166,10 @@ class InternodeEngine(EngineHealth, Tunable):
     same value):
         timeout_s: wait budget of the kernels.
         sub_channels: channels a block runs side by side, in dispatch and combine alike (compile-time; None,
-            the default: ``layout.sub_channels`` for the config's SMs, blocks of at most 768 threads with one
-            rank per domain (1024 on few SMs), 512 with more; up to ``layout.max_sub_channels``, 1024 threads).
-            A dispatch without handle makes ``num_sms / 2 * sub_channels`` channels; the config's rings per
-            SM pair are split between them (``ring_sizes``).
+            the default: ``buffer_map.sub_channels`` for the config's SMs, blocks of at most 768 threads with
+            one rank per domain (1024 on few SMs), 512 with more; up to ``buffer_map.max_sub_channels``, 1024
+            threads). A dispatch without handle makes ``num_sms / 2 * sub_channels`` channels; the config's
+            rings per SM pair are split between them (``ring_sizes``).
             A handle keeps its channel count whatever the value later.
         use_own_row_copies: with one rank per domain, let a dispatch copy this rank's own rows with
             device-to-device copies (ops/own_rows.py; the driver runs them on SMs outside the launch's count)
@@ -206,7 +206,7 @@ class InternodeEngine(EngineHealth, Tunable):
 
     def channels_per_block(self, num_sms: int | None = None) -> int:
         """The ``sub_channels`` of the next plans on ``num_sms`` SMs: the tuning attribute, checked, or the
-        default (``layout.sub_channels``)."""
+        default (``buffer_map.sub_channels``)."""
         return IL.channels_per_block(self.num_nvl_ranks, self.num_domains, self.sub_channels, num_sms)
 
     def __init__(self, group, device_id: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
@@ -232,7 +232,7 @@ class InternodeEngine(EngineHealth, Tunable):
         self._side = SideStreams(self.device_id, 1)
         # NVSHMEM puts and signals even to peers reachable by stores: runs the network path on one host.
         self.force_rma = os.environ.get("DEEPEP_CUPY_INTERNODE_FORCE_RMA", "0") == "1"
-        self.signals = IL.signal_layout(self.num_nvl_ranks, self.num_domains)
+        self.signals = IL.signal_map(self.num_nvl_ranks, self.num_domains)
         self._own_rdma = rdma is None
         self._rdma = self._sig = self.nvl = None
         try:

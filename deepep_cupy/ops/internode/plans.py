@@ -1,7 +1,7 @@
 """Launch plans of the internode dispatch and combine (several NVLink domains).
 
 As the intranode plans: a plan fixes, for one (framework, shapes, dtypes, config, flags), the kernels,
-the layouts and the argument blocks; a call allocates its outputs in the caller's framework, patches
+the buffer maps and the argument blocks; a call allocates its outputs in the caller's framework, patches
 pointers and launches on the communication stream. A dispatch without handle and without
 ``num_worst_tokens`` waits for the notify counts (as DeepEP's). Returns DeepEP V1's 10-entry handle
 (``reference/internode.py``). Padding rows of ``recv_x`` (``num_worst_tokens``) are left as allocated, as
@@ -19,7 +19,7 @@ from ..kernel_names import internode_combine, internode_dispatch, internode_noti
 from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, scale_strides, scales_dtype
 from ..pool_outputs import PoolOutputs
-from . import layout as IL
+from . import buffer_map as IL
 from .args import COMBINE, DISPATCH, NOTIFY
 from .engine import (
     NOTIFY_THREADS,
@@ -36,8 +36,8 @@ from .engine import (
 __all__ = ["DispatchPlan", "CombinePlan", "check_sizes", "default_channels"]
 
 
-def check_sizes(engine, rdma: IL.RdmaLayout, nvl: IL.NvlLayout) -> None:
-    """The layouts must fit the buffers the engine was created with."""
+def check_sizes(engine, rdma: IL.RdmaBufferMap, nvl: IL.NvlBufferMap) -> None:
+    """The buffer maps must fit the buffers the engine was created with."""
     limits.internode_sizes(engine.num_nvl_bytes, engine.num_rdma_bytes, rdma, nvl)
 
 
@@ -93,7 +93,7 @@ class DispatchPlan(NormalPlan):
             rdma_channel_prefix_matrix=0, gbl_channel_prefix_matrix=0, recv_rdma_rank_prefix_sum=0,
             recv_gbl_rank_prefix_sum=0, recv_x=0, recv_x_scales=0, recv_topk_idx=0, recv_topk_weights=0,
             recv_rdma_channel_prefix_matrix=0, recv_gbl_channel_prefix_matrix=0, recv_src_meta=0, send_rdma_head=0,
-            send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, layout=self.rdma,
+            send_nvl_head=0, num_out_rows=0, num_nvl_head_rows=0, rdma=engine.rdma_ptr, rdma_map=self.rdma,
             rdma_chunk=chunk, sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, force_rma=engine.force_rma,
             pool_bases=pool.bases.data.ptr if pool is not None else 0)
@@ -257,7 +257,7 @@ class CombinePlan(NormalPlan):
             x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, recv_rdma_channel_prefix_matrix=0,
             recv_rdma_rank_prefix_sum=0, recv_gbl_channel_prefix_matrix=0, recv_gbl_rank_prefix_sum=0,
             send_rdma_head=0, send_nvl_head=0, num_tokens=self.num_tokens, hidden_int4=2 * self.hidden // 16,
-            combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, layout=self.rdma, rdma_chunk=max(1, chunk),
+            combined_x=0, combined_topk_weights=0, rdma=engine.rdma_ptr, rdma_map=self.rdma, rdma_chunk=max(1, chunk),
             sig=engine.sig_ptr, nvl_bases=engine.nvl_bases, nvl=self.nvl, state=engine.state,
             err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=engine.rank, force_rma=engine.force_rma)
         self.plan = LaunchPlan(kernel, grid, combine_block_threads(L, D, sub), COMBINE, named)

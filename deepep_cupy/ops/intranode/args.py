@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..headers import constant, kernel_struct
 from ..plan import kernel_pointer
-from . import layout as L
+from . import buffer_map as L
 
 __all__ = ["NOTIFY", "DISPATCH", "COMBINE", "COMBINE_COPY", "KERNEL_STRUCTS", "NOTIFY_THREADS", "notify_args",
            "dispatch_args", "combine_args", "publish_batch", "kernel_pointer"]
@@ -44,11 +44,11 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
                   num_topk, num_local_experts, is_token_in_rank, num_tokens, hidden_int4, rank_prefix_matrix,
                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_x_scales, recv_topk_idx,
                   recv_topk_weights, recv_src_idx, send_head, num_out_rows, num_worst_tokens, bases,
-                  layout: L.BufferLayout, num_own_rows_warps, err_ptr, timeout_ns, rank,
+                  buffer_map: L.IntranodeBufferMap, num_own_rows_warps, err_ptr, timeout_ns, rank,
                   num_recv_own_rows_warps=0, batch=1, own_rows_claims=0, pool_bases=None, fan_out=False) -> dict:
     """Values of ``DispatchArgs``. ``pool_bases``: every rank's output pool when this call's outputs are in this
-    rank's (patched per call); the done words of the direct mode follow the rings (``layout.end``)."""
-    slot = layout.slot
+    rank's (patched per call); the done words of the direct mode follow the rings (``buffer_map.end``)."""
+    slot = buffer_map.slot
     return dict(
         x=x, x_scales=kernel_pointer(x_scales), scale_token_stride=scale_token_stride,
         scale_block_stride=scale_block_stride, num_scales=num_scales, topk_idx=kernel_pointer(topk_idx),
@@ -60,26 +60,28 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
         recv_topk_weights=kernel_pointer(recv_topk_weights), recv_src_idx=kernel_pointer(recv_src_idx),
         send_head=kernel_pointer(send_head), num_out_rows=num_out_rows, num_worst_tokens=num_worst_tokens,
         own_rows_copied=0, fan_out=int(bool(fan_out)), bases=bases, pool_bases=kernel_pointer(pool_bases),
-        done_offset=layout.end, ring_offset=layout.ring_offset, free_offset=layout.free_offset,
-        slot_bytes=slot.slot_bytes, cap=layout.cap, slot_scales_offset=slot.scales_offset,
+        done_offset=buffer_map.end, ring_offset=buffer_map.ring_offset, free_offset=buffer_map.free_offset,
+        slot_bytes=slot.slot_bytes, cap=buffer_map.cap, slot_scales_offset=slot.scales_offset,
         slot_topk_idx_offset=slot.topk_idx_offset, slot_topk_weights_offset=slot.topk_weights_offset,
-        num_channels=layout.num_channels, num_own_rows_warps=num_own_rows_warps,
-        num_recv_own_rows_warps=num_recv_own_rows_warps, publish_batch=publish_batch(batch, layout.cap),
+        num_channels=buffer_map.num_channels, num_own_rows_warps=num_own_rows_warps,
+        num_recv_own_rows_warps=num_recv_own_rows_warps, publish_batch=publish_batch(batch, buffer_map.cap),
         own_rows_claims=own_rows_claims, err=err_ptr,
         timeout_ns=timeout_ns, rank=rank)
 
 
 def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, channel_prefix_matrix,
                  recv_channel_prefix_matrix, send_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
-                 bases, layout: L.BufferLayout, err_ptr, timeout_ns, rank, batch=1, run_claims=0) -> dict:
+                 bases, buffer_map: L.IntranodeBufferMap, err_ptr, timeout_ns, rank, batch=1,
+                 run_claims=0) -> dict:
     """Values of ``CombineArgs``."""
     return dict(
         x=x, topk_weights=kernel_pointer(topk_weights), num_topk=num_topk, bias_0=kernel_pointer(bias_0),
         bias_1=kernel_pointer(bias_1), rank_prefix_matrix=rank_prefix_matrix,
         channel_prefix_matrix=channel_prefix_matrix, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
         send_head=send_head, num_tokens=num_tokens, hidden_int4=hidden_int4, combined_x=combined_x,
-        combined_topk_weights=kernel_pointer(combined_topk_weights), bases=bases, ring_offset=layout.ring_offset,
-        free_offset=layout.free_offset, slot_bytes=layout.slot.slot_bytes, cap=layout.cap,
-        slot_topk_weights_offset=layout.slot.topk_weights_offset, num_channels=layout.num_channels,
-        publish_batch=publish_batch(batch, layout.cap), run_claims=run_claims, err=err_ptr, timeout_ns=timeout_ns,
-        rank=rank)
+        combined_topk_weights=kernel_pointer(combined_topk_weights), bases=bases,
+        ring_offset=buffer_map.ring_offset, free_offset=buffer_map.free_offset,
+        slot_bytes=buffer_map.slot.slot_bytes, cap=buffer_map.cap,
+        slot_topk_weights_offset=buffer_map.slot.topk_weights_offset, num_channels=buffer_map.num_channels,
+        publish_batch=publish_batch(batch, buffer_map.cap), run_claims=run_claims, err=err_ptr,
+        timeout_ns=timeout_ns, rank=rank)

@@ -28,11 +28,11 @@ from ...jit import BuildSpec
 from ..handles import DispatchHandle
 from ..headers import constant
 from ..kernel_names import intranode_combine_copy
-from . import layout as L
+from . import buffer_map as L
 from .args import COMBINE_COPY
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "IntranodeHandle", "CopyCombine", "chunk_sizes", "combine_copy_spec", "copy_schedule",
-           "default_rounds", "fits", "home_counts", "part_end", "part_rows", "round_weights", "staging_layout",
+           "default_rounds", "fits", "home_counts", "part_end", "part_rows", "round_weights", "staging_map",
            "stream_writes_supported", "turn_waits"]
 
 #: A copy flag is (copy sequence << ROW_BITS) | rows copied so far.
@@ -87,7 +87,7 @@ def home_counts(rank_prefix) -> list[list[int]]:
             for h in range(R)]
 
 
-def staging_layout(cnt, home: int, hidden_bytes: int, num_topk: int) -> tuple[list[int], int, int]:
+def staging_map(cnt, home: int, hidden_bytes: int, num_topk: int) -> tuple[list[int], int, int]:
     """Staging area of ``home``: ``(first row of every source's slot (0 for the home itself), byte offset of
     the weights slots, bytes used)``."""
     first, rows = [], 0
@@ -169,7 +169,7 @@ def copy_schedule(cnt, me: int, hidden_bytes: int, num_topk: int, chunk_rows: in
     homes = [(me + i) % R for i in range(1, R)]
     out, parts = [], {}
     for h in homes:
-        first, weights_offset, _ = staging_layout(cnt, h, hidden_bytes, num_topk)
+        first, weights_offset, _ = staging_map(cnt, h, hidden_bytes, num_topk)
         src = sum(cnt[q][me] for q in range(h))  # rows me received from ranks before h
         n = cnt[h][me]
         if n and num_topk:
@@ -222,7 +222,7 @@ def turn_waits(cnt, me: int, rounds, schedule) -> dict[int, tuple[int, int, int]
 
 def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int) -> bool:
     """True when every home's staging area holds what it receives."""
-    return all(staging_layout(cnt, h, hidden_bytes, num_topk)[2] <= staging_bytes for h in range(len(cnt)))
+    return all(staging_map(cnt, h, hidden_bytes, num_topk)[2] <= staging_bytes for h in range(len(cnt)))
 
 
 def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
@@ -294,7 +294,7 @@ class CopyCombine:
             waits = {} if not self.gated else {
                 i: (self._peer_ptrs[home] + L.copy_flag_offset(R, source), rows)
                 for i, (home, source, rows) in turn_waits(cnt, me, self.rounds, schedule).items()}
-            prepared = (schedule, staging_layout(cnt, me, self.hidden_bytes, self.num_topk)[1], waits)
+            prepared = (schedule, staging_map(cnt, me, self.hidden_bytes, self.num_topk)[1], waits)
         self._counts, self._prepared = counts, prepared
         return prepared
 

@@ -39,7 +39,7 @@ from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
 from ..tunable import Tunable
 from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args, publish_batch
 from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
-from .layout import required_bytes
+from .buffer_map import required_bytes
 
 __all__ = [
     "IntranodeEngine",
@@ -143,9 +143,9 @@ def default_combine_shape(num_ranks: int, num_sms: int | None = None, copy: bool
     return shape_from(COPY_COMBINE_SHAPE_TABLE if copy else COMBINE_SHAPE_TABLE, num_ranks, num_sms)
 
 
-# Op codes of the error record (OpCode in cuda_src/intranode/layout.cuh) -> names used in error messages.
+# Op codes of the error record (OpCode in cuda_src/intranode/buffer_map.cuh) -> names used in error messages.
 def _op(name: str) -> int:
-    return constant("intranode/layout.cuh", "kOp" + name)
+    return constant("intranode/buffer_map.cuh", "kOp" + name)
 
 
 OP_NOTIFY_ARRIVE, OP_NOTIFY_COUNTS = _op("NotifyArrive"), _op("NotifyCounts")

@@ -1,6 +1,6 @@
 """Launch plans of the intranode (NVLink) dispatch and combine.
 
-A plan fixes, for one (framework, shapes, dtypes, config, flags), the kernels, the buffer layout and the
+A plan fixes, for one (framework, shapes, dtypes, config, flags), the kernels, the buffer map and the
 argument blocks; a call allocates its outputs in the caller's framework, patches pointers and launches
 on the communication stream. Only a dispatch without handle and without ``num_worst_tokens`` waits for
 the device (for the received counts, to size its outputs), as in DeepEP.
@@ -17,7 +17,7 @@ from ..kernel_names import intranode_combine, intranode_dispatch, intranode_noti
 from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, config_key, lookup, scale_strides, scales_dtype, store
 from ..pool_outputs import PoolOutputs
-from . import layout as L
+from . import buffer_map as L
 from .args import COMBINE, DISPATCH, NOTIFY
 from .copy import CopyCombine, IntranodeHandle
 from .engine import (
@@ -57,7 +57,7 @@ class DispatchPlan(NormalPlan):
         self.x_key = FP8 if x_scales is not None else BF16
         self.num_topk = int(topk_idx.shape[1]) if topk_idx is not None and not self.cached else 0
         num_local_experts = 0 if self.cached else int(num_tokens_per_expert.shape[0]) // R
-        self.num_channels, self.cap, layout, notify = limits.intranode_dispatch(
+        self.num_channels, self.cap, buffer_map, notify = limits.intranode_dispatch(
             R, engine.num_nvl_bytes, config, num_tokens=num_tokens, hidden=hidden, fp8=x_scales is not None,
             num_scales=self.num_scales, num_topk=self.num_topk, num_local_experts=num_local_experts,
             handle_channels=int(handle[1].shape[1]) if self.cached else None, num_device_sms=engine.num_device_sms)
@@ -82,8 +82,9 @@ class DispatchPlan(NormalPlan):
             is_token_in_rank=0, num_tokens=num_tokens, hidden_int4=hidden_bytes // 16, rank_prefix_matrix=0,
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, recv_x=0, recv_x_scales=0, recv_topk_idx=0,
             recv_topk_weights=0, recv_src_idx=0, send_head=0, num_out_rows=self.num_rows,
-            num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases, layout=layout,
-            num_own_rows_warps=own_rows_warps, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
+            num_worst_tokens=0 if self.cached else num_worst_tokens, bases=engine.bases,
+            buffer_map=buffer_map, num_own_rows_warps=own_rows_warps, err_ptr=engine.errors.ptr,
+            timeout_ns=engine.timeout_ns, rank=me,
             num_recv_own_rows_warps=recv_own_rows_warps, batch=engine.batch(config),
             own_rows_claims=engine.work_claims.data.ptr,
             fan_out=engine.fan_out(2 * self.num_channels))
@@ -230,16 +231,16 @@ class CombinePlan(NormalPlan):
         self.num_tokens, self.hidden = int(handle[4].shape[0]), hidden
         self.num_topk = int(topk_weights.shape[1]) if topk_weights is not None else 0
         self.has_weights = topk_weights is not None
-        self.cap, layout = limits.intranode_combine(R, engine.num_nvl_bytes, config, hidden=hidden,
-                                                    num_topk=self.num_topk, handle_channels=self.num_channels,
-                                                    num_device_sms=engine.num_device_sms)
+        self.cap, buffer_map = limits.intranode_combine(
+            R, engine.num_nvl_bytes, config, hidden=hidden, num_topk=self.num_topk,
+            handle_channels=self.num_channels, num_device_sms=engine.num_device_sms)
         warps, unroll = engine.combine_shape(2 * self.num_channels)
         kernel = engine.kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
         named = combine_args(
             x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0,
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
             hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
-            layout=layout, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
+            buffer_map=buffer_map, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
             batch=engine.combine_batch(), run_claims=engine.work_claims.data.ptr)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, COMBINE, named)
         self.slots = tuple(self.plan.slot(n) for n in (

@@ -1,7 +1,7 @@
 """Low-latency (decode) dispatch and combine over NVSHMEM: launchers and :class:`LowLatencyEngine`.
 
-Kernels: ``cuda_src/low_latency/dispatch.cu`` and ``combine.cu`` (protocol and layout in
-``cuda_src/low_latency/layout.cuh``, offsets in :mod:`.layout`). Compile-time parameters
+Kernels: ``cuda_src/low_latency/dispatch.cu`` and ``combine.cu`` (protocol and buffer map in
+``cuda_src/low_latency/buffer_map.cuh``, offsets in :mod:`.buffer_map`). Compile-time parameters
 are the hidden size, the top-k, the warp split (warps per group, groups per block) and the data format
 (FP8 dispatch, LogFMT combine); everything else is a kernel argument.
 
@@ -23,7 +23,7 @@ Environment:
         and copy the staged rows, instead of casting on the fly for every destination expert (rows sent
         per (token, expert) only). Always on when some peer is reached through puts.
     DEEPEP_CUPY_LL_PER_EXPERT=1: send one dispatch row per (token, expert) even where one message per
-        (token, rank) applies (every rank reached by stores; see layout.py), and one combine row
+        (token, rank) applies (every rank reached by stores; see buffer_map.py), and one combine row
         per (token, expert) even where per-rank partial sums apply (:meth:`LowLatencyEngine.rank_partials`).
     ``LowLatencyEngine.staged`` and ``.per_expert`` hold the last two; a plan reads them when it is
     made, so a change applies to shapes not used before (or after the Buffer's plans are dropped).
@@ -40,10 +40,10 @@ from ...frameworks import BF16
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
 from ..headers import constant
-from .layout import (
+from .buffer_map import (
     MAX_EXPERTS,
     REGIONS,
-    LowLatencyLayout,
+    LowLatencyBufferMap,
 )
 
 __all__ = [
@@ -59,16 +59,16 @@ __all__ = [
     "warp_split",
 ]
 
-_LAYOUT = "low_latency/layout.cuh"
-#: Op codes of cuda_src/low_latency/layout.cuh, for error messages.
-OP_NAMES = {constant(_LAYOUT, "kOpDispatchRecv"): "low_latency_dispatch (receive)",
-            constant(_LAYOUT, "kOpCombineRecv"): "low_latency_combine (receive)",
-            constant(_LAYOUT, "kOpCombineSend"): "low_latency_combine (send)",
-            constant(_LAYOUT, "kOpDispatchSend"): "low_latency_dispatch (send)"}
+_HEADER = "low_latency/buffer_map.cuh"
+#: Op codes of cuda_src/low_latency/buffer_map.cuh, for error messages.
+OP_NAMES = {constant(_HEADER, "kOpDispatchRecv"): "low_latency_dispatch (receive)",
+            constant(_HEADER, "kOpCombineRecv"): "low_latency_combine (receive)",
+            constant(_HEADER, "kOpCombineSend"): "low_latency_combine (send)",
+            constant(_HEADER, "kOpDispatchSend"): "low_latency_dispatch (send)"}
 
 #: The phases of a launch (the kernels' ``phases`` field).
-PHASE_SEND = constant(_LAYOUT, "kPhaseSend")
-PHASE_RECV = constant(_LAYOUT, "kPhaseRecv")
+PHASE_SEND = constant(_HEADER, "kPhaseSend")
+PHASE_RECV = constant(_HEADER, "kPhaseRecv")
 #: Threads of a staging block (the stage kernel's launch bounds).
 STAGE_THREADS = constant("low_latency/dispatch.cu", "kStageThreads")
 _WARPS_PER_BLOCK = 24
@@ -229,7 +229,7 @@ class LowLatencyEngine:
                 # Per buffer half: send sequence, its readers, receive sequence, its readers, then the
                 # count of combine blocks done sending in the current launch (reset by the last of them),
                 # the same count for the dispatch, and two spare words. The per-expert arrival bases and
-                # ready words are sized for the most experts any layout may have, so their addresses
+                # ready words are sized for the most experts any buffer map may have, so their addresses
                 # never change and plans may keep them.
                 self._seq = cupy.zeros((2, 8), dtype=cupy.uint32)
                 self._arrival_base = cupy.zeros((2, MAX_EXPERTS), dtype=cupy.uint64)
@@ -238,8 +238,8 @@ class LowLatencyEngine:
                     {"seq": self._seq.data.ptr + 32 * b, "base": self._arrival_base.data.ptr + 8 * MAX_EXPERTS * b,
                      "ready": self._ready.data.ptr + 4 * MAX_EXPERTS * b, "mask": self.mask.data.ptr}
                     for b in (0, 1))
-                self._layout: LowLatencyLayout | None = None
-                self._layouts: dict[tuple, LowLatencyLayout] = {}
+                self._buffer_map: LowLatencyBufferMap | None = None
+                self._buffer_maps: dict[tuple, LowLatencyBufferMap] = {}
                 self._kernel_cache: dict[tuple, tuple] = {}
                 self._views: dict = {}
                 self._idx = 0
@@ -264,57 +264,62 @@ class LowLatencyEngine:
         return self._sym.ptr, self._sym.nbytes
 
     @property
-    def layout(self) -> LowLatencyLayout | None:
-        return self._layout
+    def buffer_map(self) -> LowLatencyBufferMap | None:
+        return self._buffer_map
 
-    def make_layout(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> LowLatencyLayout:
-        """The layout for these sizes, checked against the limits and the buffer size. One object per
-        sizes, so plans compare layouts by identity on the hot path."""
+    def make_buffer_map(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                        num_experts: int) -> LowLatencyBufferMap:
+        """The buffer map for these sizes, checked against the limits and the buffer size. One object per
+        sizes, so plans compare buffer maps by identity on the hot path."""
         key = (int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts))
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = self._new_layout(*key)
-        return layout
+        buffer_map = self._buffer_maps.get(key)
+        if buffer_map is None:
+            buffer_map = self._buffer_maps[key] = self._new_buffer_map(*key)
+        return buffer_map
 
-    def _new_layout(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> LowLatencyLayout:
-        return limits.low_latency_layout(self.num_ranks, self.num_rdma_bytes, num_max_dispatch_tokens_per_rank,
-                                         hidden, num_experts)
+    def _new_buffer_map(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                        num_experts: int) -> LowLatencyBufferMap:
+        return limits.low_latency_buffer_map(self.num_ranks, self.num_rdma_bytes,
+                                             num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def use_layout(self, layout: LowLatencyLayout) -> None:
-        """Make ``layout`` current; a change of sizes cleans the buffer first (collective, synchronous)."""
-        if self._layout is layout:
+    def use_buffer_map(self, buffer_map: LowLatencyBufferMap) -> None:
+        """Make ``buffer_map`` current; a change of sizes cleans the buffer first (collective,
+        synchronous)."""
+        if self._buffer_map is buffer_map:
             return
-        if self._layout is not None and self._layout != layout:
+        if self._buffer_map is not None and self._buffer_map != buffer_map:
             self._clean_all()
-        self._layout = layout
+        self._buffer_map = buffer_map
 
-    def region_addresses(self, layout: LowLatencyLayout) -> tuple[dict, dict]:
-        """Per buffer half, the absolute address of every region of ``layout``."""
-        return tuple({name: self._sym.ptr + layout.region(b, name) for name in REGIONS} for b in (0, 1))
+    def region_addresses(self, buffer_map: LowLatencyBufferMap) -> tuple[dict, dict]:
+        """Per buffer half, the absolute address of every region of ``buffer_map``."""
+        return tuple({name: self._sym.ptr + buffer_map.region(b, name) for name in REGIONS} for b in (0, 1))
 
-    def rank_messages(self, layout: LowLatencyLayout, topk: int, use_fp8: bool) -> bool:
+    def rank_messages(self, buffer_map: LowLatencyBufferMap, topk: int, use_fp8: bool) -> bool:
         """Whether a dispatch of these sizes sends one message per (token, rank): every rank reached by
         stores (as on every rank of an NVLink domain), not forced to puts or to per-expert rows, and the
-        layout's tables fit."""
-        return self._stores_everywhere() and layout.rank_messages_fit(topk, use_fp8)
+        buffer map's tables fit."""
+        return self._stores_everywhere() and buffer_map.rank_messages_fit(topk, use_fp8)
 
-    def rank_partials(self, layout: LowLatencyLayout, topk: int, use_logfmt: bool, hook: bool = False) -> bool:
+    def rank_partials(self, buffer_map: LowLatencyBufferMap, topk: int, use_logfmt: bool,
+                      hook: bool = False) -> bool:
         """Whether a combine of these sizes sends per-rank partial sums (combine_partials.cuh): not in hook
-        mode, every rank reached by stores, not forced to puts or per-expert rows, the layout's regions and
-        the send's shared table fit, and a token is expected to pick enough experts of a rank it reaches
-        (``LowLatencyLayout.partials_pay``) that one partial row beats its per-expert rows. The same
+        mode, every rank reached by stores, not forced to puts or per-expert rows, the buffer map's regions
+        and the send's shared table fit, and a token is expected to pick enough experts of a rank it reaches
+        (``LowLatencyBufferMap.partials_pay``) that one partial row beats its per-expert rows. The same
         decision on every rank (every rank passes the same ``return_recv_hook``).
 
         A hook-mode combine sends per-expert rows: the expert side can sum a token's rows only with the
         owner's routes and weights, which the owner's own combine send writes, so a partial-sum send
         waits for every peer to reach its combine, and a late peer's delay would be added to this rank's
         send instead of being hidden behind the compute before the hook."""
-        return (not hook and self._stores_everywhere() and layout.partials_fit(topk, use_logfmt, self.num_sms)
-                and layout.partials_pay(topk, use_logfmt))
+        return (not hook and self._stores_everywhere()
+                and buffer_map.partials_fit(topk, use_logfmt, self.num_sms)
+                and buffer_map.partials_pay(topk, use_logfmt))
 
     def _stores_everywhere(self) -> bool:
         """Every rank reached by stores, and neither puts nor per-expert rows forced: the condition of the
-        per-rank formats (what the engine knows; the layout says whether they fit)."""
+        per-rank formats (what the engine knows; the buffer map says whether they fit)."""
         return all(self.p2p_peers) and not self.force_rma and not self.per_expert
 
     def next_buffer(self) -> int:
@@ -364,15 +369,16 @@ class LowLatencyEngine:
         if self.errors.flag_word():
             self.errors.check(OP_NAMES)
 
-    def combine_buffer_view(self, frame, layout: LowLatencyLayout, buffer_idx: int):
+    def combine_buffer_view(self, frame, buffer_map: LowLatencyBufferMap, buffer_idx: int):
         """The ``[E_local, R*T, H]`` bf16 send area of half ``buffer_idx`` in ``frame``'s framework (one view
-        per half, layout and framework, made once: the zero-copy path asks for it every step)."""
-        key = (frame.framework, layout, buffer_idx)
+        per half, buffer map and framework, made once: the zero-copy path asks for it every step)."""
+        key = (frame.framework, buffer_map, buffer_idx)
         view = self._views.get(key)
         if view is None:
-            e_local = layout.num_experts // self.num_ranks
-            shape = (e_local, self.num_ranks * layout.num_max_dispatch_tokens_per_rank, layout.hidden)
-            view = frame.wrap(self._sym.ptr + layout.region(buffer_idx, "send"), shape, BF16, owner=self._sym)
+            e_local = buffer_map.num_experts // self.num_ranks
+            shape = (e_local, self.num_ranks * buffer_map.num_max_dispatch_tokens_per_rank, buffer_map.hidden)
+            view = frame.wrap(self._sym.ptr + buffer_map.region(buffer_idx, "send"), shape, BF16,
+                              owner=self._sym)
             self._views[key] = view
         return view
 
@@ -381,11 +387,11 @@ class LowLatencyEngine:
 
     def clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts, stream=None) -> None:
         """Zero the buffer and the completion state on every rank (collective; synchronises the device)."""
-        layout = self.make_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        buffer_map = self.make_buffer_map(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if stream is not None:
             stream.synchronize()
         self._clean_all()
-        self._layout = layout
+        self._buffer_map = buffer_map
 
     # ------------------------------------------------------------------ masking
     def update_mask(self, rank: int, mask: bool) -> None:

@@ -42,24 +42,24 @@ class _Hook:
 
 
 class _Plan:
-    """What both low-latency plans share: engine, frame, layout and the stream choreography."""
+    """What both low-latency plans share: engine, frame, buffer map and the stream choreography."""
 
-    def __init__(self, engine, frame, layout, async_finish: bool, comm_stream: int) -> None:
+    def __init__(self, engine, frame, buffer_map, async_finish: bool, comm_stream: int) -> None:
         self.engine = engine
         self.frame = frame
-        self.layout = layout
+        self.buffer_map = buffer_map
         self.async_finish = bool(async_finish)
         self.comm_stream = comm_stream
-        self.regions = engine.region_addresses(layout)
+        self.regions = engine.region_addresses(buffer_map)
 
     def _begin(self) -> tuple[int, object]:
-        """Check for errors recorded by earlier launches, make the layout current (a collective clean if
-        another layout was used since), and choose the stream: the caller's, or the communication stream
-        after it with ``async_finish``."""
+        """Check for errors recorded by earlier launches, make the buffer map current (a collective clean
+        if another buffer map was used since), and choose the stream: the caller's, or the communication
+        stream after it with ``async_finish``."""
         engine = self.engine
         engine.check_errors()  # a load of the host-mapped flag word unless something was recorded
-        if engine.layout is not self.layout:
-            engine.use_layout(self.layout)
+        if engine.buffer_map is not self.buffer_map:
+            engine.use_buffer_map(self.buffer_map)
         compute = self.frame.stream()
         if not self.async_finish:
             return compute, None
@@ -97,17 +97,19 @@ class _Plan:
         """Half ``b``'s region addresses, its state addresses, and the sizes both kernels take."""
         engine, r = self.engine, self.regions[b]
         state = engine.state_ptrs[b]
-        return r, state, dict(num_experts=self.layout.num_experts, num_ranks=engine.num_ranks, rank=engine.rank)
+        return r, state, dict(num_experts=self.buffer_map.num_experts, num_ranks=engine.num_ranks,
+                              rank=engine.rank)
 
 
 class DispatchPlan(_Plan):
     """``low_latency_dispatch`` for one (framework, N, H, K, T, E, flags)."""
 
-    def __init__(self, engine, frame, layout, *, num_tokens: int, topk: int, use_fp8: bool, round_scale: bool,
-                 use_ue8m0: bool, return_recv_hook: bool, wait_stats_row: int, async_finish: bool,
-                 comm_stream: int) -> None:
-        super().__init__(engine, frame, layout, async_finish, comm_stream)
-        hidden, num_experts, t_max = layout.hidden, layout.num_experts, layout.num_max_dispatch_tokens_per_rank
+    def __init__(self, engine, frame, buffer_map, *, num_tokens: int, topk: int, use_fp8: bool,
+                 round_scale: bool, use_ue8m0: bool, return_recv_hook: bool, wait_stats_row: int,
+                 async_finish: bool, comm_stream: int) -> None:
+        super().__init__(engine, frame, buffer_map, async_finish, comm_stream)
+        hidden, num_experts = buffer_map.hidden, buffer_map.num_experts
+        t_max = buffer_map.num_max_dispatch_tokens_per_rank
         self.num_tokens, self.hidden, self.t_max, self.num_experts = num_tokens, hidden, t_max, num_experts
         self.use_fp8, self.use_ue8m0 = bool(use_fp8), bool(use_ue8m0) and bool(use_fp8)
         round_scale = (bool(round_scale) or self.use_ue8m0) and self.use_fp8
@@ -119,12 +121,13 @@ class DispatchPlan(_Plan):
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         # One message per (token, rank) where every rank is reached by stores and the tables fit
         # (dispatch_ranks.cuh); the same decision on every rank.
-        self.rank_msgs = engine.rank_messages(layout, topk, self.use_fp8)
+        self.rank_msgs = engine.rank_messages(buffer_map, topk, self.use_fp8)
         warps, groups, blocks, kernels, stage = engine.kernels("dispatch", hidden, topk, num_experts, self.use_fp8,
                                                                self.rank_msgs, hook=self.hook)
         # The row map is written only where a combine of this shape sends partial sums (in either format):
         # elsewhere nothing reads it.
-        self.row_map = engine.rank_partials(layout, topk, False) or engine.rank_partials(layout, topk, True)
+        self.row_map = (engine.rank_partials(buffer_map, topk, False)
+                        or engine.rank_partials(buffer_map, topk, True))
         # Over stores the send phase splits (token, segment) items over the whole grid, and the receive
         # phase's units loop over the groups: one block per SM (all resident, as the waits need).
         if self.use_fp8 or self.rank_msgs:  # BF16 per-expert rows keep their own grid (dispatch.cu)
@@ -154,7 +157,7 @@ class DispatchPlan(_Plan):
         self.recv_shape, self.recv_dtype = (self.e_local, self.slab, hidden), FP8 if self.use_fp8 else BF16
         self.handle_key = None
         # Counts, source info, layout ranges, the scales (handed out column-major) and the row map (the
-        # inverse of the source info, which the partial-sum combine reads: layout.cuh record_row) come
+        # inverse of the source info, which the partial-sum combine reads: buffer_map.cuh record_row) come
         # from one allocation.
         small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.e_local, self.num_ranks), I64)]
         if self.use_fp8:
@@ -214,23 +217,25 @@ class DispatchPlan(_Plan):
 class CombinePlan(_Plan):
     """``low_latency_combine`` for one (framework, N, H, K, T, E, flags)."""
 
-    def __init__(self, engine, frame, layout, *, num_tokens: int, topk: int, use_logfmt: bool, zero_copy: bool,
-                 return_recv_hook: bool, wait_stats_row: int, async_finish: bool, comm_stream: int) -> None:
-        super().__init__(engine, frame, layout, async_finish, comm_stream)
-        hidden, num_experts, t_max = layout.hidden, layout.num_experts, layout.num_max_dispatch_tokens_per_rank
+    def __init__(self, engine, frame, buffer_map, *, num_tokens: int, topk: int, use_logfmt: bool,
+                 zero_copy: bool, return_recv_hook: bool, wait_stats_row: int, async_finish: bool,
+                 comm_stream: int) -> None:
+        super().__init__(engine, frame, buffer_map, async_finish, comm_stream)
+        hidden, num_experts = buffer_map.hidden, buffer_map.num_experts
+        t_max = buffer_map.num_max_dispatch_tokens_per_rank
         self.num_tokens, self.hidden = num_tokens, hidden
         self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         # Per-rank partial sums (float32, or LogFMT with use_logfmt) where they pay and fit
         # (combine_partials.cuh), never in hook mode (their send waits for the peers); the same decision on
         # every rank, since an owner reads the format its sources write.
-        self.partials = engine.rank_partials(layout, topk, bool(use_logfmt), self.hook)
+        self.partials = engine.rank_partials(buffer_map, topk, bool(use_logfmt), self.hook)
         warps, groups, blocks, kernels, _ = engine.kernels("combine", hidden, topk, num_experts, bool(use_logfmt),
                                                            self.partials, hook=self.hook)
         # Every phase loops over the grid's groups or warps, so the grid may cover all SMs (one block each,
         # all resident): the LogFMT encode is compute-bound and the reduction gains warps.
         blocks = max(blocks, engine.num_sms)
-        shared = layout.partial_table_bytes(topk) if self.partials else 0
+        shared = buffer_map.partial_table_bytes(topk) if self.partials else 0
         self.plans, self.recv_plans = [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)

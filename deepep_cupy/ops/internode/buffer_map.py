@@ -1,6 +1,6 @@
-"""Layouts of the internode normal kernels: pure arithmetic, shared by the launchers and the CPU tests.
+"""Buffer maps of the internode normal kernels: pure arithmetic, shared by the launchers and the CPU tests.
 
-Device side: ``cuda_src/internode/layout.cuh`` (same regions, same order). ``L`` ranks per domain, ``D``
+Device side: ``cuda_src/internode/buffer_map.cuh`` (same regions, same order). ``L`` ranks per domain, ``D``
 domains, ``C`` channels, ``Rt`` RDMA ring slots, ``Rn`` NVLink ring slots.
 
 RDMA buffer (symmetric, ``num_rdma_bytes``)::
@@ -31,24 +31,24 @@ from dataclasses import dataclass
 
 from ..headers import constant
 
-__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "channels_per_block", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaLayout", "SignalLayout",
-           "NvlLayout", "align", "slot_for", "rdma_layout", "signal_layout", "nvl_layout", "state_words",
+__all__ = ["dispatch_channel_warps", "combine_channel_warps", "sub_channels", "max_sub_channels", "channels_per_block", "ring_sizes", "MAX_CHANNELS", "MAX_TOPK", "MAX_SCALES", "MAX_LOCAL_EXPERTS", "Slot", "RdmaBufferMap", "SignalMap",
+           "NvlBufferMap", "align", "slot_for", "rdma_buffer_map", "signal_map", "nvl_buffer_map", "state_words",
            "REPLY_WORDS"]
 
-MAX_CHANNELS = constant("internode/layout.cuh", "kMaxChannels")
+MAX_CHANNELS = constant("internode/buffer_map.cuh", "kMaxChannels")
 MAX_TOPK = 128
 MAX_SCALES = 128
 MAX_LOCAL_EXPERTS = 1024  # notify records are sized for this many experts per rank
-HEADER_BYTES = constant("internode/layout.cuh", "kSlotHeaderBytes")
+HEADER_BYTES = constant("internode/buffer_map.cuh", "kSlotHeaderBytes")
 
 
 def dispatch_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
-    """Warps of one channel in a dispatch block (layout.cuh)."""
+    """Warps of one channel in a dispatch block (buffer_map.cuh)."""
     return max(num_domains, 2 * num_nvl_ranks)
 
 
 def combine_channel_warps(num_nvl_ranks: int, num_domains: int) -> int:
-    """Warps of one channel in a combine block (layout.cuh): with one rank per domain there are no NVLink
+    """Warps of one channel in a combine block (buffer_map.cuh): with one rank per domain there are no NVLink
     senders, and the ``D`` forwarders and the ``D`` reducers take one block each; with more, one block holds
     the NVLink senders and the reducers, the other the forwarders in pairs."""
     if num_nvl_ranks == 1:
@@ -134,7 +134,7 @@ def slot_for(hidden: int) -> Slot:
 
 
 @dataclass(frozen=True)
-class RdmaLayout:
+class RdmaBufferMap:
     num_nvl_ranks: int
     num_domains: int
     num_channels: int
@@ -155,16 +155,16 @@ class RdmaLayout:
         return self.ring_offset + (r * self.cap + k % self.cap) * self.slot.slot_bytes
 
 
-def rdma_layout(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot) -> RdmaLayout:
+def rdma_buffer_map(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot) -> RdmaBufferMap:
     if not 1 <= num_channels <= MAX_CHANNELS:
         raise ValueError(f"internode kernels support 1..{MAX_CHANNELS} channels, got {num_channels}")
     meta = align(2 * num_channels * num_domains * (2 * num_nvl_ranks + 2) * 4, 128)
     end = meta + 2 * num_channels * num_domains * cap * slot.slot_bytes
-    return RdmaLayout(num_nvl_ranks, num_domains, num_channels, cap, slot, meta, end)
+    return RdmaBufferMap(num_nvl_ranks, num_domains, num_channels, cap, slot, meta, end)
 
 
 @dataclass(frozen=True)
-class SignalLayout:
+class SignalMap:
     tail_offset: int
     head_offset: int
     notify_offset: int
@@ -173,13 +173,13 @@ class SignalLayout:
     end: int
 
 
-def signal_layout(num_nvl_ranks: int, num_domains: int) -> SignalLayout:
+def signal_map(num_nvl_ranks: int, num_domains: int) -> SignalMap:
     D, L = num_domains, num_nvl_ranks
     head = MAX_CHANNELS * D * 8
     notify = 2 * MAX_CHANNELS * D * 8
     record = align(notify + D * 8, 128)
     stride = align(L + L * MAX_LOCAL_EXPERTS + 1, 4)
-    return SignalLayout(0, head, notify, record, stride, record + 2 * D * stride * 4)
+    return SignalMap(0, head, notify, record, stride, record + 2 * D * stride * 4)
 
 
 #: int64 words of a dispatch receiver's reply before its row bases (``kReplyWords`` in dispatch.cu).
@@ -187,7 +187,7 @@ REPLY_WORDS = constant("internode/dispatch.cu", "kReplyWords")
 
 
 @dataclass(frozen=True)
-class NvlLayout:
+class NvlBufferMap:
     meta_offset: int
     ring_offset: int
     notify_offset: int
@@ -197,9 +197,9 @@ class NvlLayout:
     end: int
 
 
-def nvl_layout(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot,
-               num_local_experts: int) -> NvlLayout:
-    """Offsets in a rank's NVLink buffer (layout.cuh's header), then the dispatch receivers' replies to
+def nvl_buffer_map(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int, slot: Slot,
+                   num_local_experts: int) -> NvlBufferMap:
+    """Offsets in a rank's NVLink buffer (buffer_map.cuh's header), then the dispatch receivers' replies to
     this rank as a forwarder, int64 ``[C][L][REPLY_WORDS + D]`` (rows in place, dispatch_forward.cuh)."""
     L, D, C = num_nvl_ranks, num_domains, num_channels
     meta = align((2 * MAX_CHANNELS * L + L) * 8, 128)
@@ -207,9 +207,9 @@ def nvl_layout(num_nvl_ranks: int, num_domains: int, num_channels: int, cap: int
     notify = ring + C * L * cap * slot.slot_bytes
     stride = align(D + num_local_experts, 4)
     reply = align(notify + L * stride * 4, 128)
-    return NvlLayout(meta, ring, notify, stride, cap, reply, reply + C * L * (REPLY_WORDS + D) * 8)
+    return NvlBufferMap(meta, ring, notify, stride, cap, reply, reply + C * L * (REPLY_WORDS + D) * 8)
 
 
 def state_words(num_nvl_ranks: int, num_domains: int) -> int:
-    """int64 words of the persistent per-rank counters (``State`` in layout.cuh)."""
+    """int64 words of the persistent per-rank counters (``State`` in buffer_map.cuh)."""
     return 8 + 2 * MAX_CHANNELS * num_domains + 2 * MAX_CHANNELS * num_nvl_ranks

@@ -1,6 +1,6 @@
-// Shared pieces of the internode normal kernels (groups of several NVLink domains): buffer layouts,
+// Shared pieces of the internode normal kernels (groups of several NVLink domains): buffer maps,
 // progress counters, bounded waits. Design: docs/design/internode.md; the host computes every offset in
-// deepep_cupy/ops/internode/layout.py and passes it as an argument.
+// deepep_cupy/ops/internode/buffer_map.py and passes it as an argument.
 //
 // Topology: L = kNumNvlRanks ranks per domain, D = kNumDomains domains, rank r is local rank r % L of
 // domain r / L. A token of source (d_s, l) bound for domain d crosses RDMA once, to the forwarder (d, l),
@@ -36,7 +36,7 @@
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "internode/args.cuh"
-#include "intranode/layout.cuh"
+#include "intranode/buffer_map.cuh"
 #include "common/nvshmem_includes.cuh"
 
 namespace deepep_cupy::internode {
@@ -74,7 +74,7 @@ struct SlotHeader {
     int token;       // source token index (debugging aid)
     int unused;
 };
-// Bytes of a slot's header; the row follows (deepep_cupy/ops/internode/layout.py reads this value).
+// Bytes of a slot's header; the row follows (deepep_cupy/ops/internode/buffer_map.py reads this value).
 constexpr int kSlotHeaderBytes = 16;
 static_assert(sizeof(SlotHeader) == kSlotHeaderBytes, "the slot header is kSlotHeaderBytes");
 
@@ -279,7 +279,7 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 // runs several consecutive channels side by side: every role of a channel is one warp moving one row at a
 // time, so more channels per SM is what keeps more bytes in flight. By default blocks stay within 768 threads
 // (80 registers a thread) with one rank a domain, or 1024 on few SMs, and within 512 (128 registers) with more
-// (sub_channels in ops/internode/layout.py).
+// (sub_channels in ops/internode/buffer_map.py).
 constexpr int dispatch_channel_warps(int L, int D) { return D > 2 * L ? D : 2 * L; }
 constexpr int combine_channel_warps(int L, int D) { return L == 1 ? D : L * D; }
 // Registers a thread of a combine block of S channels may hold (what a loop may keep in flight).

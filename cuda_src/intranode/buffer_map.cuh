@@ -1,8 +1,8 @@
-// Shared pieces of the intranode (NVLink) kernels: the NVL buffer layout, per-kernel sequence numbers,
+// Shared pieces of the intranode (NVLink) kernels: the NVL buffer map, per-kernel sequence numbers,
 // bounded waits and warp copy loops.
 //
 // NVL buffer of every rank (all offsets in bytes from the start of that rank's buffer; the host computes
-// the per-call offsets in deepep_cupy/ops/intranode/layout.py and passes them as kernel arguments):
+// the per-call offsets in deepep_cupy/ops/intranode/buffer_map.py and passes them as kernel arguments):
 //
 //   [0, ctrl_bytes)        control words, fixed for the buffer's lifetime (uint64 each):
 //       arrive[R]          arrive[s] = sequence number of the latest kernel rank s has started; s stores
@@ -53,7 +53,7 @@
 namespace deepep_cupy::intranode {
 
 // Bytes of a ring slot's header, [uint64 flag][int32 source token][int32 unused]; the payload follows
-// (deepep_cupy/ops/intranode/layout.py reads this value).
+// (deepep_cupy/ops/intranode/buffer_map.py reads this value).
 constexpr int kSlotHeaderBytes = 16;
 
 // Op codes of the error record (names in deepep_cupy/ops/intranode/engine.py).

@@ -1,7 +1,7 @@
-// Low-latency kernels: buffer layout, sequence tags, waits and grid-wide helpers shared by dispatch.cu and
+// Low-latency kernels: buffer map, sequence tags, waits and grid-wide helpers shared by dispatch.cu and
 // combine.cu (the BF16 / FP8 row codecs and copies are in rows.cuh, LogFMT in logfmt.cuh).
 //
-// Buffer layout (byte offsets are computed on the host, deepep_cupy/ops/low_latency/layout.py, and the
+// Buffer map (byte offsets are computed on the host, deepep_cupy/ops/low_latency/buffer_map.py, and the
 // kernels receive the local address of every region of the half they use):
 //   tags      uint32 [E]          (sequence tag << 16) | count, written by the sending rank
 //   arrivals  uint64 [E]          put-with-signal counters (RMA path), or per-rank dispatch words

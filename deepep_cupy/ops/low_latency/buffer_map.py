@@ -1,4 +1,4 @@
-"""Byte layout of the low-latency symmetric buffer, and DeepEP's size hint for it.
+"""Buffer map of the low-latency symmetric buffer, and DeepEP's size hint for it.
 
 The symmetric (NVSHMEM) buffer holds two identical halves, *buffer 0* and *buffer 1*: every
 low-latency dispatch and every combine uses one half and the next call uses the other, so one call's
@@ -16,14 +16,14 @@ are the same on every rank (which is what makes the addresses symmetric)::
               combine: the rows to return (the zero-copy buffer); RMA path: staging for the puts.
               dispatch (RMA path only): [T] staged messages of 2H bytes.
 
-Where every rank is reached by stores and :meth:`LowLatencyLayout.partials_fit` / ``partials_pay``
+Where every rank is reached by stores and :meth:`LowLatencyBufferMap.partials_fit` / ``partials_pay``
 hold, a combine sends per-rank partial sums (``cuda_src/low_latency/combine_partials.cuh``): the rows
 ``[R][T]`` (float32 ``[H]``, or with LogFMT one LogFMT-10 row) at the start of ``recv``, then 16-byte
 routes ``[R][T][K]``; each block of a source's grid leaves a completion word at the start of ``src_idx``,
 ``[R][grid]`` uint32 (the dispatch writes only token indices there, which never look like a tag).
 
 Where every rank is reached by stores, the dispatch sends one message per (token, destination rank)
-instead of one row per (token, expert) when :meth:`LowLatencyLayout.rank_messages_fit` (see
+instead of one row per (token, expert) when :meth:`LowLatencyBufferMap.rank_messages_fit` (see
 ``cuda_src/low_latency/dispatch_ranks.cuh``): message ``j`` from source ``s`` sits at ``recv + (s*T + j)
 * rank_message_bytes``, the per-(source, local expert) row counts in ``tags`` (word ``s*E_local + le``)
 and the per-source completion words in ``arrivals`` (word ``s``, as uint32), regions the RMA path would
@@ -45,7 +45,7 @@ from ..headers import constant
 
 __all__ = [
     "LOGFMT_BLOCK_BYTES",
-    "LowLatencyLayout",
+    "LowLatencyBufferMap",
     "MAX_EXPERTS",
     "MAX_RANKS",
     "MAX_TOKENS",
@@ -57,16 +57,16 @@ __all__ = [
 ]
 
 #: Channels per FP8 scale and per LogFMT block.
-BLOCK = constant("low_latency/layout.cuh", "kChannelsPerBlock")
+BLOCK = constant("low_latency/buffer_map.cuh", "kChannelsPerBlock")
 #: Wire bytes of one LogFMT-10 block (128 channels): 128 low code bytes, 128 x 2 high code bits, float32 lo and
 #: step; two blocks form a 256-channel segment (cuda_src/low_latency/logfmt.cuh has the byte order).
 LOGFMT_BLOCK_BYTES = 8 + 128 + 32
-#: Token chunks of 32 are tracked in shared memory (kMaxTokenChunks in layout.cuh).
-MAX_TOKENS = constant("low_latency/layout.cuh", "kMaxTokenChunks") * 32
-#: Per-rank mask snapshot in shared memory (kMaxRanks in layout.cuh).
-MAX_RANKS = constant("low_latency/layout.cuh", "kMaxRanks")
-#: One "arrived" bit per expert in the combine's shared memory (kMaxExperts in layout.cuh).
-MAX_EXPERTS = constant("low_latency/layout.cuh", "kMaxExperts")
+#: Token chunks of 32 are tracked in shared memory (kMaxTokenChunks in buffer_map.cuh).
+MAX_TOKENS = constant("low_latency/buffer_map.cuh", "kMaxTokenChunks") * 32
+#: Per-rank mask snapshot in shared memory (kMaxRanks in buffer_map.cuh).
+MAX_RANKS = constant("low_latency/buffer_map.cuh", "kMaxRanks")
+#: One "arrived" bit per expert in the combine's shared memory (kMaxExperts in buffer_map.cuh).
+MAX_EXPERTS = constant("low_latency/buffer_map.cuh", "kMaxExperts")
 #: A token's experts are awaited by the lanes of one warp in the combine.
 MAX_TOPK = 32
 #: Shared-memory table of the dispatch's grid-wide paths, in 4-byte words (kMaxHitWords in
@@ -127,7 +127,7 @@ def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks
 
 
 @dataclass(frozen=True)
-class LowLatencyLayout:
+class LowLatencyBufferMap:
     """Offsets of one low-latency buffer configuration (all in bytes from the symmetric base).
 
     Arguments:
@@ -145,7 +145,7 @@ class LowLatencyLayout:
     def __post_init__(self) -> None:
         t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
         if t <= 0 or h <= 0 or r <= 0 or e <= 0:
-            raise ValueError(f"low-latency layout needs positive sizes, got T={t}, H={h}, R={r}, E={e}")
+            raise ValueError(f"low-latency buffer map needs positive sizes, got T={t}, H={h}, R={r}, E={e}")
         if e % r:
             raise ValueError(f"num_experts={e} is not a multiple of the number of ranks {r}")
         if h % 8:

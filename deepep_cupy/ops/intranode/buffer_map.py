@@ -1,6 +1,6 @@
-"""Layout of the intranode NVL buffer: pure arithmetic, shared by the launchers and the CPU tests.
+"""Buffer map of the intranode NVL buffer: pure arithmetic, shared by the launchers and the CPU tests.
 
-The device side of this layout is described in ``cuda_src/intranode/layout.cuh``; every offset the kernels
+The device side of this map is described in ``cuda_src/intranode/buffer_map.cuh``; every offset the kernels
 use comes from here and is passed to them as an argument.
 
 Per rank, for ``R`` ranks and ``C`` channels::
@@ -30,23 +30,23 @@ __all__ = [
     "HEADER_BYTES",
     "MAX_DIRECT_SHARED",
     "MAX_RANKS",
-    "SlotLayout",
-    "BufferLayout",
+    "Slot",
+    "IntranodeBufferMap",
     "align",
     "ctrl_bytes",
     "copy_flag_offset",
     "dispatch_slot",
     "combine_slot",
-    "buffer_layout",
+    "buffer_map",
     "required_bytes",
     "direct_shared_bytes",
-    "notify_layout",
+    "notify_map",
     "channel_bounds",
     "split_warps",
 ]
 
 #: Bytes of a ring slot's header (kSlotHeaderBytes).
-HEADER_BYTES = constant("intranode/layout.cuh", "kSlotHeaderBytes")
+HEADER_BYTES = constant("intranode/buffer_map.cuh", "kSlotHeaderBytes")
 MAX_RANKS = 8
 #: Most dynamic shared memory a dispatch block may use for its chunk masks (sm_90 allows 227 KiB).
 MAX_DIRECT_SHARED = 200 * 1024
@@ -63,12 +63,12 @@ def ctrl_bytes(num_ranks: int) -> int:
 
 
 def copy_flag_offset(num_ranks: int, src: int) -> int:
-    """Byte offset of ``copy_flag[src]`` in a rank's control words (``Ctrl::copy_flag`` in layout.cuh)."""
+    """Byte offset of ``copy_flag[src]`` in a rank's control words (``Ctrl::copy_flag`` in buffer_map.cuh)."""
     return 8 * (10 * num_ranks + 2 + src)
 
 
 @dataclass(frozen=True)
-class SlotLayout:
+class Slot:
     """Byte offsets inside one ring slot; ``slot_bytes`` is a multiple of 16."""
 
     hidden_bytes: int
@@ -80,7 +80,7 @@ class SlotLayout:
     slot_bytes: int
 
 
-def dispatch_slot(hidden_bytes: int, num_scales: int, num_topk: int) -> SlotLayout:
+def dispatch_slot(hidden_bytes: int, num_scales: int, num_topk: int) -> Slot:
     if hidden_bytes <= 0 or hidden_bytes % 16:
         raise ValueError(f"a token row must be a positive multiple of 16 bytes, got {hidden_bytes}")
     off = HEADER_BYTES + hidden_bytes
@@ -90,24 +90,24 @@ def dispatch_slot(hidden_bytes: int, num_scales: int, num_topk: int) -> SlotLayo
     off += align(4 * num_topk, 16)
     topk_weights = off
     off += align(4 * num_topk, 16)
-    return SlotLayout(hidden_bytes, num_scales, num_topk, scales, topk_idx, topk_weights, off)
+    return Slot(hidden_bytes, num_scales, num_topk, scales, topk_idx, topk_weights, off)
 
 
-def combine_slot(hidden_bytes: int, num_topk: int) -> SlotLayout:
+def combine_slot(hidden_bytes: int, num_topk: int) -> Slot:
     if hidden_bytes <= 0 or hidden_bytes % 16:
         raise ValueError(f"a token row must be a positive multiple of 16 bytes, got {hidden_bytes}")
     off = HEADER_BYTES + hidden_bytes
     weights = off
     off += align(4 * num_topk, 16)
-    return SlotLayout(hidden_bytes, 0, num_topk, weights, weights, weights, off)
+    return Slot(hidden_bytes, 0, num_topk, weights, weights, weights, off)
 
 
 @dataclass(frozen=True)
-class BufferLayout:
+class IntranodeBufferMap:
     num_ranks: int
     num_channels: int
     cap: int
-    slot: SlotLayout
+    slot: Slot
     ring_offset: int
     free_offset: int
     end: int
@@ -124,7 +124,7 @@ class BufferLayout:
         return self.free_offset + ((channel * self.num_ranks + dst) * self.cap + slot) * 8
 
 
-def buffer_layout(num_ranks: int, num_channels: int, cap: int, slot: SlotLayout) -> BufferLayout:
+def buffer_map(num_ranks: int, num_channels: int, cap: int, slot: Slot) -> IntranodeBufferMap:
     if not 1 <= num_ranks <= MAX_RANKS:
         raise ValueError(f"intranode kernels support 1..{MAX_RANKS} ranks, got {num_ranks}")
     if num_channels <= 0:
@@ -134,12 +134,12 @@ def buffer_layout(num_ranks: int, num_channels: int, cap: int, slot: SlotLayout)
     ring_offset = ctrl_bytes(num_ranks)
     free_offset = ring_offset + num_channels * num_ranks * cap * slot.slot_bytes
     end = free_offset + num_channels * num_ranks * cap * 8
-    return BufferLayout(num_ranks, num_channels, cap, slot, ring_offset, free_offset, end)
+    return IntranodeBufferMap(num_ranks, num_channels, cap, slot, ring_offset, free_offset, end)
 
 
-def required_bytes(layout: BufferLayout, notify_end: int = 0, *, dispatch: bool = False) -> int:
+def required_bytes(bmap: IntranodeBufferMap, notify_end: int = 0, *, dispatch: bool = False) -> int:
     """NVL buffer bytes of a call; a dispatch also has its done words after the free words."""
-    end = layout.end + (8 * layout.num_ranks * 2 * layout.num_channels if dispatch else 0)
+    end = bmap.end + (8 * bmap.num_ranks * 2 * bmap.num_channels if dispatch else 0)
     return max(end, notify_end)
 
 
@@ -150,7 +150,7 @@ def direct_shared_bytes(num_ranks: int, num_tokens: int, num_channels: int) -> i
     return 8 * num_ranks * max(1, -(-per_channel // 32))
 
 
-def notify_layout(num_ranks: int, num_channels: int, num_local_experts: int) -> tuple[int, int, int]:
+def notify_map(num_ranks: int, num_channels: int, num_local_experts: int) -> tuple[int, int, int]:
     """``(notify_offset, notify_stride_ints, end)`` of the notify records."""
     stride = align(num_ranks + num_channels + num_local_experts, 4)
     offset = ctrl_bytes(num_ranks)
