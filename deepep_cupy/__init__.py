@@ -1,6 +1,7 @@
 """deepep_cupy: expert-parallel MoE dispatch/combine, JIT-compiled from Python.
 
-``import deepep_cupy as deep_ep`` runs code written against DeepEP's ``deep_ep.Buffer``; for frameworks that
+``import deepep_cupy as deep_ep`` runs code written against DeepEP's ``deep_ep.Buffer`` (V1) and, through
+``ElasticBuffer`` / ``EPBuffer`` (``deepep_cupy.ep``), against V2's 2.1 and 2.5 APIs; for frameworks that
 ``import deep_ep`` themselves, ``DEEPEP_CUPY_AS_DEEP_EP=1`` or ``deepep_cupy.as_deep_ep()`` (``deepep_cupy.alias``).
 Importing the package starts no CUDA context and needs no GPU.
 """
@@ -8,11 +9,12 @@ Importing the package starts no CUDA context and needs no GPU.
 from .buffer import Buffer
 from .config import Config
 from .device.gpus import gpu_count
+from .ep import ElasticBuffer, EPBuffer, EPHandle, get_logical_domain_size, get_physical_domain_size
 from .errors import DeepEPError, DeepEPTimeoutError
 from .event import EventHandle, EventOverlap
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "DeepEPError", "DeepEPTimeoutError", "as_deep_ep",
-           "gpu_count",
+           "gpu_count", "ElasticBuffer", "EPBuffer", "EPHandle", "get_physical_domain_size", "get_logical_domain_size",
            "topk_idx_t", "__version__"]
 __version__ = "0.1.0"
 

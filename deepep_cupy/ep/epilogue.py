@@ -1,0 +1,70 @@
+"""The V2 layer's work before and after V1's combine: V2's reduction order, bit for bit.
+
+V2's combine sums in float32 and rounds to BF16 once per level: first the selections of one token that one
+rank holds (when the layout is expanded and ``allow_multiple_reduction``; a non-expanded ``x`` already holds
+that per-rank sum), each group's BF16 sum standing at the group's highest top-k slot; then the bias
+(``bias_0 + bias_1``) and every top-k slot in ascending order, rounded to BF16 at the end.
+
+V1's combine sums what the ranks send in its own order, so the V2 layer sends each top-k slot's value in a
+column block of its own (hidden ``K * H``, in chunks of slots as the buffer allows): exactly one rank writes
+a block, every other rank adds zeros, so V1 returns each slot's BF16 value unchanged, and the final sum
+happens here in V2's order. The weights travel the same way: V1 returns each slot's weight from the rank
+that owns it, and 0 for a slot with no expert.
+"""
+
+from __future__ import annotations
+
+from ..frameworks import F32
+
+__all__ = ["slot_values", "slot_weights", "final_sum"]
+
+
+def slot_values(A, x, handle, reduce_per_rank: bool):
+    """`[N, K, H]` BF16: the value each received row contributes at each top-k slot (zero elsewhere)."""
+    layout = handle._layout
+    n, k = (int(s) for s in layout.rows.shape)
+    hidden = int(x.shape[1])
+    wide = A.zeros((n * k + 1, hidden), None, x)
+    spare = n * k
+    base = A.arange(n, x) * k
+    master = A.where(layout.master >= 0, base + layout.master, spare)
+    if not handle.do_expand:
+        wide[master] = x
+    elif int(x.shape[0]) > 0:
+        if reduce_per_rank:
+            acc = A.zeros((n, hidden), F32, x)
+            for j in range(k):
+                rows = layout.rows[:, j]
+                acc = acc + A.where((rows >= 0)[:, None], A.to_f32(x[A.where(rows >= 0, rows, 0)]), 0.0)
+            wide[master] = A.to_bf16(acc, x)
+        else:
+            for j in range(k):
+                rows = layout.rows[:, j]
+                wide[A.where(rows >= 0, base + j, spare)] = x[A.where(rows >= 0, rows, 0)]
+    return wide[:spare].reshape(n, k, hidden)
+
+
+def slot_weights(A, topk_weights, handle):
+    """`[N, K]` float32 for V1's combine: each slot's weight on the rank that owns the slot, 0 elsewhere."""
+    layout = handle._layout
+    if not handle.do_expand:
+        return A.where(handle._recv_topk_idx >= 0, topk_weights, 0.0)
+    rows = layout.rows
+    if int(topk_weights.shape[0]) == 0:
+        return A.zeros(tuple(int(s) for s in rows.shape), F32, topk_weights)
+    return A.where(rows >= 0, topk_weights[A.where(rows >= 0, rows, 0)], 0.0)
+
+
+def final_sum(A, slot_chunks, bias_0, bias_1, num_tokens: int, hidden: int, like):
+    """BF16 (``like``'s dtype) `[T, H]`: ``bias_0 + bias_1`` (or zeros) then the slots in order (each chunk
+    `[T, w, H]`), in float32."""
+    acc = None
+    for bias in (bias_0, bias_1):
+        if bias is not None:
+            acc = A.to_f32(bias) if acc is None else acc + A.to_f32(bias)
+    if acc is None:
+        acc = A.zeros((num_tokens, hidden), F32, like)
+    for chunk in slot_chunks:
+        for j in range(int(chunk.shape[1])):
+            acc = acc + A.to_f32(chunk[:, j])
+    return A.to_bf16(acc, like)

@@ -1,0 +1,106 @@
+"""The index math of V2's receive layouts, from what V1's dispatch returns.
+
+V1 gives one row per received token, grouped by source rank in rank order and in source token order within
+a source, with the top-k ids local to this rank (-1 elsewhere). That is V2's non-expanded layout (and its
+``deterministic`` order: by ``src_token_global_idx``). The expanded layout puts one row per (token, local
+expert) selection, experts in order, each expert's segment starting at a multiple of ``expert_alignment``;
+within an expert the rows keep received-row order. Everything is computed with the caller's framework on
+the device (``arrays.py``), without a CPU sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..frameworks import I32
+
+__all__ = ["RecvLayout", "recv_layout", "scatter_rows", "col_major", "dst_slots", "align"]
+
+
+def align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+@dataclass
+class RecvLayout:
+    """Device arrays describing one dispatch's received rows (``N`` rows, ``K`` top-k slots, ``L`` local experts)."""
+
+    rows: object  # [N, K] int64: expanded row of slot j, -1 where the slot is not local (or not expanded)
+    master: object  # [N] int64: highest local top-k slot of the row, -1 for a padding row
+    counts: object  # [L] int32: received (token, expert) selections per local expert
+    psum_expert: object  # [L] int32: V2's psum_num_recv_tokens_per_expert for the layout
+    metadata: object  # [N, K + 2] int32: V2's recv_src_metadata
+
+
+def recv_layout(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_experts: int, num_max_tokens: int,
+                expert_alignment: int, expand: bool) -> RecvLayout:
+    """Work out V2's layout arrays for the rows V1 received.
+
+    Arguments:
+        A: the framework's operations.
+        recv_topk_idx: `[N, K]` int64 local expert ids, -1 for another rank's expert or a padding row.
+        psum_per_rank: `[R]` inclusive prefix sum of the rows received from each source rank.
+        recv_src_idx: `[N]` int32 token index at the source rank (-1 for a padding row).
+        num_local_experts, num_max_tokens, expert_alignment: ``L``, ``M``, ``A``.
+        expand: whether the expanded layout's rows are wanted.
+    """
+    n, k = (int(s) for s in recv_topk_idx.shape)
+    lanes = A.arange(k, recv_topk_idx)
+    valid = recv_topk_idx >= 0
+    master = A.amax(A.where(valid, lanes[None, :], -1), axis=1) if n else A.full((0,), -1, "int64",
+                                                                                  recv_topk_idx)
+    experts = A.arange(num_local_experts, recv_topk_idx)
+    onehot = A.sum(recv_topk_idx[:, :, None] == experts[None, None, :], axis=1)  # [N, L], 0/1 (ids distinct)
+    counts = A.sum(onehot, axis=0)
+    aligned = (counts + (expert_alignment - 1)) // expert_alignment * expert_alignment
+    ends = A.cumsum(aligned, axis=0)
+    starts = ends - aligned
+    if expand:
+        before = A.cumsum(onehot, axis=0) - onehot  # selections of the same expert in earlier rows
+        local = A.where(valid, recv_topk_idx, 0)
+        rows = A.where(valid, A.take_along(before, local, axis=1) + starts[local], -1)
+        psum_expert = starts + counts
+    else:
+        rows = A.full((n, k), -1, "int64", recv_topk_idx)
+        psum_expert = ends
+    src_rank = A.searchsorted_right(psum_per_rank, A.arange(n, recv_topk_idx))
+    real = master >= 0
+    global_idx = A.where(real, src_rank * num_max_tokens + A.astype(recv_src_idx, "int64"), -1)
+    slot = A.where(real, src_rank * k + master, -1)
+    metadata = A.astype(A.concat([global_idx[:, None], slot[:, None], rows], axis=1), I32)
+    return RecvLayout(rows=rows, master=master, counts=A.astype(counts, I32),
+                      psum_expert=A.astype(psum_expert, I32), metadata=metadata)
+
+
+def scatter_rows(A, pick, rows, num_rows: int, zero: bool, like):
+    """Rows ``[num_rows, ...]`` with ``out[rows[i, j]] = pick(j)[i]`` for every ``rows[i, j] >= 0``.
+
+    ``pick(j)`` gives the `[N, ...]` values for top-k slot ``j``; the other rows are zero when ``zero``, else
+    left as allocated. Slots that are not local go to one spare row past the end, dropped on return.
+    """
+    tail = tuple(int(s) for s in like.shape[1:])
+    make = A.zeros if zero else A.empty
+    out = make((num_rows + 1,) + tail, None, like)
+    for j in range(int(rows.shape[1])):
+        target = A.where(rows[:, j] >= 0, rows[:, j], num_rows)
+        out[target] = pick(j)
+    return out[:num_rows]
+
+
+def col_major(A, sf, num_rows: int):
+    """``sf`` `[num_rows, S]` as a column-major array with strides ``(1, align(num_rows, 4))``."""
+    num_sf = int(sf.shape[1])
+    buf = A.empty((num_sf, align(max(num_rows, 1), 4)), None, sf)
+    buf[:, :num_rows] = sf.T
+    return buf.T[:num_rows]
+
+
+def dst_slots(A, topk_idx, is_token_in_rank, *, num_local_experts: int, num_max_tokens: int):
+    """V2's ``dst_buffer_slot_idx`` `[T, K]` int32: for each selection, ``dest_rank * M`` plus the token's
+    position among the tokens this rank sends to that rank; -1 for none."""
+    sent = A.astype(is_token_in_rank, "int64")
+    position = A.cumsum(sent, axis=0) - sent  # [T, R]
+    valid = topk_idx >= 0
+    dest = A.where(valid, topk_idx // num_local_experts, 0)
+    slot = dest * num_max_tokens + A.take_along(position, dest, axis=1)
+    return A.astype(A.where(valid, slot, -1), I32)
