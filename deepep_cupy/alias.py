@@ -11,9 +11,11 @@ Two ways in:
 
 ``deep_ep`` then holds DeepEP V1's public names (``Buffer``, ``Config``, ``EventOverlap``, ``topk_idx_t``),
 with the submodules ``deep_ep.utils`` (``EventHandle``, ``EventOverlap``, ``check_nvlink_connections``) and
-``deep_ep.buffer``; they are deepep_cupy's own objects. Nothing of DeepEP V2 or of its forks is there
-(``ElasticBuffer``, ``HybridEPBuffer``, ``deep_ep.buffers``): frameworks probe for those names to pick other
-code paths, so their absence keeps them on the V1 path.
+``deep_ep.buffer``, and V2's (``ElasticBuffer`` of 2.1, ``EPBuffer`` of 2.5, ``EPHandle``, ``EventHandle``,
+``get_physical_domain_size``, ``get_logical_domain_size``; ``deepep_cupy.ep``); they are deepep_cupy's own
+objects. ``deep_ep.EventOverlap`` stays V1's class (V2's events are instances of a subclass of it). No
+``__version__`` is set: code that reads one to choose between V1 and V2 keeps its V1 path. Nothing of the
+forks is there (``HybridEPBuffer``, ``deep_ep.buffers``), nor 2.5's experimental buffers.
 
 A real DeepEP is never shadowed silently. When one is importable and the alias is asked for with ``1``,
 ``import deep_ep`` raises ImportError naming both (also written to stderr, since frameworks catch that
@@ -85,12 +87,15 @@ def _other_deep_ep() -> str | None:
 
 
 def _fill(module) -> None:
-    """Give one of the ``deep_ep`` modules DeepEP V1's public names."""
-    from . import utils
+    """Give one of the ``deep_ep`` modules DeepEP's public names (V1's, and V2's in ``deep_ep`` itself)."""
+    from . import ep, utils
     from .buffer import Buffer
     from .config import Config
 
-    names = {"deep_ep": {"Buffer": Buffer, "Config": Config, "EventOverlap": utils.EventOverlap},
+    names = {"deep_ep": {"Buffer": Buffer, "Config": Config, "EventOverlap": utils.EventOverlap,
+                         "ElasticBuffer": ep.ElasticBuffer, "EPBuffer": ep.EPBuffer, "EPHandle": ep.EPHandle,
+                         "EventHandle": utils.EventHandle, "get_physical_domain_size": ep.get_physical_domain_size,
+                         "get_logical_domain_size": ep.get_logical_domain_size},
              "deep_ep.utils": {"EventHandle": utils.EventHandle, "EventOverlap": utils.EventOverlap,
                                "check_nvlink_connections": utils.check_nvlink_connections},
              "deep_ep.buffer": {"Buffer": Buffer, "Config": Config, "EventHandle": utils.EventHandle,

@@ -81,7 +81,11 @@ SURFACE = textwrap.dedent("""
         "lazy": lazy, "found": found, "hybrid": hybrid, "elastic": hasattr(deep_ep, "ElasticBuffer"),
         "same": [Buffer is deepep_cupy.Buffer, Config is deepep_cupy.Config, EventOverlap is UtilsOverlap,
                  EventHandle is deepep_cupy.EventHandle,
-                 deep_ep.buffer.Buffer is Buffer, callable(check_nvlink_connections)],
+                 deep_ep.buffer.Buffer is Buffer, callable(check_nvlink_connections),
+                 deep_ep.ElasticBuffer is deepep_cupy.ElasticBuffer, deep_ep.EPBuffer is deepep_cupy.EPBuffer,
+                 deep_ep.EPHandle is deepep_cupy.EPHandle, deep_ep.EventHandle is EventHandle,
+                 deep_ep.get_physical_domain_size is deepep_cupy.get_physical_domain_size],
+        "version": hasattr(deep_ep, "__version__"),
         "idx_ok": idx_ok, "top": sorted(deep_ep.__all__), "utils": sorted(deep_ep.utils.__all__),
         "event": EventOverlap(EventHandle()).event is not None}))
 """)
@@ -97,16 +101,17 @@ def test_without_the_variable_nothing_is_named_deep_ep(hooked):
         assert LINE not in proc.stderr
 
 
-def test_the_variable_gives_deepep_v1_names(hooked):
+def test_the_variable_gives_deepep_v1_and_v2_names(hooked):
     python, _ = hooked
     proc = _run(python, SURFACE, "1")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    # The start-up hook imports nothing; the names are deepep_cupy's own objects; no V2 or fork names.
+    # The start-up hook imports nothing; the names are deepep_cupy's own objects: V1's and V2's, no fork names.
     assert got["lazy"] and got["found"] and got["idx_ok"] and got["event"]
     assert all(got["same"]), got["same"]
-    assert got["hybrid"] == "ImportError" and not got["elastic"]
-    assert got["top"] == ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+    assert got["hybrid"] == "ImportError" and got["elastic"] and not got["version"]
+    assert got["top"] == ["Buffer", "Config", "EPBuffer", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap",
+                          "get_logical_domain_size", "get_physical_domain_size", "topk_idx_t"]
     assert got["utils"] == ["EventHandle", "EventOverlap", "check_nvlink_connections"]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("deepep_cupy:")]
     assert len(lines) == 1 and lines[0].startswith(LINE) and str(ROOT / "deepep_cupy") in lines[0], proc.stderr
