@@ -1,7 +1,7 @@
 """DeepEP V2's API: ``EPBuffer`` (2.5), ``ElasticBuffer`` (2.1), ``EPHandle``, over V1's ``Buffer``.
 
 ``buffer.py`` holds the one implementation, ``elastic.py`` the two public classes, ``handle.py`` the handle,
-``layout.py`` the receive layouts' index math, ``epilogue.py`` V2's combine order, ``events.py`` the event
+``recv_rows.py`` where the received rows go, ``epilogue.py`` V2's combine order, ``events.py`` the event
 with a hook, ``arrays.py`` the array operations of the caller's framework, ``args.py`` the argument checks.
 """
 

@@ -2,7 +2,7 @@
 
 One implementation, :class:`_EPBufferCore`; the two public classes differ only in their signatures. A dispatch
 is V1's ``get_dispatch_layout`` and ``dispatch`` (``num_worst_tokens`` for the sync-free sizes, V1's cached
-mode for a cached handle), reordered into V2's layouts with the caller's array operations (``layout.py``); a
+mode for a cached handle), reordered into V2's layouts with the caller's array operations (``recv_rows.py``); a
 combine is V1's combine carrying each top-k slot's value apart, summed here in V2's order (``epilogue.py``).
 Kernels of the V2 layer's own (no reordering pass, no wide combine) are a later step.
 """
@@ -17,7 +17,7 @@ from .arrays import ops_for
 from .epilogue import final_sum, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
-from .layout import align, col_major, dst_slots, recv_layout, scatter_rows
+from .recv_rows import align, col_major, dst_slots, recv_rows, scatter_rows
 
 __all__ = ["_EPBufferCore", "group_size"]
 
@@ -211,7 +211,7 @@ class _EPBufferCore:
                     stats[...] = stats + handle.num_unaligned_recv_tokens_per_expert
             out_topk_idx, out_weights = None, recv_weights
             if handle.do_expand:
-                rows, n = handle._layout.rows, handle.num_expanded_tokens
+                rows, n = handle._recv_rows.rows, handle.num_expanded_tokens
                 out_data = scatter_rows(ops, lambda j: recv_data, rows, n, do_zero_padding, recv_data)
                 out_scales = None if recv_scales is None else scatter_rows(
                     ops, lambda j: recv_scales, rows, n, do_zero_padding, recv_scales)
@@ -249,7 +249,7 @@ class _EPBufferCore:
     def _new_handle(self, ops, topk_idx, recv_topk_idx, v1_handle, aligned_list, num_experts, m, alignment,
                     num_sms, do_expand, do_handle_copy, sync, e_local) -> EPHandle:
         psum = ops.contiguous(v1_handle[0][:, self.rank_idx])
-        layout = recv_layout(ops, recv_topk_idx, psum, v1_handle[3], num_local_experts=e_local, num_max_tokens=m,
+        placed = recv_rows(ops, recv_topk_idx, psum, v1_handle[3], num_local_experts=e_local, num_max_tokens=m,
                              expert_alignment=alignment, expand=do_expand)
         rows = shape_of(recv_topk_idx)[0]
         k = shape_of(topk_idx)[1]
@@ -262,10 +262,10 @@ class _EPBufferCore:
             num_sms=num_sms or self.get_theoretical_num_sms(num_experts, k),
             topk_idx=ops.copy(topk_idx) if do_handle_copy else topk_idx, num_recv_tokens=rows,
             num_expanded_tokens=expanded, num_recv_tokens_per_expert_list=aligned_list if sync else [],
-            psum_num_recv_tokens_per_scaleup_rank=psum, psum_num_recv_tokens_per_expert=layout.psum_expert,
-            num_unaligned_recv_tokens_per_expert=layout.counts, recv_src_metadata=layout.metadata,
+            psum_num_recv_tokens_per_scaleup_rank=psum, psum_num_recv_tokens_per_expert=placed.psum_expert,
+            num_unaligned_recv_tokens_per_expert=placed.counts, recv_src_metadata=placed.metadata,
             dst_buffer_slot_idx=dst_slots(ops, topk_idx, v1_handle[4], num_local_experts=e_local, num_max_tokens=m),
-            guard_topk_idx=self._guard_topk_idx and not do_handle_copy, v1_handle=v1_handle, layout=layout,
+            guard_topk_idx=self._guard_topk_idx and not do_handle_copy, v1_handle=v1_handle, recv_rows=placed,
             recv_topk_idx=recv_topk_idx)
 
     # ------------------------------------------------------------------ combine

@@ -21,35 +21,35 @@ __all__ = ["slot_values", "slot_weights", "final_sum"]
 
 def slot_values(A, x, handle, reduce_per_rank: bool):
     """`[N, K, H]` BF16: the value each received row contributes at each top-k slot (zero elsewhere)."""
-    layout = handle._layout
-    n, k = (int(s) for s in layout.rows.shape)
+    placed = handle._recv_rows
+    n, k = (int(s) for s in placed.rows.shape)
     hidden = int(x.shape[1])
     wide = A.zeros((n * k + 1, hidden), None, x)
     spare = n * k
     base = A.arange(n, x) * k
-    master = A.where(layout.master >= 0, base + layout.master, spare)
+    master = A.where(placed.master >= 0, base + placed.master, spare)
     if not handle.do_expand:
         wide[master] = x
     elif int(x.shape[0]) > 0:
         if reduce_per_rank:
             acc = A.zeros((n, hidden), F32, x)
             for j in range(k):
-                rows = layout.rows[:, j]
+                rows = placed.rows[:, j]
                 acc = acc + A.where((rows >= 0)[:, None], A.to_f32(x[A.where(rows >= 0, rows, 0)]), 0.0)
             wide[master] = A.to_bf16(acc, x)
         else:
             for j in range(k):
-                rows = layout.rows[:, j]
+                rows = placed.rows[:, j]
                 wide[A.where(rows >= 0, base + j, spare)] = x[A.where(rows >= 0, rows, 0)]
     return wide[:spare].reshape(n, k, hidden)
 
 
 def slot_weights(A, topk_weights, handle):
     """`[N, K]` float32 for V1's combine: each slot's weight on the rank that owns the slot, 0 elsewhere."""
-    layout = handle._layout
+    placed = handle._recv_rows
     if not handle.do_expand:
         return A.where(handle._recv_topk_idx >= 0, topk_weights, 0.0)
-    rows = layout.rows
+    rows = placed.rows
     if int(topk_weights.shape[0]) == 0:
         return A.zeros(tuple(int(s) for s in rows.shape), F32, topk_weights)
     return A.where(rows >= 0, topk_weights[A.where(rows >= 0, rows, 0)], 0.0)

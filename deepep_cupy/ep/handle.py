@@ -1,7 +1,7 @@
 """``EPHandle``: what one V2 dispatch leaves for its combine and for cached dispatches.
 
 Fields keep V2's names and meanings (direct mode: all ranks form one scale-up domain). The handle also holds
-V1's handle and the layout arrays (``_layout``) the V2 layer computes from it.
+V1's handle and where the V2 layer put the received rows (``_recv_rows``, from recv_rows.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class EPHandle:
                  num_sms: int, topk_idx, num_recv_tokens: int, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank,
                  psum_num_recv_tokens_per_expert, num_unaligned_recv_tokens_per_expert, recv_src_metadata,
-                 dst_buffer_slot_idx, guard_topk_idx: bool = False, v1_handle=None, layout=None,
+                 dst_buffer_slot_idx, guard_topk_idx: bool = False, v1_handle=None, recv_rows=None,
                  recv_topk_idx=None) -> None:
         self.do_expand = bool(do_expand)
         self.num_experts = int(num_experts)
@@ -61,7 +61,7 @@ class EPHandle:
         self.channel_linked_list = None
         self.cached_recv_src_metadata_before_sort = None
         self._v1_handle = v1_handle
-        self._layout = layout
+        self._recv_rows = recv_rows
         self._recv_topk_idx = recv_topk_idx  # [num_recv_tokens, K] local ids, -1 elsewhere
 
     @property

@@ -1,4 +1,4 @@
-"""The index math of V2's receive layouts, from what V1's dispatch returns.
+"""Where V2 puts the received rows (its non-expanded and expanded "layouts"), from what V1's dispatch returns.
 
 V1 gives one row per received token, grouped by source rank in rank order and in source token order within
 a source, with the top-k ids local to this rank (-1 elsewhere). That is V2's non-expanded layout (and its
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..frameworks import I32
 
-__all__ = ["RecvLayout", "recv_layout", "scatter_rows", "col_major", "dst_slots", "align"]
+__all__ = ["RecvRows", "recv_rows", "scatter_rows", "col_major", "dst_slots", "align"]
 
 
 def align(value: int, alignment: int) -> int:
@@ -22,7 +22,7 @@ def align(value: int, alignment: int) -> int:
 
 
 @dataclass
-class RecvLayout:
+class RecvRows:
     """Device arrays describing one dispatch's received rows (``N`` rows, ``K`` top-k slots, ``L`` local experts)."""
 
     rows: object  # [N, K] int64: expanded row of slot j, -1 where the slot is not local (or not expanded)
@@ -32,8 +32,8 @@ class RecvLayout:
     metadata: object  # [N, K + 2] int32: V2's recv_src_metadata
 
 
-def recv_layout(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_experts: int, num_max_tokens: int,
-                expert_alignment: int, expand: bool) -> RecvLayout:
+def recv_rows(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_experts: int, num_max_tokens: int,
+                expert_alignment: int, expand: bool) -> RecvRows:
     """Work out V2's layout arrays for the rows V1 received.
 
     Arguments:
@@ -68,7 +68,7 @@ def recv_layout(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_expe
     global_idx = A.where(real, src_rank * num_max_tokens + A.astype(recv_src_idx, "int64"), -1)
     slot = A.where(real, src_rank * k + master, -1)
     metadata = A.astype(A.concat([global_idx[:, None], slot[:, None], rows], axis=1), I32)
-    return RecvLayout(rows=rows, master=master, counts=A.astype(counts, I32),
+    return RecvRows(rows=rows, master=master, counts=A.astype(counts, I32),
                       psum_expert=A.astype(psum_expert, I32), metadata=metadata)
 
 
