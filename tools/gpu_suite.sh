@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
-#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode
+#   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode tests-ep
 #       tests-low-latency tests-graphs tests-frameworks tests-pressure tests-internode startup host bench deepep
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
@@ -30,7 +30,7 @@ if [ -n "${MPS_PCT:-}" ]; then
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$MPS_PCT
     MPIRUN+=(-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
 fi
-STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-low-latency tests-graphs tests-frameworks tests-pressure tests-internode startup bench}
+STAGES=${*:-info compile tests-layout tests-misc tests-intranode tests-ep tests-low-latency tests-graphs tests-frameworks tests-pressure tests-internode startup bench}
 SUMMARY=()
 if [ -n "${MPS_PCT:-}" ]; then
     timeout 120 "${MPIRUN[@]}" python3 tools/mps_residency.py > "$OUT/mps_residency.log" 2>&1
@@ -72,6 +72,7 @@ run_tests() {  # name, test path, timeout
 
 stage_tests-layout() { run_tests tests-layout tests/gpu/test_layout.py 300; }
 stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 300; }
+stage_tests-ep() { run_tests tests-ep tests/gpu/test_ep.py ${EP_TIMEOUT:-300}; }  # DeepEP V2's API (ElasticBuffer, EPBuffer)
 stage_tests-low-latency() {
     run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
 }
