@@ -74,7 +74,7 @@ stage_tests-layout() { run_tests tests-layout tests/gpu/test_layout.py 300; }
 stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 300; }
 stage_tests-ep() { run_tests tests-ep tests/gpu/test_ep.py ${EP_TIMEOUT:-300}; }  # DeepEP V2's API (ElasticBuffer, EPBuffer)
 stage_tests-low-latency() {
-    run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
+    run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_overlap.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
 }
 stage_tests-graphs() { run_tests tests-graphs "tests/gpu/test_torch_graphs.py tests/gpu/test_torch_graphs_intranode.py" 300; }
 stage_tests-internode() {  # every GPU its own domain: all traffic crosses NVSHMEM
