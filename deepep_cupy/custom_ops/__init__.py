@@ -13,9 +13,10 @@ hook as a second op that the traced code calls, and an event as ``EventOverlap(N
 compiled region every op finishes on the current stream (``async_finish`` and
 ``allocate_on_comm_stream`` are ignored there, ``previous_event`` must carry no event).
 
-Modules: ``common`` (registry, handle bookkeeping, output hygiene), ``low_latency`` (decoding ops,
-hooks, zero-copy), ``normal`` (layout, dispatch, cached dispatch, combine and their backward formulas). Those
-import torch; this module does not.
+Modules: ``library`` (how an op is registered with the dispatcher: one Python kernel per call, not
+``torch.library.custom_op``'s layers), ``common`` (registry, handle bookkeeping, output hygiene),
+``low_latency`` (decoding ops, hooks, zero-copy), ``normal`` (layout, dispatch, cached dispatch, combine
+and their backward formulas). Those import torch; this module does not.
 """
 
 from __future__ import annotations

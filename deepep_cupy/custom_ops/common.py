@@ -1,5 +1,6 @@
-"""What the custom ops of both families share: the Buffer registry, output hygiene, the handles the ops
-made themselves, and the checks of arguments that only compiled code restricts."""
+"""What the custom ops of both families share: the Buffer registry, output hygiene (several outputs of one
+allocation returned as that allocation, copies of aliased ones), the handles the ops made themselves, and
+the checks of arguments that only compiled code restricts."""
 
 from __future__ import annotations
 
@@ -12,18 +13,22 @@ from ..config import Config
 from ..event import EventOverlap
 from . import registered
 
-__all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "fresh", "remember_handle",
-           "handle_entry", "no_event", "define", "run_outside"]
+__all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "run_config", "fresh",
+           "TORCH_DTYPES", "word_layout", "unpack", "pack", "remember_handle", "handle_entry", "no_event", "define",
+           "run_outside"]
 
-if not hasattr(torch.library, "custom_op"):
-    raise ImportError(f"torch.compile of deepep_cupy's ops needs torch >= 2.4 (torch.library.custom_op), "
+if not hasattr(torch.library, "register_fake"):
+    raise ImportError(f"torch.compile of deepep_cupy's ops needs torch >= 2.4 (torch.library.register_fake), "
                       f"this is torch {torch.__version__}")
 
-NS = "deepep_cupy"
+from .library import NS, Op  # noqa: E402  (after the version check: it registers with torch.library)
+
 # Every op of a compiled region has finished on the current stream when the next one starts.
 NO_EVENT = EventOverlap(None)
 
 _any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
+
+
 def buffer_id(buffer) -> int:
     """The integer that stands for ``buffer`` in the ops' arguments, from the Buffer's attribute made at
     construction. The attribute holds it as text: dynamo reads a string as a constant of the graph, where it
@@ -44,9 +49,9 @@ def run_outside(method, *args):
     return method(*args)
 
 
-def define(name: str, mutates_args=(), tags=()):
-    """``torch.library.custom_op`` in this package's namespace."""
-    return torch.library.custom_op(f"{NS}::{name}", mutates_args=mutates_args, tags=tuple(tags))
+def define(name: str, mutates_args=(), tags=(), integer_inputs: bool = False):
+    """A decorator making the function an op of this package's namespace (:class:`library.Op`)."""
+    return lambda fn: Op(name, fn, mutates_args=mutates_args, tags=tuple(tags), integer_inputs=integer_inputs)
 
 
 def config_list(config) -> list[int]:
@@ -62,6 +67,11 @@ def config_of(values) -> Config | None:
     # int(): a caller's Config read while tracing with dynamic=True gives symbolic values; the fake
     # implementations specialize them (a guard: another config recompiles).
     return _config(tuple(int(v) for v in values)) if values else None
+
+
+def run_config(values: list) -> Config | None:
+    """``config_of`` for an op's implementation, whose values are ints: no conversion of each."""
+    return _config(tuple(values)) if values else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -93,6 +103,75 @@ def fresh(outputs: list, inputs: list) -> list:
         seen.add(key)
         out.append(t)
     return out
+
+
+# ------------------------------------------------------------------------------------ one allocation
+# A GPU plan that cuts several small outputs from one allocation (frameworks.SmallOutputs) has the op
+# return that allocation, and the traced code cuts the same views: outputs of one op may not share
+# storage, and a copy of each would cost more host time than the op.
+TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
+_ITEMSIZE = {"int32": 4, "float32": 4, "int64": 8, "bool": 1}
+_ALIGN_BYTES = 64
+
+
+def word_layout(specs) -> tuple:
+    """``(parts, total_words)`` for ``specs`` ``(shape, dtype name)``: parts ``(shape, dtype name, strides,
+    offset)`` (strides and offset in elements of the part's dtype) where ``SmallOutputs`` places them in one
+    int32 allocation, each on a 64-byte boundary. Plain arithmetic, so that the traced code may call it
+    with symbolic sizes."""
+    parts, nbytes = [], 0
+    for shape, kind in specs:
+        size = _ITEMSIZE[kind]
+        strides, step, count = [], 1, 1
+        for d in reversed(shape):
+            strides.append(step)
+            step, count = step * at_least_1(d), count * d
+        parts.append((tuple(shape), kind, tuple(reversed(strides)), nbytes // size))
+        nbytes += -(-(count * size) // _ALIGN_BYTES) * _ALIGN_BYTES
+    return tuple(parts), at_least_1(nbytes // 4)
+
+
+def at_least_1(n):
+    """``max(n, 1)``, without a guard on a symbolic ``n``. Plain ints take ``max``: dynamo on torch 2.11
+    refuses ``torch.sym_max`` of two constants ("torch.* op returned non-Tensor")."""
+    return torch.sym_max(n, 1) if isinstance(n, torch.SymInt) else max(n, 1)
+
+
+def unpack(words, layout) -> list:
+    """The views of ``words`` (int32) that ``layout`` (:func:`word_layout`) places."""
+    parts, _ = layout
+    bases = {"int32": words}
+    views = []
+    for shape, kind, strides, offset in parts:
+        base = bases.get(kind)
+        if base is None:
+            base = bases[kind] = words.view(TORCH_DTYPES[kind])
+        views.append(base.as_strided(shape, strides, offset))
+    return views
+
+
+def _stored(parts: list, layout) -> bool:
+    """Whether ``parts`` already sit in one allocation as ``layout`` places them (the GPU plans')."""
+    first = parts[0]
+    if first.storage_offset() != 0:
+        return False
+    base = first.data_ptr()
+    for t, (shape, _, strides, offset) in zip(parts, layout[0], strict=True):
+        if tuple(t.shape) != shape or t.stride() != strides or \
+                (t.data_ptr() != base + offset * t.element_size() and t.numel()):  # an empty part holds nothing
+            return False
+    return True
+
+
+def pack(parts: list, layout):
+    """The one int32 allocation holding ``parts`` as ``layout`` places them: the GPU plan's own where they
+    are its views (no copy), else a new one they are copied into (the reference backend's arrays)."""
+    if _stored(parts, layout):
+        return parts[0].as_strided((layout[1],), (1,), 0)  # part 0 is int32 in every layout here
+    words = parts[0].new_zeros((layout[1],), dtype=torch.int32)  # zeros: the gaps read the same every call
+    for view, t in zip(unpack(words, layout), parts, strict=True):
+        view.copy_(t)
+    return words
 
 
 # Handles this package's ops made, by the storage of one of their tensors: the handle class and the

@@ -19,81 +19,40 @@ reads what eager code would.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
 from ..ops.handles import LowLatencyHandle
-from .common import NO_EVENT, buffer_id, buffer_of, define, handle_entry, remember_handle
+from .common import (
+    NO_EVENT,
+    buffer_id,
+    buffer_of,
+    define,
+    handle_entry,
+    pack,
+    remember_handle,
+    unpack,
+    word_layout,
+)
 
 __all__ = ["low_latency_dispatch", "low_latency_combine", "get_next_low_latency_combine_buffer"]
 
-_TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "int64": torch.int64}
-_ALIGN_WORDS = 16
 _TICKET = "_deepep_cupy_recv"
 
 
 def small_layout(num_ranks, t_max, num_experts, hidden, fp8: bool, ue8m0: bool) -> tuple:
-    """``(parts, total_words)``, parts ``(shape, dtype name, strides, offset)``: where the dispatch's small
-    outputs sit in ``small``, as :class:`~deepep_cupy.frameworks.SmallOutputs` places the GPU plan's (every
-    part on a 64-byte boundary). Plain arithmetic, so that the traced code may call it with symbolic sizes."""
+    """``(parts, total_words)``: where the dispatch's small outputs sit in ``small``, as
+    :class:`~deepep_cupy.frameworks.SmallOutputs` places the GPU plan's (:func:`common.word_layout`)."""
     e_local, slab = num_experts // num_ranks, num_ranks * t_max
     specs = [((e_local,), "int32"), ((e_local, slab), "int32"), ((e_local, num_ranks), "int64")]
     if fp8:
         num_scales = -(-hidden // 512) if ue8m0 else hidden // 128
         specs.append(((e_local, num_scales, slab), "int32" if ue8m0 else "float32"))
-    parts, words = [], 0
-    for shape, kind in specs:
-        per_word = 2 if kind == "int64" else 1
-        strides, step, count = [], 1, 1
-        for d in reversed(shape):
-            strides.append(step)
-            step, count = step * _at_least_1(d), count * d
-        parts.append((shape, kind, tuple(reversed(strides)), words // per_word))
-        words += -(-(count * per_word) // _ALIGN_WORDS) * _ALIGN_WORDS
-    return tuple(parts), _at_least_1(words)
-
-
-def _at_least_1(n):
-    """``max(n, 1)``, without a guard on a symbolic ``n``. Plain ints take ``max``: dynamo on torch 2.11
-    refuses ``torch.sym_max`` of two constants ("torch.* op returned non-Tensor")."""
-    return torch.sym_max(n, 1) if isinstance(n, torch.SymInt) else max(n, 1)
+    return word_layout(specs)
 
 
 _small = functools.cache(small_layout)  # the real ops' sizes are ints
-
-
-def unpack(small, layout) -> list:
-    """The views of ``small`` that ``layout`` places (scales as stored: ``[E_local, scales, R * T]``)."""
-    parts, _ = layout
-    bases = {"int32": small}
-    views = []
-    for shape, kind, strides, offset in parts:
-        base = bases.get(kind)
-        if base is None:
-            base = bases[kind] = small.view(_TORCH_DTYPES[kind])
-        views.append(base.as_strided(shape, strides, offset))
-    return views
-
-
-def _stored(parts: list, layout) -> bool:
-    """Whether the dispatch's small outputs already sit in one allocation as ``layout`` places them."""
-    first = parts[0]
-    if first.storage_offset() != 0:
-        return False
-    base = first.data_ptr()
-    for t, (shape, _, strides, offset) in zip(parts, layout[0], strict=True):
-        if t.data_ptr() != base + offset * t.element_size() or t.stride() != strides or tuple(t.shape) != shape:
-            return False
-    return True
-
-
-def _pack(parts: list, layout):
-    if _stored(parts, layout):
-        return parts[0].as_strided((layout[1],), (1,), 0)
-    small = parts[0].new_zeros((layout[1],))  # zeros: the alignment gaps read the same on every call
-    for view, t in zip(unpack(small, layout), parts, strict=True):
-        view.copy_(t)
-    return small
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
@@ -105,20 +64,41 @@ def _dispatch(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts
         use_ue8m0=use_ue8m0, async_finish=False, return_recv_hook=hook)
     recv_x, scales = recv if use_fp8 else (recv, None)
     layout = _small(buffer.group_size, t_max, num_experts, x.shape[1], use_fp8, use_ue8m0 and use_fp8)
+    small = _plan_small(handle, count, scales, layout)
+    if small is not None:  # the GPU plan's allocation, found from the handle's pointers: no view cut
+        _remember_ll(handle, small, layout)
+        return recv_x, small, (hook_fn, recv_x, None, layout, small, cumulative_stats, wait_stats)
     parts = [count, handle[0], handle[1]] + ([scales.transpose(1, 2)] if use_fp8 else [])
-    small = _pack(parts, layout)
-    if isinstance(handle, LowLatencyHandle):
-        _remember_ll(handle, small)
-    return recv_x, small, (hook_fn, recv_x, parts, layout, cumulative_stats, wait_stats)
+    small = pack(parts, layout)
+    return recv_x, small, (hook_fn, recv_x, parts, layout, small, cumulative_stats, wait_stats)
 
 
-def _remember_ll(handle, small) -> None:
-    """The combine rebuilds the GPU handle, with its row map when that sits in ``small``'s allocation."""
-    row_map = getattr(handle, "row_map", None)
-    place = None
-    if row_map is not None and row_map.untyped_storage().data_ptr() == small.untyped_storage().data_ptr():
-        place = (tuple(row_map.shape), row_map.stride(), row_map.storage_offset())
-    remember_handle(small, ("low_latency", place))
+def _plan_small(handle, count, scales, layout):
+    """The one allocation a GPU dispatch plan cut ``count``, the handle's tensors and ``scales`` from, when
+    the pointers of the handle (``LowLatencyHandle.ptrs``, kept by the plan) and the outputs sit where
+    ``layout`` places them (else None: the reference backend's arrays). Reads addresses only: the handle's
+    own views are cut when something asks for them, and nothing here asks."""
+    ptrs = getattr(handle, "ptrs", None)
+    if ptrs is None or count.storage_offset() != 0:
+        return None
+    base, parts = count.data_ptr(), layout[0]
+    if ptrs[0] != base + 4 * parts[1][3] or ptrs[1] != base + 8 * parts[2][3]:
+        return None
+    if scales is not None:  # handed out column-major: the transposed view of the stored part
+        _, _, strides, offset = parts[3]
+        if scales.data_ptr() != base + 4 * offset or scales.stride() != (strides[0], strides[2], strides[1]):
+            return None
+    return count.as_strided((layout[1],), (1,), 0)
+
+
+def _remember_ll(handle, small, layout) -> None:
+    """What the combine rebuilds the GPU handle from: its owner (weakly: the engine of its Buffer), plan key
+    and pointers, the row map's among them when it sits right after the parts of ``small`` (where the plan
+    places it: ``[R*T, E_local]`` int32)."""
+    ptrs, owner = handle.ptrs, getattr(handle, "owner", None)
+    row_map = ptrs[2] if ptrs[2] == small.data_ptr() + 4 * layout[1] else 0  # else memory small may not hold
+    remember_handle(small, ("low_latency", None if owner is None else weakref.ref(owner), handle.key,
+                            (ptrs[0], ptrs[1], row_map)))
 
 
 def _dispatch_fake(bid, x, topk_idx, cumulative_stats, wait_stats, t_max, num_experts, use_fp8, round_scale,
@@ -194,12 +174,14 @@ def _copy_back(given, original) -> None:
 @define("ll_dispatch_recv", mutates_args=("recv_x", "small", "cumulative_stats", "wait_stats"))
 def ll_dispatch_recv(ticket: torch.Tensor, recv_x: torch.Tensor, small: torch.Tensor,
                      cumulative_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> None:
-    hook_fn, recv_x0, parts, layout, stats0, wait0 = _state(ticket)
+    hook_fn, recv_x0, parts, layout, small0, stats0, wait0 = _state(ticket)
     hook_fn()
     _copy_back(recv_x, recv_x0)
-    if small.data_ptr() != parts[0].data_ptr():  # the reference backend's separate arrays, or a copy of small
+    if parts is not None and small.data_ptr() != parts[0].data_ptr():  # the reference backend's arrays
         for view, t in zip(unpack(small, layout), parts, strict=True):
             view.copy_(t)
+    elif parts is None:  # the GPU plan's allocation: into small where that is a copy of it
+        _copy_back(small, small0)
     _copy_back(cumulative_stats, stats0)
     _copy_back(wait_stats, wait0)
 
@@ -237,16 +219,23 @@ def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: 
 
 # ---------------------------------------------------------------------------------------------------- combine
 def _handle(buffer, src_info, layout_range, t_max, hidden, num_experts):
-    """The handle tuple; on the GPU the class a dispatch returns (its row map, no index checks) when the
-    tensors are the views of a dispatch op's output, else a plain tuple (checked like a caller's)."""
+    """The handle tuple; on the GPU the class a dispatch returns (its owner, plan key and pointers: no index
+    checks, the row map) when the tensors are the views of a dispatch op's output, else a plain tuple
+    (checked like a caller's)."""
     entries = (src_info, layout_range, t_max, hidden, num_experts)
     if buffer.backend != "cuda":
         return entries
     found = handle_entry(src_info)
     if found is None or found[0] != "low_latency":
         return entries
-    place = found[1]
-    return LowLatencyHandle(entries, None if place is None else src_info.as_strided(*place))
+    _, owner_ref, key, ptrs = found
+    owner = None if owner_ref is None else owner_ref()
+    if (owner_ref is not None and owner is None) or ptrs[0] != src_info.data_ptr() or \
+            ptrs[1] != layout_range.data_ptr():
+        return entries  # the Buffer is gone, or other views of that allocation
+    handle = LowLatencyHandle(entries, None, owner, key)
+    handle.ptrs = ptrs
+    return handle
 
 
 def _combine(bid, x, topk_idx, topk_weights, src_info, layout_range, t_max, hidden, num_experts, use_logfmt,
@@ -358,7 +347,7 @@ def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, use_logfmt: b
 
 
 # ---------------------------------------------------------------------------------------------------- zero copy
-@define("ll_combine_buffer")
+@define("ll_combine_buffer", integer_inputs=True)  # src_info, layout_range
 def ll_combine_buffer(bid: int, src_info: torch.Tensor, layout_range: torch.Tensor, t_max: int, hidden: int,
                       num_experts: int) -> torch.Tensor:
     buffer = buffer_of(bid)

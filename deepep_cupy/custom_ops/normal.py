@@ -10,12 +10,15 @@ handle's sizes come from the static parameters: ``C`` channels (the backend's ch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..device.output_pool import framework_outputs
 from ..ops.handles import OpHandle, cached_rows
 from .common import (
     NO_EVENT,
+    TORCH_DTYPES,
     buffer_id,
     buffer_of,
     config_list,
@@ -24,12 +27,16 @@ from .common import (
     fresh,
     handle_entry,
     no_event,
+    pack,
     remember_handle,
+    run_config,
+    unpack,
+    word_layout,
 )
 
 __all__ = ["get_dispatch_layout", "dispatch", "combine"]
 
-_I32, _I64, _BOOL, _U8 = torch.int32, torch.int64, torch.bool, torch.uint8
+_I32, _I64, _U8 = torch.int32, torch.int64, torch.uint8
 
 
 def _resolved(buffer, config, which: str) -> tuple:
@@ -105,6 +112,11 @@ def _dispatch_specs(buffer, config, x, x_scales, num_tokens_per_expert, topk_idx
     return specs
 
 
+# Dispatch calls whose outputs were found to be what the fake implementation says, by everything that
+# decides their shapes and dtypes: the check runs once per such call, not on every one.
+_CHECKED: set = set()
+
+
 def _check_outputs(op: str, outs: list, specs: list) -> None:
     """The real outputs against what the fake implementation said (a mismatch would corrupt the graph)."""
     for i, (t, (shape, dtype, _)) in enumerate(zip(outs, specs, strict=True)):
@@ -138,40 +150,61 @@ def _handle(buffer, entries: list):
 
 
 # ---------------------------------------------------------------------------------------------------- layout
-@define("layout")
-def layout(bid: int, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                        torch.Tensor]:
+def layout_parts(num_ranks, num_experts, num_tokens, num_rdma_ranks) -> tuple:
+    """Where the GPU layout plan cuts its outputs from one allocation (``LayoutPlan`` in ops/layout.py):
+    per rank, per expert, the token -> rank map, and per RDMA rank last when there are several
+    (:func:`common.word_layout`)."""
+    specs = [((num_ranks,), "int32"), ((num_experts,), "int32"), ((num_tokens, num_ranks), "bool")]
+    if num_rdma_ranks > 1:
+        specs.append(((num_rdma_ranks,), "int32"))
+    return word_layout(specs)
+
+
+_layout_parts = functools.cache(layout_parts)  # the real op's sizes are ints
+
+
+@define("layout", integer_inputs=True)  # topk_idx
+def layout(bid: int, topk_idx: torch.Tensor, num_experts: int) -> list[torch.Tensor]:
+    """On the GPU the plan's one allocation (the traced code cuts the outputs from it), else the outputs:
+    per rank, per expert, the token -> rank map, per RDMA rank with several. All new tensors."""
     buffer = buffer_of(bid)
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-    if per_rdma is None:
-        per_rdma = topk_idx.new_empty((0,), dtype=_I32)
-    return tuple(fresh([per_rank, per_rdma, per_expert, in_rank], [topk_idx]))
+    parts = [per_rank, per_expert, in_rank] if per_rdma is None else [per_rank, per_expert, in_rank, per_rdma]
+    if buffer.backend != "cuda":
+        return parts
+    return [pack(parts, _layout_parts(buffer.group_size, num_experts, topk_idx.shape[0], _domains(buffer)[1]))]
 
 
 @layout.register_fake
 def _(bid, topk_idx, num_experts):
     buffer = buffer_of(bid)
-    domains = _domains(buffer)[1]
-    new = topk_idx.new_empty
-    return (new((buffer.group_size,), dtype=_I32), new((domains if domains > 1 else 0,), dtype=_I32),
-            new((num_experts,), dtype=_I32), new((topk_idx.shape[0], buffer.group_size), dtype=_BOOL))
+    parts, words = layout_parts(buffer.group_size, num_experts, topk_idx.shape[0], _domains(buffer)[1])
+    if buffer.backend == "cuda":
+        return [topk_idx.new_empty((words,), dtype=_I32)]
+    return [topk_idx.new_empty(shape, dtype=TORCH_DTYPES[kind]) for shape, kind, _, _ in parts]
 
 
 def get_dispatch_layout(buffer, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                         allocate_on_comm_stream: bool = False):
     """``Buffer.get_dispatch_layout`` while dynamo traces (the event is empty)."""
     no_event(previous_event)
-    per_rank, per_rdma, per_expert, in_rank = torch.ops.deepep_cupy.layout(buffer_id(buffer), topk_idx,
-                                                                            int(num_experts))
-    return per_rank, (per_rdma if _domains(buffer)[1] > 1 else None), per_expert, in_rank, NO_EVENT
+    num_experts = int(num_experts)
+    outs = torch.ops.deepep_cupy.layout(buffer_id(buffer), topk_idx, num_experts)
+    if buffer.backend == "cuda":
+        outs = unpack(outs[0], layout_parts(buffer.group_size, num_experts, topk_idx.shape[0], _domains(buffer)[1]))
+    per_rdma = outs[3] if len(outs) == 4 else None
+    return outs[0], per_rdma, outs[1], outs[2], NO_EVENT
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
-def _dispatch(bid: int, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment: int, num_worst_tokens: int,
-              config: list[int]) -> list:
+def _dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_tokens_per_rank: torch.Tensor | None,
+              num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+              num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+              expert_alignment: int, num_worst_tokens: int, config: list[int]) -> list[torch.Tensor]:
+    """The dispatch ops' implementation: with ``num_worst_tokens`` fixed sizes and no host wait (CUDA graphs
+    may hold it), without it the received counts read back on the host."""
     buffer = buffer_of(bid)
-    cfg = config_of(config)
+    cfg = run_config(config)
     with framework_outputs():  # never in the output pool: CUDA-graph trees want them in their own
         recv, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
             x if x_scales is None else (x, x_scales), None, num_tokens_per_rank, num_tokens_per_rdma_rank,
@@ -179,13 +212,20 @@ def _dispatch(bid: int, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_ra
             cfg)
     outs = list(recv) if x_scales is not None else [recv]
     outs += [t for t in (recv_topk_idx, recv_topk_weights) if t is not None]
-    skip = in_rank_index(buffer)
+    skip = 4 if len(handle) == 6 else 0  # is_token_in_rank: the caller's input (in_rank_index)
     outs += [t for i, t in enumerate(handle) if i != skip]
     if num_worst_tokens == 0:
         outs.append(torch.tensor(counts, dtype=_I64))
     nvl_rows = handle[9].shape[0] if len(handle) == 10 else 0
-    _check_outputs("dispatch", outs, _dispatch_specs(buffer, cfg, x, x_scales, num_tokens_per_expert, topk_idx,
-                                                     topk_weights, num_worst_tokens, outs[0].shape[0], nvl_rows))
+    rows = outs[0].shape[0]
+    key = (bid, x.shape, x.dtype, None if x_scales is None else x_scales.shape, num_tokens_per_expert.shape,
+           None if topk_idx is None else topk_idx.shape, topk_weights is None, num_worst_tokens, tuple(config), rows,
+           nvl_rows)
+    if key not in _CHECKED:
+        _check_outputs("dispatch", outs, _dispatch_specs(buffer, cfg, x, x_scales, num_tokens_per_expert, topk_idx,
+                                                         topk_weights, num_worst_tokens, rows, nvl_rows))
+        if len(_CHECKED) < 1024:
+            _CHECKED.add(key)
     _remember(buffer, handle)
     return fresh(outs, [x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                         num_tokens_per_expert, topk_idx, topk_weights])
@@ -204,34 +244,12 @@ def _dispatch_fake(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_ra
     return [x.new_empty(shape, dtype=dtype, device="cpu" if host else None) for shape, dtype, host in specs]
 
 
-@define("dispatch")
-def dispatch_op(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_tokens_per_rank: torch.Tensor | None,
-                num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor,
-                num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor | None,
-                topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int,
-                config: list[int]) -> list[torch.Tensor]:
-    """With ``num_worst_tokens``: fixed sizes, no host wait (CUDA graphs may hold it)."""
-    return _dispatch(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
-
-
+dispatch_op = define("dispatch")(_dispatch)
 dispatch_op.register_fake(_dispatch_fake)
-
 # The same op without num_worst_tokens waits for the received counts on the host: tagged so that inductor
 # keeps it out of CUDA graphs.
 _HOST_WAIT = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-@define("dispatch_host_wait", tags=_HOST_WAIT)
-def dispatch_host_wait(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None,
-                       num_tokens_per_rank: torch.Tensor | None, num_tokens_per_rdma_rank: torch.Tensor | None,
-                       is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                       topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, expert_alignment: int,
-                       num_worst_tokens: int, config: list[int]) -> list[torch.Tensor]:
-    return _dispatch(bid, x, x_scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
-
-
+dispatch_host_wait = define("dispatch_host_wait", tags=_HOST_WAIT)(_dispatch)
 dispatch_host_wait.register_fake(_dispatch_fake)
 
 
@@ -241,7 +259,7 @@ def cached_dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, ha
     buffer = buffer_of(bid)
     with framework_outputs():  # as in _dispatch
         recv = buffer.dispatch(x if x_scales is None else (x, x_scales), _handle(buffer, handle),
-                               config=config_of(config))[0]
+                               config=run_config(config))[0]
     outs = list(recv) if x_scales is not None else [recv]
     return fresh(outs, [x, x_scales, *handle])
 
@@ -291,7 +309,7 @@ def combine_op(bid: int, x: torch.Tensor, handle: list[torch.Tensor], topk_weigh
                bias_0: torch.Tensor | None, bias_1: torch.Tensor | None, config: list[int]) -> list[torch.Tensor]:
     buffer = buffer_of(bid)
     bias = bias_0 if bias_1 is None else (bias_0, bias_1)
-    combined, combined_w, _ = buffer.combine(x, _handle(buffer, handle), topk_weights, bias, config_of(config))
+    combined, combined_w, _ = buffer.combine(x, _handle(buffer, handle), topk_weights, bias, run_config(config))
     outs = [combined] if topk_weights is None else [combined, combined_w]
     return fresh(outs, [x, *handle, topk_weights, bias_0, bias_1])
 
@@ -378,6 +396,6 @@ def _combine_backward(ctx, grads):
     return None, grad_x, [None] * ctx.num_handle, None, bias_0, bias_1, None
 
 
-for _name in ("dispatch", "dispatch_host_wait"):
-    torch.library.register_autograd(f"deepep_cupy::{_name}", _dispatch_backward, setup_context=_dispatch_setup)
-torch.library.register_autograd("deepep_cupy::combine", _combine_backward, setup_context=_combine_setup)
+for _op in (dispatch_op, dispatch_host_wait):
+    _op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)

@@ -5,6 +5,7 @@ Multi-rank comparisons with eager calls are in tests/mpi/test_torch_compile_mpi.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -119,7 +120,7 @@ def test_normal_ops_match_their_fakes(buf):
     bid = common.buffer_id(buf)
     x, idx, w = _inputs(3)
     _opcheck(ops.layout.default, (bid, idx, E))
-    per_rank, _, per_expert, in_rank = ops.layout(bid, idx, E)
+    per_rank, per_expert, in_rank = ops.layout(bid, idx, E)
     config = list(Buffer.get_dispatch_config(1).key())
     args = (bid, x, None, per_rank, None, in_rank, per_expert, idx, w, 1, 16, config)
     _opcheck(ops.dispatch.default, args)
@@ -128,6 +129,64 @@ def test_normal_ops_match_their_fakes(buf):
     handle = [*outs[3:7], in_rank, outs[7]]  # the 6-tuple holds the caller's is_token_in_rank at index 4
     _opcheck(ops.cached_dispatch.default, (bid, x, None, handle, config))
     _opcheck(ops.combine.default, (bid, outs[0], handle, outs[2], x, None, config))
+
+
+# ---------------------------------------------------------------------------------------------------- autograd
+def _moe_step(layout, dispatch, combine):
+    """Layout, dispatch with weights, a weighted stand-in for the experts, combine: the loss's gradient
+    reaches x through both ops' backward formulas and the weights through the dispatch's."""
+    def step(x, idx, w, probe):
+        per_rank, _, per_expert, in_rank, _ = layout(idx, E)
+        recv, _, recv_w, _, handle, _ = dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                                 num_worst_tokens=T)
+        y = (recv.float() * recv_w.sum(-1, keepdim=True)).bfloat16()
+        return (combine(y, handle)[0].float() * probe).sum()
+
+    return step
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gradients_through_the_ops(buf, compiled):
+    """Backward through the registered formulas (eager calls of the ops, and compiled code) equals the
+    gradient of the same step written with the received rows' known values (one rank: every token comes
+    back to itself)."""
+    x, idx, w = _inputs(8)
+    probe = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
+    if compiled:
+        step = _compile(_moe_step(buf.get_dispatch_layout, buf.dispatch, buf.combine))
+    else:
+        step = _moe_step(*(functools.partial(f, buf) for f in (traced_normal.get_dispatch_layout,
+                                                                 traced_normal.dispatch, traced_normal.combine)))
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    gx, gw = torch.autograd.grad(step(xg, idx, wg, probe), (xg, wg))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    sent = (idx >= 0).any(1, keepdim=True)
+    y = (xr.float() * (wr * (idx >= 0)).sum(-1, keepdim=True)).bfloat16()
+    want = torch.autograd.grad(((y.float() * sent) * probe).sum(), (xr, wr))
+    valid = idx >= 0  # the weights of unused slots (-1) are left out: only used ones reach the loss
+    assert torch.equal(gx, want[0]) and torch.allclose(gw[valid], want[1][valid], rtol=1e-2, atol=1e-2)
+
+
+def test_ops_without_a_backward_refuse_to_differentiate(buf):
+    """An op with no formula keeps its outputs in the graph and raises when backward reaches it (a wrong
+    gradient would be silent); without an input that needs one it costs nothing of the kind."""
+    x, idx, _ = _inputs(11)
+    bid = common.buffer_id(buf)
+    recv_x, _ = ops.ll_dispatch(bid, x.detach().requires_grad_(), idx, T, E, False, False, False)
+    assert recv_x.requires_grad
+    with pytest.raises(RuntimeError, match="ll_dispatch has no backward formula"):
+        recv_x.float().sum().backward()
+    assert not ops.ll_dispatch(bid, x, idx, T, E, False, False, False)[0].requires_grad
+
+
+def test_written_arguments_get_new_versions(buf):
+    """As torch's in-place ops: autograd can tell a tensor saved for backward was overwritten."""
+    x, idx, _ = _inputs(12)
+    stats = torch.zeros(E, dtype=torch.int32)
+    before = stats._version
+    ops.ll_dispatch_stats(common.buffer_id(buf), x, idx, stats, None, T, E, False, False, False)
+    assert stats._version > before and int(stats.sum()) > 0
 
 
 # ---------------------------------------------------------------------------------------------------- compiled
@@ -226,6 +285,24 @@ def test_compiled_with_dynamic_shapes(buf):
         assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_layout_cut_from_one_allocation(buf, monkeypatch, dynamic):
+    """The layout op as it is on the GPU (one allocation, cut by the traced code; here the reference
+    backend's outputs are copied into it), compiled with static and symbolic token counts."""
+    monkeypatch.setattr(buf, "backend", "cuda")
+
+    def step(idx):
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return per_rdma, per_rank, per_expert, in_rank
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for n in (T, 3, 5):
+        idx = _inputs(20 + n, n)[1]
+        want, got = buf.runtime.get_dispatch_layout(idx, E)[:4], compiled(idx)
+        assert got[0] is None and [t.dtype for t in got[1:]] == [torch.int32, torch.int32, torch.bool]
+        assert all(torch.equal(a, b) for a, b in zip((want[0], want[2], want[3]), got[1:], strict=True))
+
+
 def test_gpu_handles_come_back_as_the_ops_made_them():
     """On the GPU a handle rebuilt from an op's tensors gets back its class and host-side attributes (no
     index checks, the row map, the read-back counts); any other tensors give a plain tuple (checked)."""
@@ -251,16 +328,56 @@ def test_gpu_handles_come_back_as_the_ops_made_them():
 
     words = torch.arange(64, dtype=torch.int32)
     layout = traced_ll.small_layout(2, 4, 4, 256, False, False)
-    row_map = words.as_strided((8, 2), (2, 1), layout[1])
-    small = traced_ll._pack([words[:2], words.as_strided((2, 8), (8, 1), 16),
-                             words.view(torch.int64).as_strided((2, 2), (2, 1), 16)], layout)
+    small = common.pack([words[:2], words.as_strided((2, 8), (8, 1), 16),
+                         words.view(torch.int64).as_strided((2, 2), (2, 1), 16)], layout)
     assert small.data_ptr() == words.data_ptr()  # already in place: no copy
-    handle = LowLatencyHandle((words, words, 4, 256, 4), row_map)
-    traced_ll._remember_ll(handle, small)
-    views = traced_ll.unpack(small, layout)
+    apart = [torch.arange(2, dtype=torch.int32), torch.arange(16, dtype=torch.int32).view(2, 8),
+             torch.arange(4).view(2, 2)]
+    copied = common.pack(apart, layout)  # separate tensors (the reference backend's): copied into one
+    assert all(torch.equal(a, b) for a, b in zip(common.unpack(copied, layout), apart, strict=True))
+    # A low-latency dispatch plan's handle: its pointers place it in the allocation, no view is cut, and
+    # the combine gets back its owner, plan key and pointers (the row map's among them).
+    from deepep_cupy.frameworks import I32, I64, SmallOutputs
+
+    class Engine:
+        pass
+
+    plan = SmallOutputs([((2,), I32), ((2, 8), I32), ((2, 2), I64), ((8, 2), I32)])
+    words = torch.zeros(plan.total_words, dtype=torch.int32)
+    base = words.data_ptr()
+    ptrs = tuple(base + plan.byte_offsets[i] for i in (1, 2, 3))
+    cut, owner = [], Engine()
+    frame = SimpleNamespace(part=lambda w, parts, i: cut.append(i))
+    handle = LowLatencyHandle.of_dispatch(frame, words, plan, (4, 256, 4), ptrs, owner, ("key",))
+    small = traced_ll._plan_small(handle, words[:2], None, layout)
+    assert small.data_ptr() == base and small.shape == (layout[1],) and cut == []
+    assert traced_ll._plan_small(handle, words[16:18], None, layout) is None  # elsewhere: not the plan's
+    traced_ll._remember_ll(handle, small, layout)
+    views = common.unpack(small, layout)
     again = traced_ll._handle(gpu, views[1], views[2], 4, 256, 4)
-    assert type(again) is LowLatencyHandle and torch.equal(again.row_map, row_map)
+    assert type(again) is LowLatencyHandle and again.owner is owner and again.key == ("key",) and again.ptrs == ptrs
     assert type(traced_ll._handle(gpu, views[1].clone(), views[2], 4, 256, 4)) is tuple
+    del owner, handle, again
+    assert type(traced_ll._handle(gpu, views[1], views[2], 4, 256, 4)) is tuple  # its Buffer's engine is gone
+
+
+def test_layout_parts_place_outputs_as_the_gpu_plan():
+    """The GPU layout plan's outputs come from one allocation (``LayoutPlan`` in ops/layout.py); the op
+    returns it whole and the traced code cuts the views where the plan placed them."""
+    from deepep_cupy.frameworks import BOOL, I32, SmallOutputs
+
+    for num_ranks, num_nvl, num_experts, num_tokens in [(8, 8, 256, 4096), (16, 8, 288, 7), (2, 2, 4, 0)]:
+        specs = [((num_ranks,), I32), ((num_experts,), I32), ((num_tokens, num_ranks), BOOL)]
+        if num_nvl < num_ranks:
+            specs.append(((num_ranks // num_nvl,), I32))
+        plan = SmallOutputs(specs)
+        parts, words = traced_normal.layout_parts(num_ranks, num_experts, num_tokens, num_ranks // num_nvl)
+        assert list(parts) == [(shape, dtype.name, strides, offset) for shape, dtype, strides, offset in plan.parts]
+        assert words == plan.total_words
+        allocation = torch.zeros(words, dtype=torch.int32)
+        cut = common.unpack(allocation, (parts, words))
+        assert common.pack(cut, (parts, words)).data_ptr() == allocation.data_ptr()
+        assert [t.dtype for t in cut[:3]] == [torch.int32, torch.int32, torch.bool]
 
 
 def test_other_methods_break_the_graph_and_run_eagerly():
