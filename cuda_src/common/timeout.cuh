@@ -5,7 +5,7 @@
 // report through an ErrorRecord instead of hanging or trapping: __trap() would poison the CUDA context,
 // while a reported timeout lets the kernel return and the host raise a clear Python error
 // (deepep_cupy.runtime.kernel_errors.KernelErrorRecord.check()). The waits themselves live with their
-// kernel families (intranode/buffer_map.cuh, low_latency/buffer_map.cuh): each polls its flag tightly
+// kernel families (intranode/sync.cuh, low_latency/sync.cuh): each polls its flag tightly
 // and reads the host-mapped record only rarely, since every such read is a PCIe round trip.
 //
 // The same record carries value errors (report_value_error, see common/value_errors.cuh): a kernel that

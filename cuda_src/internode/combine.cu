@@ -2,7 +2,7 @@
 //
 // Grid 2 * ceil(C / S) blocks of S channels each (a template parameter), channels as in the dispatch that
 // produced the handle. Channel c's two sides run in the two blocks of its SM pair, which block takes which
-// alternating by channel (sends_here in buffer_map.cuh).
+// alternating by channel (sends_here in copies.cuh).
 // Sending side, warp w = ds * L + l with l != l_me: NVLink sender of the rows this rank received in channel c
 //   from source s = (ds, l), in arrival order, to forwarder l of this domain (the rank that forwarded them).
 //   Warp ds * L + l_me (its rows' forwarder is this rank, which reads them from x): reducer ds of NR = D, the
@@ -33,7 +33,10 @@
 #include "common/bf16.cuh"
 #include "common/nvshmem_includes.cuh"
 #include "internode/combine_sum.cuh"
+#include "internode/args.cuh"
 #include "internode/buffer_map.cuh"
+#include "internode/copies.cuh"
+#include "internode/sync.cuh"
 
 namespace deepep_cupy::internode {
 
@@ -230,7 +233,7 @@ __device__ void forward_reduce(const CombineArgs& a, const WaitCtx& w, int c, in
         }, w, kOpCombinePartner, __LINE__, lane);
         if (v == kWaitExpired || v == kPartnerFailed) ok = false;
     };
-    PhaseClock phase;  // diagnostics builds only (buffer_map.cuh); the leader's laps only
+    PhaseClock phase;  // diagnostics builds only (sync.cuh); the leader's laps only
     uint64_t head = base;  // the last value of head seen (acquired): slots below it are free
     constexpr int kRowsAhead = 32 / L;
     int positions = -1;  // lane q * L + j: the position of row k - k % kRowsAhead + q in j's stream
@@ -362,7 +365,7 @@ combine(const __grid_constant__ CombineArgs args) {
     if (c >= args.num_channels) return;  // the last block's spare channels (no block-wide barrier below)
     const CombineArgs& a = args;
     const WaitCtx w{args.err, args.timeout_ns, args.rank};
-    const WarpClock clock(sending && !reducer);  // diagnostics builds only (buffer_map.cuh)
+    const WarpClock clock(sending && !reducer);  // diagnostics builds only (sync.cuh)
     if (reducer) {
         reduce_domains<L, D, NR, kRegs>(a, w, c, L == 1 ? role : role / L, &reduce_shared[sub], lane);
         clock.stop();

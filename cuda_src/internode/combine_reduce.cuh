@@ -48,7 +48,7 @@ __device__ void reduce_domains(const CombineArgs& a, const WaitCtx& w, int c, in
     // tokens only): a fixed batch as large as the ring would leave them until a wait, and a forwarder that
     // runs out of ring space publishes, stops and waits a round trip for them.
     const int release_every = max(1, min(8, a.rdma_cap / 2) / NR);
-    PhaseClock phase;  // diagnostics builds only (buffer_map.cuh)
+    PhaseClock phase;  // diagnostics builds only (sync.cuh)
     auto hand_back = [&]() {
         if (lane < D && lane != own) {
             volatile int* claim = &sh->claim[0][0];

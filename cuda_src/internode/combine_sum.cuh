@@ -4,7 +4,8 @@
 #pragma once
 
 #include "common/bf16.cuh"
-#include "internode/buffer_map.cuh"
+#include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
 
 namespace deepep_cupy::internode {
 

@@ -2,7 +2,7 @@
 //
 // Grid 2 * ceil(C / S) blocks, S channels per block (a template parameter; by default sub_channels of
 // ops/internode/buffer_map.py); channel c = tokens [c * ceil(N/C), ...). Channel c's sending side runs in one
-// block of its SM pair and its receiving side in the other, alternating by channel (sends_here in buffer_map.cuh).
+// block of its SM pair and its receiving side in the other, alternating by channel (sends_here in copies.cuh).
 // On the sending side, warp d < D of the channel's group is the RDMA sender to forwarder (d, l_me); on the
 // receiving side, warp j < L forwards what arrives over RDMA to local rank j, warp L + l receives over NVLink
 // what forwarder l passes on (with L == 1, warp d < D writes what arrives from domain d straight into the
@@ -17,7 +17,10 @@
 
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
+#include "internode/args.cuh"
 #include "internode/buffer_map.cuh"
+#include "internode/copies.cuh"
+#include "internode/sync.cuh"
 
 namespace deepep_cupy::internode {
 
@@ -199,7 +202,7 @@ __device__ void send_rdma(const DispatchArgs& a, const WaitCtx& w, int c, int d,
     const bool p2p = peer_tail != nullptr;
     const long long num_experts = static_cast<long long>(L) * D * a.num_local_experts;
     BadValue bad;
-    PhaseClock phase;  // diagnostics builds only (buffer_map.cuh)
+    PhaseClock phase;  // diagnostics builds only (sync.cuh)
     uint64_t head = base;  // the last value of head seen (acquired); read again only when short
     int count = 0, first = 0;
     for (int chunk = t_begin; chunk < t_end; chunk += 32) {
@@ -361,7 +364,7 @@ dispatch(const __grid_constant__ DispatchArgs args) {
     __shared__ ForwardShared<L, D> shared[S];
     receive_begin<L, D, S>(a, shared, cb);
     __syncthreads();
-    WarpClock clock(sends_here(sub));  // diagnostics builds only (buffer_map.cuh)
+    WarpClock clock(sends_here(sub));  // diagnostics builds only (sync.cuh)
     if (c < args.num_channels && !sends_here(sub)) {
         receive_role<L, D, U>(a, w, shared[sub], c, role, lane);
         if (role < (L == 1 ? D : 2 * L)) clock.stop();

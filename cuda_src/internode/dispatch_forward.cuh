@@ -310,7 +310,7 @@ __device__ void forward_direct(const DispatchArgs& a, const WaitCtx& w, ForwardS
     __syncwarp();
     give_back();
     const int release_every = max(1, min(8, a.rdma_cap / 2));  // RDMA slots given back per signal
-    PhaseClock phase;  // diagnostics builds only (buffer_map.cuh)
+    PhaseClock phase;  // diagnostics builds only (sync.cuh)
     int avail = 0;
     for (int k = 0; k < n; ++k) {
         if (k >= avail) {

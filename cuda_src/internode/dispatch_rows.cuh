@@ -147,7 +147,7 @@ struct ForwardShared {
 
 // Return to source domain d the RDMA units every forwarder warp is done with. Lane 0 only. Several warps
 // may return at once: atomicMax hands each increment to exactly one of them, and ADD makes the order in
-// which the increments land irrelevant (and needs no fence: give_back_store in buffer_map.cuh).
+// which the increments land irrelevant (and needs no fence: give_back_store in sync.cuh).
 template <int L, int D>
 __device__ __forceinline__ void release_rdma(ForwardShared<L, D>& sh, const Signals& sig, int c, int d, int d_me,
                                              int l_me) {

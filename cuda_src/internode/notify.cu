@@ -13,7 +13,9 @@
 // reader's meta), and the reader's forwarder runs after the reader's notify.
 
 #include "common/nvshmem_includes.cuh"
+#include "internode/args.cuh"
 #include "internode/buffer_map.cuh"
+#include "internode/sync.cuh"
 
 namespace deepep_cupy::internode {
 

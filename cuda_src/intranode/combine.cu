@@ -29,7 +29,10 @@
 
 #include "common/nvrtc_compat.cuh"
 #include "intranode/combine_sum.cuh"
+#include "intranode/args.cuh"
 #include "intranode/buffer_map.cuh"
+#include "intranode/copies.cuh"
+#include "intranode/sync.cuh"
 
 
 namespace deepep_cupy::intranode {

@@ -34,7 +34,9 @@
 
 #include "common/nvrtc_compat.cuh"
 #include "intranode/combine_sum.cuh"
+#include "intranode/args.cuh"
 #include "intranode/buffer_map.cuh"
+#include "intranode/sync.cuh"
 
 namespace deepep_cupy::intranode {
 

@@ -5,7 +5,8 @@
 #pragma once
 
 #include "common/bf16.cuh"
-#include "intranode/buffer_map.cuh"
+#include "common/nvrtc_compat.cuh"
+#include "common/ptx.cuh"
 
 namespace deepep_cupy::intranode {
 

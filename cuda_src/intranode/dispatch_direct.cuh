@@ -40,7 +40,10 @@
 // itself reports the overflow, from its own received count.
 #pragma once
 
+#include "intranode/buffer_map.cuh"
+#include "intranode/copies.cuh"
 #include "intranode/dispatch_token.cuh"
+#include "intranode/sync.cuh"
 
 namespace deepep_cupy::intranode {
 

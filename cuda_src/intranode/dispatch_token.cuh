@@ -4,7 +4,8 @@
 
 #include "common/nvrtc_compat.cuh"
 #include "common/value_errors.cuh"
-#include "intranode/buffer_map.cuh"
+#include "intranode/args.cuh"
+#include "intranode/copies.cuh"
 
 namespace deepep_cupy::intranode {
 

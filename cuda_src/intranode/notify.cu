@@ -13,7 +13,10 @@
 // On a timeout the block stops early; the host raises from the error record after its sync.
 
 #include "common/nvrtc_compat.cuh"
+#include "intranode/args.cuh"
 #include "intranode/buffer_map.cuh"
+#include "intranode/copies.cuh"
+#include "intranode/sync.cuh"
 
 namespace deepep_cupy::intranode {
 

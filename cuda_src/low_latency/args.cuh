@@ -33,7 +33,7 @@ struct DispatchArgs {
     int* out_scales_ue8m0;  // [E_local, ceil(H/512), R*T]
     int* out_count;  // [E_local]
     int* out_src_info;  // [E_local, R*T]
-    int* out_row_map;  // [R*T, E_local] or null (buffer_map.cuh: record_row)
+    int* out_row_map;  // [R*T, E_local] or null (indexing.cuh: record_row)
     int64_t* out_layout_range;  // [E_local, R]
     int* cumulative_recv_stats;  // [E_local] or null
     int64_t* wait_recv_cost_stats;  // [R] or null

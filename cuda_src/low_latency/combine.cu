@@ -25,7 +25,7 @@
 // report a bad one as a value error (op kValueOpLowLatencyCombine; the first report wins).
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
-#include "low_latency/buffer_map.cuh"
+#include "low_latency/args.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/logfmt.cuh"
 #include "low_latency/combine_partials_send.cuh"

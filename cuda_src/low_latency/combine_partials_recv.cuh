@@ -9,6 +9,7 @@
 
 #include "low_latency/combine_partials.cuh"
 #include "low_latency/buffer_map.cuh"
+#include "low_latency/sync.cuh"
 #include "low_latency/logfmt.cuh"
 #include "low_latency/rows.cuh"
 

@@ -2,7 +2,7 @@
 // routes and the split of the items: combine_partials.cuh).
 //
 // The row of each (source, token, local expert) comes from the row map the dispatch wrote
-// next to its handle (buffer_map.cuh record_row), checked against the handle's source info and range; for a
+// next to its handle (indexing.cuh record_row), checked against the handle's source info and range; for a
 // handle the caller rebuilt (no row map) every block first builds, in dynamic shared memory, the rows
 // the handle gives each (source, token): s_count[s * T + t] and up to K entries (local expert << 16) |
 // row. The grid's warps take contiguous ranges of (token, source, 256-channel segment) items; for a new
@@ -18,6 +18,8 @@
 
 #include "low_latency/combine_partials.cuh"
 #include "low_latency/buffer_map.cuh"
+#include "low_latency/indexing.cuh"
+#include "low_latency/sync.cuh"
 #include "low_latency/logfmt.cuh"
 #include "low_latency/rows.cuh"
 

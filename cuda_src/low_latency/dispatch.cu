@@ -1,7 +1,7 @@
 // Low-latency dispatch: every rank sends each token to the ranks of its top-k experts, packed per local
 // expert on the receiver, grouped by source rank, each group in source token order (deterministic). The
 // receiver's own group comes first, then the other sources cyclically (rank + 1, ..., rank - 1): see
-// source_position in buffer_map.cuh.
+// source_position in indexing.cuh.
 //
 // One message per (token, destination rank) where the host chose that format (every rank reachable by
 // stores and the tables fit; dispatch_ranks.cuh): the token crosses the link once per rank and the
@@ -24,7 +24,10 @@
 // compare per id, which keeps the scan loop free of branches.
 #include "common/nvshmem_includes.cuh"
 #include "common/value_errors.cuh"
+#include "low_latency/args.cuh"
 #include "low_latency/buffer_map.cuh"
+#include "low_latency/indexing.cuh"
+#include "low_latency/sync.cuh"
 #include "low_latency/rows.cuh"
 #include "low_latency/dispatch_ranks.cuh"
 #include "low_latency/receipts.cuh"

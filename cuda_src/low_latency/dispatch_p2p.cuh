@@ -14,6 +14,8 @@
 #pragma once
 
 #include "low_latency/buffer_map.cuh"
+#include "low_latency/indexing.cuh"
+#include "low_latency/sync.cuh"
 #include "low_latency/rows.cuh"
 
 namespace deepep_cupy::low_latency {

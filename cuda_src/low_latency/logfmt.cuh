@@ -19,6 +19,7 @@
 // block and a warp a segment; min/max are reduced over the 16 lanes of each half with 4 shuffle rounds.
 #pragma once
 
+#include "common/ptx.cuh"
 #include "low_latency/buffer_map.cuh"
 #include "low_latency/rows.cuh"
 

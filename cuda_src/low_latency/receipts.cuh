@@ -16,7 +16,7 @@
 #pragma once
 
 #include "common/nvshmem_includes.cuh"
-#include "low_latency/buffer_map.cuh"
+#include "low_latency/sync.cuh"
 
 namespace deepep_cupy::low_latency {
 

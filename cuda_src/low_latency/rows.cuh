@@ -2,6 +2,7 @@
 // scales into the column-major scale outputs, and warp copies.
 #pragma once
 
+#include "common/ptx.cuh"
 #include "low_latency/buffer_map.cuh"
 
 #include <cuda_bf16.h>
