@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from . import checks
 from .buffer_low_latency import LowLatencyOps
-from .custom_ops import tracing_check
 from .config import Config, low_latency_rdma_size_hint
+from .custom_ops import tracing_check
 from .event import EventHandle, EventOverlap
 from .frameworks import I32, I64, meta, shape_of
 from .ops.handles import device_handle_values, handle_meta

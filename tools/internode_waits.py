@@ -2,7 +2,7 @@
 
     mpirun -np 2 -x DEEPEP_CUPY_NVL_RANKS=1 python tools/internode_waits.py --num-sms 12
 
-The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/buffer_map.cuh``): every wait that finds
+The kernels are built with ``DEEPEP_CUPY_WAIT_PROFILE=1`` (``cuda_src/internode/sync.cuh``): every wait that finds
 its progress word short adds the nanoseconds its warp waited to a counter of its kind (the op codes of
 ``ops/internode/engine.py``) and side (sending: RDMA senders, and the combine's NVLink senders or, with one rank a
 domain, its forwarders; receiving: receivers and forwarders, and the combine's forwarders and reducers), and every
@@ -60,18 +60,18 @@ def use_profiled_builds() -> None:
     """Every internode dispatch and combine plan made from now on loads the diagnostics build."""
     from deepep_cupy.jit import BuildSpec
     from deepep_cupy.ops import kernel_names
+    from deepep_cupy.ops.internode import buffer_map as bmap_module
     from deepep_cupy.ops.internode import engine, plans
-    from deepep_cupy.ops.internode import buffer_map as IL
 
     @functools.cache
     def dispatch_spec(lsize: int, ndom: int, sub: int | None = None) -> BuildSpec:
-        sub = IL.channels_per_block(lsize, ndom, sub)
+        sub = bmap_module.channels_per_block(lsize, ndom, sub)
         return BuildSpec.make("internode/dispatch.cu", DEFINES, [kernel_names.internode_dispatch(lsize, ndom, sub)],
                               nvshmem=True)
 
     @functools.cache
     def combine_spec(lsize: int, ndom: int, sub: int | None = None) -> BuildSpec:
-        sub = IL.channels_per_block(lsize, ndom, sub)
+        sub = bmap_module.channels_per_block(lsize, ndom, sub)
         return BuildSpec.make("internode/combine.cu", DEFINES, [kernel_names.internode_combine(lsize, ndom, sub)],
                               nvshmem=True)
 
@@ -116,8 +116,8 @@ def main() -> int:
 
     from deepep_cupy import Buffer
     from deepep_cupy.device.group import comm_barrier
+    from deepep_cupy.ops.internode import buffer_map as bmap_module
     from deepep_cupy.ops.internode import engine as E
-    from deepep_cupy.ops.internode import buffer_map as IL
 
     comm = MPI.COMM_WORLD
     shape = rank_and_domains(comm)
@@ -126,7 +126,7 @@ def main() -> int:
     rank, num_ranks, lsize, ndom = shape
     use_profiled_builds()
     if rank == 0:  # compile before any rank launches (a rank compiling inside a peer's wait would time out)
-        print(precompile(lsize, ndom, [IL.sub_channels(lsize, ndom, args.num_sms)], None), file=sys.stderr)
+        print(precompile(lsize, ndom, [bmap_module.sub_channels(lsize, ndom, args.num_sms)], None), file=sys.stderr)
     comm.Barrier()
     cfg = config(args.num_sms, 128, 16)
     hidden = args.hidden

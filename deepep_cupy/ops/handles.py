@@ -79,7 +79,7 @@ class DispatchHandle(OpHandle):
 class LowLatencyHandle:
     """A low-latency dispatch's handle: to its users the 5-tuple ``(src_info, layout_range, T, hidden,
     num_experts)`` (indexing, unpacking, ``len``), and also the dispatch's row map (``row_map``: the inverse
-    of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/buffer_map.cuh ``record_row``) for the
+    of its source info, ``[R*T, E_local]`` int32, cuda_src/low_latency/indexing.cuh ``record_row``) for the
     partial-sum combine.
 
     A GPU dispatch makes it with :meth:`of_dispatch` over the one allocation that holds those tensors

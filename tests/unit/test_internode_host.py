@@ -10,8 +10,8 @@ from kernel_args import FakeArray, check_packing
 from deepep_cupy.config import Config
 from deepep_cupy.ops import kernel_names as K
 from deepep_cupy.ops.internode import args as internode_args
-from deepep_cupy.ops.internode import engine as internode
 from deepep_cupy.ops.internode import buffer_map as IL
+from deepep_cupy.ops.internode import engine as internode
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "internode"
 

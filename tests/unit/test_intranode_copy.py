@@ -3,7 +3,6 @@ the sums (cuda_src/intranode/combine_copy.cu) against the reference combine."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from intranode_cases import model_inputs, reference_dispatch
@@ -13,7 +12,6 @@ from thread_group import run_ranks
 from deepep_cupy.ops.intranode import copy as CC
 from deepep_cupy.ops.intranode.args import COMBINE_COPY
 from deepep_cupy.reference import normal
-
 
 
 def _model_copy_combine(ys, ws, handles, chunk_rows, rounds=1, whole_turns=True):

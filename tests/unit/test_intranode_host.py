@@ -12,8 +12,8 @@ from thread_group import run_ranks
 
 from deepep_cupy.config import Config
 from deepep_cupy.ops.intranode import args as intranode_args
-from deepep_cupy.ops.intranode import engine as intranode
 from deepep_cupy.ops.intranode import buffer_map as L
+from deepep_cupy.ops.intranode import engine as intranode
 from deepep_cupy.reference import normal
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src" / "intranode"

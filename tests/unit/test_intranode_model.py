@@ -11,8 +11,8 @@ import pytest
 from intranode_cases import model_inputs, reference_dispatch
 from thread_group import run_ranks
 
-from deepep_cupy.ops.intranode import engine as intranode
 from deepep_cupy.ops.intranode import buffer_map as L
+from deepep_cupy.ops.intranode import engine as intranode
 from deepep_cupy.reference import normal
 
 

@@ -27,7 +27,7 @@ from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
 from ..tunable import Tunable
 from . import buffer_map as IL
-from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args
+from .args import combine_args, dispatch_args, notify_args
 
 __all__ = ["InternodeEngine", "OP_NAMES", "notify_spec", "dispatch_spec", "representative_builds", "notify_args",
            "dispatch_args", "block_threads", "MAX_NVL_RANKS", "MAX_DOMAINS", "combine_spec", "combine_args",

@@ -20,9 +20,8 @@ from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, scale_strides, scales_dtype
 from ..pool_outputs import PoolOutputs
 from . import buffer_map as IL
-from .args import COMBINE, DISPATCH, NOTIFY
+from .args import COMBINE, DISPATCH, NOTIFY, NOTIFY_THREADS
 from .engine import (
-    NOTIFY_THREADS,
     block_threads,
     combine_args,
     combine_block_threads,

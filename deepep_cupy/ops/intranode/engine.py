@@ -37,9 +37,9 @@ from ..headers import constant
 from ..health import EngineHealth
 from ..own_rows import MIN_ROWS as OWN_MIN_ROWS
 from ..tunable import Tunable
-from .args import NOTIFY_THREADS, combine_args, dispatch_args, notify_args, publish_batch
-from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
+from .args import combine_args, dispatch_args, notify_args, publish_batch
 from .buffer_map import required_bytes
+from .copy import DEFAULT_CHUNK_ROWS, combine_copy_spec, stream_writes_supported
 
 __all__ = [
     "IntranodeEngine",

@@ -18,10 +18,9 @@ from ..own_rows import OwnRowCopies
 from ..plan import NormalPlan, config_key, lookup, scale_strides, scales_dtype, store
 from ..pool_outputs import PoolOutputs
 from . import buffer_map as L
-from .args import COMBINE, DISPATCH, NOTIFY
+from .args import COMBINE, DISPATCH, NOTIFY, NOTIFY_THREADS
 from .copy import CopyCombine, IntranodeHandle
 from .engine import (
-    NOTIFY_THREADS,
     combine_args,
     combine_spec,
     dispatch_args,

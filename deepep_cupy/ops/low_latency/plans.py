@@ -157,7 +157,7 @@ class DispatchPlan(_Plan):
         self.recv_shape, self.recv_dtype = (self.e_local, self.slab, hidden), FP8 if self.use_fp8 else BF16
         self.handle_key = None
         # Counts, source info, layout ranges, the scales (handed out column-major) and the row map (the
-        # inverse of the source info, which the partial-sum combine reads: buffer_map.cuh record_row) come
+        # inverse of the source info, which the partial-sum combine reads: indexing.cuh record_row) come
         # from one allocation.
         small = [((self.e_local,), I32), ((self.e_local, self.slab), I32), ((self.e_local, self.num_ranks), I64)]
         if self.use_fp8:
