@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 from .device.gpus import current_device_id, gpu_count
+from .device.group import group_size
 from .event import EventHandle, EventOverlap
 
 __all__ = ["EventHandle", "EventOverlap", "check_nvlink_connections"]
-
-
-def _group_size(group) -> int:
-    if hasattr(group, "Get_size"):  # mpi4py
-        return int(group.Get_size())
-    size = getattr(group, "size", None)
-    if size is None:
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or an mpi4py communicator, "
-                        f"got {type(group).__name__}")
-    return int(size() if callable(size) else size)
 
 
 def check_nvlink_connections(group) -> None:
@@ -36,7 +27,7 @@ def check_nvlink_connections(group) -> None:
 
     name = cupy.cuda.runtime.getDeviceProperties(current_device_id())["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    size = _group_size(group)
+    size = group_size(group)
     if "PCIE" in name.upper() and size > 2:
         raise ValueError(f"group has {size} ranks on PCIe GPUs ({name}), which are linked over NVLink in pairs "
                          "at most: use groups of at most 2 ranks")

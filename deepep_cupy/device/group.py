@@ -24,7 +24,20 @@ from abc import ABC, abstractmethod
 from ..errors import DeepEPTimeoutError
 from .kernel_errors import timeout_seconds
 
-__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "disagreement", "timeout_error", "comm_barrier"]
+__all__ = ["CommGroup", "MPIGroup", "TorchGroup", "make_group", "group_size", "disagreement", "timeout_error",
+           "comm_barrier"]
+
+
+def group_size(group) -> int:
+    """Ranks of a torch group, an mpi4py communicator or a group-like object (no collective)."""
+    if hasattr(group, "Get_size"):  # mpi4py
+        return int(group.Get_size())
+    size = getattr(group, "size", None)
+    if size is None:
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or an mpi4py communicator, "
+                        f"got {type(group).__name__}")
+    return int(size() if callable(size) else size)
+
 
 _TAGS = 1 << 15  # MPI guarantees at least 32767 tags; one tag per collective in flight is plenty
 

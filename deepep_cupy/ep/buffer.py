@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .. import checks
 from ..buffer import Buffer
+from ..device.group import group_size
 from ..frameworks import shape_of
 from . import args as A_
 from .arrays import ops_for
@@ -23,17 +24,6 @@ __all__ = ["_EPBufferCore", "group_size"]
 
 #: The most top-k slots one V1 combine carries (a wider combine takes several); the buffer is sized for it.
 SLOTS_PER_COMBINE = 8
-
-
-def group_size(group) -> int:
-    """Ranks of a torch group, an mpi4py communicator or a group-like object."""
-    if hasattr(group, "Get_size"):
-        return int(group.Get_size())
-    size = getattr(group, "size", None)
-    if size is None:
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or an mpi4py communicator, "
-                        f"got {type(group).__name__}")
-    return int(size() if callable(size) else size)
 
 
 def _v1_bytes(num_ranks: int, hidden: int, num_topk: int) -> int:

@@ -8,8 +8,9 @@ buffers and redundant-expert load balancing) raises NotImplementedError naming i
 from __future__ import annotations
 
 from .. import checks
+from ..device.group import group_size
 from .args import flag
-from .buffer import _EPBufferCore, _v1_bytes, group_size
+from .buffer import _EPBufferCore, _v1_bytes
 
 __all__ = ["ElasticBuffer", "EPBuffer"]
 
