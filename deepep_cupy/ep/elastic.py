@@ -68,8 +68,11 @@ def _unsupported(name: str, what: str):
     return method
 
 
-def _size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-               allow_multiple_reduction) -> int:
+def buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                     use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                     allow_multiple_reduction: bool = True) -> int:
+    """Bytes for ``num_bytes`` (a multiple of 2 MiB) for tokens of ``hidden`` and ``num_topk`` (0: 32): V2's
+    ``get_buffer_size_hint``, the same in 2.1 and 2.5."""
     checks.positive_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
     checks.positive_int("hidden", hidden)
     checks.nonneg_int("num_topk", num_topk)
@@ -100,13 +103,7 @@ class ElasticBuffer(_EPBufferCore):
                     num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy, backend,
                     num_nvl_ranks)
 
-    @staticmethod
-    def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:
-        """Bytes for ``num_bytes`` (a multiple of 2 MiB) for tokens of ``hidden`` and ``num_topk`` (0: 32)."""
-        return _size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-                          allow_multiple_reduction)
+    get_buffer_size_hint = staticmethod(buffer_size_hint)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """Wait until every rank got here, with the work issued before (collective)."""
@@ -177,13 +174,7 @@ class EPBuffer(_EPBufferCore):
         self.num_lb_bytes = 0
         self.context = None
 
-    @staticmethod
-    def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:
-        """Bytes for ``num_bytes`` (a multiple of 2 MiB) for tokens of ``hidden`` and ``num_topk`` (0: 32)."""
-        return _size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_hybrid_mode,
-                          allow_multiple_reduction)
+    get_buffer_size_hint = staticmethod(buffer_size_hint)
 
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
                 context_idx=None) -> None:
