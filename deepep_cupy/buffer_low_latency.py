@@ -60,7 +60,9 @@ class LowLatencyOps(BufferCore):
             round_scale: round scales up to powers of two.
             use_ue8m0: pack power-of-two scales as 8-bit exponents, 4 per int32 (needs ``round_scale``).
             async_finish: do not make the current stream wait; wait on the returned event instead.
-            return_recv_hook: only issue the sends; calling the returned hook receives.
+            return_recv_hook: only issue the sends; calling the returned hook receives. The sends run on
+                the communication stream beside the caller's next work; the hook makes the current stream
+                wait for them and receives there. Call every hook (also in a CUDA graph capture).
 
         Returns:
             recv_x: `[num_local_experts, num_ranks * T, hidden]` bf16, or with FP8 a tuple of the e4m3 data

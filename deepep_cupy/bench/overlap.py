@@ -5,7 +5,8 @@ micro-batch: 128 tokens x 7168 per rank, top-8 of 288 experts, a few -1 slots (`
 
 Late peer. A sample: every rank passes a barrier; in the "late" rows the last rank then sleeps ``--late-ms``
 on the host; every rank parks its GPU (so that the send is queued before its start event), issues the send
-between two CUDA events, calls the hook (the receive) and synchronizes. A row is rank 0's median send time,
+between a CUDA event on its stream and one on each of its stream and the Buffer's communication stream (where
+a hook-mode send runs), calls the hook (the receive) and synchronizes. A row is rank 0's median send time,
 for the dispatch (BF16, FP8), the combine after a BF16 dispatch and the combine after an FP8 dispatch. A send
 that does not wait for its peers stays near its on-time figure; one that waits for the late peer's call
 takes about ``--late-ms`` longer (the ``over on time us`` column).
@@ -42,6 +43,7 @@ import time
 import numpy as np
 
 from ..device.group import comm_barrier
+from ..device.streams import external_stream, stream_ptr
 from ..frameworks import from_numpy, to_numpy
 from .low_latency import decode_shape, device_kind, low_latency_buffer, micro_batch
 from .timing import park, row
@@ -145,29 +147,33 @@ def _events_us(stream, fn) -> float:
     return cupy.cuda.get_elapsed_time(start, end) * 1e3
 
 
-def _send_us(comm, stream, send, late_s: float) -> float:
-    """One late-peer sample: this rank's send time in microseconds (the module docstring)."""
+def _send_us(comm, streams, send, late_s: float) -> float:
+    """One late-peer sample: this rank's send time in microseconds (the module docstring). ``streams``: the
+    caller's and the Buffer's communication stream, where a hook-mode send runs; the send ends when both
+    have passed it."""
     import cupy
 
+    stream, send_stream = streams
     comm_barrier(comm, "bench overlap: before a send sample")
     if late_s > 0 and comm.Get_rank() == comm.Get_size() - 1:
         time.sleep(late_s)
     park(stream, PARK_US)
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start, ends = cupy.cuda.Event(), (cupy.cuda.Event(), cupy.cuda.Event())
     start.record(stream)
     result = send()
-    end.record(stream)
+    for end, on in zip(ends, streams, strict=True):
+        end.record(on)
     result[-1]()  # the receive
     stream.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) * 1e3
+    return max(cupy.cuda.get_elapsed_time(start, end) for end in ends) * 1e3
 
 
-def _late_peer_rows(comm, stream, sends, late_ms: float, samples: int) -> list[dict]:
+def _late_peer_rows(comm, streams, sends, late_ms: float, samples: int) -> list[dict]:
     if comm.Get_size() < 2:
         return [{"op": "hook send, late peer", "note": "needs 2 ranks or more"}]
 
     def median_us(send, late_s):
-        times = [_send_us(comm, stream, send, late_s) for _ in range(WARMUP + samples)]
+        times = [_send_us(comm, streams, send, late_s) for _ in range(WARMUP + samples)]
         return statistics.median(times[WARMUP:])
 
     rows = []
@@ -262,7 +268,8 @@ def run(comm, args) -> list[dict]:
         sends = (("dispatch BF16", lambda: dispatch(xa, ia, False)), ("dispatch FP8", lambda: dispatch(xa, ia, True)),
                  ("combine BF16", lambda: combine(expert_outputs[0], ia, wa, handles[False][2])),
                  ("combine BF16 after an FP8 dispatch", lambda: combine(expert_outputs[0], ia, wa, handles[True][2])))
-        rows = _late_peer_rows(comm, stream, sends, late_ms, samples)
+        send_stream = external_stream(stream_ptr(buf.get_comm_stream()), cupy.cuda.Device().id)
+        rows = _late_peer_rows(comm, (stream, send_stream), sends, late_ms, samples)
         rows.append(_overlap_row(comm, stream, lambda work: step(work)[1], compute, compute_us, samples))
     finally:
         cupy.cuda.Device().synchronize()

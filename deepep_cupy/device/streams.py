@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["current_stream", "current_stream_ptr", "external_stream", "DeviceEvent", "ForkJoin", "OpStreams",
-           "SideStreams", "create_events", "destroy_events"]
+__all__ = ["current_stream", "current_stream_ptr", "external_stream", "stream_ptr", "DeviceEvent", "ForkJoin",
+           "OpStreams", "SideStreams", "create_events", "destroy_events"]
 
 _DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 
@@ -57,6 +57,12 @@ def external_stream(ptr: int, device_id: int):
     if from_external is None:
         return cupy.cuda.ExternalStream(int(ptr), int(device_id))
     return from_external(_StreamHandle(ptr))
+
+
+def stream_ptr(stream) -> int:
+    """The raw ``cudaStream_t`` of a CuPy stream (``.ptr``) or a torch stream (``.cuda_stream``)."""
+    ptr = getattr(stream, "ptr", None)
+    return int(stream.cuda_stream if ptr is None else ptr)
 
 
 def current_stream(framework: str | None, device_id: int):
@@ -157,6 +163,18 @@ class ForkJoin:
             self.join = rt.eventCreateWithFlags(_DISABLE_TIMING)
         rt.eventRecord(self.join, comm)
         rt.streamWaitEvent(compute, self.join, 0)
+
+    def mark_join(self, comm: int) -> None:
+        """Record the join point: what ``comm`` has queued so far, for a :meth:`wait_join` made later (the
+        record and the wait of :meth:`join_back`, apart)."""
+        rt = _rt()
+        if not self.join:
+            self.join = rt.eventCreateWithFlags(_DISABLE_TIMING)
+        rt.eventRecord(self.join, comm)
+
+    def wait_join(self, compute: int) -> None:
+        """``compute`` waits for the join point :meth:`mark_join` recorded."""
+        _rt().streamWaitEvent(compute, self.join, 0)
 
     def __del__(self) -> None:
         for name in ("fork", "join"):

@@ -6,8 +6,9 @@ the same calls made one at a time, eagerly with ranks late by different amounts 
 
 Run on every rank:  mpirun -np 2 python -m pytest tests/gpu/test_low_latency_overlap.py -q
 Same conventions as test_low_latency.py (collective tests, failures gathered on every rank, 30 s kernel
-wait budget). A late rank is a host ``time.sleep`` before its call; a punctual rank's send is timed on its
-stream with CUDA events, so the time is the send kernel's (plus its launch), not the host's.
+wait budget). A late rank is a host ``time.sleep`` before its call; a punctual rank's send is timed with
+CUDA events from its stream to the later of its stream and the Buffer's communication stream (where a
+hook-mode send runs), so the time is the send kernel's (plus its launch), not the host's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from ll_common import (
     with_low_latency_buffer,
 )
 from reference_cases import ll_combine, ll_dispatch
+
+from deepep_cupy.device.streams import external_stream, stream_ptr
 
 pytestmark = LL_MARKS
 ENV = with_low_latency_buffer
@@ -87,6 +90,7 @@ def _hooked_round(env, buf, shape, d, dflags, cflags, late: bool) -> tuple[dict,
     fw = FRAMEWORKS[0]
     x_d, topk_d, w_d = (to_dev(d[key], fw, env) for key in ("x", "topk", "w"))
     stream = cupy.cuda.get_current_stream()
+    send_stream = external_stream(stream_ptr(buf.get_comm_stream()), cupy.cuda.Device().id)
     times = {}
 
     def timed_send(name, send):
@@ -94,12 +98,14 @@ def _hooked_round(env, buf, shape, d, dflags, cflags, late: bool) -> tuple[dict,
         COMM.Barrier()
         if late and rank == size - 1:
             time.sleep(LATE_S)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start, ends = cupy.cuda.Event(), (cupy.cuda.Event(), cupy.cuda.Event())
         start.record(stream)
         result = send()
-        end.record(stream)
-        end.synchronize()
-        times[name] = cupy.cuda.get_elapsed_time(start, end) / 1e3
+        for end, on in zip(ends, (stream, send_stream), strict=True):  # a hook-mode send runs on the latter
+            end.record(on)
+        for end in ends:
+            end.synchronize()
+        times[name] = max(cupy.cuda.get_elapsed_time(start, end) for end in ends) / 1e3
         return result
 
     recv, count, handle, _e, d_hook = timed_send("dispatch send", lambda: buf.low_latency_dispatch(

@@ -369,3 +369,43 @@ def test_engine_region_addresses_follow_the_buffer_map():
         for b in (0, 1):
             for name in REGIONS:
                 assert addrs[b][name] == 0x7F00_0000_0000 + bmap.region(b, name)
+
+
+def test_hook_waits_for_the_send_stream_before_receiving():
+    """A hook-mode send on the communication stream: the hook first makes its stream wait for the send's
+    join point, then receives, and lets go of what the send used."""
+    import ctypes
+    import gc
+    import weakref
+
+    from deepep_cupy.ops.low_latency import plans as low_latency_plans
+
+    calls = []
+
+    class FakePlan:
+        phases = ctypes.c_int32(ll.PHASE_SEND)
+
+        def slot(self, name):
+            return self.phases
+
+        def launch(self, stream):
+            calls.append(("launch", stream, self.phases.value))
+
+    class FakeJoin:
+        def wait_join(self, stream):
+            calls.append(("wait", stream))
+
+    class Used:
+        pass
+
+    used = Used()
+    alive = weakref.ref(used)
+    hook = low_latency_plans._Hook(FakePlan(), 1234, FakeJoin(), (used,))
+    del used
+    gc.collect()
+    assert alive() is not None  # held until the receive is queued behind the send
+    hook()
+    hook()
+    gc.collect()
+    assert calls == [("wait", 1234), ("launch", 1234, ll.PHASE_RECV)]
+    assert alive() is None

@@ -105,6 +105,7 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
     plan = lp.CombinePlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_logfmt=False, zero_copy=True,
                           return_recv_hook=True, wait_stats_row=0, async_finish=False, comm_stream=0)
     monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: None)
+    _record_stream_order(monkeypatch, [])
     src_info, layout_range, row_map, x, topk, weights, out = (object() for _ in range(7))
     ptrs.update({id(o): 1000 * (i + 1) for i, o in enumerate((src_info, layout_range, row_map, x, topk, weights, out))})
     handle = LowLatencyHandle((src_info, layout_range, 32, 2048, 16), row_map)
@@ -129,20 +130,30 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
     launched = []
     monkeypatch.setattr(lp.LaunchPlan, "launch",
                         lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
+    _record_stream_order(monkeypatch, launched)
     plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
                            use_ue8m0=False, return_recv_hook=hook, wait_stats_row=0, async_finish=False,
-                           comm_stream=0)
+                           comm_stream=5)
     *_, recv_hook = plan.run(object(), object())
     if not hook:
         assert recv_hook is None and launched == [(_Kernel, 7, lp.PHASE_SEND | lp.PHASE_RECV)]
         return
-    assert launched == [(_Kernel, 7, lp.PHASE_SEND)]
+    # The send runs on the communication stream after the caller's work; its half's join point follows it.
+    assert launched == [("fork", 5, 7), (_Kernel, 5, lp.PHASE_SEND), ("mark", 5)]
     assert plan.recv_plans[1].value("out_x") == plan.plans[1].value("out_x") == 4096
     plan.plans[1].set(out_x=8192)  # one block: a patch to either plan is seen by both
     assert plan.recv_plans[1].value("out_x") == 8192
     recv_hook()
     recv_hook()  # a second call does nothing
-    assert launched[1:] == [(_RecvKernel, 7, lp.PHASE_RECV)]
+    # The receive, on the caller's stream, after that stream has waited for the send.
+    assert launched[3:] == [("wait", 7), (_RecvKernel, 7, lp.PHASE_RECV)]
+
+
+def _record_stream_order(monkeypatch, log):
+    """The plans' stream forks and joins appended to ``log`` (no GPU: nothing is recorded or waited)."""
+    monkeypatch.setattr(lp.ForkJoin, "fork_onto", lambda self, comm, compute: log.append(("fork", comm, compute)))
+    monkeypatch.setattr(lp.ForkJoin, "mark_join", lambda self, comm: log.append(("mark", comm)))
+    monkeypatch.setattr(lp.ForkJoin, "wait_join", lambda self, compute: log.append(("wait", compute)))
 
 
 def test_hook_kernels_hold_only_their_phase():

@@ -10,7 +10,7 @@ the pointers of its own call (at most two results are held at once, one per half
 from __future__ import annotations
 
 from ...device.launch import LaunchPlan
-from ...device.streams import OpStreams
+from ...device.streams import ForkJoin, OpStreams
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
 from ..handles import LowLatencyHandle, foreign_handle, ll_handle_meta
@@ -26,45 +26,65 @@ class _Hook:
     """Launches the receive phase of one call once; later calls do nothing. The argument block of the
     call's buffer half (shared by the half's send and receive plans) still holds the call's pointers:
     only the next call on the same half (which the two-results rule forbids before the hook ran) would
-    change them."""
+    change them.
 
-    __slots__ = ("_plan", "_stream")
+    Where the send ran on the communication stream, ``join`` is its half's join point: the receive makes
+    its stream wait for the send first, and ``keep`` (the arrays the send reads or writes) stays referenced
+    until then, so that the caller's allocator cannot hand their memory out while the send may use it."""
 
-    def __init__(self, plan: LaunchPlan, stream: int) -> None:
+    __slots__ = ("_plan", "_stream", "_join", "_keep")
+
+    def __init__(self, plan: LaunchPlan, stream: int, join: ForkJoin | None = None, keep=None) -> None:
         self._plan = plan
         self._stream = stream
+        self._join = join
+        self._keep = keep
 
     def __call__(self) -> None:
         plan, self._plan = self._plan, None
         if plan is not None:
+            if self._join is not None:
+                self._join.wait_join(self._stream)
             plan.slot("phases").value = PHASE_RECV
             plan.launch(self._stream)
+            self._keep = self._join = None
 
 
 class _Plan:
     """What both low-latency plans share: engine, frame, buffer map and the stream choreography."""
 
-    def __init__(self, engine, frame, buffer_map, async_finish: bool, comm_stream: int) -> None:
+    def __init__(self, engine, frame, buffer_map, async_finish: bool, comm_stream: int, hook: bool) -> None:
         self.engine = engine
         self.frame = frame
         self.buffer_map = buffer_map
         self.async_finish = bool(async_finish)
         self.comm_stream = comm_stream
+        self.hook = bool(hook)
+        # A hook-mode send (without async_finish) runs on the communication stream, beside whatever the
+        # caller queues next, and its hook joins back before the receive: one fork per plan (recorded and
+        # waited at once), one join point per buffer half (a half's next call comes only after its hook).
+        self.fork = ForkJoin() if self.hook and not self.async_finish else None
+        self.joins = (ForkJoin(), ForkJoin()) if self.fork is not None else None
         self.regions = engine.region_addresses(buffer_map)
 
-    def _begin(self) -> tuple[int, object]:
+    def _begin(self) -> tuple[int, int, object]:
         """Check for errors recorded by earlier launches, make the buffer map current (a collective clean
-        if another buffer map was used since), and choose the stream: the caller's, or the communication
-        stream after it with ``async_finish``."""
+        if another buffer map was used since), and choose the streams: ``(send, receive, streams)``. Both
+        are the caller's stream for a plain call; with ``async_finish`` both are the communication stream,
+        after the caller's, and ``streams`` ends the op; in hook mode the send runs on the communication
+        stream and the receive on the caller's."""
         engine = self.engine
         engine.check_errors()  # a load of the host-mapped flag word unless something was recorded
         if engine.buffer_map is not self.buffer_map:
             engine.use_buffer_map(self.buffer_map)
         compute = self.frame.stream()
+        if self.fork is not None:
+            self.fork.fork_onto(self.comm_stream, compute)
+            return self.comm_stream, compute, None
         if not self.async_finish:
-            return compute, None
+            return compute, compute, None
         streams = OpStreams(self.comm_stream, compute, self.frame.framework, self.frame.device_id, None, True)
-        return self.comm_stream, streams
+        return self.comm_stream, self.comm_stream, streams
 
     def _half_plan(self, kernels, blocks: int, threads: int, struct, args: dict, shared_mem: int = 0) -> LaunchPlan:
         """Half plan(s) from the kernels of ``kernel_phases(self.hook)``: the launch plan, and with a hook
@@ -73,14 +93,19 @@ class _Plan:
         self.recv_plans.append(plan.with_kernel(kernels[1]) if self.hook else None)
         return plan
 
-    def _launch(self, b: int, phases, stream: int):
-        """Launch half ``b``'s both phases, or with a receive hook only the send phase; return the hook
-        or None. (The kernels hold only their phases' code; the ``phases`` argument says the same.)"""
+    def _launch(self, b: int, phases, stream: int, receive_stream: int, keep):
+        """Launch half ``b``'s both phases on ``stream``, or with a receive hook only the send phase; return
+        the hook (which receives on ``receive_stream``) or None. ``keep``: what the send reads or writes.
+        (The kernels hold only their phases' code; the ``phases`` argument says the same.)"""
         plan = self.plans[b]
         if self.hook:
             phases.value = PHASE_SEND
             plan.launch(stream)
-            return _Hook(self.recv_plans[b], stream)
+            if self.joins is None:
+                return _Hook(self.recv_plans[b], receive_stream)
+            join = self.joins[b]
+            join.mark_join(stream)
+            return _Hook(self.recv_plans[b], receive_stream, join, keep)
         phases.value = _BOTH
         plan.launch(stream)
         return None
@@ -107,13 +132,12 @@ class DispatchPlan(_Plan):
     def __init__(self, engine, frame, buffer_map, *, num_tokens: int, topk: int, use_fp8: bool,
                  round_scale: bool, use_ue8m0: bool, return_recv_hook: bool, wait_stats_row: int,
                  async_finish: bool, comm_stream: int) -> None:
-        super().__init__(engine, frame, buffer_map, async_finish, comm_stream)
+        super().__init__(engine, frame, buffer_map, async_finish, comm_stream, return_recv_hook)
         hidden, num_experts = buffer_map.hidden, buffer_map.num_experts
         t_max = buffer_map.num_max_dispatch_tokens_per_rank
         self.num_tokens, self.hidden, self.t_max, self.num_experts = num_tokens, hidden, t_max, num_experts
         self.use_fp8, self.use_ue8m0 = bool(use_fp8), bool(use_ue8m0) and bool(use_fp8)
         round_scale = (bool(round_scale) or self.use_ue8m0) and self.use_fp8
-        self.hook = bool(return_recv_hook)
         self.num_ranks = engine.num_ranks
         self.e_local = num_experts // engine.num_ranks
         self.slab = engine.num_ranks * t_max
@@ -172,7 +196,7 @@ class DispatchPlan(_Plan):
         self.sizes = (t_max, hidden, num_experts)
 
     def run(self, x, topk_idx, cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None):
-        stream, streams = self._begin()
+        stream, receive_stream, streams = self._begin()
         frame, small = self.frame, self.small
         ptr = frame.ptr
         recv_x = frame.empty(self.recv_shape, self.recv_dtype)
@@ -204,7 +228,7 @@ class DispatchPlan(_Plan):
             stage = self.stages[b]
             stage.slot("x").value = x_ptr
             stage.launch(stream)
-        hook = self._launch(b, s_phases, stream)
+        hook = self._launch(b, s_phases, stream, receive_stream, (x, topk_idx, recv_x, words))
         handle = LowLatencyHandle.of_dispatch(frame, words, small, self.sizes, (src, rng, row_map), self.engine,
                                               self.handle_key)
         if self.handle_key is None:  # the same for every handle this plan makes
@@ -220,11 +244,11 @@ class CombinePlan(_Plan):
     def __init__(self, engine, frame, buffer_map, *, num_tokens: int, topk: int, use_logfmt: bool,
                  zero_copy: bool, return_recv_hook: bool, wait_stats_row: int, async_finish: bool,
                  comm_stream: int) -> None:
-        super().__init__(engine, frame, buffer_map, async_finish, comm_stream)
+        super().__init__(engine, frame, buffer_map, async_finish, comm_stream, return_recv_hook)
         hidden, num_experts = buffer_map.hidden, buffer_map.num_experts
         t_max = buffer_map.num_max_dispatch_tokens_per_rank
         self.num_tokens, self.hidden = num_tokens, hidden
-        self.zero_copy, self.hook = bool(zero_copy), bool(return_recv_hook)
+        self.zero_copy = bool(zero_copy)
         self.wait_offset = 8 * engine.num_ranks * engine.rank * wait_stats_row
         # Per-rank partial sums (float32, or LogFMT with use_logfmt) where they pay and fit
         # (combine_partials.cuh), never in hook mode (their send waits for the peers); the same decision on
@@ -257,7 +281,7 @@ class CombinePlan(_Plan):
         owner = getattr(handle, "owner", None)  # None: a handle the caller built (its values are checked)
         if owner is not self.engine and owner is not None:
             raise foreign_handle()
-        stream, streams = self._begin()
+        stream, receive_stream, streams = self._begin()
         frame = self.frame
         ptr = frame.ptr
         if out is None:
@@ -283,7 +307,7 @@ class CombinePlan(_Plan):
         if combine_wait_recv_cost_stats is not None or s_wait.value:
             s_wait.value = 0 if combine_wait_recv_cost_stats is None else \
                 ptr(combine_wait_recv_cost_stats) + self.wait_offset
-        hook = self._launch(b, s_phases, stream)
+        hook = self._launch(b, s_phases, stream, receive_stream, (x, topk_idx, topk_weights, handle, out))
         if streams is None:
             return out, EventOverlap(None), hook
         return out, self._end(streams, (x, topk_idx, topk_weights, handle, out)), hook
