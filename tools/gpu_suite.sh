@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
 #   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode tests-ep
-#       tests-low-latency tests-graphs tests-frameworks tests-pressure tests-internode startup host bench deepep
+#       tests-low-latency tests-hooks tests-graphs tests-frameworks tests-pressure tests-internode startup host bench
+#       deepep   (tests-hooks: the hook-mode files of tests-low-latency alone)
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
 # MPS_PCT=<p>: run the NGPU ranks on one GPU under MPS, each rank limited to p% of its SMs. A low-latency
@@ -75,6 +76,9 @@ stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 
 stage_tests-ep() { run_tests tests-ep tests/gpu/test_ep.py ${EP_TIMEOUT:-300}; }  # DeepEP V2's API (ElasticBuffer, EPBuffer)
 stage_tests-low-latency() {
     run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_overlap.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
+}
+stage_tests-hooks() {  # hook mode alone: late peers, two micro-batches in flight, faults
+    run_tests tests-hooks "tests/gpu/test_low_latency_overlap.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
 }
 stage_tests-graphs() { run_tests tests-graphs "tests/gpu/test_torch_graphs.py tests/gpu/test_torch_graphs_intranode.py" 300; }
 stage_tests-internode() {  # every GPU its own domain: all traffic crosses NVSHMEM
