@@ -4,18 +4,21 @@ the checks of arguments that only compiled code restricts."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import Config
+from ..device.output_pool import framework_outputs
 from ..event import EventOverlap
 from . import registered
 
 __all__ = ["NS", "NO_EVENT", "buffer_id", "buffer_of", "config_list", "config_of", "run_config", "fresh",
            "TORCH_DTYPES", "word_layout", "unpack", "pack", "remember_handle", "handle_entry", "no_event", "define",
-           "run_outside"]
+           "run_outside", "graph_tree_running", "dispatch_outputs"]
 
 if not hasattr(torch.library, "register_fake"):
     raise ImportError(f"torch.compile of deepep_cupy's ops needs torch >= 2.4 (torch.library.register_fake), "
@@ -27,6 +30,33 @@ from .library import NS, Op  # noqa: E402  (after the version check: it register
 NO_EVENT = EventOverlap(None)
 
 _any_alias = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def graph_tree_running(device_index: int) -> bool:
+    """Whether torch's CUDA-graph trees (``mode="reduce-overhead"``) are warming up or recording a compiled
+    function on this thread and device: they run it on their manager's own stream, with torch allocating
+    into the graph's memory pool."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # never imported: no compiled function uses them
+        return False
+    try:
+        manager = trees.get_manager(device_index, create_if_none_exists=False)
+    except Exception:  # a thread whose trees torch never set up
+        return False
+    stream = getattr(manager, "stream", None)
+    return stream is not None and torch._C._cuda_getCurrentRawStream(device_index) == stream.cuda_stream
+
+
+def dispatch_outputs(x: torch.Tensor):
+    """The context a dispatch op calls the Buffer in: outside the output pool (``framework_outputs``) where
+    CUDA-graph trees run it, since they want every output in their own pool; else none, so that a compiled
+    dispatch takes the modes an eager call of the same shape takes (direct mode into the output pool)."""
+    if x.is_cuda and graph_tree_running(x.device.index):
+        return framework_outputs()
+    return _NO_CONTEXT
 
 
 def buffer_id(buffer) -> int:

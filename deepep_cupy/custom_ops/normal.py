@@ -14,7 +14,6 @@ import functools
 
 import torch
 
-from ..device.output_pool import framework_outputs
 from ..ops.handles import OpHandle, cached_rows
 from .common import (
     NO_EVENT,
@@ -24,6 +23,7 @@ from .common import (
     config_list,
     config_of,
     define,
+    dispatch_outputs,
     fresh,
     handle_entry,
     no_event,
@@ -205,7 +205,7 @@ def _dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_toke
     may hold it), without it the received counts read back on the host."""
     buffer = buffer_of(bid)
     cfg = run_config(config)
-    with framework_outputs():  # never in the output pool: CUDA-graph trees want them in their own
+    with dispatch_outputs(x):  # in the output pool as an eager call, except where CUDA-graph trees run it
         recv, recv_topk_idx, recv_topk_weights, counts, handle, _ = buffer.dispatch(
             x if x_scales is None else (x, x_scales), None, num_tokens_per_rank, num_tokens_per_rdma_rank,
             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -257,7 +257,7 @@ dispatch_host_wait.register_fake(_dispatch_fake)
 def cached_dispatch(bid: int, x: torch.Tensor, x_scales: torch.Tensor | None, handle: list[torch.Tensor],
                     config: list[int]) -> list[torch.Tensor]:
     buffer = buffer_of(bid)
-    with framework_outputs():  # as in _dispatch
+    with dispatch_outputs(x):  # as in _dispatch
         recv = buffer.dispatch(x if x_scales is None else (x, x_scales), _handle(buffer, handle),
                                config=run_config(config))[0]
     outs = list(recv) if x_scales is not None else [recv]

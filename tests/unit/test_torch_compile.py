@@ -445,3 +445,34 @@ def test_compiled_moe_example_under_mpiexec():
                          capture_output=True, text=True, timeout=400, env=_env())
     assert got.returncode == 0, got.stdout + got.stderr
     assert got.stdout.count(": OK") == 2 and "all ranks match the dense layer" in got.stdout
+
+
+def test_dispatch_ops_leave_the_output_pool_only_inside_cuda_graph_trees(monkeypatch):
+    """A compiled dispatch allocates like an eager one (the output pool, so direct mode) unless torch's
+    CUDA-graph trees warm it up or record it, on their manager's own stream."""
+    import types
+
+    from deepep_cupy.custom_ops import common
+    from deepep_cupy.device.output_pool import outputs_refused
+
+    x = types.SimpleNamespace(is_cuda=True, device=types.SimpleNamespace(index=0))
+    current = {"stream": 11}
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current["stream"], raising=False)
+    managers = {}
+    trees = types.SimpleNamespace(get_manager=lambda index, create_if_none_exists=True: managers.get(index))
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+
+    def refused() -> bool:
+        with common.dispatch_outputs(x):
+            return outputs_refused()
+
+    assert not refused()  # no tree manager on this device
+    managers[0] = types.SimpleNamespace(stream=types.SimpleNamespace(cuda_stream=22))
+    assert not refused()  # a manager, but the call runs on another stream (a plain compiled call, eager code)
+    current["stream"] = 22
+    assert refused() and common.graph_tree_running(0)  # warm-up or recording: outputs in the graph's pool
+    x.is_cuda = False
+    assert not refused()  # the reference backend's CPU tensors
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
+    x.is_cuda = True
+    assert not refused()
