@@ -9,6 +9,8 @@ Kernels of the V2 layer's own (no reordering pass, no wide combine) are a later 
 
 from __future__ import annotations
 
+import dataclasses
+
 from .. import checks
 from ..buffer import Buffer
 from ..device.group import group_size
@@ -182,12 +184,12 @@ class _EPBufferCore:
         v1, ops = self._v1, ops_for(data)
         if handle is None:
             recv = self._v1_dispatch(x, topk_idx, topk_weights, num_experts, alignment, 0 if sync else m * self.num_ranks,
-                                     prev)
+                                     prev, self._v1_config(num_sms, shape_of(data)[1]))
         elif topk_weights is None:
             recv = v1.dispatch(x, handle=handle._v1_handle, previous_event=prev)
         else:  # V1's cached mode carries no weights: the same routing again, sized as the handle's rows
             recv = self._v1_dispatch(x, handle.topk_idx, topk_weights, num_experts, alignment,
-                                     handle.num_recv_tokens, prev)
+                                     handle.num_recv_tokens, prev, self._v1_config(num_sms, shape_of(data)[1]))
         recv_x, recv_topk_idx, recv_weights, aligned_list, v1_handle = recv[:5]
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         e_local = num_experts // self.num_ranks
@@ -224,7 +226,16 @@ class _EPBufferCore:
             return event
         return (*epilogue(), EventOverlap(EventHandle() if async_with_compute_stream else None))
 
-    def _v1_dispatch(self, x, topk_idx, topk_weights, num_experts, alignment, num_worst_tokens, prev):
+    def _v1_config(self, num_sms: int, hidden: int, combine: bool = False):
+        """V1's config for a V2 call's ``num_sms``: None (V1's own choice) for 0, else the tuned or built-in
+        config with that many SMs, rounded down to the even count V1's channels take (a sender and a receiver
+        SM each). A combine follows its dispatch's channels whatever its own count."""
+        if not num_sms:
+            return None
+        pick = Buffer.get_combine_config if combine else Buffer.get_dispatch_config
+        return dataclasses.replace(pick(self.num_ranks, hidden), num_sms=max(2, num_sms - num_sms % 2))
+
+    def _v1_dispatch(self, x, topk_idx, topk_weights, num_experts, alignment, num_worst_tokens, prev, config):
         per_rank, per_rdma, per_expert, in_rank, _ = self._v1.get_dispatch_layout(topk_idx, num_experts,
                                                                                   previous_event=prev)
         weights = topk_weights
@@ -233,7 +244,7 @@ class _EPBufferCore:
         recv = self._v1.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
                                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                                  topk_weights=weights, expert_alignment=alignment,
-                                 num_worst_tokens=num_worst_tokens)
+                                 num_worst_tokens=num_worst_tokens, config=config)
         return recv if topk_weights is not None else (recv[0], recv[1], None, *recv[3:])
 
     def _new_handle(self, ops, topk_idx, recv_topk_idx, v1_handle, aligned_list, num_experts, m, alignment,
@@ -273,13 +284,14 @@ class _EPBufferCore:
         weights = None if topk_weights is None else slot_weights(ops, topk_weights, handle)
         width = self._slots_per_combine(hidden, k)
         prev = as_v1_event(previous_event)
+        config = self._v1_config(num_sms, hidden, combine=True)
         chunks, combined_weights = [], None
         for first in range(0, k, width):
             w = min(width, k - first)
             part = ops.contiguous(wide[:, first:first + w]).reshape(n, w * hidden)
             out, out_weights, _ = self._v1.combine(part, handle._v1_handle,
                                                    topk_weights=weights if first == 0 else None,
-                                                   previous_event=prev if first == 0 else None)
+                                                   previous_event=prev if first == 0 else None, config=config)
             chunks.append(out.reshape(handle.num_tokens, w, hidden))
             if first == 0:
                 combined_weights = out_weights

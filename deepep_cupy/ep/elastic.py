@@ -26,7 +26,10 @@ _DISPATCH_DOC = """Send each token to the ranks holding its experts.
             num_experts: total experts (from the handle when cached).
             num_max_tokens_per_rank: ``M``, the same on every rank (default: the constructor's).
             expert_alignment: each local expert's received count is rounded up to a multiple of it (default 1).
-            num_sms, num_qps: 0 for ``get_theoretical_num_sms`` / ``get_theoretical_num_qps``; kept in the handle.
+            num_sms: SMs of the kernels (0: ``get_theoretical_num_sms``), rounded down to an even count
+                (V1's channels, a sender and a receiver SM each); kept in the handle.
+            num_qps: 0 for ``get_theoretical_num_qps``; checked and kept in the handle (queue pairs are
+                NVSHMEM's choice here).
             previous_event: an ``EventHandle`` the work waits for (needs ``allocate_on_comm_stream=True``).
             async_with_compute_stream: return an event to wait on.
             allocate_on_comm_stream: accepted; outputs come from the current stream's allocator.

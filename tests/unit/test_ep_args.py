@@ -139,3 +139,33 @@ def test_dispatch_and_combine_refuse_bad_arguments():
         return True
 
     assert all(_one(rank, 2))
+
+
+def test_num_sms_reaches_v1s_kernels():
+    """A V2 call's ``num_sms`` becomes the SM count of V1's config (rounded down to even); 0 leaves V1's own
+    choice; the results do not depend on it."""
+    def rank(g):
+        buffer = EPBuffer(g, num_max_tokens_per_rank=T, hidden=H, backend="reference")
+        seen = []
+        v1 = buffer._v1
+        for name in ("dispatch", "combine"):
+            method = getattr(v1, name)
+
+            def spy(*a, _method=method, _name=name, **k):
+                seen.append((_name, None if k.get("config") is None else k["config"].num_sms))
+                return _method(*a, **k)
+
+            setattr(v1, name, spy)
+        inp = R.rank_inputs(5, g.rank, num_tokens=T, hidden=H, num_experts=E, num_topk=K)
+        x, topk, w = C.t(inp.x), C.t(inp.topk_idx), C.t(inp.topk_weights)
+        outs = []
+        for sms in (0, 7):
+            recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E, num_sms=sms)
+            combined = buffer.combine(recv_x, handle, num_sms=sms)[0]
+            outs.append(combined.view(torch.int16).numpy().copy())
+        assert ("dispatch", None) in seen and ("combine", None) in seen
+        assert ("dispatch", 6) in seen and ("combine", 6) in seen
+        assert np.array_equal(outs[0], outs[1])
+        return True
+
+    assert all(_one(rank, 2))
