@@ -17,7 +17,7 @@ from ..device.group import group_size
 from ..frameworks import shape_of
 from . import args as A_
 from .arrays import ops_for
-from .epilogue import final_sum, slot_values, slot_weights
+from .epilogue import final_sum, final_sum_by_rank, rank_values, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
 from .recv_rows import align, col_major, dst_slots, recv_rows, scatter_rows
@@ -280,14 +280,19 @@ class _EPBufferCore:
                         async_with_compute_stream=async_with_compute_stream)
         ops = ops_for(x)
         k, hidden, n = handle.num_topk, shape_of(x)[1], handle.num_recv_tokens
-        wide = slot_values(ops, x, handle, reduce_per_rank=self.allow_multiple_reduction or not handle.do_expand)
+        reduce_per_rank = self.allow_multiple_reduction or not handle.do_expand
+        by_rank = reduce_per_rank and self.num_ranks < k  # a block per rank is narrower than one per slot
+        if by_rank:
+            wide, blocks = rank_values(ops, x, handle, self._v1.rank, self.num_ranks), self.num_ranks
+        else:
+            wide, blocks = slot_values(ops, x, handle, reduce_per_rank), k
         weights = None if topk_weights is None else slot_weights(ops, topk_weights, handle)
-        width = self._slots_per_combine(hidden, k)
+        width = self._slots_per_combine(hidden, blocks)
         prev = as_v1_event(previous_event)
         config = self._v1_config(num_sms, hidden, combine=True)
         chunks, combined_weights = [], None
-        for first in range(0, k, width):
-            w = min(width, k - first)
+        for first in range(0, blocks, width):
+            w = min(width, blocks - first)
             part = ops.contiguous(wide[:, first:first + w]).reshape(n, w * hidden)
             out, out_weights, _ = self._v1.combine(part, handle._v1_handle,
                                                    topk_weights=weights if first == 0 else None,
@@ -297,7 +302,12 @@ class _EPBufferCore:
                 combined_weights = out_weights
 
         def epilogue():
-            return final_sum(ops, chunks, bias_0, bias_1, handle.num_tokens, hidden, x), combined_weights
+            if by_rank:
+                combined = final_sum_by_rank(ops, chunks, handle.topk_idx, handle.num_experts // self.num_ranks,
+                                             bias_0, bias_1, handle.num_tokens, hidden, x)
+            else:
+                combined = final_sum(ops, chunks, bias_0, bias_1, handle.num_tokens, hidden, x)
+            return combined, combined_weights
 
         if defer_epilogue:
             event = EventOverlap(EventHandle())
