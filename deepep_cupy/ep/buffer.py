@@ -289,14 +289,18 @@ class _EPBufferCore:
         weights = None if topk_weights is None else slot_weights(ops, topk_weights, handle)
         width = self._slots_per_combine(hidden, blocks)
         prev = as_v1_event(previous_event)
+        if prev is not None:
+            # The blocks above were built on the current stream, which V1's combine would not wait for
+            # behind an event of its own: the current stream waits for the event, and V1 for it.
+            prev.current_stream_wait()
+            prev = None
         config = self._v1_config(num_sms, hidden, combine=True)
         chunks, combined_weights = [], None
         for first in range(0, blocks, width):
             w = min(width, blocks - first)
             part = ops.contiguous(wide[:, first:first + w]).reshape(n, w * hidden)
             out, out_weights, _ = self._v1.combine(part, handle._v1_handle,
-                                                   topk_weights=weights if first == 0 else None,
-                                                   previous_event=prev if first == 0 else None, config=config)
+                                                   topk_weights=weights if first == 0 else None, config=config)
             chunks.append(out.reshape(handle.num_tokens, w, hidden))
             if first == 0:
                 combined_weights = out_weights

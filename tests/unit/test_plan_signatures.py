@@ -150,7 +150,9 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
 
 
 def _record_stream_order(monkeypatch, log):
-    """The plans' stream forks and joins appended to ``log`` (no GPU: nothing is recorded or waited)."""
+    """The plans' stream forks and joins appended to ``log`` (no GPU: nothing is recorded or waited, and no
+    stream is being captured)."""
+    monkeypatch.setattr(lp._Plan, "_capturing", staticmethod(lambda stream: False))
     monkeypatch.setattr(lp.ForkJoin, "fork_onto", lambda self, comm, compute: log.append(("fork", comm, compute)))
     monkeypatch.setattr(lp.ForkJoin, "mark_join", lambda self, comm: log.append(("mark", comm)))
     monkeypatch.setattr(lp.ForkJoin, "wait_join", lambda self, compute: log.append(("wait", compute)))

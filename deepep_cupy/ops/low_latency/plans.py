@@ -67,6 +67,12 @@ class _Plan:
         self.joins = (ForkJoin(), ForkJoin()) if self.fork is not None else None
         self.regions = engine.region_addresses(buffer_map)
 
+    @staticmethod
+    def _capturing(stream: int) -> bool:
+        import cupy
+
+        return cupy.cuda.runtime.streamIsCapturing(stream) != 0
+
     def _begin(self) -> tuple[int, int, object]:
         """Check for errors recorded by earlier launches, make the buffer map current (a collective clean
         if another buffer map was used since), and choose the streams: ``(send, receive, streams)``. Both
@@ -78,7 +84,9 @@ class _Plan:
         if engine.buffer_map is not self.buffer_map:
             engine.use_buffer_map(self.buffer_map)
         compute = self.frame.stream()
-        if self.fork is not None:
+        # Not under a CUDA-graph capture: a capture may end before the hook (a graph per part), and one
+        # must not end with the communication stream forked off and unjoined.
+        if self.fork is not None and not self._capturing(compute):
             self.fork.fork_onto(self.comm_stream, compute)
             return self.comm_stream, compute, None
         if not self.async_finish:
@@ -101,7 +109,7 @@ class _Plan:
         if self.hook:
             phases.value = PHASE_SEND
             plan.launch(stream)
-            if self.joins is None:
+            if self.joins is None or stream == receive_stream:
                 return _Hook(self.recv_plans[b], receive_stream)
             join = self.joins[b]
             join.mark_join(stream)
