@@ -169,3 +169,26 @@ def test_num_sms_reaches_v1s_kernels():
         return True
 
     assert all(_one(rank, 2))
+
+
+def test_combine_never_hands_previous_event_to_v1():
+    """The V2 combine builds V1's input on the current stream: V1's combine must wait for that stream, so
+    the current stream waits for ``previous_event`` and V1 gets none of its own."""
+    def rank(g):
+        buffer = EPBuffer(g, num_max_tokens_per_rank=T, hidden=H, backend="reference")
+        seen = []
+        combine = buffer._v1.combine
+
+        def spy(*a, **k):
+            seen.append(k.get("previous_event"))
+            return combine(*a, **k)
+
+        buffer._v1.combine = spy
+        inp = R.rank_inputs(6, g.rank, num_tokens=T, hidden=H, num_experts=E, num_topk=K)
+        x, topk, w = C.t(inp.x), C.t(inp.topk_idx), C.t(inp.topk_weights)
+        recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)
+        buffer.combine(recv_x, handle, previous_event=buffer.capture(), allocate_on_comm_stream=True)
+        assert seen and all(e is None for e in seen)
+        return True
+
+    assert all(_one(rank, 2))

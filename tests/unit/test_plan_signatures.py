@@ -249,3 +249,25 @@ def test_a_dispatch_handle_cuts_its_tensors_where_the_kernel_writes(monkeypatch,
     assert fresh._entries is None and tuple(out.shape) == (8, 2048)
     assert combine.plans[0].value("src_info") == fresh.ptrs[0] and combine.plans[0].value("layout_range") == fresh.ptrs[1]
     assert combine.plans[0].value("row_map") == (fresh.ptrs[2] if row_map else 0)
+
+
+def test_a_hook_send_under_capture_stays_on_the_callers_stream(monkeypatch):
+    """While the caller's stream is being captured the send runs on it (a capture may end before the hook, and
+    must not leave the communication stream forked off), and the hook receives without a join."""
+    engine, buffer_map = _engine(False)
+    engine.check_errors = lambda: None
+    engine.next_buffer = lambda: 0
+    frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
+                                  empty=lambda *a: object(), empty_words=lambda parts: object(),
+                                  part=lambda words, parts, i: object())
+    launched = []
+    monkeypatch.setattr(lp.LaunchPlan, "launch",
+                        lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
+    _record_stream_order(monkeypatch, launched)
+    monkeypatch.setattr(lp._Plan, "_capturing", staticmethod(lambda stream: stream == 7))
+    plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+                           use_ue8m0=False, return_recv_hook=True, wait_stats_row=0, async_finish=False,
+                           comm_stream=5)
+    *_, recv_hook = plan.run(object(), object())
+    recv_hook()
+    assert launched == [(_Kernel, 7, lp.PHASE_SEND), (_RecvKernel, 7, lp.PHASE_RECV)]
