@@ -75,16 +75,16 @@ class TorchFrame:
         t = torch.as_tensor(_DeviceMemory(ptr, tuple(shape), storage, owner), device=self.device)
         return t.view(self.dtypes[dtype]) if dtype in (BF16, FP8) else t
 
-    def empty_words(self, layout: SmallOutputs):
-        """The one int32 allocation that holds ``layout``'s parts (cut with :meth:`part`)."""
-        return self._empty(layout.total_words, dtype=self._i32, device=self.device)
+    def empty_words(self, small: SmallOutputs):
+        """The one int32 allocation that holds ``small``'s parts (cut with :meth:`part`)."""
+        return self._empty(small.total_words, dtype=self._i32, device=self.device)
 
-    def part(self, words, layout: SmallOutputs, i: int):
-        """Part ``i`` of ``layout`` as a view of ``words`` (one ``as_strided``, and a dtype view for a part
+    def part(self, words, small: SmallOutputs, i: int):
+        """Part ``i`` of ``small`` as a view of ``words`` (one ``as_strided``, and a dtype view for a part
         that is not int32: each costs about what an allocation does, so a call makes only those it hands
         out)."""
-        b, shape, strides, offset = layout.views[i]
-        base = words if b == 0 else words.view(self.dtypes[layout.bases[b]])
+        b, shape, strides, offset = small.views[i]
+        base = words if b == 0 else words.view(self.dtypes[small.bases[b]])
         return base.as_strided(shape, strides, offset)
 
 
@@ -115,14 +115,14 @@ class CupyFrame:
     def ptr(t) -> int:
         return t.data.ptr
 
-    def empty_words(self, layout: SmallOutputs):
-        """The one int32 allocation that holds ``layout``'s parts (cut with :meth:`part`)."""
-        return self._empty(layout.total_words, dtype=I32)
+    def empty_words(self, small: SmallOutputs):
+        """The one int32 allocation that holds ``small``'s parts (cut with :meth:`part`)."""
+        return self._empty(small.total_words, dtype=I32)
 
-    def part(self, words, layout: SmallOutputs, i: int):
-        """Part ``i`` of ``layout`` as an array over ``words``' memory."""
-        b, shape, strides, offset = layout.views[i]
-        dtype = layout.bases[b]
+    def part(self, words, small: SmallOutputs, i: int):
+        """Part ``i`` of ``small`` as an array over ``words``' memory."""
+        b, shape, strides, offset = small.views[i]
+        dtype = small.bases[b]
         size = dtype.itemsize
         return self._cupy.ndarray(shape, dtype=dtype, memptr=words.data + offset * size,
                                   strides=tuple(s * size for s in strides))

@@ -25,15 +25,15 @@ class PoolOutputs:
     def __init__(self, pool, frame, parts, groups: tuple[tuple[int, ...], ...]) -> None:
         self.pool, self.frame, self.parts, self.groups = pool, frame, parts, groups
         self.bases_ptr = pool.bases.data.ptr  # every rank's pool as mapped here, for the kernels
-        self._layouts: dict = {}
+        self._blocks: dict = {}
 
-    def layout(self, num_rows: int) -> list:
+    def blocks(self, num_rows: int) -> list:
         """Per pool block: ``(bytes, [(output index, byte offset, shape, dtype), ...])``. Kept per row count (a
         cached plan has one), so a call only allocates and wraps."""
-        layout = self._layouts.get(num_rows)
-        if layout is None:
+        blocks = self._blocks.get(num_rows)
+        if blocks is None:
             parts = self.parts(num_rows)
-            layout = []
+            blocks = []
             for group in self.groups:
                 placed, total = [], 0
                 for i in group:
@@ -41,11 +41,11 @@ class PoolOutputs:
                         placed.append((i, total, *parts[i]))
                         total += _align(int(np.prod(parts[i][0])) * parts[i][1].itemsize)
                 if placed:
-                    layout.append((total, placed))
-            if len(self._layouts) >= 64:  # a dispatch without handle sees a new row count per call
-                self._layouts.clear()
-            self._layouts[num_rows] = layout
-        return layout
+                    blocks.append((total, placed))
+            if len(self._blocks) >= 64:  # a dispatch without handle sees a new row count per call
+                self._blocks.clear()
+            self._blocks[num_rows] = blocks
+        return blocks
 
     def allocate(self, num_rows: int, capturing: bool) -> list | None:
         """The outputs in the pool, or None when it cannot hold them now, the caller's stream is being
@@ -56,7 +56,7 @@ class PoolOutputs:
             return None
         out: list = [None] * sum(len(g) for g in self.groups)
         wrap, alloc = self.frame.wrap, self.pool.alloc
-        for total, placed in self.layout(num_rows):
+        for total, placed in self.blocks(num_rows):
             block = alloc(total)
             if block is None:
                 return None
