@@ -127,8 +127,8 @@ def _check_outputs(op: str, outs: list, specs: list) -> None:
 
 def _remember(buffer, handle) -> None:
     """Mark a GPU handle as an op's own (its class and host-side attributes come back in ``_handle``; not
-    its cached plan-key part, which belongs to its own entries)."""
-    if isinstance(handle, OpHandle):
+    its cached plan-key part, which belongs to its own entries). Only :func:`_handle` on the GPU reads it."""
+    if buffer.backend == "cuda" and isinstance(handle, OpHandle):
         attrs = {k: v for k, v in getattr(handle, "__dict__", {}).items() if k != "key"}
         remember_handle(handle[1], ("normal", type(handle), attrs))
 
