@@ -2,7 +2,8 @@
 # GPU suite and benchmarks in one call, for a GPU node with Open MPI's mpirun:
 #   bash tools/gpu_suite.sh [stage ...]     stages: info compile tests-layout tests-misc tests-intranode tests-ep
 #       tests-low-latency tests-hooks tests-graphs tests-frameworks tests-pressure tests-internode startup host bench
-#       deepep   (tests-hooks: the hook-mode files of tests-low-latency alone)
+#       deepep host-compare   (tests-hooks: the hook-mode files of tests-low-latency alone; host-compare:
+#       the host bench here and in BASE_DIR, alternated REPEAT times, medians side by side)
 # Wheels missing on the node (e.g. nvshmem4py) may be placed in .whl/ and are installed first.
 # Logs go to $OUT (default ./gpu-logs); a summary table is printed last.
 # MPS_PCT=<p>: run the NGPU ranks on one GPU under MPS, each rank limited to p% of its SMs. A low-latency
@@ -102,6 +103,19 @@ stage_host() {  # each op's host time with its profile and the floors, then the 
     SUMMARY+=("host: $(grep -hE '^(HOST|FLOOR) ' "$OUT/host_profile.txt" 2>/dev/null | tr -s ' ' | tr '\n' ';')")
 }
 
+stage_host-compare() {  # the host bench of this tree and of BASE_DIR (another checkout), alternated REPEAT times
+    local base=${BASE_DIR:?set BASE_DIR to the checkout to compare with} i
+    for i in $(seq "${REPEAT:-3}"); do
+        timeout 240 "${MPIRUN[@]}" python3 -m deepep_cupy.bench host --json "$OUT/host-after-$i.json" \
+            > "$OUT/host-after-$i.log" 2>&1
+        (cd "$base" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 "${MPIRUN[@]}" -x PYTHONPATH \
+            python3 -m deepep_cupy.bench host --json "$OUT/host-before-$i.json") > "$OUT/host-before-$i.log" 2>&1
+    done
+    python3 -m deepep_cupy.bench.compare --before "$OUT"/host-before-*.json --after "$OUT"/host-after-*.json \
+        > "$OUT/host_compare.txt" 2>&1
+    SUMMARY+=("host-compare: $OUT/host_compare.txt (medians of ${REPEAT:-3} alternated runs, $base before)")
+}
+
 stage_tests-misc() {
     run_tests tests-misc "tests/gpu/test_buffer_misc.py tests/gpu/test_mixed_modes.py tests/gpu/test_handle_values.py" 240
 }
@@ -130,6 +144,7 @@ done
     printf '%s\n' "${SUMMARY[@]}"
     if [ -f "$OUT/bench.log" ]; then sed -n '/ranks, /,$p' "$OUT/bench.log"; fi
     if [ -f "$OUT/deepep.log" ]; then cat "$OUT/deepep.log"; fi
+    if [ -f "$OUT/host_compare.txt" ]; then cat "$OUT/host_compare.txt"; fi
 } | tee "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
     # Few files come back from a remote run: keep the summary, table and plot, pack the logs.
