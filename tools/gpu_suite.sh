@@ -75,12 +75,10 @@ run_tests() {  # name, test path, timeout
 stage_tests-layout() { run_tests tests-layout tests/gpu/test_layout.py 300; }
 stage_tests-intranode() { run_tests tests-intranode tests/gpu/test_intranode.py 300; }
 stage_tests-ep() { run_tests tests-ep tests/gpu/test_ep.py ${EP_TIMEOUT:-300}; }  # DeepEP V2's API (ElasticBuffer, EPBuffer)
-stage_tests-low-latency() {
-    run_tests tests-low-latency "tests/gpu/test_low_latency.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_overlap.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
-}
-stage_tests-hooks() {  # hook mode alone: late peers, two micro-batches in flight, faults
-    run_tests tests-hooks "tests/gpu/test_low_latency_overlap.py tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_faults.py" ${LL_TIMEOUT:-420}
-}
+# Hook mode: late peers, two micro-batches in flight, faults.
+HOOK_TESTS="tests/gpu/test_low_latency_hooks.py tests/gpu/test_low_latency_overlap.py tests/gpu/test_low_latency_faults.py"
+stage_tests-low-latency() { run_tests tests-low-latency "tests/gpu/test_low_latency.py $HOOK_TESTS" ${LL_TIMEOUT:-420}; }
+stage_tests-hooks() { run_tests tests-hooks "$HOOK_TESTS" ${LL_TIMEOUT:-420}; }
 stage_tests-graphs() { run_tests tests-graphs "tests/gpu/test_torch_graphs.py tests/gpu/test_torch_graphs_intranode.py" 300; }
 stage_tests-internode() {  # every GPU its own domain: all traffic crosses NVSHMEM
     export DEEPEP_CUPY_NVL_RANKS=${NVL_RANKS:-1}
@@ -104,15 +102,16 @@ stage_host() {  # each op's host time with its profile and the floors, then the 
 }
 
 stage_host-compare() {  # the host bench of this tree and of BASE_DIR (another checkout), alternated REPEAT times
-    local base=${BASE_DIR:?set BASE_DIR to the checkout to compare with} i
+    local base=${BASE_DIR:?set BASE_DIR to the checkout to compare with} i out
+    out=$(cd "$OUT" && pwd)  # the base's runs write here from inside $base
     for i in $(seq "${REPEAT:-3}"); do
-        timeout 240 "${MPIRUN[@]}" python3 -m deepep_cupy.bench host --json "$OUT/host-after-$i.json" \
-            > "$OUT/host-after-$i.log" 2>&1
+        timeout 240 "${MPIRUN[@]}" python3 -m deepep_cupy.bench host --json "$out/host-after-$i.json" \
+            > "$out/host-after-$i.log" 2>&1
         (cd "$base" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 "${MPIRUN[@]}" -x PYTHONPATH \
-            python3 -m deepep_cupy.bench host --json "$OUT/host-before-$i.json") > "$OUT/host-before-$i.log" 2>&1
+            python3 -m deepep_cupy.bench host --json "$out/host-before-$i.json") > "$out/host-before-$i.log" 2>&1
     done
-    python3 -m deepep_cupy.bench.compare --before "$OUT"/host-before-*.json --after "$OUT"/host-after-*.json \
-        > "$OUT/host_compare.txt" 2>&1
+    python3 -m deepep_cupy.bench.compare --before "$out"/host-before-*.json --after "$out"/host-after-*.json \
+        > "$out/host_compare.txt" 2>&1
     SUMMARY+=("host-compare: $OUT/host_compare.txt (medians of ${REPEAT:-3} alternated runs, $base before)")
 }
 

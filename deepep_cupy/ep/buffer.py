@@ -182,14 +182,15 @@ class _EPBufferCore:
             defer_epilogue=defer_epilogue, async_with_compute_stream=async_with_compute_stream)
         prev = as_v1_event(previous_event)
         v1, ops = self._v1, ops_for(data)
+        config = self._v1_config(num_sms, shape_of(data)[1])  # a cached V1 call keeps its handle's channels
         if handle is None:
             recv = self._v1_dispatch(x, topk_idx, topk_weights, num_experts, alignment, 0 if sync else m * self.num_ranks,
-                                     prev, self._v1_config(num_sms, shape_of(data)[1]))
+                                     prev, config)
         elif topk_weights is None:
             recv = v1.dispatch(x, handle=handle._v1_handle, previous_event=prev)
         else:  # V1's cached mode carries no weights: the same routing again, sized as the handle's rows
             recv = self._v1_dispatch(x, handle.topk_idx, topk_weights, num_experts, alignment,
-                                     handle.num_recv_tokens, prev, self._v1_config(num_sms, shape_of(data)[1]))
+                                     handle.num_recv_tokens, prev, config)
         recv_x, recv_topk_idx, recv_weights, aligned_list, v1_handle = recv[:5]
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         e_local = num_experts // self.num_ranks

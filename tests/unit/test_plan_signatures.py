@@ -121,19 +121,7 @@ def test_combine_takes_the_row_map_of_a_dispatch_handle(monkeypatch, partials):
 def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hook):
     """With a receive hook the send part launches the send-only kernel and the hook the receive-only one,
     both over the half's one argument block (the call's pointers); without, one kernel does both."""
-    engine, buffer_map = _engine(False)
-    engine.check_errors = lambda: None
-    engine.next_buffer = lambda: 1
-    frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
-                                  empty=lambda *a: object(), empty_words=lambda parts: object(),
-                                  part=lambda words, parts, i: object())
-    launched = []
-    monkeypatch.setattr(lp.LaunchPlan, "launch",
-                        lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
-    _record_stream_order(monkeypatch, launched)
-    plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
-                           use_ue8m0=False, return_recv_hook=hook, wait_stats_row=0, async_finish=False,
-                           comm_stream=5)
+    plan, launched = _logged_dispatch_plan(monkeypatch, hook, half=1)
     *_, recv_hook = plan.run(object(), object())
     if not hook:
         assert recv_hook is None and launched == [(_Kernel, 7, lp.PHASE_SEND | lp.PHASE_RECV)]
@@ -147,6 +135,25 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
     recv_hook()  # a second call does nothing
     # The receive, on the caller's stream, after that stream has waited for the send.
     assert launched[3:] == [("wait", 7), (_RecvKernel, 7, lp.PHASE_RECV)]
+
+
+def _logged_dispatch_plan(monkeypatch, hook: bool, half: int):
+    """An FP8 dispatch plan on the caller's stream 7 and the communication stream 5, every call on buffer half
+    ``half``, whose launches and stream forks and joins go to the returned log."""
+    engine, buffer_map = _engine(False)
+    engine.check_errors = lambda: None
+    engine.next_buffer = lambda: half
+    frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
+                                  empty=lambda *a: object(), empty_words=lambda parts: object(),
+                                  part=lambda words, parts, i: object())
+    launched = []
+    monkeypatch.setattr(lp.LaunchPlan, "launch",
+                        lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
+    _record_stream_order(monkeypatch, launched)
+    plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
+                           use_ue8m0=False, return_recv_hook=hook, wait_stats_row=0, async_finish=False,
+                           comm_stream=5)
+    return plan, launched
 
 
 def _record_stream_order(monkeypatch, log):
@@ -254,20 +261,8 @@ def test_a_dispatch_handle_cuts_its_tensors_where_the_kernel_writes(monkeypatch,
 def test_a_hook_send_under_capture_stays_on_the_callers_stream(monkeypatch):
     """While the caller's stream is being captured the send runs on it (a capture may end before the hook, and
     must not leave the communication stream forked off), and the hook receives without a join."""
-    engine, buffer_map = _engine(False)
-    engine.check_errors = lambda: None
-    engine.next_buffer = lambda: 0
-    frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
-                                  empty=lambda *a: object(), empty_words=lambda parts: object(),
-                                  part=lambda words, parts, i: object())
-    launched = []
-    monkeypatch.setattr(lp.LaunchPlan, "launch",
-                        lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
-    _record_stream_order(monkeypatch, launched)
+    plan, launched = _logged_dispatch_plan(monkeypatch, True, half=0)
     monkeypatch.setattr(lp._Plan, "_capturing", staticmethod(lambda stream: stream == 7))
-    plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
-                           use_ue8m0=False, return_recv_hook=True, wait_stats_row=0, async_finish=False,
-                           comm_stream=5)
     *_, recv_hook = plan.run(object(), object())
     recv_hook()
     assert launched == [(_Kernel, 7, lp.PHASE_SEND), (_RecvKernel, 7, lp.PHASE_RECV)]
