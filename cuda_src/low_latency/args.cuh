@@ -22,10 +22,11 @@ struct DispatchArgs {
     uint32_t* sym_tags;  // [E]
     uint64_t* sym_arrivals;  // [E]
     uint32_t* sym_receipts;  // [R] (receipts.cuh)
+    uint32_t* sym_sent;  // [1] sources done sending the call (receipts.cuh: count_send)
     int* sym_src_idx;  // [E][T]
     uint8_t* sym_recv;  // [E][T] slots of 2H bytes
     const uint8_t* sym_stage;  // [T] staged messages (RMA path)
-    uint32_t* seq_state;  // [8] send seq, readers, recv seq, readers, -, send blocks done, receive blocks done
+    uint32_t* seq_state;  // [8] sequences, readers, -, send / receive blocks done, [7] count_send
     uint64_t* arrival_base;  // [E] local
     int* mask;  // [R]
     uint8_t* out_x;  // [E_local, R*T, H or 2H bytes]
@@ -44,6 +45,7 @@ struct DispatchArgs {
     int round_scale;
     int use_ue8m0;
     int shrink;
+    int count_sends;  // 1: the send counts itself in each destination's sym_sent, the receive clears its own
     long long timeout_ns;
     ErrorRecord* err;
 };
@@ -72,10 +74,11 @@ struct CombineArgs {
     uint32_t* sym_tags;  // [E]
     uint64_t* sym_arrivals;  // [E]
     uint32_t* sym_receipts;  // [R] (receipts.cuh)
+    uint32_t* sym_sent;  // [1] sources done sending the call (receipts.cuh: count_send)
     uint32_t* sym_done;  // kPartials: [R][grid] block completion words (src_idx region)
     uint8_t* sym_recv;  // [E][T] slots of 2H bytes
     uint8_t* sym_send;  // [E_local][R*T] rows of 2H bytes
-    uint32_t* seq_state;  // [8]: [0..3] sequences, [4] send blocks done, [6] receive blocks done
+    uint32_t* seq_state;  // [8]: [0..3] sequences, [4] send blocks done, [6] receive blocks done, [7] count_send
     uint64_t* arrival_base;  // [E] local
     uint32_t* ready;  // [E] local
     int* mask;  // [R]
@@ -85,6 +88,7 @@ struct CombineArgs {
     int zero_copy;
     int force_rma;
     int shrink;
+    int count_sends;  // as in DispatchArgs
     long long timeout_ns;
     ErrorRecord* err;
 };

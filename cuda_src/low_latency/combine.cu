@@ -193,14 +193,12 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     __shared__ int s_last;
     __shared__ uint32_t s_seq[2];
     extern __shared__ int s_table[];  // kPartials: the send's row table (combine_partials_send.cuh), R * T * (K + 1) ints
-
     const GroupCoords<kWarps, kGroups> at;
     const int warp_in_block = at.warp_in_block, lane = at.lane, group = at.group, warp = at.warp;
     const int gthread = at.gthread, barrier_id = at.barrier_id, total_groups = at.total_groups, gid = at.gid;
     const int num_local_experts = args.num_experts / args.num_ranks;
     const int slab = args.num_ranks * args.max_tokens;
     const bool bail = !args.shrink;
-
     // A partial-sum launch that only receives reads its warp's first item's top-k ids ahead (issued first:
     // the acquire below holds back later loads); in a receive hook they were a round trip after the prologue.
     const int64_t item_id_raw = kPartials && (phases & kPhaseRecv) && !(phases & kPhaseSend)
@@ -307,6 +305,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             }
         }
     }
+    if ((phases & kPhaseSend) && args.count_sends)  // an early receive follows (receipts.cuh)
+        count_send(args.sym_sent, args.num_ranks, args.rank, s_mask, self_masked, args.force_rma != 0, args.seq_state + 7, &s_last);
 
     // ------------------------------------------------------------------ receive
     if (phases & kPhaseRecv) {
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
                                                              tag_ahead, item_id_ahead, s_arrived, tag, args.shrink != 0,
                                                              deadline, args.err);
             publish_receipts(args.sym_receipts, s_seq[1], args.num_ranks, args.rank, s_mask, args.force_rma != 0,
-                             args.seq_state + 6, &s_last);
+                             args.seq_state + 6, &s_last, args.count_sends ? args.sym_sent : nullptr);
             return;
         }
 
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             if (active) st_na_v4(reinterpret_cast<int4*>(args.out + static_cast<size_t>(t) * kHidden + col), pack_bf16x8(acc));
         }
         publish_receipts(args.sym_receipts, s_seq[1], args.num_ranks, args.rank, s_mask, args.force_rma != 0,
-                         args.seq_state + 6, &s_last);
+                         args.seq_state + 6, &s_last, args.count_sends ? args.sym_sent : nullptr);
     }
 }
 

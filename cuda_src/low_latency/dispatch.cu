@@ -225,6 +225,8 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
             }
         }
     }
+    if ((phases & kPhaseSend) && args.count_sends)  // an early receive follows (receipts.cuh)
+        count_send(args.sym_sent, args.num_ranks, args.rank, s_mask, self_masked, args.force_rma != 0, args.seq_state + 7, &s_last);
 
     // ------------------------------------------------------------------ receive
     if constexpr (kTopk <= 32) {
@@ -332,7 +334,7 @@ __global__ void __launch_bounds__(kWarps* kGroups * 32, 1)
     }
     if (phases & kPhaseRecv)
         publish_receipts(args.sym_receipts, s_seq[1], args.num_ranks, args.rank, s_mask, args.force_rma != 0,
-                         args.seq_state + 6, &s_last);
+                         args.seq_state + 6, &s_last, args.count_sends ? args.sym_sent : nullptr);
 }
 
 // RMA path only: cast (or copy) every token once into the symmetric staging area, which the puts of

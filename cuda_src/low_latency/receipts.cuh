@@ -47,14 +47,23 @@ __device__ __forceinline__ void wait_receipts(const uint32_t* receipts, uint32_t
 }
 
 // End of a receive: every thread of every block calls it after its last read of the half. Once the whole
-// grid is done (grid_completion, counter `done_counter`), the last block leaves `recv_seq` in
-// receipts[rank] of every unmasked rank's copy of the half: a release store where the rank is reached by
-// stores, else an atomic set through the transport.
+// grid is done (grid_completion, counter `done_counter`), the last block clears this rank's send count
+// `sent` (when counted, else null) and leaves `recv_seq` in receipts[rank] of every unmasked rank's copy of
+// the half: a release store where the rank is reached by stores, else an atomic set through the transport.
 __device__ __forceinline__ void publish_receipts(uint32_t* receipts, uint32_t recv_seq, int num_ranks, int rank,
                                                  const int* s_mask, bool force_rma, uint32_t* done_counter,
-                                                 int* s_last) {
+                                                 int* s_last, uint32_t* sent) {
     grid_completion(done_counter, s_last);
     if (*s_last == 0) return;
+    if (sent != nullptr) {
+        // Cleared before any receipt is out: a source of the next call on the half counts itself only
+        // after it has seen this receive's receipt. An atomic, at the same point as the sources' adds.
+        if (threadIdx.x == 0) {
+            atomicExch(sent, 0u);
+            __threadfence_system();
+        }
+        __syncthreads();
+    }
     for (int r = static_cast<int>(threadIdx.x); r < num_ranks; r += static_cast<int>(blockDim.x)) {
         if (s_mask[r] != 0) continue;
         uint32_t* peer = force_rma && r != rank ? nullptr : static_cast<uint32_t*>(nvshmem_ptr(receipts, r));
@@ -63,6 +72,28 @@ __device__ __forceinline__ void publish_receipts(uint32_t* receipts, uint32_t re
         } else {
             __threadfence_system();
             nvshmem_int_atomic_set(reinterpret_cast<int*>(receipts + rank), static_cast<int>(recv_seq), r);
+        }
+    }
+}
+
+// Send counts, for a receive launched before its hook (hook mode, count_sends): once the whole send grid
+// is done, the last block adds 1 to `sent` of every unmasked rank's copy of the half, itself included. The
+// host queues a stream memory wait (no SMs) for its own word to reach R, then the receive, which clears the
+// word (publish_receipts). The count says only when to launch: the receive still waits for every tag and
+// arrival itself, so an early or a forced release (the host's watchdog) costs time, never data.
+__device__ __forceinline__ void count_send(uint32_t* sent, int num_ranks, int rank, const int* s_mask, bool self_masked,
+                                           bool force_rma, uint32_t* done_counter, int* s_last) {
+    grid_completion(done_counter, s_last);
+    if (*s_last == 0 || self_masked) return;
+    __threadfence_system();
+    for (int r = static_cast<int>(threadIdx.x); r < num_ranks; r += static_cast<int>(blockDim.x)) {
+        if (s_mask[r] != 0) continue;
+        uint32_t* peer = force_rma && r != rank ? nullptr : static_cast<uint32_t*>(nvshmem_ptr(sent, r));
+        if (peer != nullptr) {
+            atomicAdd_system(peer, 1u);
+        } else {
+            nvshmem_quiet();  // the last block's puts; the others' puts the receive awaits by itself
+            nvshmem_uint_atomic_add(reinterpret_cast<unsigned int*>(sent), 1u, r);
         }
     }
 }

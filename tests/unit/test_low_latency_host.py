@@ -75,7 +75,7 @@ def test_buffer_map_regions_are_disjoint_and_aligned(t, h, r, e):
     bmap = LowLatencyBufferMap(t, h, r, e)
     sizes = {"tags": bmap.tags_bytes, "arrivals": bmap.arrivals_bytes, "receipts": bmap.receipts_bytes,
              "src_idx": bmap.src_idx_bytes, "recv": bmap.recv_bytes, "send": bmap.send_bytes}
-    assert list(sizes) == list(REGIONS) and bmap.receipts_bytes == 4 * r
+    assert list(sizes) == list(REGIONS) and bmap.receipts_bytes == 4 * (r + 1)
     spans = []
     for b in (0, 1):
         for name, size in sizes.items():

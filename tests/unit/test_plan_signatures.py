@@ -36,7 +36,7 @@ def _engine(staged: bool):
     buffer_map = LowLatencyBufferMap(32, 2048, 2, 16)
     return types.SimpleNamespace(
         num_ranks=2, rank=1, errors=types.SimpleNamespace(ptr=99, flag_word=lambda: 0), buffer_map=buffer_map,
-        staged=staged, force_rma=False, enable_shrink=False, num_sms=132,
+        staged=staged, force_rma=False, enable_shrink=False, num_sms=132, early_receive=False,
         state_ptrs=({"seq": 1, "base": 2, "ready": 3, "mask": 4},) * 2,
         region_addresses=lambda _: ({n: 100 + i for i, n in enumerate(REGIONS)},) * 2,
         kernels=lambda *a, **k: (4, 2, 8, (_Kernel, _RecvKernel) if k.get("hook") else (_Kernel,), _Kernel),
@@ -137,18 +137,23 @@ def test_a_hook_launches_the_receive_kernel_over_the_same_block(monkeypatch, hoo
     assert launched[3:] == [("wait", 7), (_RecvKernel, 7, lp.PHASE_RECV)]
 
 
-def _logged_dispatch_plan(monkeypatch, hook: bool, half: int):
+def _logged_dispatch_plan(monkeypatch, hook: bool, half: int, early: bool = False):
     """An FP8 dispatch plan on the caller's stream 7 and the communication stream 5, every call on buffer half
-    ``half``, whose launches and stream forks and joins go to the returned log."""
+    ``half``, whose launches and stream forks and joins go to the returned log. ``early``: with early
+    receives, on the hook streams 20 and 21 (their waits and watches logged too)."""
     engine, buffer_map = _engine(False)
     engine.check_errors = lambda: None
-    engine.next_buffer = lambda: half
+    engine.next_buffer = engine.peek_next_buffer = lambda: half
+    engine.early_receive = early
+    engine.hook_streams = types.SimpleNamespace(ptr=lambda i: 20 + i)
+    launched = []
+    engine.watchdog = lambda: types.SimpleNamespace(watch=lambda *a: launched.append(("watch",) + a))
+    monkeypatch.setattr(lp, "wait_value_geq", lambda *a: launched.append(("wait_value",) + a))
     frame = types.SimpleNamespace(ptr=lambda t: 4096, stream=lambda: 7, framework="cupy", device_id=0,
                                   empty=lambda *a: object(), empty_words=lambda parts: object(),
                                   part=lambda words, parts, i: object())
-    launched = []
-    monkeypatch.setattr(lp.LaunchPlan, "launch",
-                        lambda self, stream: launched.append((self.kernel, stream, self.value("phases"))))
+    monkeypatch.setattr(lp.LaunchPlan, "launch", lambda self, stream: launched.append(
+        (self.kernel, stream, self.value("phases")) + ((self.value("count_sends"),) if early else ())))
     _record_stream_order(monkeypatch, launched)
     plan = lp.DispatchPlan(engine, frame, buffer_map, num_tokens=8, topk=4, use_fp8=True, round_scale=False,
                            use_ue8m0=False, return_recv_hook=hook, wait_stats_row=0, async_finish=False,
@@ -266,3 +271,30 @@ def test_a_hook_send_under_capture_stays_on_the_callers_stream(monkeypatch):
     *_, recv_hook = plan.run(object(), object())
     recv_hook()
     assert launched == [(_Kernel, 7, lp.PHASE_SEND), (_RecvKernel, 7, lp.PHASE_RECV)]
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_an_early_receive_is_queued_behind_the_send_count(monkeypatch, half):
+    """With early receives the send counts itself (count_sends), and the receive follows it on the half's own
+    stream behind a wait for every rank's count, watched until its join point completes; the hook only joins
+    the caller's stream (and a second call of it does nothing)."""
+    plan, launched = _logged_dispatch_plan(monkeypatch, True, half=half, early=True)
+    *_, recv_hook = plan.run(object(), object())
+    stream, sent = 20 + half, plan.sent[half]
+    assert sent == plan.regions[half]["receipts"] + 4 * 2
+    assert launched == [("fork", stream, 7), (_Kernel, stream, lp.PHASE_SEND, 1), ("wait_value", stream, sent, 2),
+                        (_RecvKernel, stream, lp.PHASE_RECV, 1), ("mark", stream),
+                        ("watch", half, plan.joins[half].join, sent, 2)]
+    del launched[:]
+    recv_hook()
+    recv_hook()
+    assert launched == [("wait", 7)]
+
+
+def test_an_early_receive_is_not_taken_under_capture(monkeypatch):
+    """Under a capture the send stays on the caller's stream, uncounted, and the hook receives there."""
+    plan, launched = _logged_dispatch_plan(monkeypatch, True, half=0, early=True)
+    monkeypatch.setattr(lp._Plan, "_capturing", staticmethod(lambda stream: stream == 7))
+    *_, recv_hook = plan.run(object(), object())
+    recv_hook()
+    assert launched == [(_Kernel, 7, lp.PHASE_SEND, 0), (_RecvKernel, 7, lp.PHASE_RECV, 0)]

@@ -7,9 +7,11 @@ are the same on every rank (which is what makes the addresses symmetric)::
 
     tags      uint32 [E]          one word per (receiver-side) slot: (sequence tag << 16) | count
     arrivals  uint64 [E]          put-with-signal counters (only the RMA path, see below)
-    receipts  uint32 [R]          word r: the sequence number of the last receive rank r finished on its
+    receipts  uint32 [R + 1]      word r: the sequence number of the last receive rank r finished on its
                                   copy of this half (written by rank r; a send to r waits for the one of
-                                  the call before it on the half: cuda_src/low_latency/receipts.cuh)
+                                  the call before it on the half: cuda_src/low_latency/receipts.cuh);
+                                  word R: the sources done sending the current call (hook mode with an
+                                  early receive, receipts.cuh count_send)
     src_idx   int32  [E, T]       dispatch: source token index of each received row
     recv      bytes  [E, T, 2H]   received rows; dispatch reads it as [E_local, R, T], combine as [E, T]
     send      bytes  [E_local, R*T, 2H]
@@ -167,7 +169,7 @@ class LowLatencyBufferMap:
 
     @property
     def receipts_bytes(self) -> int:
-        return 4 * self.num_ranks
+        return 4 * (self.num_ranks + 1)
 
     @property
     def src_idx_bytes(self) -> int:

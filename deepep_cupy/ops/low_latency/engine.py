@@ -25,6 +25,11 @@ Environment:
     DEEPEP_CUPY_LL_PER_EXPERT=1: send one dispatch row per (token, expert) even where one message per
         (token, rank) applies (every rank reached by stores; see buffer_map.py), and one combine row
         per (token, expert) even where per-rank partial sums apply (:meth:`LowLatencyEngine.rank_partials`).
+    DEEPEP_CUPY_LL_EARLY_RECV=1: in hook mode, queue each receive right after its send, behind a stream
+        memory wait (no SMs) for every source's send count (cuda_src/low_latency/receipts.cuh count_send),
+        so that it runs while the caller computes and its hook only orders the caller's stream after it.
+        Every rank must set the same. Not under a CUDA-graph capture, with ``async_finish`` or with
+        ``enable_shrink``; the host's watchdog (:mod:`deepep_cupy.device.stream_wait`) bounds each wait.
     ``LowLatencyEngine.staged`` and ``.per_expert`` hold the last two; a plan reads them when it is
     made, so a change applies to shapes not used before (or after the Buffer's plans are dropped).
 """
@@ -36,6 +41,8 @@ import os
 
 from ...device import nvshmem as nvshmem_runtime
 from ...device.kernel_errors import KernelErrorRecord, timeout_seconds
+from ...device.stream_wait import WaitWatchdog, stream_waits_supported
+from ...device.streams import SideStreams
 from ...frameworks import BF16
 from ...jit import BuildSpec, load
 from .. import kernel_names, limits
@@ -224,6 +231,11 @@ class LowLatencyEngine:
                 self.staged = (self.force_rma or not all(self.p2p_peers)
                                or os.environ.get("DEEPEP_CUPY_LL_STAGE", "0") == "1")
                 self.per_expert = os.environ.get("DEEPEP_CUPY_LL_PER_EXPERT", "0") == "1"
+                self.early_receive = (os.environ.get("DEEPEP_CUPY_LL_EARLY_RECV", "0") == "1" and not self.enable_shrink
+                                      and stream_waits_supported(self.device_id))
+                # Per buffer half, the stream of its hook-mode send and early receive; then the watchdog's.
+                self.hook_streams = SideStreams(self.device_id, 3)
+                self._watchdog = None
                 self.errors = KernelErrorRecord()
                 self.mask = cupy.zeros(self.num_ranks, dtype=cupy.int32)
                 # Per buffer half: send sequence, its readers, receive sequence, its readers, then the
@@ -322,6 +334,12 @@ class LowLatencyEngine:
         per-rank formats (what the engine knows; the buffer map says whether they fit)."""
         return all(self.p2p_peers) and not self.force_rma and not self.per_expert
 
+    def watchdog(self) -> WaitWatchdog:
+        """The watchdog of this engine's stream waits (started at the first early receive)."""
+        if self._watchdog is None:
+            self._watchdog = WaitWatchdog(self.hook_streams.ptr(2), timeout_seconds())
+        return self._watchdog
+
     def next_buffer(self) -> int:
         b = self._idx
         self._idx ^= 1
@@ -415,5 +433,9 @@ class LowLatencyEngine:
         if sym is None:
             return
         with cupy.cuda.Device(self.device_id):
-            cupy.cuda.Device(self.device_id).synchronize()
+            cupy.cuda.Device(self.device_id).synchronize()  # a stuck stream wait: the watchdog releases it
+            watchdog, self._watchdog = self._watchdog, None
+            if watchdog is not None:
+                watchdog.close()
+            self.hook_streams.close()
             sym.free()

@@ -10,6 +10,7 @@ the pointers of its own call (at most two results are held at once, one per half
 from __future__ import annotations
 
 from ...device.launch import LaunchPlan
+from ...device.stream_wait import wait_value_geq
 from ...device.streams import ForkJoin, OpStreams
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
@@ -23,31 +24,35 @@ _BOTH = PHASE_SEND | PHASE_RECV
 
 
 class _Hook:
-    """Launches the receive phase of one call once; later calls do nothing. The argument block of the
-    call's buffer half (shared by the half's send and receive plans) still holds the call's pointers:
-    only the next call on the same half (which the two-results rule forbids before the hook ran) would
-    change them.
+    """Completes the receive of one call once; later calls do nothing. ``plan``: the receive part's launch
+    plan, or None where the receive was queued with the send (an early receive). Its argument block (shared
+    by the half's send and receive plans) still holds the call's pointers: only the next call on the same
+    half (which the two-results rule forbids before the hook ran) would change them.
 
-    Where the send ran on the communication stream, ``join`` is its half's join point: the receive makes
-    its stream wait for the send first, and ``keep`` (the arrays the send reads or writes) stays referenced
-    until then, so that the caller's allocator cannot hand their memory out while the send may use it."""
+    Where the send (or the early receive) ran on a stream other than the caller's, ``join`` is its half's
+    join point: the caller's stream waits for it first, and ``keep`` (the arrays the send and receive read or
+    write) stays referenced until then, so that the caller's allocator cannot hand their memory out while
+    they may still be used."""
 
     __slots__ = ("_plan", "_stream", "_join", "_keep")
 
-    def __init__(self, plan: LaunchPlan, stream: int, join: ForkJoin | None = None, keep=None) -> None:
+    def __init__(self, plan: LaunchPlan | None, stream: int, join: ForkJoin | None = None, keep=None) -> None:
         self._plan = plan
         self._stream = stream
         self._join = join
         self._keep = keep
 
     def __call__(self) -> None:
-        plan, self._plan = self._plan, None
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        if self._join is not None:
+            self._join.wait_join(stream)
+        plan = self._plan
         if plan is not None:
-            if self._join is not None:
-                self._join.wait_join(self._stream)
             plan.slot("phases").value = PHASE_RECV
-            plan.launch(self._stream)
-            self._keep = self._join = None
+            plan.launch(stream)
+        self._plan = self._keep = self._join = None
 
 
 class _Plan:
@@ -65,7 +70,11 @@ class _Plan:
         # waited at once), one join point per buffer half (a half's next call comes only after its hook).
         self.fork = ForkJoin() if self.hook and not self.async_finish else None
         self.joins = (ForkJoin(), ForkJoin()) if self.fork is not None else None
+        # An early receive (engine.early_receive): each half's send and receive on that half's own stream,
+        # the receive behind a stream wait for every source's send count (receipts.cuh count_send).
+        self.early = self.fork is not None and engine.early_receive
         self.regions = engine.region_addresses(buffer_map)
+        self.sent = tuple(r["receipts"] + 4 * engine.num_ranks for r in self.regions)
 
     @staticmethod
     def _capturing(stream: int) -> bool:
@@ -87,8 +96,9 @@ class _Plan:
         # Not under a CUDA-graph capture: a capture may end before the hook (a graph per part), and one
         # must not end with the communication stream forked off and unjoined.
         if self.fork is not None and not self._capturing(compute):
-            self.fork.fork_onto(self.comm_stream, compute)
-            return self.comm_stream, compute, None
+            send = self.engine.hook_streams.ptr(self.engine.peek_next_buffer()) if self.early else self.comm_stream
+            self.fork.fork_onto(send, compute)
+            return send, compute, None
         if not self.async_finish:
             return compute, compute, None
         streams = OpStreams(self.comm_stream, compute, self.frame.framework, self.frame.device_id, None, True)
@@ -107,11 +117,22 @@ class _Plan:
         (The kernels hold only their phases' code; the ``phases`` argument says the same.)"""
         plan = self.plans[b]
         if self.hook:
+            forked = self.joins is not None and stream != receive_stream
+            early = forked and self.early
+            plan.slot("count_sends").value = int(early)
             phases.value = PHASE_SEND
             plan.launch(stream)
-            if self.joins is None or stream == receive_stream:
+            if not forked:
                 return _Hook(self.recv_plans[b], receive_stream)
             join = self.joins[b]
+            if early:  # the receive now, on the send's stream, once every source has counted its send
+                engine = self.engine
+                wait_value_geq(stream, self.sent[b], engine.num_ranks)
+                phases.value = PHASE_RECV
+                self.recv_plans[b].launch(stream)
+                join.mark_join(stream)
+                engine.watchdog().watch(b, join.join, self.sent[b], engine.num_ranks)
+                return _Hook(None, receive_stream, join, keep)
             join.mark_join(stream)
             return _Hook(self.recv_plans[b], receive_stream, join, keep)
         phases.value = _BOTH
@@ -131,7 +152,7 @@ class _Plan:
         engine, r = self.engine, self.regions[b]
         state = engine.state_ptrs[b]
         return r, state, dict(num_experts=self.buffer_map.num_experts, num_ranks=engine.num_ranks,
-                              rank=engine.rank)
+                              rank=engine.rank, sym_sent=self.sent[b], count_sends=0)
 
 
 class DispatchPlan(_Plan):
