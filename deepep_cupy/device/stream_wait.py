@@ -42,7 +42,7 @@ def _cuda():
     return _lib
 
 
-def stream_waits_supported(device_id: int) -> bool:
+def stream_waits_supported() -> bool:
     """Whether the driver has the v2 stream memory operations (on by default wherever they exist; the v1
     device attribute says nothing about them). False where the driver library cannot be opened."""
     try:

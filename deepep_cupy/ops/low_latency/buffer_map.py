@@ -172,6 +172,11 @@ class LowLatencyBufferMap:
         return 4 * (self.num_ranks + 1)
 
     @property
+    def sent_offset(self) -> int:
+        """Byte offset of the send count (word R) inside the receipts region."""
+        return 4 * self.num_ranks
+
+    @property
     def src_idx_bytes(self) -> int:
         return 4 * self.num_experts * self.num_max_dispatch_tokens_per_rank
 

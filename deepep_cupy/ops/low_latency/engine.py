@@ -232,7 +232,7 @@ class LowLatencyEngine:
                                or os.environ.get("DEEPEP_CUPY_LL_STAGE", "0") == "1")
                 self.per_expert = os.environ.get("DEEPEP_CUPY_LL_PER_EXPERT", "0") == "1"
                 self.early_receive = (os.environ.get("DEEPEP_CUPY_LL_EARLY_RECV", "0") == "1" and not self.enable_shrink
-                                      and stream_waits_supported(self.device_id))
+                                      and stream_waits_supported())
                 # Per buffer half, the stream of its hook-mode send and early receive; then the watchdog's.
                 self.hook_streams = SideStreams(self.device_id, 3)
                 self._watchdog = None

@@ -74,7 +74,7 @@ class _Plan:
         # the receive behind a stream wait for every source's send count (receipts.cuh count_send).
         self.early = self.fork is not None and engine.early_receive
         self.regions = engine.region_addresses(buffer_map)
-        self.sent = tuple(r["receipts"] + 4 * engine.num_ranks for r in self.regions)
+        self.sent = tuple(r["receipts"] + buffer_map.sent_offset for r in self.regions)
 
     @staticmethod
     def _capturing(stream: int) -> bool:
@@ -109,6 +109,7 @@ class _Plan:
         the receive part's plan over the same argument block (kept in ``self.recv_plans``)."""
         plan = LaunchPlan(kernels[0], blocks, threads, struct, args, shared_mem=shared_mem)
         self.recv_plans.append(plan.with_kernel(kernels[1]) if self.hook else None)
+        self.count_slots.append(plan.slot("count_sends"))
         return plan
 
     def _launch(self, b: int, phases, stream: int, receive_stream: int, keep):
@@ -119,7 +120,7 @@ class _Plan:
         if self.hook:
             forked = self.joins is not None and stream != receive_stream
             early = forked and self.early
-            plan.slot("count_sends").value = int(early)
+            self.count_slots[b].value = int(early)
             phases.value = PHASE_SEND
             plan.launch(stream)
             if not forked:
@@ -185,7 +186,7 @@ class DispatchPlan(_Plan):
         # phase's units loop over the groups: one block per SM (all resident, as the waits need).
         if self.use_fp8 or self.rank_msgs:  # BF16 per-expert rows keep their own grid (dispatch.cu)
             blocks = max(blocks, engine.num_sms)
-        self.plans, self.recv_plans, self.stages = [], [], []
+        self.plans, self.recv_plans, self.count_slots, self.stages = [], [], [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
             args = dict(
@@ -289,7 +290,7 @@ class CombinePlan(_Plan):
         # all resident): the LogFMT encode is compute-bound and the reduction gains warps.
         blocks = max(blocks, engine.num_sms)
         shared = buffer_map.partial_table_bytes(topk) if self.partials else 0
-        self.plans, self.recv_plans = [], []
+        self.plans, self.recv_plans, self.count_slots = [], [], []
         for b in (0, 1):
             r, state, common = self._common_args(b)
             args = dict(
