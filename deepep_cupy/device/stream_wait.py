@@ -60,10 +60,10 @@ def wait_value_geq(stream: int, address: int, value: int) -> None:
 
 
 class _Entry:
-    __slots__ = ("event", "address", "value", "deadline")
+    __slots__ = ("event", "owner", "address", "value", "deadline")
 
-    def __init__(self, event: int, address: int, value: int, deadline: float) -> None:
-        self.event, self.address, self.value, self.deadline = event, address, value, deadline
+    def __init__(self, event: int, owner, address: int, value: int, deadline: float) -> None:
+        self.event, self.owner, self.address, self.value, self.deadline = event, owner, address, value, deadline
 
 
 class WaitWatchdog:
@@ -88,10 +88,12 @@ class WaitWatchdog:
         self._thread = threading.Thread(target=self._run, name="deepep_cupy-wait-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, key, event: int, address: int, value: int) -> None:
+    def watch(self, key, event: int, address: int, value: int, owner=None) -> None:
         """The wait for ``value`` at ``address`` just queued, and ``event`` recorded after the work it
-        gates; replaces ``key``'s earlier entry (a later wait on the same key is queued behind it)."""
-        self._pending[key] = _Entry(event, address, value, time.monotonic() + self.timeout_s)
+        gates; replaces ``key``'s earlier entry (a later wait on the same key is queued behind it).
+        ``owner``, the object that destroys ``event``, is kept alive while the entry is pending, so the
+        event queried is never one already destroyed (its plan dropped meanwhile)."""
+        self._pending[key] = _Entry(event, owner, address, value, time.monotonic() + self.timeout_s)
         if self._idle:
             with self._cv:
                 self._cv.notify()

@@ -284,7 +284,7 @@ def test_an_early_receive_is_queued_behind_the_send_count(monkeypatch, half):
     assert sent == plan.regions[half]["receipts"] + 4 * 2
     assert launched == [("fork", stream, 7), (_Kernel, stream, lp.PHASE_SEND, 1), ("wait_value", stream, sent, 2),
                         (_RecvKernel, stream, lp.PHASE_RECV, 1), ("mark", stream),
-                        ("watch", half, plan.joins[half].join, sent, 2)]
+                        ("watch", half, plan.joins[half].join, sent, 2, plan.joins[half])]
     del launched[:]
     recv_hook()
     recv_hook()

@@ -132,7 +132,7 @@ class _Plan:
                 phases.value = PHASE_RECV
                 self.recv_plans[b].launch(stream)
                 join.mark_join(stream)
-                engine.watchdog().watch(b, join.join, self.sent[b], engine.num_ranks)
+                engine.watchdog().watch(b, join.join, self.sent[b], engine.num_ranks, join)
                 return _Hook(None, receive_stream, join, keep)
             join.mark_join(stream)
             return _Hook(self.recv_plans[b], receive_stream, join, keep)
