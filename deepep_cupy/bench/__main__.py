@@ -24,7 +24,7 @@ from ..device.gpus import no_gpu_message
 from ..device.group import comm_barrier
 from ..tuning import gpu_model
 from . import targets
-from .plot import plot
+from .plot import plot, plottable
 from .timing import format_table, parse_sm_counts, sm_counts
 
 SUITES = ("baselines", "intranode", "internode", "low_latency", "overlap", "host")
@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-        if args.plot:
+        if args.plot and not plottable(rows):  # e.g. the overlap or host suite alone
+            print("--plot skipped: no intranode or low-latency rows to chart", file=sys.stderr)
+        elif args.plot:
             try:
                 where = (gpu_model() or "GPU") if gpu else "the reference backend (CPU)"
                 plot(rows, args.plot, title=f"{where}, {workload}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["SERIES", "compared_ops", "other_ops", "series_of", "sm_label", "plot", "main"]
+__all__ = ["SERIES", "compared_ops", "other_ops", "series_of", "sm_label", "plot", "plottable", "main"]
 
 SERIES = ("deepep_cupy", "naive NCCL path", "copy engine, one way")
 _COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f")
@@ -135,6 +135,11 @@ def _grouped(ax, groups, index: int, unit: str, series) -> None:
     ax.invert_yaxis()
     ax.set_xlabel(unit)
     ax.grid(axis="x", alpha=0.3)
+
+
+def plottable(rows) -> bool:
+    """Whether ``rows`` hold any op the chart shows (intranode or low-latency rows)."""
+    return bool(compared_ops(rows) or other_ops(rows))
 
 
 def plot(rows, path: str, title: str | None = None) -> None:
