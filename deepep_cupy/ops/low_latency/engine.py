@@ -30,8 +30,9 @@ Environment:
         so that it runs while the caller computes and its hook only orders the caller's stream after it.
         Every rank must set the same. Not under a CUDA-graph capture, with ``async_finish`` or with
         ``enable_shrink``; the host's watchdog (:mod:`deepep_cupy.device.stream_wait`) bounds each wait.
-        Off by default: a blocked wait also holds the streams that share its hardware queue, so a late
-        peer delays unrelated work of this rank (docs/design/low_latency.md, "Measured and not adopted").
+        Off by default: with a late peer it delayed unrelated work of this rank, most likely because a
+        blocked wait holds the streams that share its hardware queue (docs/design/low_latency.md,
+        "Measured and not adopted").
     ``LowLatencyEngine.staged`` and ``.per_expert`` hold the last two; a plan reads them when it is
     made, so a change applies to shapes not used before (or after the Buffer's plans are dropped).
 """
