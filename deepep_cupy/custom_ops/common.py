@@ -175,8 +175,14 @@ def unpack(words, layout) -> list:
     for shape, kind, strides, offset in parts:
         base = bases.get(kind)
         if base is None:
-            base = bases[kind] = words.view(TORCH_DTYPES[kind])
-        views.append(base.as_strided(shape, strides, offset))
+            base = bases[kind] = words.view(torch.uint8 if kind == "bool" else TORCH_DTYPES[kind])
+        view = base.as_strided(shape, strides, offset)
+        if kind == "bool":
+            # Inductor's CUDA lowering of a view as bool asks torch.iinfo(torch.bool) and fails, so traced
+            # code compares the bytes instead (a copy of a few bytes a token); eager code keeps the view,
+            # which pack writes through.
+            view = (view != 0) if torch.compiler.is_compiling() else view.view(torch.bool)
+        views.append(view)
     return views
 
 
