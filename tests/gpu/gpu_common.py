@@ -125,14 +125,15 @@ def agree(failures: list[str]) -> None:
         pytest.fail("\n".join(bad[:20]))
 
 
-def together(fn):
+def together(fn, what: str = ""):
     """Run ``fn()`` on every rank and return its result; if it raised on any rank, fail the test on every
-    rank (an allgather, so call it where no rank can be inside another collective)."""
+    rank (an allgather, so call it where no rank can be inside another collective). ``what`` names the
+    call in the failure."""
     result, errors = None, []
     try:
         result = fn()
     except Exception as exc:  # noqa: BLE001 - reported on every rank by agree
-        errors.append(f"{type(exc).__name__}: {str(exc)[:800]}")
+        errors.append(f"{what + ': ' if what else ''}{type(exc).__name__}: {str(exc)[:800]}")
     agree(errors)
     return result
 

@@ -133,8 +133,8 @@ def test_low_latency_compiled(env, ll, case, mode):
     for call in range(CALLS):
         x = to_torch(bf16(rng, (n, H_LL)), env)
         topk, w = (to_torch(a, env) for a in routing(rng, n, E_LL, K_LL, empty_tokens=1))
-        want = together(lambda: outcome(step, x, topk, w, eager_stats))  # noqa: B023
-        got = together(lambda: outcome(compiled, x, topk, w, compiled_stats))  # noqa: B023
+        want = together(lambda: outcome(step, x, topk, w, eager_stats), f"call {call}, eager")  # noqa: B023
+        got = together(lambda: outcome(compiled, x, topk, w, compiled_stats), f"call {call}, compiled")  # noqa: B023
         _equal(failures, f"call {call} count", got[0], want[0])
         for i, (g, e) in enumerate(zip(got[1], want[1], strict=True)):
             for expert, (a, b) in enumerate(zip(g, e, strict=True)):
