@@ -86,14 +86,29 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def _include_placeholders(tc) -> dict[str, str]:
+    """``{-I option: placeholder}`` for the toolkit include directories whose content the key identifies by
+    version (which directory holds which header is the toolkit's own layout); a directory stays as it is
+    where a version was not found."""
+    found = {}
+    if tc.versions.get("cudart") and tc.versions.get("cccl"):
+        found.update({f"-I{d}": f"-I<cuda_include_{i}>" for i, d in enumerate(tc.cuda_include_dirs)})
+    if tc.nvshmem_include_dir and tc.versions.get("nvshmem", "unknown") != "unknown":
+        found[f"-I{tc.nvshmem_include_dir}"] = "-I<nvshmem_include>"
+    return found
+
+
 def cache_key(spec: BuildSpec, arch: str, root: Path, options: list[str]) -> str:
     """SHA-256 over everything that can change the cubin.
 
-    The source root's absolute path is replaced by a placeholder: two checkouts with the same sources
-    share entries, while the content of every included project header is hashed.
+    Absolute paths are replaced by placeholders where the key identifies their content otherwise: the
+    source root (every included project header is hashed) and the toolkit's include directories (their
+    versions are in the key). So two checkouts with the same sources share entries, and a cache filled on
+    a build machine without a GPU (``python -m deepep_cupy.jit precompile``) serves an install of the same
+    versions under another path.
     """
     tc = toolchain()
-    root_text = str(root)
+    root_text, includes = str(root), _include_placeholders(tc)
     material = {
         "format": JIT_FORMAT_VERSION,
         "source": spec.source,
@@ -101,7 +116,7 @@ def cache_key(spec: BuildSpec, arch: str, root: Path, options: list[str]) -> str
         "name_expressions": list(spec.name_expressions),
         "nvshmem": spec.nvshmem,
         "arch": arch,
-        "options": [o.replace(root_text, "<cuda_src>") for o in options],
+        "options": [includes.get(o) or o.replace(root_text, "<cuda_src>") for o in options],
         "files": source_digests(spec.source, root),
         "nvrtc": nvrtc_version(),
         "toolkit": {k: v for k, v in sorted(tc.versions.items()) if not k.startswith("nvshmem")},

@@ -324,3 +324,34 @@ def test_kernel_error_record_message():
     assert not words.any()  # check() clears the record
     words[0] = -1  # a writer is still filling it in: not reported yet
     record.check()
+
+
+
+def test_toolkit_elsewhere_with_the_same_versions_shares_the_key(src_root, monkeypatch):
+    """A cache filled under one install (a build machine's virtual environment) serves another install of
+    the same toolkit versions; another version, or a directory whose version is unknown, does not."""
+    from deepep_cupy.jit import cache
+    from deepep_cupy.jit.compiler import Toolchain
+
+    versions = {"cudart": "13050", "cccl": "3005000", "nvshmem": "3.8.0", "nvshmem_device_lib_bytes": "6960754"}
+
+    def key(prefix, links_nvshmem=True, **changed):
+        tc = Toolchain((f"{prefix}/include", f"{prefix}/include/cccl"), f"{prefix}/nvshmem/include",
+                       f"{prefix}/nvshmem/lib/libnvshmem_device.a", {**versions, **changed})
+        monkeypatch.setattr(cache, "toolchain", lambda: tc)
+        options = ["-arch=sm_90", f"-I{src_root}", *(f"-I{d}" for d in tc.cuda_include_dirs)]
+        spec = BuildSpec.make("tiny.cu", {"SCALE_BASE": 3}, name_expressions=["scale_kernel<2>"],
+                              nvshmem=links_nvshmem)
+        if links_nvshmem:
+            options += ["-rdc=true", f"-I{tc.nvshmem_include_dir}"]
+        return cache.cache_key(spec, "sm_90", src_root, options)
+
+    here = key("/opt/venv")
+    assert key("/usr/lib/python3/dist-packages/nvidia") == here
+    assert key("/opt/venv", cudart="13000") != here
+    assert key("/opt/venv", nvshmem="3.9.0") != here
+    assert key("/opt/venv", nvshmem_device_lib_bytes="1") != here
+    assert key("/opt/venv", links_nvshmem=False) == key("/elsewhere", links_nvshmem=False) != here
+    # Where a version is unknown the directory is part of the key: moving it changes the key.
+    assert key("/a", cccl=None) != key("/b", cccl=None)
+    assert key("/a", nvshmem="unknown") != key("/b", nvshmem="unknown")
