@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..ops import BUILD_MODULES
 from .cache import build_with_status, cache_dir, check_entry, entry_for
-from .compiler import first_device_arch, normalize_arch, toolchain
+from .compiler import first_device_arch, normalize_arch, nvjitlink_version, nvrtc_version, toolchain
 from .spec import BuildSpec
 
 __all__ = ["FAMILIES", "DEFAULT_ARCH", "COMPILE_INSTALL", "Job", "Report", "family_specs", "default_arch", "plan",
@@ -214,6 +214,18 @@ def run(jobs: Sequence[Job], workers: int | None = None, out=None) -> Report:
     return report
 
 
+def _key_versions(jobs: Sequence[Job]) -> str:
+    """The toolkit versions in the jobs' cache keys (another install of the same versions finds the
+    entries, wherever it lives: cache.cache_key)."""
+    versions = {k: v for k, v in toolchain().versions.items() if k != "nvshmem_device_lib_bytes"}
+    versions["nvrtc"] = nvrtc_version()
+    if any(job.spec.nvshmem for job in jobs):
+        versions["nvjitlink"] = nvjitlink_version()
+    else:
+        versions = {k: v for k, v in versions.items() if not k.startswith("nvshmem")}
+    return ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+
+
 def _archs(values: Sequence[str] | None) -> list[str]:
     archs: list[str] = []
     for value in values or [default_arch()]:
@@ -265,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"precompile: {len(jobs)} kernels of {', '.join(families)} for {', '.join(archs)} into {cache_dir()}",
           flush=True)
+    print(f"precompile: the entries serve installs of {_key_versions(jobs)}", flush=True)
     report = run(jobs, args.jobs)
     repaired = f" ({report.repaired} repaired)" if report.repaired else ""
     print(f"precompile: {report.compiled} compiled{repaired}, {report.verified} verified from the cache, "
