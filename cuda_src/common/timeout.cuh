@@ -4,7 +4,7 @@
 // Every spin-wait in a kernel must give up after a budget (nanoseconds, passed as a kernel argument) and
 // report through an ErrorRecord instead of hanging or trapping: __trap() would poison the CUDA context,
 // while a reported timeout lets the kernel return and the host raise a clear Python error
-// (deepep_cupy.runtime.kernel_errors.KernelErrorRecord.check()). The waits themselves live with their
+// (deepep_cupy.device.kernel_errors.KernelErrorRecord.check()). The waits themselves live with their
 // kernel families (intranode/sync.cuh, low_latency/sync.cuh): each polls its flag tightly
 // and reads the host-mapped record only rarely, since every such read is a PCIe round trip.
 //
@@ -19,11 +19,15 @@
 
 namespace deepep_cupy {
 
-// The host reads the same 8 x int32 words (32 bytes). waited_ns sits at byte offset 24.
+// The host reads the same kRecordWords x int32 words. waited_ns sits at byte offset 24.
 // flag: 0 = no error; -1 = a timeout is being written, -2 = a value error is being written (the host
 // treats both as "not yet recorded"); 1 = complete (fields valid).
 // reserved: what the complete record holds, kRecordTimeout (waited_ns = nanoseconds waited on `peer`) or
 // kRecordValueError (waited_ns = the offending value, peer = -1).
+// blocks_started / blocks_in_grid: of a timeout in a kernel that can tell (the low-latency ones), how many
+// blocks of the launch had begun when it was reported, of how many; 0 / 0 where unknown. Fewer than all
+// means the grid was not wholly resident: its running blocks waited for work its waiting blocks hold.
+constexpr int kRecordWords = 12;
 struct ErrorRecord {
     int flag;
     int op;
@@ -32,8 +36,11 @@ struct ErrorRecord {
     int line;
     int reserved;
     long long waited_ns;
+    int blocks_started;
+    int blocks_in_grid;
+    int spare[2];
 };
-static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord must stay 8 int32 words");
+static_assert(sizeof(ErrorRecord) == 4 * kRecordWords, "ErrorRecord must stay kRecordWords int32 words");
 
 // Budget used when the host passes a non-positive value: 100 s (longer than any sane transfer, short
 // enough to turn a hang into an error).
@@ -62,7 +69,8 @@ __device__ __forceinline__ bool timeout_reported(const ErrorRecord* rec) {
 // true for the winner. The record is written with system-scope visibility so the host can read it from
 // mapped memory.
 __device__ __forceinline__ bool fill_error_record(ErrorRecord* rec, int writing_flag, int kind, int op, int rank,
-                                                  int peer, int line, long long payload) {
+                                                  int peer, int line, long long payload, int blocks_started = 0,
+                                                  int blocks_in_grid = 0) {
     if (rec == nullptr) return false;
     if (atomic_cas_acq_rel_sys(&rec->flag, 0, writing_flag) != 0) return false;
     rec->op = op;
@@ -71,15 +79,19 @@ __device__ __forceinline__ bool fill_error_record(ErrorRecord* rec, int writing_
     rec->line = line;
     rec->reserved = kind;
     rec->waited_ns = payload;
+    rec->blocks_started = blocks_started;
+    rec->blocks_in_grid = blocks_in_grid;
     __threadfence_system();
     st_release_sys(&rec->flag, 1);
     return true;
 }
 
 // Record a timeout of op `op` waiting on `peer` for waited_ns nanoseconds (reserved = kRecordTimeout).
+// `blocks_started` of `blocks_in_grid`: how much of the launch had begun, where the kernel can tell.
 __device__ __forceinline__ bool report_timeout(ErrorRecord* rec, int op, int rank, int peer, int line,
-                                               long long waited_ns) {
-    return fill_error_record(rec, kFlagWritingTimeout, kRecordTimeout, op, rank, peer, line, waited_ns);
+                                               long long waited_ns, int blocks_started = 0, int blocks_in_grid = 0) {
+    return fill_error_record(rec, kFlagWritingTimeout, kRecordTimeout, op, rank, peer, line, waited_ns,
+                             blocks_started, blocks_in_grid);
 }
 
 // Record a bad input value of op `op` (reserved = kRecordValueError, peer = -1, waited_ns = the value).

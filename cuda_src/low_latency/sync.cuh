@@ -23,6 +23,10 @@ __device__ __forceinline__ uint32_t claim_sequence(unsigned long long* word, uns
     return s;
 }
 
+// This block's launch's sequence word (set by begin_launch): a timeout reads from it how many of the
+// launch's blocks had begun (peer_timed_out).
+static __shared__ unsigned long long* s_launch_word;
+
 // Prologue shared by the dispatch and combine kernels: claim this launch's sequence numbers for the
 // phases it runs (0 for a phase it skips) and snapshot the rank mask, so every warp of the block sees
 // one consistent view for the whole launch. Ends with a block barrier.
@@ -38,6 +42,7 @@ __device__ __forceinline__ void begin_launch(int phases, uint32_t* seq_state, co
         const unsigned long long recv_old = recv ? atomicAdd(words + 1, 1ull << 32) : 0ull;
         s_seq[0] = send ? claim_sequence(words, send_old) : 0u;
         s_seq[1] = recv ? claim_sequence(words + 1, recv_old) : 0u;
+        s_launch_word = send ? words : words + 1;
     }
     for (int r = from_last; r < num_ranks; r += blockDim.x) s_mask[r] = ld_volatile(mask + r);
     __syncthreads();
@@ -125,14 +130,23 @@ __device__ __forceinline__ bool wait_ready(const uint32_t* word, uint32_t tag, c
     }
 }
 
-// A wait for `peer` gave up: with shrinking enabled the peer is masked, else the timeout is reported.
+// Blocks of this launch that have begun: the count the claims left in the sequence word, or all of them
+// once the last block has claimed (it sets the count back to 0).
+__device__ __forceinline__ int blocks_begun() {
+    const unsigned long long word = atomicAdd(s_launch_word, 0ull);
+    const uint32_t claimed = static_cast<uint32_t>(word >> 32);
+    return claimed == 0u ? static_cast<int>(gridDim.x) : static_cast<int>(claimed);
+}
+
+// A wait for `peer` gave up: with shrinking enabled the peer is masked, else the timeout is reported, with
+// how much of the launch had begun (a grid not wholly resident waits for its own missing blocks).
 __device__ __forceinline__ void peer_timed_out(int* mask, int peer, bool shrink, ErrorRecord* err, int op,
                                                int rank, int line, const Deadline& deadline) {
     if (shrink) {
         atomicExch(mask + peer, 1);
         __threadfence_system();
     } else {
-        report_timeout(err, op, rank, peer, line, deadline.elapsed_ns());
+        report_timeout(err, op, rank, peer, line, deadline.elapsed_ns(), blocks_begun(), static_cast<int>(gridDim.x));
     }
 }
 

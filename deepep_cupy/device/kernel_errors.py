@@ -1,8 +1,10 @@
 """Host side of ``cuda_src/common/timeout.cuh``: the record a kernel fills when a wait times out or it
 finds a bad argument value.
 
-The record is 8 int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, kind,
-waited_ns (int64 in words 6-7)``. ``kind`` (:class:`RecordKind`) is ``TIMEOUT`` or ``VALUE_ERROR``, a bad
+The record is ``kRecordWords`` int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, kind,
+waited_ns (int64 in words 6-7), blocks_started, blocks_in_grid`` and two spare words. The block counts are
+those of a timeout in a kernel that can tell (0 where it cannot): fewer blocks begun than the grid has means
+the launch was not wholly resident on the GPU, which the message then says. ``kind`` (:class:`RecordKind`) is ``TIMEOUT`` or ``VALUE_ERROR``, a bad
 argument value a kernel found (an expert id out of range), with the offending value in ``waited_ns`` and
 the op code naming the op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as
 ``ValueError``. ``flag`` (:class:`RecordFlag`) is ``EMPTY`` while nothing was recorded, one of the
@@ -63,7 +65,18 @@ def value_error(info: dict) -> ValueError:
                       f"[-1, num_experts); the call that passed it treated it as -1 (no expert). Found by "
                       f"the kernel, so reported at this rank's next call")
 
-RECORD_WORDS = 8
+def _partial_grid(info: dict) -> str:
+    """What a timeout's block counts add to its message: nothing where the whole grid had begun (or the
+    kernel cannot tell), else that the grid was not wholly resident, the likely cause of the wait."""
+    started, grid = info["blocks_started"], info["blocks_in_grid"]
+    if not 0 < started < grid:
+        return ""
+    return (f"; only {started} of the launch's {grid} blocks had begun: the GPU could not hold the whole "
+            f"grid at once, so its running blocks waited for work its other blocks hold (another kernel "
+            f"running beside it, or another process on a GPU shared under MPS, held the SMs it needed)")
+
+
+RECORD_WORDS = constant(_TIMEOUT_CUH, "kRecordWords")
 DEFAULT_TIMEOUT_S = 100.0
 _RECORD_BYTES = RECORD_WORDS * 4
 
@@ -158,6 +171,8 @@ class KernelErrorRecord:
             "line": int(words[4]),
             "kind": int(words[5]),
             "waited_ns": waited,
+            "blocks_started": int(words[8]),
+            "blocks_in_grid": int(words[9]),
         }
 
     def reset(self) -> None:
@@ -183,5 +198,5 @@ class KernelErrorRecord:
         ms = info["waited_ns"] / 1e6
         raise DeepEPTimeoutError(
             f"{op}: rank {info['rank']} timed out after {ms:.1f} ms waiting for peer {info['peer']} "
-            f"(kernel line {info['line']})"
+            f"(kernel line {info['line']}){_partial_grid(info)}"
         )

@@ -1,6 +1,6 @@
 """Low-latency faults and transports on GPUs through the public ``deepep_cupy.Buffer`` API: the NVSHMEM RMA
-path (puts instead of NVLink stores), a silent rank masked with ``enable_shrink``, and a silent rank
-without it ending in DeepEPTimeoutError.
+path (puts instead of NVLink stores), a silent rank masked with ``enable_shrink``, a silent rank
+without it ending in DeepEPTimeoutError, and a grid the GPU cannot hold at once ending in one that says so.
 
 Run on every rank:  mpirun -np 2 python -m pytest tests/gpu/test_low_latency_faults.py -q
 Each test creates its own small Buffer (the module's fixture holds none); the silent-rank tests use a 2 s
@@ -15,6 +15,7 @@ import numpy as np
 from gpu_common import (
     TEST_TIMEOUT_S,
     agree,
+    bf16,
     check,
     collective_buffer,
     sync,
@@ -34,6 +35,7 @@ from ll_common import (
     dispatch_failures,
     hint,
     reference_oracle,
+    routing,
     run_round,
     small_data,
 )
@@ -136,6 +138,38 @@ def test_timeout_without_shrink_raises(env, monkeypatch):
             except DeepEPTimeoutError as exc:
                 if f"peer {silent}" not in str(exc):
                     failures.append(f"timeout message does not name the peer: {exc}")
+    agree(failures)
+
+
+def test_a_grid_the_gpu_cannot_hold_ends_in_a_timeout_that_says_so(env, monkeypatch):
+    """A low-latency launch whose blocks cannot all be resident at once (the engine is told the GPU has 8
+    times its SMs, so the grid has a block per expert, more than the GPU holds) waits for work its unstarted
+    blocks hold. The timeout says so on every rank: how many of the grid's blocks had begun."""
+    from deepep_cupy.errors import DeepEPTimeoutError
+
+    rank = env["rank"]
+    num_experts, tokens = 288, 8
+    monkeypatch.setenv("DEEPEP_CUPY_TIMEOUT_S", SHORT_TIMEOUT_S)
+    rng = np.random.default_rng((288, rank))
+    x = bf16(rng, (tokens, H_SMALL))
+    topk, _ = routing(rng, tokens, num_experts, 8, masked_slots=0)
+    fw = FRAMEWORKS[0]
+    failures = []
+    with collective_buffer(num_rdma_bytes=hint(tokens, H_SMALL, num_experts), low_latency_mode=True) as buf:
+        engine = buf.runtime.low_latency
+        engine.num_sms *= 8  # the grid: one block per expert, beyond what the SMs hold
+        args = (to_dev(x, fw, env), to_dev(topk, fw, env), tokens, num_experts)
+        buf.low_latency_dispatch(*args, use_fp8=False)
+        sync()
+        try:
+            buf.low_latency_dispatch(*args, use_fp8=False)
+            sync()
+            failures.append("no DeepEPTimeoutError from a grid the GPU could not hold")
+        except DeepEPTimeoutError as exc:
+            if f"of the launch's {num_experts} blocks had begun" not in str(exc):
+                failures.append(f"the timeout does not say the grid only partly began: {exc}")
+        engine.num_sms //= 8
+        engine.clean(tokens, H_SMALL, num_experts)  # collective: the buffer is whole again for its teardown
     agree(failures)
 
 

@@ -52,3 +52,18 @@ def test_a_complete_value_error_is_a_value_error():
     with pytest.raises(ValueError, match=r"get_dispatch_layout: topk_idx held expert id 300 on rank 1"):
         rec.check()
     assert not rec._host.any()
+
+
+@pytest.mark.parametrize(("started", "grid", "partial"), [(0, 0, False), (132, 132, False), (41, 59, True)])
+def test_a_timeout_says_when_its_grid_had_only_partly_begun(started, grid, partial):
+    """A low-latency kernel records how many of its launch's blocks had begun; fewer than the grid (a GPU
+    that could not hold the whole grid, as when processes share it under MPS) is named in the message."""
+    rec = _record(RecordFlag.COMPLETE, RecordKind.TIMEOUT)
+    rec._host[8:10] = (started, grid)
+    with pytest.raises(DeepEPTimeoutError) as info:
+        rec.check({3: "low_latency_combine (receive)"})
+    message = str(info.value)
+    assert message.startswith("low_latency_combine (receive): rank 1 timed out after 2.5 ms waiting for peer 0")
+    assert (f"only {started} of the launch's {grid} blocks had begun" in message) == partial
+    assert ("MPS" in message) == partial
+    assert not rec._host.any()

@@ -201,7 +201,7 @@ class LowLatencyEngine:
     sequence state, the peer mask, the error record and the loaded kernels.
 
     Arguments:
-        group: a :class:`deepep_cupy.runtime.group.CommGroup`.
+        group: a :class:`deepep_cupy.device.group.CommGroup`.
         device_id: the CUDA device of this rank.
         num_rdma_bytes: symmetric buffer size (at least :func:`rdma_size_hint` for the shapes used).
         allow_nvlink: use loads and stores over NVLink for peers NVSHMEM reaches that way.
