@@ -3,11 +3,12 @@
     mpirun -np 2 python -m deepep_cupy.bench [suite ...] --json out.json --plot out.png
 
 With no suite named, every suite runs (as with ``all``). ``compiled`` (torch.compile against eager calls,
-minutes of compiling) runs only when named; a difference or a compile error there makes the exit status
+minutes of compiling) and ``ep`` (DeepEP V2's calls against the V1 calls doing the same work) run only when
+named; a difference or a compile error there makes the exit status
 non-zero, and so does a failure of ``overlap`` (hook-mode sends with a late peer, two micro-batches overlapped
 with compute), which first checks its overlapped step against the same calls made one at a time. Every suite
-needs a CUDA GPU per rank, except ``compiled``: without a GPU it runs on the NumPy reference backend (host
-times only).
+needs a CUDA GPU per rank, except ``compiled`` and ``ep``: without a GPU they run on the NumPy reference
+backend (host times only).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from .timing import format_table, parse_sm_counts, sm_counts
 
 SUITES = ("baselines", "intranode", "internode", "low_latency", "overlap", "host")
 #: Suites that run only when named (not in ``all``).
-OPT_IN = ("compiled",)
+OPT_IN = ("compiled", "ep")
 #: Suites that also run without a GPU, on the NumPy reference backend.
-NO_GPU_SUITES = ("compiled",)
+NO_GPU_SUITES = ("compiled", "ep")
 DEFAULT_SUITE_TIMEOUT_S = 240.0
 
 _NAMES = SUITES + OPT_IN + ("all",)
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu = no_gpu is None
     if not gpu:  # every suite named runs on the reference backend (also where a GPU is, but not CuPy)
         os.environ.setdefault("DEEPEP_CUPY_BACKEND", "reference")
+    args.on_gpu = gpu
 
     os.environ.setdefault("DEEPEP_CUPY_VALIDATE", "0")
     for var in ("NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):

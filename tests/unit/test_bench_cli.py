@@ -235,3 +235,42 @@ def test_compiled_suite_fails_when_one_rank_cannot_compile():
     got = _compiled_suite(2, "--rank-1-cannot-compile", DEEPEP_CUPY_TIMEOUT_S="3")
     assert got.returncode != 0
     assert "CompileFailed" in got.stderr and "rank 1: RuntimeError: no compiler here" in got.stderr, got.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- ep
+def test_ep_suite_runs_only_when_named_and_without_a_gpu():
+    from deepep_cupy.bench import __main__ as cli
+
+    assert "ep" in cli.OPT_IN and "ep" in cli.NO_GPU_SUITES and "ep" not in cli.SUITES
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ep_suite_on_the_reference_backend(ranks):
+    """V2's ways beside their V1 calls, every row timed; at 2 ranks under mpiexec where there is one."""
+    argv = ["ep", "--tokens", "32", "--hidden", "128", "--experts", "8", "--ll-tokens", "8", "--ll-experts", "8",
+            "--topk", "2"]
+    if ranks == 1:
+        got = _bench(*argv)
+    else:
+        mpiexec = os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+        if mpiexec is None:
+            pytest.skip("no mpiexec on PATH (pip install -e '.[mpi]')")
+        env = dict(os.environ, DEEPEP_CUPY_FORCE_NO_GPU="1")
+        got = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "deepep_cupy.bench", *argv],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stdout + got.stderr
+    names = ["prefill, sizes read back", "prefill, expanded", "prefill, sync-free", "prefill, cached",
+             "decode, cached"]
+    rows = [line for line in got.stdout.splitlines() if line.startswith("V2 ")]
+    assert [r.split(" (")[0][3:] for r in rows] == names, got.stdout
+    assert all("failed" not in r for r in rows) and f"{ranks} ranks" in got.stdout
+
+
+def test_ep_suite_checks_its_outputs():
+    import numpy as np
+
+    from deepep_cupy.bench.ep import _problem
+
+    assert _problem(np.ones((4, 8), np.float32)) is None
+    assert _problem(np.zeros((4, 8), np.float32)) == "all zero"
+    assert _problem(np.array([[1.0, np.inf]], np.float32)) == "not finite"
