@@ -4,8 +4,8 @@
 
 With no suite named, every suite runs (as with ``all``). ``compiled`` (torch.compile against eager calls,
 minutes of compiling) and ``ep`` (DeepEP V2's calls against the V1 calls doing the same work) run only when
-named; a difference or a compile error there makes the exit status
-non-zero, and so does a failure of ``overlap`` (hook-mode sends with a late peer, two micro-batches overlapped
+named; a difference, a compile error or an implausible output there makes the exit status non-zero, and so
+does a failure of ``overlap`` (hook-mode sends with a late peer, two micro-batches overlapped
 with compute), which first checks its overlapped step against the same calls made one at a time. Every suite
 needs a CUDA GPU per rank, except ``compiled`` and ``ep``: without a GPU they run on the NumPy reference
 backend (host times only).

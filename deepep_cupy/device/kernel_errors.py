@@ -4,13 +4,13 @@ finds a bad argument value.
 The record is ``kRecordWords`` int32 words (``struct ErrorRecord``): ``flag, op, rank, peer, line, kind,
 waited_ns (int64 in words 6-7), blocks_started, blocks_in_grid`` and two spare words. The block counts are
 those of a timeout in a kernel that can tell (0 where it cannot): fewer blocks begun than the grid has means
-the launch was not wholly resident on the GPU, which the message then says. ``kind`` (:class:`RecordKind`) is ``TIMEOUT`` or ``VALUE_ERROR``, a bad
-argument value a kernel found (an expert id out of range), with the offending value in ``waited_ns`` and
-the op code naming the op and argument (``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as
-``ValueError``. ``flag`` (:class:`RecordFlag`) is ``EMPTY`` while nothing was recorded, one of the
-``WRITING_*`` values while a thread is writing the record and ``COMPLETE`` once it is. By default it lives
-in pinned, device-mapped host memory, so the host reads it without a device synchronisation (kernels write
-it with system-scope fences).
+the launch was not wholly resident on the GPU, which the message then says. ``kind`` (:class:`RecordKind`) is
+``TIMEOUT`` or ``VALUE_ERROR``, a bad argument value a kernel found (an expert id out of range), with the
+offending value in ``waited_ns`` and the op code naming the op and argument
+(``deepep_cupy.ops.kernel_names.VALUE_OP_ARGS``); it is raised as ``ValueError``. ``flag``
+(:class:`RecordFlag`) is ``EMPTY`` while nothing was recorded, one of the ``WRITING_*`` values while a thread
+is writing the record and ``COMPLETE`` once it is. By default it lives in pinned, device-mapped host memory,
+so the host reads it without a device synchronisation (kernels write it with system-scope fences).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def value_error(info: dict) -> ValueError:
     return ValueError(f"{op}: {arg} held expert id {info['waited_ns']} on rank {info['rank']}, outside "
                       f"[-1, num_experts); the call that passed it treated it as -1 (no expert). Found by "
                       f"the kernel, so reported at this rank's next call")
+
 
 def _partial_grid(info: dict) -> str:
     """What a timeout's block counts add to its message: nothing where the whole grid had begun (or the

@@ -240,8 +240,10 @@ def test_compiled_suite_fails_when_one_rank_cannot_compile():
 # ---------------------------------------------------------------------------------------------------- ep
 def test_ep_suite_runs_only_when_named_and_without_a_gpu():
     from deepep_cupy.bench import __main__ as cli
+    from deepep_cupy.bench import ep
 
     assert "ep" in cli.OPT_IN and "ep" in cli.NO_GPU_SUITES and "ep" not in cli.SUITES
+    assert ep.FAIL_RUN  # an implausible output fails the run
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

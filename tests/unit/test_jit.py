@@ -308,7 +308,6 @@ def test_kernel_error_record_message():
 
     from deepep_cupy.device.kernel_errors import RECORD_WORDS, KernelErrorRecord
     from deepep_cupy.errors import DeepEPTimeoutError
-
     from deepep_cupy.ops.headers import constant
 
     assert RECORD_WORDS == constant("common/timeout.cuh", "kRecordWords") >= 10  # sizeof(ErrorRecord) / 4
