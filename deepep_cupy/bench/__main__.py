@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     named = tuple(dict.fromkeys(args.suites))
     suites = named if args.suites and "all" not in args.suites else \
         SUITES + tuple(name for name in named if name in OPT_IN)
-    no_gpu = no_gpu_message(f"the benchmarks (all but the {', '.join(NO_GPU_SUITES)} suite) need")
+    no_gpu = no_gpu_message(f"the benchmarks (all but the {' and '.join(NO_GPU_SUITES)} suites) need")
     if no_gpu and any(name not in NO_GPU_SUITES for name in suites):
         # One line, no traceback: the usual cause is running it on a machine without GPUs.
         sys.exit(f"{parser.prog}: {no_gpu}")

@@ -156,7 +156,7 @@ def test_bench_and_tuning_without_a_gpu(monkeypatch, cupy):
     for argv in (["host"], [], ["all", "compiled"], ["--quick"]):
         line = _exit_line(bench.main, argv)
         assert line.startswith("python -m deepep_cupy.bench: no GPU found; the benchmarks (all but the compiled "
-                               "suite) need a CUDA GPU and CuPy: pip install \"deepep_cupy[cuda13]\""), line
+                               "and ep suites) need a CUDA GPU and CuPy: pip install \"deepep_cupy[cuda13]\""), line
     line = _exit_line(tune.main, ["--hidden", "4096"])
     assert line.startswith("python -m deepep_cupy.tuning: no GPU found; tuning (all but --show) needs a CUDA GPU "
                            "and CuPy: pip install \"deepep_cupy[cuda13]\""), line
