@@ -270,29 +270,35 @@ class Buffer(LowLatencyOps):
         with self._frames.combine:
             if self._num_rdma_ranks > 1:
                 self._internode_ready("internode_combine")
-            if config is None:
-                config = self._default_config(_COMBINE_CONFIGS)
             return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                  allocate_on_comm_stream)
 
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
-                 allocate_on_comm_stream):
+                 allocate_on_comm_stream, order_topk_idx=None, num_local_experts: int = 1):
+        """``combine``'s work; ``order_topk_idx`` (the V2 layer's, within one NVLink domain): the source tokens'
+        top-k, to sum each token's rows in V2's order (``reference.normal.combine``) instead of rank order."""
+        if config is None:
+            config = self._default_config(_COMBINE_CONFIGS)
         if type(bias) is tuple or type(bias) is list:
             bias_0, bias_1 = checks.split_bias(bias)
         else:
             bias_0, bias_1 = bias, None
         key = (meta(x), handle_meta(handle), meta(topk_weights), meta(bias_0), meta(bias_1), config_key(config),
-               async_finish, allocate_on_comm_stream)
+               async_finish, allocate_on_comm_stream, meta(order_topk_idx), num_local_experts)
         plan = lookup(self._combine_plans, key)
         if plan is None:
             checks.combine_args(self.group_size, x, handle, topk_weights, bias, config,
                                 num_rdma_ranks=self._num_rdma_ranks)
+            order = {} if order_topk_idx is None else dict(order_topk_idx=order_topk_idx,
+                                                           num_local_experts=num_local_experts)
             plan = store(self._combine_plans, key, self.runtime.plan_combine(
                 x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
-                async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream)))
+                async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream), **order))
         if self.backend == "cuda":
             device_handle_values(self, handle)
-        return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)
+        if order_topk_idx is None:
+            return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event)
+        return plan.run(x, handle, topk_weights, bias_0, bias_1, previous_event, order_topk_idx)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -325,8 +331,6 @@ class Buffer(LowLatencyOps):
             return traced.combine(self, x, handle, topk_weights, bias, config, previous_event)
         with self._frames.combine:
             self._internode_ready("internode_combine")
-            if config is None:
-                config = self._default_config(_COMBINE_CONFIGS)
             return self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                  allocate_on_comm_stream)
 

@@ -92,6 +92,11 @@ struct CombineArgs {
     int hidden_int4;
     int4* __restrict__ combined_x;
     float* __restrict__ combined_topk_weights;
+    // nullptr: the rows of a token are summed in rank order (V1). Else the source tokens' top-k experts
+    // [num_tokens, order_num_topk]: summed in the order of each rank's last slot (V2's, combine_sum.cuh).
+    const long long* __restrict__ order_topk_idx;
+    int order_num_topk;
+    int num_local_experts;
     const long long* __restrict__ bases;
     long long ring_offset;
     long long free_offset;
@@ -119,6 +124,11 @@ struct CombineCopyArgs {
     int hidden_int4;
     int4* __restrict__ combined_x;
     float* __restrict__ combined_topk_weights;
+    // nullptr: the rows of a token are summed in rank order (V1). Else the source tokens' top-k experts
+    // [num_tokens, order_num_topk]: summed in the order of each rank's last slot (V2's, combine_sum.cuh).
+    const long long* __restrict__ order_topk_idx;
+    int order_num_topk;
+    int num_local_experts;
     const long long* __restrict__ bases;
     const uint8_t* __restrict__ staging;  // this rank's staging area
     long long weights_offset;             // where the weights slots start in it

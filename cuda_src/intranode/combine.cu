@@ -168,8 +168,18 @@ combine(const __grid_constant__ CombineArgs args) {
                     }
                 }
 
-                sum_token<R, kUnroll, false, kLoadsFirst>(rows, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4,
-                                                          args.hidden_int4, args.combined_x, lane);
+                if (args.order_topk_idx == nullptr) {
+                    sum_token<R, kUnroll, false, kLoadsFirst>(rows, args.bias_0, args.bias_1,
+                                                              static_cast<long long>(t) * args.hidden_int4,
+                                                              args.hidden_int4, args.combined_x, lane);
+                } else {
+                    const int4* ordered[R];
+                    order_by_last_slot<R>(rows, ordered, args.order_topk_idx + static_cast<long long>(t) * args.order_num_topk,
+                                          args.order_num_topk, args.num_local_experts);
+                    sum_token<R, kUnroll, false, kLoadsFirst>(ordered, args.bias_0, args.bias_1,
+                                                              static_cast<long long>(t) * args.hidden_int4,
+                                                              args.hidden_int4, args.combined_x, lane);
+                }
                 if (args.combined_topk_weights != nullptr) {
                     const float* w[R];
 #pragma unroll

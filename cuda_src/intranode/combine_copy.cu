@@ -124,8 +124,16 @@ combine_copy(const __grid_constant__ CombineCopyArgs args) {
             weights[r] = (r == args.rank ? args.topk_weights : staging_weights) + row * args.num_topk;
             if (with_weights && lane < args.num_topk) w[r] = r == args.rank ? weights[r][lane] : ld_cg_f32(weights[r] + lane);
         }
-        sum_token<R, kUnroll, true>(rows, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4, args.hidden_int4,
-                              args.combined_x, lane);
+        if (args.order_topk_idx == nullptr) {
+            sum_token<R, kUnroll, true>(rows, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4,
+                                        args.hidden_int4, args.combined_x, lane);
+        } else {
+            const int4* ordered[R];
+            order_by_last_slot<R>(rows, ordered, args.order_topk_idx + static_cast<long long>(t) * args.order_num_topk,
+                                  args.order_num_topk, args.num_local_experts);
+            sum_token<R, kUnroll, true>(ordered, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4,
+                                        args.hidden_int4, args.combined_x, lane);
+        }
         if (with_weights) {
             float* out = args.combined_topk_weights + static_cast<long long>(t) * args.num_topk;
             if (lane < args.num_topk) {

@@ -1,6 +1,6 @@
 // The summation of the intranode combine, shared by its ring mode (combine.cu) and its copy mode
 // (combine_copy.cu): one token's rows, one per rank that received the token, summed in float32 in rank
-// order after the biases (acc = bias_0 + bias_1, a missing bias being +0: the reference's exact order)
+// order (or V2's, order_by_last_slot) after the biases (acc = bias_0 + bias_1, a missing bias being +0: the reference's exact order)
 // and rounded to bf16 (nearest even) once. The same for the top-k weights, without bias.
 #pragma once
 
@@ -110,6 +110,39 @@ __device__ __forceinline__ void sum_token(const int4* const (&rows)[R], const in
     if (full < hidden_int4)
         sum_step<R, kUnroll, kStaged, true, kLoadsFirst>(rows, bias_0, bias_1, out_row, full + lane, hidden_int4,
                                                           combined_x);
+}
+
+// V2's order for one token (EPBuffer.combine): each rank's row stands at the last top-k slot of the token
+// that names one of the rank's experts, and the rows are summed in slot order (after the biases, as in rank
+// order). ordered[] gets rows[] so arranged; a rank with no slot of the token (its row nullptr, unless the
+// caller's top-k disagrees with the handle) goes after every slot, in rank order. Each slot names one rank,
+// so the keys differ and the order is a permutation; all of it stays in registers (R is a constant).
+template <int R>
+__device__ __forceinline__ void order_by_last_slot(const int4* const (&rows)[R], const int4* (&ordered)[R],
+                                                   const long long* __restrict__ topk_idx_row, int num_topk,
+                                                   int num_local_experts) {
+    int key[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) key[r] = num_topk + r;
+    for (int j = 0; j < num_topk; ++j) {
+        const long long e = __ldg(topk_idx_row + j);
+        if (e < 0) continue;
+        const int owner = static_cast<int>(e / num_local_experts);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (owner == r) key[r] = j;
+    }
+#pragma unroll
+    for (int p = 0; p < R; ++p) ordered[p] = nullptr;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        int pos = 0;
+#pragma unroll
+        for (int q = 0; q < R; ++q) pos += key[q] < key[r] ? 1 : 0;
+#pragma unroll
+        for (int p = 0; p < R; ++p)
+            if (pos == p) ordered[p] = rows[r];
+    }
 }
 
 // Top-k weights of one token: w[r] is rank r's weights row (nullptr: none).

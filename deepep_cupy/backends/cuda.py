@@ -208,11 +208,12 @@ class CudaBackend:
         return plan
 
     def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, async_finish,
-                     allocate_on_comm_stream):
+                     allocate_on_comm_stream, order_topk_idx=None, num_local_experts=1):
         engine, plans = self._normal_ops("combine")
         plan = plans.CombinePlan(engine, self.frame(x), x, handle, topk_weights=topk_weights, bias_0=bias_0,
                                  bias_1=bias_1, config=config, comm_stream=self.comm_stream.ptr,
-                                 async_finish=async_finish)
+                                 async_finish=async_finish, order_topk_idx=order_topk_idx,
+                                 num_local_experts=num_local_experts)
         self.agree("combine", hidden=int(x.shape[1]), num_topk=plan.num_topk, num_channels=plan.num_channels,
                    ring_capacity=plan.cap)
         return plan

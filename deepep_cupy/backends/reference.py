@@ -114,11 +114,13 @@ class ReferenceBackend:
                                  num_worst_tokens=num_worst_tokens, config=config)
         return _BoundOp(run)
 
-    def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
+    def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, order_topk_idx=None,
+                     num_local_experts=1, **_stream_args):
         self._normal_limits("combine", x, handle=handle, topk_weights=topk_weights, config=config)
 
-        def run(x, handle, topk_weights, bias_0, bias_1, previous_event=None):
-            return self.combine(x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config)
+        def run(x, handle, topk_weights, bias_0, bias_1, previous_event=None, order_topk_idx=None):
+            return self.combine(x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
+                                order_topk_idx=order_topk_idx, num_local_experts=num_local_experts)
         return _BoundOp(run)
 
     def _normal_limits(self, op, x, *, handle, config, x_scales=None, num_tokens_per_expert=None, topk_idx=None,
@@ -203,11 +205,13 @@ class ReferenceBackend:
         return (recv, from_numpy(recv_topk_idx, like), from_numpy(recv_topk_weights, like), counts,
                 DispatchHandle(_handle_from_numpy(new_handle, like), num_topk), EventOverlap(None))
 
-    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, **_stream_args):
+    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, order_topk_idx=None, num_local_experts=1,
+                **_stream_args):
         like = kind_of(x)
+        order = None if order_topk_idx is None else (to_numpy(order_topk_idx), int(num_local_experts))
         combined, weights = self.oracle.combine(to_numpy(x), _handle_to_numpy(handle),
                                                  topk_weights=to_numpy(topk_weights), bias_0=to_numpy(bias_0),
-                                                 bias_1=to_numpy(bias_1))
+                                                 bias_1=to_numpy(bias_1), order=order)
         return from_numpy(combined, like), from_numpy(weights, like), EventOverlap(None)
 
     def low_latency_dispatch(self, x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,

@@ -17,7 +17,7 @@ from ..device.group import group_size
 from ..frameworks import shape_of
 from . import args as A_
 from .arrays import ops_for
-from .epilogue import final_sum, final_sum_by_rank, rank_values, slot_values, slot_weights
+from .epilogue import final_sum, rank_sums, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
 from .recv_rows import align, col_major, dst_slots, recv_rows, scatter_rows
@@ -271,6 +271,34 @@ class _EPBufferCore:
             recv_topk_idx=recv_topk_idx)
 
     # ------------------------------------------------------------------ combine
+    def _combine_per_rank(self, ops, x, handle, topk_weights, bias_0, bias_1, num_sms, previous_event,
+                          async_with_compute_stream, defer_epilogue):
+        """A combine where each rank sends one sum per token (a non-expanded ``x``, or
+        ``allow_multiple_reduction``): one V1 combine that sums each token's rows in V2's order (its ranks by
+        their last top-k slot, after the bias), with the weights each slot's owner holds."""
+        values = rank_sums(ops, x, handle)
+        weights = None if topk_weights is None else slot_weights(ops, topk_weights, handle)
+        prev = as_v1_event(previous_event)
+        if prev is not None:  # the inputs above are made on the current stream: V1 waits for it, after the event
+            prev.current_stream_wait()
+        bias = bias_0 if bias_1 is None else (bias_1 if bias_0 is None else (bias_0, bias_1))
+        v1, config = self._v1, self._v1_config(num_sms, shape_of(x)[1], combine=True)
+
+        def run():
+            with v1._frames.combine:
+                return v1._combine(values, handle._v1_handle, weights, bias, config, None, False, False,
+                                   order_topk_idx=handle.topk_idx,
+                                   num_local_experts=handle.num_experts // self.num_ranks)[:2]
+
+        if defer_epilogue:
+            # The bias is the epilogue's: read when the caller waits. The kernel adds it before the ranks'
+            # rows (V2's order), so with a bias the whole combine runs at the wait.
+            results = None if bias is not None else run()
+            event = EventOverlap(EventHandle())
+            event.register_hook_after_wait(run if results is None else lambda: results)
+            return event
+        return (*run(), EventOverlap(EventHandle() if async_with_compute_stream else None))
+
     def _combine(self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event, async_with_compute_stream,
                  allocate_on_comm_stream, defer_epilogue):
         self._alive()
@@ -281,14 +309,14 @@ class _EPBufferCore:
                         async_with_compute_stream=async_with_compute_stream)
         ops = ops_for(x)
         k, hidden, n = handle.num_topk, shape_of(x)[1], handle.num_recv_tokens
-        reduce_per_rank = self.allow_multiple_reduction or not handle.do_expand
-        by_rank = reduce_per_rank and self.num_ranks < k  # a block per rank is narrower than one per slot
-        if by_rank:
-            wide, blocks = rank_values(ops, x, handle, self._v1.rank, self.num_ranks), self.num_ranks
-        else:
-            wide, blocks = slot_values(ops, x, handle, reduce_per_rank), k
+        if self.allow_multiple_reduction or not handle.do_expand:
+            return self._combine_per_rank(ops, x, handle, topk_weights, bias_0, bias_1, num_sms, previous_event,
+                                          async_with_compute_stream, defer_epilogue)
+        # Expanded without multiple reduction: every selection is summed at its source on its own, in slot
+        # order, so each slot's value travels in a column block of its own (epilogue.py).
+        wide = slot_values(ops, x, handle)
         weights = None if topk_weights is None else slot_weights(ops, topk_weights, handle)
-        width = self._slots_per_combine(hidden, blocks)
+        width = self._slots_per_combine(hidden, k)
         prev = as_v1_event(previous_event)
         if prev is not None:
             # The blocks above were built on the current stream, which V1's combine would not wait for
@@ -297,8 +325,8 @@ class _EPBufferCore:
             prev = None
         config = self._v1_config(num_sms, hidden, combine=True)
         chunks, combined_weights = [], None
-        for first in range(0, blocks, width):
-            w = min(width, blocks - first)
+        for first in range(0, k, width):
+            w = min(width, k - first)
             part = ops.contiguous(wide[:, first:first + w]).reshape(n, w * hidden)
             out, out_weights, _ = self._v1.combine(part, handle._v1_handle,
                                                    topk_weights=weights if first == 0 else None, config=config)
@@ -307,12 +335,7 @@ class _EPBufferCore:
                 combined_weights = out_weights
 
         def epilogue():
-            if by_rank:
-                combined = final_sum_by_rank(ops, chunks, handle.topk_idx, handle.num_experts // self.num_ranks,
-                                             bias_0, bias_1, handle.num_tokens, hidden, x)
-            else:
-                combined = final_sum(ops, chunks, bias_0, bias_1, handle.num_tokens, hidden, x)
-            return combined, combined_weights
+            return final_sum(ops, chunks, bias_0, bias_1, handle.num_tokens, hidden, x), combined_weights
 
         if defer_epilogue:
             event = EventOverlap(EventHandle())

@@ -258,7 +258,7 @@ def _combine_received(got, me: int, in_rank: np.ndarray, prefix: str) -> None:
                              f"which has {n} tokens: the handle is not one dispatch returned")
 
 
-def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
+def combine(group, x, handle, *, topk_weights, bias_0, bias_1, order=None):
     """Send each received row back to its source rank and sum there (no weights).
 
     For every original token ``t``: ``acc = float32(bias_0[t]) + float32(bias_1[t])`` (a missing bias is
@@ -267,6 +267,10 @@ def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
     ``combined_topk_weights`` is the same float32 rank-ordered sum of the ``topk_weights`` rows (no bias),
     None when ``topk_weights`` is None. Only the first ``rank_prefix_matrix[R-1, me]`` rows of ``x`` are
     used (``x`` may carry ``num_worst_tokens`` padding rows). Tokens sent nowhere combine to the bias.
+
+    ``order``: ``(topk_idx, num_local_experts)`` of the source tokens, for V2's order instead of rank order:
+    the rows of token ``t`` are added in the order of each rank's last top-k slot of ``t`` (the slot ``j``
+    with ``topk_idx[t, j] // num_local_experts == r``), a rank named by no slot after all slots, in rank order.
 
     A handle that does not describe what the ranks exchanged (another call's, or altered) raises a
     ``ValueError`` on every rank, before or right after the exchange (``collective.start``/``finish``).
@@ -278,11 +282,12 @@ def combine(group, x, handle, *, topk_weights, bias_0, bias_1):
     except Exception as exc:  # noqa: BLE001 - reported to every rank by start()
         error = exc
     return combine_rows(group, x, starts, ends, in_rank, handle[3], topk_weights=topk_weights, bias_0=bias_0,
-                        bias_1=bias_1, fields=fields, error=error, prefix="handle[0] (rank_prefix_matrix)")
+                        bias_1=bias_1, fields=fields, error=error, prefix="handle[0] (rank_prefix_matrix)",
+                        order=order)
 
 
 def combine_rows(group, x, starts, ends, in_rank, recv_src_idx, *, topk_weights, bias_0, bias_1, fields, error,
-                 prefix, domain_size: int = 1):
+                 prefix, domain_size: int = 1, order=None):
     """``combine`` once the handle is read: rows ``[starts[s], ends[s])`` of ``x`` go back to rank ``s``.
 
     ``recv_src_idx`` names each row's source token; None: the source places the rows from rank ``r`` on its
@@ -327,6 +332,8 @@ def combine_rows(group, x, starts, ends, in_rank, recv_src_idx, *, topk_weights,
     acc_w = None
     if topk_weights is not None:
         acc_w = np.zeros((n, np.asarray(topk_weights).shape[1]), dtype=np.float32)
+    if order is not None:
+        return _sum_in_order(got, acc, acc_w, order, x.dtype)
     for d in range(0, nranks, domain_size):
         part, part_w, reached = acc, acc_w, None
         if domain_size > 1:
@@ -344,3 +351,29 @@ def combine_rows(group, x, starts, ends, in_rank, recv_src_idx, *, topk_weights,
             if acc_w is not None:
                 acc_w[reached] += part_w[reached]
     return acc.astype(x.dtype), acc_w
+
+
+def _sum_in_order(got, acc, acc_w, order, dtype):
+    """``combine_rows``'s sums in the order ``order`` names (see ``combine``); the weights as in rank order (a
+    slot's weight is nonzero on one rank only, so its sum does not depend on the order)."""
+    topk_idx, num_local_experts = order
+    n, nranks = acc.shape[0], len(got)
+    topk_idx = np.asarray(topk_idx, dtype=np.int64).reshape(n, -1)
+    k = topk_idx.shape[1]
+    key = np.tile(k + np.arange(nranks), (n, 1))
+    for j in range(k):
+        owner = np.where(topk_idx[:, j] >= 0, topk_idx[:, j] // max(int(num_local_experts), 1), -1)
+        for r in range(nranks):
+            key[owner == r, r] = j
+    present = np.zeros((nranks, n), dtype=bool)
+    rows = np.zeros((nranks,) + acc.shape, dtype=np.float32)
+    for r, g in enumerate(got):
+        present[r, g["src"]] = True
+        rows[r, g["src"]] = g["x"].astype(np.float32)
+        if acc_w is not None:
+            acc_w[g["src"]] += g["w"]
+    tokens = np.arange(n)
+    for r_at in np.argsort(key, axis=1, kind="stable").T:  # the rank at each position, per token
+        here = present[r_at, tokens]
+        acc[here] += rows[r_at[here], tokens[here]]
+    return acc.astype(dtype), acc_w

@@ -80,12 +80,15 @@ class ReferenceOracle:
                                topk_weights=topk_weights, expert_alignment=int(expert_alignment),
                                num_worst_tokens=int(num_worst_tokens or 0), num_channels=self.num_channels)
 
-    def combine(self, x, handle, *, topk_weights, bias_0, bias_1):
+    def combine(self, x, handle, *, topk_weights, bias_0, bias_1, order=None):
         """See ``normal.combine``. Returns ``(combined_x, combined_topk_weights or None)``."""
         if self.num_rdma_ranks > 1:
+            if order is not None:
+                raise NotImplementedError("V2's summation order across NVLink domains")
             return internode.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
                                      num_nvl_ranks=self.num_nvl_ranks)
-        return normal.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1)
+        return normal.combine(self.group, x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
+                              order=order)
 
     # ------------------------------------------------------------------ low-latency mode
     def _switch_buffer(self) -> None:

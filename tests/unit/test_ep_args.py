@@ -148,14 +148,16 @@ def test_num_sms_reaches_v1s_kernels():
         buffer = EPBuffer(g, num_max_tokens_per_rank=T, hidden=H, backend="reference")
         seen = []
         v1 = buffer._v1
-        for name in ("dispatch", "combine"):
-            method = getattr(v1, name)
+        # V2's combine calls V1's combine past its frame (``_combine``, config its fifth argument).
+        for name, attr in (("dispatch", "dispatch"), ("combine", "_combine")):
+            method = getattr(v1, attr)
 
             def spy(*a, _method=method, _name=name, **k):
-                seen.append((_name, None if k.get("config") is None else k["config"].num_sms))
+                config = a[4] if _name == "combine" and len(a) > 4 else k.get("config")
+                seen.append((_name, None if config is None else config.num_sms))
                 return _method(*a, **k)
 
-            setattr(v1, name, spy)
+            setattr(v1, attr, spy)
         inp = R.rank_inputs(5, g.rank, num_tokens=T, hidden=H, num_experts=E, num_topk=K)
         x, topk, w = C.t(inp.x), C.t(inp.topk_idx), C.t(inp.topk_weights)
         outs = []
@@ -177,13 +179,13 @@ def test_combine_never_hands_previous_event_to_v1():
     def rank(g):
         buffer = EPBuffer(g, num_max_tokens_per_rank=T, hidden=H, backend="reference")
         seen = []
-        combine = buffer._v1.combine
+        combine = buffer._v1._combine  # what V2's combine calls (previous_event its sixth argument)
 
         def spy(*a, **k):
-            seen.append(k.get("previous_event"))
+            seen.append(a[5] if len(a) > 5 else k.get("previous_event"))
             return combine(*a, **k)
 
-        buffer._v1.combine = spy
+        buffer._v1._combine = spy
         inp = R.rank_inputs(6, g.rank, num_tokens=T, hidden=H, num_experts=E, num_topk=K)
         x, topk, w = C.t(inp.x), C.t(inp.topk_idx), C.t(inp.topk_weights)
         recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)

@@ -72,14 +72,16 @@ def dispatch_args(*, x, x_scales, scale_token_stride, scale_block_stride, num_sc
 def combine_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, channel_prefix_matrix,
                  recv_channel_prefix_matrix, send_head, num_tokens, hidden_int4, combined_x, combined_topk_weights,
                  bases, buffer_map: L.IntranodeBufferMap, err_ptr, timeout_ns, rank, batch=1,
-                 run_claims=0) -> dict:
-    """Values of ``CombineArgs``."""
+                 run_claims=0, order_topk_idx=0, order_num_topk=0, num_local_experts=1) -> dict:
+    """Values of ``CombineArgs``; ``order_topk_idx`` (with its width and the experts per rank): the source
+    tokens' top-k, for V2's summation order (``combine_sum.cuh``), 0 for rank order."""
     return dict(
         x=x, topk_weights=kernel_pointer(topk_weights), num_topk=num_topk, bias_0=kernel_pointer(bias_0),
         bias_1=kernel_pointer(bias_1), rank_prefix_matrix=rank_prefix_matrix,
         channel_prefix_matrix=channel_prefix_matrix, recv_channel_prefix_matrix=recv_channel_prefix_matrix,
         send_head=send_head, num_tokens=num_tokens, hidden_int4=hidden_int4, combined_x=combined_x,
-        combined_topk_weights=kernel_pointer(combined_topk_weights), bases=bases,
+        combined_topk_weights=kernel_pointer(combined_topk_weights), order_topk_idx=order_topk_idx,
+        order_num_topk=order_num_topk, num_local_experts=num_local_experts, bases=bases,
         ring_offset=buffer_map.ring_offset, free_offset=buffer_map.free_offset,
         slot_bytes=buffer_map.slot.slot_bytes, cap=buffer_map.cap,
         slot_topk_weights_offset=buffer_map.slot.topk_weights_offset, num_channels=buffer_map.num_channels,

@@ -227,11 +227,12 @@ def fits(cnt, hidden_bytes: int, num_topk: int, staging_bytes: int) -> bool:
 
 def combine_copy_args(*, x, topk_weights, num_topk, bias_0, bias_1, rank_prefix_matrix, send_head, num_tokens,
                       hidden_int4, combined_x, combined_topk_weights, bases, staging, weights_offset, copy_seq,
-                      err_ptr, timeout_ns, rank) -> dict:
-    """Values of ``CombineCopyArgs`` (integers: pointers)."""
+                      err_ptr, timeout_ns, rank, order_topk_idx=0, order_num_topk=0, num_local_experts=1) -> dict:
+    """Values of ``CombineCopyArgs`` (integers: pointers; the order fields as in ``args.combine_args``)."""
     return dict(x=x, topk_weights=topk_weights, num_topk=num_topk, bias_0=bias_0, bias_1=bias_1,
                 rank_prefix_matrix=rank_prefix_matrix, send_head=send_head, num_tokens=num_tokens,
                 hidden_int4=hidden_int4, combined_x=combined_x, combined_topk_weights=combined_topk_weights,
+                order_topk_idx=order_topk_idx, order_num_topk=order_num_topk, num_local_experts=num_local_experts,
                 bases=bases, staging=staging, weights_offset=weights_offset, copy_seq=copy_seq, err=err_ptr,
                 timeout_ns=timeout_ns, rank=rank)
 
@@ -240,7 +241,7 @@ class CopyCombine:
     """The copy-mode combine of one :class:`~deepep_cupy.ops.intranode.plans.CombinePlan` (same shapes)."""
 
     def __init__(self, engine, *, hidden: int, num_tokens: int, num_topk: int, num_sms: int,
-                 comm_stream: int) -> None:
+                 comm_stream: int, order_num_topk: int = 0, num_local_experts: int = 1) -> None:
         import cupy
 
         self.engine, self.comm_stream = engine, comm_stream
@@ -262,11 +263,12 @@ class CopyCombine:
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,
             bases=engine.bases, staging=self.staging_ptrs[me], weights_offset=0, copy_seq=0,
-            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me)
+            err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me, order_num_topk=order_num_topk,
+            num_local_experts=num_local_experts)
         self.plan = LaunchPlan(kernel, num_sms, warps * 32, COMBINE_COPY, named)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "send_head", "combined_x",
-            "combined_topk_weights", "weights_offset", "copy_seq"))
+            "combined_topk_weights", "weights_offset", "copy_seq", "order_topk_idx"))
         rt = cupy.cuda.runtime
         self._rt = rt
         # start, copies done, flags done; then one per chunk (made as schedules need them).
@@ -298,7 +300,8 @@ class CopyCombine:
         self._counts, self._prepared = counts, prepared
         return prepared
 
-    def run(self, prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr) -> None:
+    def run(self, prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr,
+            order_topk_idx=None) -> None:
         """Queue the sums on the communication stream and the copies on the side stream; the communication
         stream then waits for the copies (they read ``x``). The kernel goes first: a copy may wait for a peer's
         flag (turn_waits), and on a wait that runs out the kernel raises every flag of its own, so that no peer's
@@ -314,7 +317,8 @@ class CopyCombine:
         rt.streamWaitEvent(side, events[0], 0)
         xp = ptr(x)
         wp = ptr(topk_weights) if topk_weights is not None else 0
-        s_x, s_w, s_b0, s_b1, s_rank, s_head, s_out, s_out_w, s_woff, s_seq = self.slots
+        s_x, s_w, s_b0, s_b1, s_rank, s_head, s_out, s_out_w, s_woff, s_seq, s_order = self.slots
+        s_order.value = 0 if order_topk_idx is None else ptr(order_topk_idx)
         s_x.value = xp
         s_w.value = wp
         s_b0.value = 0 if bias_0 is None else ptr(bias_0)

@@ -220,8 +220,10 @@ class CombinePlan(NormalPlan):
     """Intranode ``combine`` for one set of shapes and flags."""
 
     def __init__(self, engine, frame, x, handle, *, topk_weights, bias_0, bias_1, config, comm_stream: int,
-                 async_finish: bool) -> None:
+                 async_finish: bool, order_topk_idx=None, num_local_experts: int = 1) -> None:
         super().__init__(engine, frame, comm_stream, async_finish)
+        # V2's summation order (combine_sum.cuh): the source tokens' top-k, patched per call like x.
+        order_num_topk = 0 if order_topk_idx is None else int(order_topk_idx.shape[1])
         engine.check_usable()
         R, me = engine.num_ranks, engine.rank
         num_x_rows, hidden = (int(s) for s in x.shape)
@@ -240,11 +242,12 @@ class CombinePlan(NormalPlan):
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
             hidden_int4=hidden_bytes // 16, combined_x=0, combined_topk_weights=0, bases=engine.bases,
             buffer_map=buffer_map, err_ptr=engine.errors.ptr, timeout_ns=engine.timeout_ns, rank=me,
-            batch=engine.combine_batch(), run_claims=engine.work_claims.data.ptr)
+            batch=engine.combine_batch(), run_claims=engine.work_claims.data.ptr, order_num_topk=order_num_topk,
+            num_local_experts=num_local_experts)
         self.plan = LaunchPlan(kernel, 2 * self.num_channels, warps * 32, COMBINE, named)
         self.slots = tuple(self.plan.slot(n) for n in (
             "x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "channel_prefix_matrix",
-            "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights"))
+            "recv_channel_prefix_matrix", "send_head", "combined_x", "combined_topk_weights", "order_topk_idx"))
         self.copy = None
         if (engine.copy_combine() and engine.copy_supported and engine.output_pool is not None
                 and R > 1):
@@ -254,7 +257,8 @@ class CombinePlan(NormalPlan):
             if engine.num_device_sms is not None:
                 num_sms = min(num_sms, max(2 * self.num_channels, int(engine.num_device_sms)))
             self.copy = CopyCombine(engine, hidden=hidden, num_tokens=self.num_tokens, num_topk=self.num_topk,
-                                    num_sms=num_sms, comm_stream=comm_stream)
+                                    num_sms=num_sms, comm_stream=comm_stream, order_num_topk=order_num_topk,
+                                    num_local_experts=num_local_experts)
 
     def _copy_mode(self, handle):
         """The copy mode's prepared schedule for this call, or None for the ring mode (see copy.py)."""
@@ -263,7 +267,7 @@ class CombinePlan(NormalPlan):
             return None
         return self.copy.prepare(counts)
 
-    def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None):
+    def run(self, x, handle, topk_weights, bias_0, bias_1, previous_event=None, order_topk_idx=None):
         streams = self._begin(previous_event)
         frame = self.frame
         ptr = frame.ptr
@@ -271,15 +275,19 @@ class CombinePlan(NormalPlan):
         combined_w = frame.empty((self.num_tokens, self.num_topk), F32) if self.has_weights else None
         prepared = self._copy_mode(handle) if self.copy is not None else None
         if prepared is not None:
-            self.copy.run(prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr)
+            self.copy.run(prepared, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr,
+                          order_topk_idx)
         else:
-            self._run_ring(x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr)
+            self._run_ring(x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr, order_topk_idx)
         event = streams.finish()
-        keep = (x, handle, topk_weights, bias_0, bias_1, combined, combined_w) if event is not None else None
+        keep = (x, handle, topk_weights, bias_0, bias_1, combined, combined_w, order_topk_idx) \
+            if event is not None else None
         return combined, combined_w, EventOverlap(event, keep)
 
-    def _run_ring(self, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr) -> None:
-        s_x, s_w, s_b0, s_b1, s_rank, s_chan, s_recv_chan, s_head, s_out, s_out_w = self.slots
+    def _run_ring(self, x, handle, topk_weights, bias_0, bias_1, combined, combined_w, ptr,
+                  order_topk_idx=None) -> None:
+        s_x, s_w, s_b0, s_b1, s_rank, s_chan, s_recv_chan, s_head, s_out, s_out_w, s_order = self.slots
+        s_order.value = 0 if order_topk_idx is None else ptr(order_topk_idx)
         s_x.value = ptr(x)
         s_rank.value = ptr(handle[0])
         s_chan.value = ptr(handle[1])
