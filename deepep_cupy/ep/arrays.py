@@ -68,6 +68,13 @@ class _NumpyLike:
     def contiguous(self, a):
         return self.xp.ascontiguousarray(a)
 
+    def take_rows(self, a, idx):
+        return a[idx]
+
+    def zero_rows(self, a, mask):
+        self.xp.copyto(a, 0, casting="unsafe", where=mask.reshape((-1,) + (1,) * (a.ndim - 1)))
+        return a
+
     def to_f32(self, a):
         if a.dtype == BF16:
             return a.astype(np.float32)
@@ -135,6 +142,15 @@ class _Torch:
 
     def contiguous(self, a):
         return a.contiguous()
+
+    def take_rows(self, a, idx):
+        if a.element_size() == 1:  # FP8 rows: gathered as bytes
+            return a.view(self.torch.uint8).index_select(0, idx).view(a.dtype)
+        return a.index_select(0, idx)
+
+    def zero_rows(self, a, mask):
+        a.reshape(a.shape[0], -1).view(self.torch.uint8).masked_fill_(mask[:, None], 0)  # zero bits: +0.0
+        return a
 
     def to_f32(self, a):
         return a.float()

@@ -2,9 +2,9 @@
 
 One implementation, :class:`_EPBufferCore`; the two public classes differ only in their signatures. A dispatch
 is V1's ``get_dispatch_layout`` and ``dispatch`` (``num_worst_tokens`` for the sync-free sizes, V1's cached
-mode for a cached handle), reordered into V2's layouts with the caller's array operations (``recv_rows.py``); a
-combine is V1's combine carrying each top-k slot's value apart, summed here in V2's order (``epilogue.py``).
-Kernels of the V2 layer's own (no reordering pass, no wide combine) are a later step.
+mode for a cached handle), reordered into V2's layouts with the caller's array operations (``recv_rows.py``). A
+combine is one V1 combine summing in V2's order in its kernel where each rank sends one sum per token, else V1's
+combine carrying each top-k slot's value apart, summed here in V2's order (``epilogue.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .arrays import ops_for
 from .epilogue import final_sum, rank_sums, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
-from .recv_rows import align, col_major, dst_slots, recv_rows, scatter_rows
+from .recv_rows import align, col_major, dst_slots, expand_rows, recv_rows, row_sources
 
 __all__ = ["_EPBufferCore", "group_size"]
 
@@ -204,13 +204,14 @@ class _EPBufferCore:
                     stats[...] = stats + handle.num_unaligned_recv_tokens_per_expert
             out_topk_idx, out_weights = None, recv_weights
             if handle.do_expand:
-                rows, n = handle._recv_rows.rows, handle.num_expanded_tokens
-                out_data = scatter_rows(ops, lambda j: recv_data, rows, n, do_zero_padding, recv_data)
-                out_scales = None if recv_scales is None else scatter_rows(
-                    ops, lambda j: recv_scales, rows, n, do_zero_padding, recv_scales)
+                n = handle.num_expanded_tokens
+                slots = row_sources(ops, handle._recv_rows, n)
+                sources = ops.where(slots >= 0, slots // handle.num_topk, -1)  # the received row of each
+                out_data = expand_rows(ops, recv_data, sources, do_zero_padding)
+                out_scales = None if recv_scales is None else expand_rows(ops, recv_scales, sources,
+                                                                          do_zero_padding)
                 if recv_weights is not None:
-                    out_weights = scatter_rows(ops, lambda j: recv_weights[:, j], rows, n, do_zero_padding,
-                                               recv_weights[:, 0])
+                    out_weights = expand_rows(ops, recv_weights.reshape(-1), slots, do_zero_padding)
             else:
                 n, out_data, out_scales = handle.num_recv_tokens, recv_data, recv_scales
                 out_topk_idx = handle._recv_topk_idx if recv_topk_idx is None else recv_topk_idx

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..frameworks import I32
 
-__all__ = ["RecvRows", "recv_rows", "scatter_rows", "col_major", "dst_slots", "align"]
+__all__ = ["RecvRows", "recv_rows", "row_sources", "expand_rows", "col_major", "dst_slots", "align"]
 
 
 def align(value: int, alignment: int) -> int:
@@ -30,6 +30,7 @@ class RecvRows:
     counts: object  # [L] int32: received (token, expert) selections per local expert
     psum_expert: object  # [L] int32: V2's psum_num_recv_tokens_per_expert for the layout
     metadata: object  # [N, K + 2] int32: V2's recv_src_metadata
+    sources: object = None  # [rows of the expanded layout] int64, see row_sources
 
 
 def recv_rows(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_experts: int, num_max_tokens: int,
@@ -72,19 +73,28 @@ def recv_rows(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_expert
                       psum_expert=A.astype(psum_expert, I32), metadata=metadata)
 
 
-def scatter_rows(A, pick, rows, num_rows: int, zero: bool, like):
-    """Rows ``[num_rows, ...]`` with ``out[rows[i, j]] = pick(j)[i]`` for every ``rows[i, j] >= 0``.
+def row_sources(A, placed: RecvRows, num_rows: int):
+    """`[num_rows]` int64: for each row of the expanded layout, ``i * K + j`` of the received row ``i`` and
+    top-k slot ``j`` placed there, -1 for a padding row; made once per handle (its cached dispatches reuse it)."""
+    if placed.sources is None or int(placed.sources.shape[0]) != num_rows:
+        n, k = (int(s) for s in placed.rows.shape)
+        flat = placed.rows.reshape(-1)
+        sources = A.full((num_rows + 1,), -1, "int64", flat)
+        sources[A.where(flat >= 0, flat, num_rows)] = A.arange(n * k, flat)  # slots placed nowhere: the spare
+        placed.sources = sources[:num_rows]
+    return placed.sources
 
-    ``pick(j)`` gives the `[N, ...]` values for top-k slot ``j``; the other rows are zero when ``zero``, else
-    left as allocated. Slots that are not local go to one spare row past the end, dropped on return.
-    """
-    tail = tuple(int(s) for s in like.shape[1:])
-    make = A.zeros if zero else A.empty
-    out = make((num_rows + 1,) + tail, None, like)
-    for j in range(int(rows.shape[1])):
-        target = A.where(rows[:, j] >= 0, rows[:, j], num_rows)
-        out[target] = pick(j)
-    return out[:num_rows]
+
+def expand_rows(A, values, sources, zero: bool):
+    """``values[sources[r]]`` for every row ``r`` of the expanded layout (``values``: `[N * K, ...]` per slot,
+    or `[N, ...]` per received row with ``sources`` divided by ``K``); padding rows (``sources`` -1) are zero
+    when ``zero``, else left as they come."""
+    num_rows = int(sources.shape[0])
+    if int(values.shape[0]) == 0:
+        make = A.zeros if zero else A.empty
+        return make((num_rows,) + tuple(int(s) for s in values.shape[1:]), None, values)
+    out = A.take_rows(values, A.where(sources >= 0, sources, 0))
+    return A.zero_rows(out, sources < 0) if zero else out
 
 
 def col_major(A, sf, num_rows: int):
