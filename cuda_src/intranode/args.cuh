@@ -92,8 +92,8 @@ struct CombineArgs {
     int hidden_int4;
     int4* __restrict__ combined_x;
     float* __restrict__ combined_topk_weights;
-    // nullptr: the rows of a token are summed in rank order (V1). Else the source tokens' top-k experts
-    // [num_tokens, order_num_topk]: summed in the order of each rank's last slot (V2's, combine_sum.cuh).
+    // The kOrdered kernels' (V2's summation order, combine_sum.cuh): the source tokens' top-k experts
+    // [num_tokens, order_num_topk]; unread by the others (nullptr).
     const long long* __restrict__ order_topk_idx;
     int order_num_topk;
     int num_local_experts;
@@ -124,8 +124,8 @@ struct CombineCopyArgs {
     int hidden_int4;
     int4* __restrict__ combined_x;
     float* __restrict__ combined_topk_weights;
-    // nullptr: the rows of a token are summed in rank order (V1). Else the source tokens' top-k experts
-    // [num_tokens, order_num_topk]: summed in the order of each rank's last slot (V2's, combine_sum.cuh).
+    // The kOrdered kernels' (V2's summation order, combine_sum.cuh): the source tokens' top-k experts
+    // [num_tokens, order_num_topk]; unread by the others (nullptr).
     const long long* __restrict__ order_topk_idx;
     int order_num_topk;
     int num_local_experts;

@@ -37,7 +37,9 @@
 
 namespace deepep_cupy::intranode {
 
-template <int kNumRanks, int kNumWarps, int kUnroll>
+// kOrdered: sum each token's rows in V2's order (args.order_topk_idx, combine_sum.cuh), a kernel of its own so
+// that rank order keeps its registers.
+template <int kNumRanks, int kNumWarps, int kUnroll, bool kOrdered = false>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
 combine(const __grid_constant__ CombineArgs args) {
     constexpr int R = kNumRanks;
@@ -168,7 +170,7 @@ combine(const __grid_constant__ CombineArgs args) {
                     }
                 }
 
-                if (args.order_topk_idx == nullptr) {
+                if constexpr (!kOrdered) {
                     sum_token<R, kUnroll, false, kLoadsFirst>(rows, args.bias_0, args.bias_1,
                                                               static_cast<long long>(t) * args.hidden_int4,
                                                               args.hidden_int4, args.combined_x, lane);

@@ -50,7 +50,8 @@ __device__ __forceinline__ int blamed_peer(const Ctrl& ctrl, int num_ranks, int 
     return waited_for;
 }
 
-template <int kNumRanks, int kNumWarps, int kUnroll>
+// kOrdered: V2's summation order, as in combine.cu.
+template <int kNumRanks, int kNumWarps, int kUnroll, bool kOrdered = false>
 __global__ void __launch_bounds__(kNumWarps * 32, 1)
 combine_copy(const __grid_constant__ CombineCopyArgs args) {
     constexpr int R = kNumRanks;
@@ -124,7 +125,7 @@ combine_copy(const __grid_constant__ CombineCopyArgs args) {
             weights[r] = (r == args.rank ? args.topk_weights : staging_weights) + row * args.num_topk;
             if (with_weights && lane < args.num_topk) w[r] = r == args.rank ? weights[r][lane] : ld_cg_f32(weights[r] + lane);
         }
-        if (args.order_topk_idx == nullptr) {
+        if constexpr (!kOrdered) {
             sum_token<R, kUnroll, true>(rows, args.bias_0, args.bias_1, static_cast<long long>(t) * args.hidden_int4,
                                         args.hidden_int4, args.combined_x, lane);
         } else {

@@ -53,12 +53,12 @@ namespace deepep_cupy::intranode {
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void copy_own_token(const DispatchCtx& a, int token, int row, BadValue& bad,
                                                int lane) {
-    if (row >= a.num_out_rows) {
-        if (lane == 0) report_timeout(a.err, kOpDispatchOverflow, a.rank, a.rank, __LINE__, a.num_recv);
+    if (row >= a.args.num_out_rows) {
+        if (lane == 0) report_timeout(a.args.err, kOpDispatchOverflow, a.args.rank, a.args.rank, __LINE__, a.num_recv);
         return;
     }
-    const DestRows own{a.recv_x, a.recv_x_scales, a.recv_topk_idx, a.recv_topk_weights, a.recv_src_idx, a.num_out_rows};
-    copy_token<kNumRanks, kUnroll>(a, token, own, a.rank, row, bad, lane);
+    const DestRows own{a.args.recv_x, a.args.recv_x_scales, a.args.recv_topk_idx, a.args.recv_topk_weights, a.args.recv_src_idx, a.args.num_out_rows};
+    copy_token<kNumRanks, kUnroll>(a, token, own, a.args.rank, row, bad, lane);
 }
 
 constexpr int kOwnRowsRun = 2;  // own tokens per claim
@@ -67,15 +67,15 @@ constexpr int kOwnRowsRun = 2;  // own tokens per claim
 template <int kNumRanks>
 __device__ __forceinline__ void write_own_send_head(const DispatchCtx& a, int c, int lane) {
     constexpr int R = kNumRanks;
-    const int send_base = channel_start(a.channel_prefix_matrix, a.rank, a.num_channels, c);
+    const int send_base = channel_start(a.args.channel_prefix_matrix, a.args.rank, a.args.num_channels, c);
     int t_begin, t_end;
-    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    channel_range(a.args.num_tokens, a.args.num_channels, c, t_begin, t_end);
     int count = 0;
     for (int chunk = t_begin; chunk < t_end; chunk += 32) {
-        const unsigned int mask = chunk_mask<R>(a, chunk, t_end, a.rank, lane);
+        const unsigned int mask = chunk_mask<R>(a, chunk, t_end, a.args.rank, lane);
         const int t = chunk + lane;
         if (t < t_end)
-            a.send_head[static_cast<long long>(t) * R + a.rank] =
+            a.args.send_head[static_cast<long long>(t) * R + a.args.rank] =
                 (mask >> lane) & 1u ? send_base + count + __popc(mask & ((1u << lane) - 1u)) : -1;
         count += __popc(mask);
     }
@@ -89,16 +89,16 @@ __device__ __forceinline__ void write_own_send_head(const DispatchCtx& a, int c,
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void dispatch_own_rows(const DispatchCtx& a, int c, int lane) {
     constexpr int R = kNumRanks;
-    const int rank = a.rank;
+    const int rank = a.args.rank;
     int chunk, t_end;
-    channel_range(a.num_tokens, a.num_channels, c, chunk, t_end);
-    const int out_base = (rank > 0 ? a.rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
-                         a.recv_channel_prefix_matrix[rank * a.num_channels + c];
-    int* claim = a.own_rows_claims + c;
+    channel_range(a.args.num_tokens, a.args.num_channels, c, chunk, t_end);
+    const int out_base = (rank > 0 ? a.args.rank_prefix_matrix[(rank - 1) * R + rank] : 0) +
+                         a.args.recv_channel_prefix_matrix[rank * a.args.num_channels + c];
+    int* claim = a.args.own_rows_claims + c;
     int run = 0;
     if (lane == 0) run = atomicAdd(claim, 1);
     run = __shfl_sync(kFullMask, run, 0);
-    if (run == 0 && a.send_head != nullptr) write_own_send_head<R>(a, c, lane);
+    if (run == 0 && a.args.send_head != nullptr) write_own_send_head<R>(a, c, lane);
     BadValue bad;
     int before = 0;  // own tokens before `chunk`
     bool more = chunk < t_end;
@@ -124,7 +124,7 @@ __device__ __forceinline__ void dispatch_own_rows(const DispatchCtx& a, int c, i
         }
         run = __shfl_sync(kFullMask, next, 0);
     }
-    bad.report_from_warp(a.err, kValueOpIntranodeDispatch, rank, __LINE__);
+    bad.report_from_warp(a.args.err, kValueOpIntranodeDispatch, rank, __LINE__);
 }
 
 // One warp of the group pushing channel c's tokens to peer dst. gi / gs: index of the warp in its group and
@@ -133,42 +133,42 @@ template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ bool dispatch_send(const DispatchCtx& a, const WaitCtx& wctx, int c, int dst, int gi,
                                               int gs, int lane) {
     constexpr int R = kNumRanks;
-    const int rank = a.rank;
+    const int rank = a.args.rank;
     const int B = a.batch;
     int t_begin, t_end;
-    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
-    const int send_base = channel_start(a.channel_prefix_matrix, dst, a.num_channels, c);
-    const long long ring_bytes = static_cast<long long>(a.cap) * a.slot_bytes;
-    uint8_t* my_base = rank_base(a.bases, rank);
+    channel_range(a.args.num_tokens, a.args.num_channels, c, t_begin, t_end);
+    const int send_base = channel_start(a.args.channel_prefix_matrix, dst, a.args.num_channels, c);
+    const long long ring_bytes = static_cast<long long>(a.args.cap) * a.args.slot_bytes;
+    uint8_t* my_base = rank_base(a.args.bases, rank);
 
-    uint8_t* ring = rank_base(a.bases, dst) + a.ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
+    uint8_t* ring = rank_base(a.args.bases, dst) + a.args.ring_offset + static_cast<long long>(c * R + rank) * ring_bytes;
     // The peer must have finished its earlier kernels before anything lands in its buffer.
     bool ok = warp_wait(ctrl_of(my_base, R).arrive(dst), [seq = a.seq](uint64_t v) { return v >= seq; }, wctx,
                         kOpDispatchArrive, dst, __LINE__);
     const uint64_t* free_words =
-        reinterpret_cast<const uint64_t*>(my_base + a.free_offset) + static_cast<long long>(c * R + dst) * a.cap;
+        reinterpret_cast<const uint64_t*>(my_base + a.args.free_offset) + static_cast<long long>(c * R + dst) * a.args.cap;
 
-    const long long num_experts = static_cast<long long>(R) * a.num_local_experts;
+    const long long num_experts = static_cast<long long>(R) * a.args.num_local_experts;
     BadValue bad;  // bad top-k ids this lane loaded
 
     int count = 0;      // tokens of this channel for dst seen so far
     int run_first = 0;  // first index of this warp's unpublished run
     int run_len = 0;    // tokens of it written so far
     // The column of the next 32 tokens is loaded one step ahead.
-    bool in_next = t_begin + lane < t_end && a.is_token_in_rank[static_cast<long long>(t_begin + lane) * R + dst];
+    bool in_next = t_begin + lane < t_end && a.args.is_token_in_rank[static_cast<long long>(t_begin + lane) * R + dst];
     for (int chunk = t_begin; ok && chunk < t_end; chunk += 32) {
         const int t = chunk + lane;
         const bool in = in_next;
         if (chunk + 32 < t_end) {
             const int tn = t + 32;
-            in_next = tn < t_end && a.is_token_in_rank[static_cast<long long>(tn) * R + dst];
+            in_next = tn < t_end && a.args.is_token_in_rank[static_cast<long long>(tn) * R + dst];
         }
         // One warp of the group (in turn) asks L2 for the next chunk's scales.
         if (((chunk - t_begin) / 32) % gs == gi) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
         unsigned int mask = __ballot_sync(kFullMask, in);
-        if (gi == 0 && a.send_head != nullptr && t < t_end) {
+        if (gi == 0 && a.args.send_head != nullptr && t < t_end) {
             const int before = __popc(mask & ((1u << lane) - 1u));
-            a.send_head[static_cast<long long>(t) * R + dst] = in ? send_base + count + before : -1;
+            a.args.send_head[static_cast<long long>(t) * R + dst] = in ? send_base + count + before : -1;
         }
         while (mask != 0u) {
             const int k = __ffs(mask) - 1;
@@ -176,25 +176,25 @@ __device__ __forceinline__ bool dispatch_send(const DispatchCtx& a, const WaitCt
             const int idx = count++;
             if ((idx / B) % gs != gi) continue;
             const int token = chunk + k;
-            const int4* src_row = a.x + static_cast<long long>(token) * a.hidden_int4;
-            const int slot = idx % a.cap;
-            if (idx >= a.cap) {
+            const int4* src_row = a.args.x + static_cast<long long>(token) * a.args.hidden_int4;
+            const int slot = idx % a.args.cap;
+            if (idx >= a.args.cap) {
                 const uint64_t want = tag(a.seq, idx);
                 ok = warp_wait(free_words + slot, [want](uint64_t v) { return v == want; }, wctx, kOpDispatchSlot, dst,
                                __LINE__);
                 if (!ok) break;
             }
-            const TokenAux aux = load_aux(a, token, a.topk_idx != nullptr, lane);
-            uint8_t* slot_ptr = ring + static_cast<long long>(slot) * a.slot_bytes;
-            warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + kSlotHeaderBytes), src_row, a.hidden_int4, lane);
-            store_scales(reinterpret_cast<unsigned int*>(slot_ptr + a.slot_scales_offset), a, token, aux, lane);
-            if (a.topk_idx != nullptr) {
-                int* slot_idx = reinterpret_cast<int*>(slot_ptr + a.slot_topk_idx_offset);
-                float* slot_w = reinterpret_cast<float*>(slot_ptr + a.slot_topk_weights_offset);
+            const TokenAux aux = load_aux(a, token, a.args.topk_idx != nullptr, lane);
+            uint8_t* slot_ptr = ring + static_cast<long long>(slot) * a.args.slot_bytes;
+            warp_copy_nc<kUnroll>(reinterpret_cast<int4*>(slot_ptr + kSlotHeaderBytes), src_row, a.args.hidden_int4, lane);
+            store_scales(reinterpret_cast<unsigned int*>(slot_ptr + a.args.slot_scales_offset), a, token, aux, lane);
+            if (a.args.topk_idx != nullptr) {
+                int* slot_idx = reinterpret_cast<int*>(slot_ptr + a.args.slot_topk_idx_offset);
+                float* slot_w = reinterpret_cast<float*>(slot_ptr + a.args.slot_topk_weights_offset);
                 for_each_topk(a, token, aux, lane, [&](int j, long long e, float w) {
                     bad.check_expert_id(e, num_experts);
-                    const long long local = e - static_cast<long long>(dst) * a.num_local_experts;
-                    const bool mine = e >= 0 && local >= 0 && local < a.num_local_experts;
+                    const long long local = e - static_cast<long long>(dst) * a.args.num_local_experts;
+                    const bool mine = e >= 0 && local >= 0 && local < a.args.num_local_experts;
                     slot_idx[j] = mine ? static_cast<int>(local) : -1;
                     slot_w[j] = mine ? w : 0.0f;
                 });
@@ -203,15 +203,15 @@ __device__ __forceinline__ bool dispatch_send(const DispatchCtx& a, const WaitCt
             if (run_len == 0) run_first = idx;
             ++run_len;
             if (idx % B == B - 1) {
-                publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
+                publish_run(ring, a.args.slot_bytes, a.args.cap, a.seq, run_first, run_len, lane);
                 run_len = 0;
             }
         }
     }
     // The last run of the channel may be short.
-    if (ok && run_len > 0) publish_run(ring, a.slot_bytes, a.cap, a.seq, run_first, run_len, lane);
+    if (ok && run_len > 0) publish_run(ring, a.args.slot_bytes, a.args.cap, a.seq, run_first, run_len, lane);
     // Every lane is here (all branches above are uniform over the warp).
-    bad.report_from_warp(a.err, kValueOpIntranodeDispatch, rank, __LINE__);
+    bad.report_from_warp(a.args.err, kValueOpIntranodeDispatch, rank, __LINE__);
     return ok;
 }
 
@@ -220,19 +220,19 @@ template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ bool dispatch_recv(const DispatchCtx& a, const WaitCtx& wctx, int c, int src, int gi,
                                               int gs, int lane) {
     constexpr int R = kNumRanks;
-    const int rank = a.rank;
+    const int rank = a.args.rank;
     const int B = a.batch;
-    const int src_begin = src > 0 ? a.rank_prefix_matrix[(src - 1) * R + rank] : 0;
-    const int src_end = a.rank_prefix_matrix[src * R + rank];
-    const int ch_begin = a.recv_channel_prefix_matrix[src * a.num_channels + c];
+    const int src_begin = src > 0 ? a.args.rank_prefix_matrix[(src - 1) * R + rank] : 0;
+    const int src_end = a.args.rank_prefix_matrix[src * R + rank];
+    const int ch_begin = a.args.recv_channel_prefix_matrix[src * a.args.num_channels + c];
     const int ch_end =
-        c + 1 < a.num_channels ? a.recv_channel_prefix_matrix[src * a.num_channels + c + 1] : src_end - src_begin;
+        c + 1 < a.args.num_channels ? a.args.recv_channel_prefix_matrix[src * a.args.num_channels + c + 1] : src_end - src_begin;
     const int n = ch_end - ch_begin;
     const int out_base = src_begin + ch_begin;
-    const long long ring_bytes = static_cast<long long>(a.cap) * a.slot_bytes;
-    const uint8_t* ring = rank_base(a.bases, rank) + a.ring_offset + static_cast<long long>(c * R + src) * ring_bytes;
-    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(a.bases, src) + a.free_offset) +
-                          static_cast<long long>(c * R + rank) * a.cap;
+    const long long ring_bytes = static_cast<long long>(a.args.cap) * a.args.slot_bytes;
+    const uint8_t* ring = rank_base(a.args.bases, rank) + a.args.ring_offset + static_cast<long long>(c * R + src) * ring_bytes;
+    uint64_t* peer_free = reinterpret_cast<uint64_t*>(rank_base(a.args.bases, src) + a.args.free_offset) +
+                          static_cast<long long>(c * R + rank) * a.args.cap;
 
     for (int first = gi * B; first < n; first += gs * B) {
         const int len = min(B, n - first);
@@ -240,66 +240,66 @@ __device__ __forceinline__ bool dispatch_recv(const DispatchCtx& a, const WaitCt
             const uint64_t* flag = nullptr;
             uint64_t want = 0;
             if (lane < len) {
-                flag = reinterpret_cast<const uint64_t*>(ring + static_cast<long long>((first + lane) % a.cap) * a.slot_bytes);
+                flag = reinterpret_cast<const uint64_t*>(ring + static_cast<long long>((first + lane) % a.args.cap) * a.args.slot_bytes);
                 want = tag(a.seq, first + lane);
             }
             if (!warp_wait_lanes(flag, want, src, wctx, kOpDispatchRecv, __LINE__)) return false;
         }
         for (int idx = first; idx < first + len; ++idx) {
-            const uint8_t* slot_ptr = ring + static_cast<long long>(idx % a.cap) * a.slot_bytes;
+            const uint8_t* slot_ptr = ring + static_cast<long long>(idx % a.args.cap) * a.args.slot_bytes;
             const int row = out_base + idx;
-            if (row < a.num_out_rows) {
+            if (row < a.args.num_out_rows) {
                 // The slot's scales, top-k pair and source index are loaded before its row, as on the
                 // sending side, so that their L2 round trips overlap the row's.
-                const unsigned int* slot_scales = reinterpret_cast<const unsigned int*>(slot_ptr + a.slot_scales_offset);
-                const int* slot_idx = reinterpret_cast<const int*>(slot_ptr + a.slot_topk_idx_offset);
-                const float* slot_w = reinterpret_cast<const float*>(slot_ptr + a.slot_topk_weights_offset);
+                const unsigned int* slot_scales = reinterpret_cast<const unsigned int*>(slot_ptr + a.args.slot_scales_offset);
+                const int* slot_idx = reinterpret_cast<const int*>(slot_ptr + a.args.slot_topk_idx_offset);
+                const float* slot_w = reinterpret_cast<const float*>(slot_ptr + a.args.slot_topk_weights_offset);
                 uint32_t sc[kScaleRegs];
 #pragma unroll
                 for (int j = 0; j < kScaleRegs; ++j)
-                    if (lane + 32 * j < a.num_scales) sc[j] = ld_cg_u32(slot_scales + lane + 32 * j);
+                    if (lane + 32 * j < a.args.num_scales) sc[j] = ld_cg_u32(slot_scales + lane + 32 * j);
                 int e = -1;
                 float w = 0.0f;
-                if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
+                if (a.args.recv_topk_idx != nullptr && lane < a.args.num_topk) {
                     e = ld_cg_s32(slot_idx + lane);
-                    if (a.recv_topk_weights != nullptr) w = ld_cg_f32(slot_w + lane);
+                    if (a.args.recv_topk_weights != nullptr) w = ld_cg_f32(slot_w + lane);
                 }
                 const int src_token =
-                    lane == 0 && a.recv_src_idx != nullptr ? ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2) : 0;
+                    lane == 0 && a.args.recv_src_idx != nullptr ? ld_cg_s32(reinterpret_cast<const int*>(slot_ptr) + 2) : 0;
 
-                warp_copy_ring<kUnroll>(a.recv_x + static_cast<long long>(row) * a.hidden_int4,
-                                        reinterpret_cast<const int4*>(slot_ptr + kSlotHeaderBytes), a.hidden_int4, lane);
-                unsigned int* out_scales = a.recv_x_scales + static_cast<long long>(row) * a.num_scales;
+                warp_copy_ring<kUnroll>(a.args.recv_x + static_cast<long long>(row) * a.args.hidden_int4,
+                                        reinterpret_cast<const int4*>(slot_ptr + kSlotHeaderBytes), a.args.hidden_int4, lane);
+                unsigned int* out_scales = a.args.recv_x_scales + static_cast<long long>(row) * a.args.num_scales;
 #pragma unroll
                 for (int j = 0; j < kScaleRegs; ++j)
-                    if (lane + 32 * j < a.num_scales) out_scales[lane + 32 * j] = sc[j];
-                for (int s = lane + 32 * kScaleRegs; s < a.num_scales; s += 32)
+                    if (lane + 32 * j < a.args.num_scales) out_scales[lane + 32 * j] = sc[j];
+                for (int s = lane + 32 * kScaleRegs; s < a.args.num_scales; s += 32)
                     out_scales[s] = ld_cg_u32(slot_scales + s);
-                if (a.recv_topk_idx != nullptr) {
-                    long long* out_idx = a.recv_topk_idx + static_cast<long long>(row) * a.num_topk;
-                    float* out_w = a.recv_topk_weights;
-                    if (out_w != nullptr) out_w += static_cast<long long>(row) * a.num_topk;
-                    if (lane < a.num_topk) {
+                if (a.args.recv_topk_idx != nullptr) {
+                    long long* out_idx = a.args.recv_topk_idx + static_cast<long long>(row) * a.args.num_topk;
+                    float* out_w = a.args.recv_topk_weights;
+                    if (out_w != nullptr) out_w += static_cast<long long>(row) * a.args.num_topk;
+                    if (lane < a.args.num_topk) {
                         out_idx[lane] = e;
                         if (out_w != nullptr) out_w[lane] = w;
                     }
-                    for (int j = lane + 32; j < a.num_topk; j += 32) {
+                    for (int j = lane + 32; j < a.args.num_topk; j += 32) {
                         out_idx[j] = ld_cg_s32(slot_idx + j);
                         if (out_w != nullptr) out_w[j] = ld_cg_f32(slot_w + j);
                     }
                 }
-                if (lane == 0 && a.recv_src_idx != nullptr) a.recv_src_idx[row] = src_token;
+                if (lane == 0 && a.args.recv_src_idx != nullptr) a.args.recv_src_idx[row] = src_token;
             } else if (lane == 0) {
-                report_timeout(a.err, kOpDispatchOverflow, rank, src, __LINE__, a.num_recv);
+                report_timeout(a.args.err, kOpDispatchOverflow, rank, src, __LINE__, a.num_recv);
             }
         }
         // Every load of the run is done (their values were stored above): hand back the slots the sender
         // will reuse, after one fence for the whole run.
-        if (first + a.cap < n) {
+        if (first + a.args.cap < n) {
             __syncwarp();
             fence_acq_rel_sys();
             const int idx = first + lane;
-            if (lane < len && idx + a.cap < n) st_relaxed_sys(peer_free + idx % a.cap, tag(a.seq, idx + a.cap));
+            if (lane < len && idx + a.args.cap < n) st_relaxed_sys(peer_free + idx % a.args.cap, tag(a.seq, idx + a.args.cap));
             __syncwarp();
         }
     }

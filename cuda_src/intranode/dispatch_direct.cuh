@@ -56,7 +56,7 @@ constexpr int kDirectParts = 32 / kDirectRun;  // items per chunk and destinatio
 // mode), 0 when they are ordinary allocations.
 __device__ __forceinline__ uint64_t pool_offset(const void* p, const DispatchCtx& a) {
     return p == nullptr ? ~uint64_t{0}
-                        : static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(a.pool_bases[a.rank]));
+                        : static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p) - static_cast<uintptr_t>(a.args.pool_bases[a.args.rank]));
 }
 
 // Thread r < R of block 0: tell rank r where this rank's outputs of this kernel are.
@@ -64,16 +64,16 @@ template <int kNumRanks>
 __device__ __forceinline__ void publish_dest(const DispatchCtx& a) {
     const int r = threadIdx.x;
     if (r >= kNumRanks) return;
-    uint64_t* e = ctrl_of(rank_base(a.bases, r), kNumRanks).dest(a.rank);
-    const bool in_pool = a.pool_bases != nullptr;
+    uint64_t* e = ctrl_of(rank_base(a.args.bases, r), kNumRanks).dest(a.args.rank);
+    const bool in_pool = a.args.pool_bases != nullptr;
     if (in_pool) {
-        st_relaxed_sys(e + 1, pool_offset(a.recv_x, a));
-        st_relaxed_sys(e + 2, pool_offset(a.recv_x_scales, a));
-        st_relaxed_sys(e + 3, pool_offset(a.recv_topk_idx, a));
-        st_relaxed_sys(e + 4, pool_offset(a.recv_topk_weights, a));
-        st_relaxed_sys(e + 5, pool_offset(a.recv_src_idx, a));
+        st_relaxed_sys(e + 1, pool_offset(a.args.recv_x, a));
+        st_relaxed_sys(e + 2, pool_offset(a.args.recv_x_scales, a));
+        st_relaxed_sys(e + 3, pool_offset(a.args.recv_topk_idx, a));
+        st_relaxed_sys(e + 4, pool_offset(a.args.recv_topk_weights, a));
+        st_relaxed_sys(e + 5, pool_offset(a.args.recv_src_idx, a));
     }
-    st_relaxed_sys(e + 6, static_cast<uint64_t>(a.num_out_rows));
+    st_relaxed_sys(e + 6, static_cast<uint64_t>(a.args.num_out_rows));
     st_relaxed_sys(e + 7, in_pool ? 1u : 0u);
     st_release_sys(e, a.seq);
 }
@@ -81,7 +81,7 @@ __device__ __forceinline__ void publish_dest(const DispatchCtx& a) {
 template <typename T>
 __device__ __forceinline__ T* pool_ptr(const DispatchCtx& a, int r, uint64_t offset) {
     return offset == ~uint64_t{0} ? nullptr
-                                  : reinterpret_cast<T*>(static_cast<uintptr_t>(a.pool_bases[r]) + offset);
+                                  : reinterpret_cast<T*>(static_cast<uintptr_t>(a.args.pool_bases[r]) + offset);
 }
 
 // Warp 0: waits for every peer's dest entry of this kernel; then every rank's outputs, where channel c's rows
@@ -91,14 +91,14 @@ template <int kNumRanks>
 __device__ __forceinline__ int load_dests(const DispatchCtx& a, const WaitCtx& wctx, int c, DestRows* dests,
                                           int* row_base, int* send_base, int lane) {
     constexpr int R = kNumRanks;
-    const Ctrl ctrl = ctrl_of(rank_base(a.bases, a.rank), R);
-    const bool peer = lane < R && lane != a.rank;
+    const Ctrl ctrl = ctrl_of(rank_base(a.args.bases, a.args.rank), R);
+    const bool peer = lane < R && lane != a.args.rank;
     if (!warp_wait_lanes(peer ? ctrl.dest(lane) : nullptr, a.seq, lane, wctx, kOpDispatchArrive, __LINE__))
         return -1;
     bool in_pool = true;
     if (lane < R) {
-        DestRows d{a.recv_x, a.recv_x_scales, a.recv_topk_idx, a.recv_topk_weights, a.recv_src_idx, a.num_out_rows};
-        in_pool = a.pool_bases != nullptr;
+        DestRows d{a.args.recv_x, a.args.recv_x_scales, a.args.recv_topk_idx, a.args.recv_topk_weights, a.args.recv_src_idx, a.args.num_out_rows};
+        in_pool = a.args.pool_bases != nullptr;
         if (peer) {
             const uint64_t* e = ctrl.dest(lane);
             in_pool = in_pool && ld_cg_u64(e + 7) != 0;  // peers' pools are known only through ours
@@ -112,9 +112,9 @@ __device__ __forceinline__ int load_dests(const DispatchCtx& a, const WaitCtx& w
             d.num_rows = static_cast<int>(ld_cg_u64(e + 6));
         }
         dests[lane] = d;
-        const int sent_before = channel_start(a.channel_prefix_matrix, lane, a.num_channels, c);
+        const int sent_before = channel_start(a.args.channel_prefix_matrix, lane, a.args.num_channels, c);
         send_base[lane] = sent_before;
-        row_base[lane] = (a.rank > 0 ? a.rank_prefix_matrix[(a.rank - 1) * R + lane] : 0) + sent_before;
+        row_base[lane] = (a.args.rank > 0 ? a.args.rank_prefix_matrix[(a.args.rank - 1) * R + lane] : 0) + sent_before;
     }
     return __all_sync(kFullMask, in_pool) ? 1 : 0;
 }
@@ -129,7 +129,7 @@ __device__ __forceinline__ void build_masks(const DispatchCtx& a, int t_begin, i
         const int t = t_begin + 32 * j + lane;
         bool in[R];
 #pragma unroll
-        for (int d = 0; d < R; ++d) in[d] = t < t_end && a.is_token_in_rank[static_cast<long long>(t) * R + d];
+        for (int d = 0; d < R; ++d) in[d] = t < t_end && a.args.is_token_in_rank[static_cast<long long>(t) * R + d];
 #pragma unroll
         for (int d = 0; d < R; ++d) {
             const unsigned int m = __ballot_sync(kFullMask, in[d]);
@@ -162,7 +162,7 @@ __device__ __forceinline__ int begin_dispatch(const DispatchCtx& a, const WaitCt
                                               DirectShared<kNumRanks>& sh, unsigned int* masks) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int t_begin, t_end;
-    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    channel_range(a.args.num_tokens, a.args.num_channels, c, t_begin, t_end);
     const int num_chunks = (t_end - t_begin + 31) / 32;
     if (warp == 0) {
         const int mode = load_dests<kNumRanks>(a, wctx, c, sh.dests, sh.row_base, sh.send_base, lane);
@@ -177,21 +177,21 @@ __device__ __forceinline__ int begin_dispatch(const DispatchCtx& a, const WaitCt
 // One token into every rank of `targets` (bit d: rank d gets it, at row `row` of lane d): its row, scales and
 // top-k pair are loaded once and stored into each of them (top-k ids made local to each, -1 for another rank's
 // experts, weight 0), with the source index. An own token's row is left out when the copy engines move the own
-// rows (a.own_rows_copied). Bad ids are noted in `bad`.
+// rows (a.args.own_rows_copied). Bad ids are noted in `bad`.
 template <int kNumRanks, int kUnroll>
 __device__ __forceinline__ void fan_out_token(const DispatchCtx& a, const DirectShared<kNumRanks>& sh, int token,
                                               unsigned int targets, int row, BadValue& bad, int lane) {
     constexpr int R = kNumRanks;
-    const TokenAux aux = load_aux(a, token, a.topk_idx != nullptr, lane);
-    const unsigned int row_targets = a.own_rows_copied ? targets & ~(1u << a.rank) : targets;
-    const int n = a.hidden_int4;
+    const TokenAux aux = load_aux(a, token, a.args.topk_idx != nullptr, lane);
+    const unsigned int row_targets = a.args.own_rows_copied ? targets & ~(1u << a.args.rank) : targets;
+    const int n = a.args.hidden_int4;
     if (row_targets != 0u) {
-        const int4* src = a.x + static_cast<long long>(token) * n;
+        const int4* src = a.args.x + static_cast<long long>(token) * n;
         warp_copy_rounds<kUnroll>(n, lane, [&](int j) { return ld_nc_v4(src + j); },
                                   [&](int base, const int4 (&v)[kUnroll]) {
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-                const int d = (a.rank + i) % R;  // this rank first, the peers in turn: not every rank on one at once
+                const int d = (a.args.rank + i) % R;  // this rank first, the peers in turn: not every rank on one at once
                 const int r = __shfl_sync(kFullMask, row, d);
                 if ((row_targets >> d) & 1u)
                     store_round<kUnroll>(sh.dests[d].x + static_cast<long long>(r) * n, base, n, v, lane);
@@ -228,7 +228,7 @@ __device__ __forceinline__ void store_send_head(const DispatchCtx& a, const Dire
                                                 int lane) {
     if (chunk + lane >= t_end) return;
     const int before = __popc(m & ((1u << lane) - 1u));
-    a.send_head[static_cast<long long>(chunk + lane) * kNumRanks + d] =
+    a.args.send_head[static_cast<long long>(chunk + lane) * kNumRanks + d] =
         (m >> lane) & 1u ? sh.send_base[d] + before_chunk + before : -1;
 }
 
@@ -243,12 +243,12 @@ __device__ __forceinline__ void direct_item_by_destination(const DispatchCtx& a,
     const int j = item / (R * kDirectParts);
     const int i = item / kDirectParts % R;
     const int part = item % kDirectParts;
-    const int d = (a.rank + i) % R;  // this rank first, then the peers
+    const int d = (a.args.rank + i) % R;  // this rank first, then the peers
     const unsigned int m = mask[j * R + d];
     const int chunk = t_begin + 32 * j;
     if (part == 0) {
         if (i == 0) prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
-        if (a.send_head != nullptr) store_send_head<R>(a, sh, m, prefix[j * R + d], d, chunk, t_end, lane);
+        if (a.args.send_head != nullptr) store_send_head<R>(a, sh, m, prefix[j * R + d], d, chunk, t_end, lane);
     }
     const int n = __popc(m);
     for (int k = part * kDirectRun; k < n && k < (part + 1) * kDirectRun; ++k) {
@@ -273,7 +273,7 @@ __device__ __forceinline__ void direct_item_by_token(const DispatchCtx& a, const
     const int first_row = lane < R ? sh.row_base[lane] + prefix[j * R + lane] : 0;
     if (part == 0) {
         prefetch_scales(a, chunk + 32, min(chunk + 64, t_end), lane);
-        if (a.send_head != nullptr) {
+        if (a.args.send_head != nullptr) {
 #pragma unroll
             for (int d = 0; d < R; ++d)
                 store_send_head<R>(a, sh, __shfl_sync(kFullMask, m, d), prefix[j * R + d], d, chunk, t_end, lane);
@@ -296,11 +296,11 @@ __device__ __noinline__ bool dispatch_direct(const DispatchCtx& a, const WaitCtx
     constexpr int R = kNumRanks;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int t_begin, t_end;
-    channel_range(a.num_tokens, a.num_channels, c, t_begin, t_end);
+    channel_range(a.args.num_tokens, a.args.num_channels, c, t_begin, t_end);
     const int num_chunks = (t_end - t_begin + 31) / 32;
     const int* prefix = reinterpret_cast<const int*>(mask + num_chunks * R);  // behind the masks (begin_dispatch)
     BadValue bad;
-    if (a.fan_out)
+    if (a.args.fan_out)
         for_each_claimed(claim, num_chunks * kDirectParts, lane, [&](int item) {
             direct_item_by_token<R, kUnroll>(a, sh, mask, prefix, t_begin, t_end, item, bad, lane);
         });
@@ -308,20 +308,20 @@ __device__ __noinline__ bool dispatch_direct(const DispatchCtx& a, const WaitCtx
         for_each_claimed(claim, num_chunks * R * kDirectParts, lane, [&](int item) {
             direct_item_by_destination<R, kUnroll>(a, sh, mask, prefix, t_begin, t_end, item, bad, lane);
         });
-    bad.report_from_warp(a.err, kValueOpIntranodeDispatch, a.rank, __LINE__);
+    bad.report_from_warp(a.args.err, kValueOpIntranodeDispatch, a.args.rank, __LINE__);
 
     // Every write of this block is done: release this block's done word into every peer, then wait for
-    // the same block of every peer (done words at a.done_offset: [source rank][block]).
+    // the same block of every peer (done words at a.args.done_offset: [source rank][block]).
     __syncthreads();
-    if (threadIdx.x < R && threadIdx.x != a.rank) {
+    if (threadIdx.x < R && threadIdx.x != a.args.rank) {
         fence_acq_rel_sys();
-        uint64_t* word = reinterpret_cast<uint64_t*>(rank_base(a.bases, threadIdx.x) + a.done_offset) +
-                         static_cast<long long>(a.rank) * gridDim.x + blockIdx.x;
+        uint64_t* word = reinterpret_cast<uint64_t*>(rank_base(a.args.bases, threadIdx.x) + a.args.done_offset) +
+                         static_cast<long long>(a.args.rank) * gridDim.x + blockIdx.x;
         st_release_sys(word, a.seq);
     }
     if (warp == 0) {
-        const uint64_t* words = reinterpret_cast<const uint64_t*>(rank_base(a.bases, a.rank) + a.done_offset);
-        const bool peer = lane < R && lane != a.rank;
+        const uint64_t* words = reinterpret_cast<const uint64_t*>(rank_base(a.args.bases, a.args.rank) + a.args.done_offset);
+        const bool peer = lane < R && lane != a.args.rank;
         return warp_wait_lanes(peer ? words + static_cast<long long>(lane) * gridDim.x + blockIdx.x : nullptr, a.seq,
                                lane, wctx, kOpDispatchRecv, __LINE__);
     }

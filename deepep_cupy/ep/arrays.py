@@ -149,7 +149,8 @@ class _Torch:
         return a.index_select(0, idx)
 
     def zero_rows(self, a, mask):
-        a.reshape(a.shape[0], -1).view(self.torch.uint8).masked_fill_(mask[:, None], 0)  # zero bits: +0.0
+        if a.numel():
+            a.reshape(a.shape[0], -1).view(self.torch.uint8).masked_fill_(mask[:, None], 0)  # zero bits: +0.0
         return a
 
     def to_f32(self, a):

@@ -109,15 +109,16 @@ def intranode_dispatch(num_ranks: int, warps: int, unroll: int) -> str:
     return f"deepep_cupy::intranode::dispatch<{_ints(num_ranks, warps, unroll)}>"
 
 
-def intranode_combine(num_ranks: int, warps: int, unroll: int) -> str:
-    """``deepep_cupy::intranode::combine<R, W, U>`` (``cuda_src/intranode/combine.cu``)."""
-    return f"deepep_cupy::intranode::combine<{_ints(num_ranks, warps, unroll)}>"
+def intranode_combine(num_ranks: int, warps: int, unroll: int, ordered: bool = False) -> str:
+    """``deepep_cupy::intranode::combine<R, W, U>`` (``cuda_src/intranode/combine.cu``); ``ordered``: the
+    instantiation that sums in V2's order (``<R, W, U, true>``)."""
+    return f"deepep_cupy::intranode::combine<{_ints(num_ranks, warps, unroll)}{', true' if ordered else ''}>"
 
 
-def intranode_combine_copy(num_ranks: int, warps: int, unroll: int) -> str:
+def intranode_combine_copy(num_ranks: int, warps: int, unroll: int, ordered: bool = False) -> str:
     """``deepep_cupy::intranode::combine_copy<R, W, U>``: the sums of the combine's copy mode
-    (``cuda_src/intranode/combine_copy.cu``)."""
-    return f"deepep_cupy::intranode::combine_copy<{_ints(num_ranks, warps, unroll)}>"
+    (``cuda_src/intranode/combine_copy.cu``); ``ordered`` as for :func:`intranode_combine`."""
+    return f"deepep_cupy::intranode::combine_copy<{_ints(num_ranks, warps, unroll)}{', true' if ordered else ''}>"
 
 
 # ---------------------------------------------------------------------------------------- internode

@@ -62,9 +62,9 @@ class IntranodeHandle(DispatchHandle):
 
 
 @functools.cache
-def combine_copy_spec(num_ranks: int, warps: int, unroll: int) -> BuildSpec:
+def combine_copy_spec(num_ranks: int, warps: int, unroll: int, ordered: bool = False) -> BuildSpec:
     return BuildSpec.make("intranode/combine_copy.cu",
-                          name_expressions=[intranode_combine_copy(num_ranks, warps, unroll)])
+                          name_expressions=[intranode_combine_copy(num_ranks, warps, unroll, ordered)])
 
 
 def stream_writes_supported(device_id: int) -> bool:
@@ -258,7 +258,9 @@ class CopyCombine:
         R, me = engine.num_ranks, engine.rank
         self.flag_ptrs = [int(p) + L.copy_flag_offset(R, me) for p in engine.buffer.peer_ptrs]
         warps, unroll = engine.combine_shape(num_sms, copy=True)
-        kernel = engine.kernel(combine_copy_spec(R, warps, unroll), intranode_combine_copy(R, warps, unroll))
+        ordered = order_num_topk > 0
+        kernel = engine.kernel(combine_copy_spec(R, warps, unroll, ordered),
+                               intranode_combine_copy(R, warps, unroll, ordered))
         named = combine_copy_args(
             x=0, topk_weights=0, num_topk=num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0, send_head=0,
             num_tokens=num_tokens, hidden_int4=self.hidden_bytes // 16, combined_x=0, combined_topk_weights=0,

@@ -189,10 +189,12 @@ def dispatch_spec(num_ranks: int, warps: int | None = None, unroll: int | None =
 
 
 @functools.cache
-def combine_spec(num_ranks: int, warps: int | None = None, unroll: int | None = None) -> BuildSpec:
+def combine_spec(num_ranks: int, warps: int | None = None, unroll: int | None = None,
+                 ordered: bool = False) -> BuildSpec:
     dw, du = default_combine_shape(num_ranks)
     warps, unroll = warps or dw, unroll or du
-    return BuildSpec.make("intranode/combine.cu", name_expressions=[_combine_name(num_ranks, warps, unroll)])
+    return BuildSpec.make("intranode/combine.cu",
+                          name_expressions=[_combine_name(num_ranks, warps, unroll, ordered)])
 
 
 def representative_builds() -> list[BuildSpec]:
@@ -205,6 +207,8 @@ def representative_builds() -> list[BuildSpec]:
         out += [combine_spec(r, w, u) for w, u in table_shapes(COMBINE_SHAPE_TABLE, r)]
         if r > 1:
             out += [combine_copy_spec(r, w, u) for w, u in table_shapes(COPY_COMBINE_SHAPE_TABLE, r)]
+            out.append(combine_spec(r, ordered=True))  # V2's order, default shape (others compile at first use)
+    out.append(combine_copy_spec(2, *default_combine_shape(2, copy=True), ordered=True))
     return out
 
 

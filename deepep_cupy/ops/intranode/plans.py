@@ -236,7 +236,8 @@ class CombinePlan(NormalPlan):
             R, engine.num_nvl_bytes, config, hidden=hidden, num_topk=self.num_topk,
             handle_channels=self.num_channels, num_device_sms=engine.num_device_sms)
         warps, unroll = engine.combine_shape(2 * self.num_channels)
-        kernel = engine.kernel(combine_spec(R, warps, unroll), intranode_combine(R, warps, unroll))
+        ordered = order_topk_idx is not None
+        kernel = engine.kernel(combine_spec(R, warps, unroll, ordered), intranode_combine(R, warps, unroll, ordered))
         named = combine_args(
             x=0, topk_weights=0, num_topk=self.num_topk, bias_0=0, bias_1=0, rank_prefix_matrix=0,
             channel_prefix_matrix=0, recv_channel_prefix_matrix=0, send_head=0, num_tokens=self.num_tokens,
