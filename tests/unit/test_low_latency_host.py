@@ -70,6 +70,18 @@ def test_buffer_map_fits_in_deepep_hint(t, h, r, e):
     assert bmap.fits(rdma_size_hint(t, h, r, e))
 
 
+@pytest.mark.parametrize("t, h, r, e", [(128, 7168, 2, 288), (128, 7168, 4, 256), (128, 7168, 8, 288),
+                                        (256, 7168, 16, 256), (32, 2048, 8, 64)])
+def test_data_regions_start_on_128_byte_lines(t, h, r, e):
+    """The rows of both halves start on 128-byte lines, so that a warp's 512-byte access to a row touches four
+    lines, not five; at these sizes that still fits DeepEP's size hint."""
+    bmap = LowLatencyBufferMap(t, h, r, e)
+    assert bmap.fits(rdma_size_hint(t, h, r, e))
+    for b in (0, 1):
+        for name in ("src_idx", "recv", "send"):
+            assert bmap.region(b, name) % 128 == 0, (b, name, bmap.region(b, name))
+
+
 @pytest.mark.parametrize("t, h, r, e", [(128, 7168, 2, 288), (3, 2056, 8, 72), (1, 8, 1, 1), (1024, 4096, 16, 256)])
 def test_buffer_map_regions_are_disjoint_and_aligned(t, h, r, e):
     bmap = LowLatencyBufferMap(t, h, r, e)

@@ -41,6 +41,8 @@ reproduces that formula exactly so that code sized for DeepEP allocates the same
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from ..headers import constant
@@ -202,22 +204,37 @@ class LowLatencyBufferMap:
     def receipts_offset(self) -> int:
         return _align(self.arrivals_offset + self.arrivals_bytes, _ALIGN)
 
+    # The data regions start on 128-byte lines (a warp's 512-byte access to a row then spans 4 lines, not 5)
+    # wherever the two halves still fit DeepEP's size hint so aligned, that is for all but the smallest shapes.
+    @functools.cached_property
+    def _data_align(self) -> int:
+        t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
+        return _BUFFER_ALIGN if 2 * self._half_bytes(_BUFFER_ALIGN) <= rdma_size_hint(t, h, r, e) else _ALIGN
+
+    def _data_offsets(self, align: int) -> tuple[int, int, int]:
+        src_idx = _align(self.receipts_offset + self.receipts_bytes, align)
+        recv = _align(src_idx + self.src_idx_bytes, align)
+        return src_idx, recv, _align(recv + self.recv_bytes, align)
+
+    def _half_bytes(self, align: int) -> int:
+        return _align(self._data_offsets(align)[2] + self.send_bytes, _BUFFER_ALIGN)
+
     @property
     def src_idx_offset(self) -> int:
-        return _align(self.receipts_offset + self.receipts_bytes, _ALIGN)
+        return self._data_offsets(self._data_align)[0]
 
     @property
     def recv_offset(self) -> int:
-        return _align(self.src_idx_offset + self.src_idx_bytes, _ALIGN)
+        return self._data_offsets(self._data_align)[1]
 
     @property
     def send_offset(self) -> int:
-        return _align(self.recv_offset + self.recv_bytes, _ALIGN)
+        return self._data_offsets(self._data_align)[2]
 
     @property
     def half_bytes(self) -> int:
         """Bytes of one of the two halves (128-byte multiple)."""
-        return _align(self.send_offset + self.send_bytes, _BUFFER_ALIGN)
+        return self._half_bytes(self._data_align)
 
     @property
     def total_bytes(self) -> int:
