@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["current_stream", "current_stream_ptr", "external_stream", "stream_ptr", "DeviceEvent", "ForkJoin",
-           "OpStreams", "SideStreams", "create_events", "destroy_events"]
+__all__ = ["current_stream", "current_stream_ptr", "stream_is_capturing", "external_stream", "stream_ptr",
+           "DeviceEvent", "ForkJoin", "OpStreams", "SideStreams", "create_events", "destroy_events"]
 
 _DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 
@@ -20,6 +20,12 @@ def _rt():
     import cupy
 
     return cupy.cuda.runtime
+
+
+def stream_is_capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph; the legacy default stream (0), which cannot
+    be, costs no driver call."""
+    return stream != 0 and _rt().streamIsCapturing(stream) != 0
 
 
 def current_stream_ptr(framework: str | None, device_id: int) -> int:

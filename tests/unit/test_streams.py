@@ -31,3 +31,11 @@ def test_falls_back_to_external_stream_on_older_cupy(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Stream", Old)
     monkeypatch.setattr(cupy.cuda, "ExternalStream", lambda ptr, dev: made.append((ptr, dev)) or "stream")
     assert streams.external_stream(42, 3) == "stream" and made == [(42, 3)]
+
+
+def test_the_legacy_stream_is_never_asked_whether_it_is_capturing(monkeypatch):
+    """Stream 0 (torch's and CuPy's default) cannot be captured: no driver call for it; others are asked."""
+    asked = []
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", lambda s: asked.append(s) or (1 if s == 7 else 0))
+    assert not streams.stream_is_capturing(0) and asked == []
+    assert streams.stream_is_capturing(7) and not streams.stream_is_capturing(8) and asked == [7, 8]

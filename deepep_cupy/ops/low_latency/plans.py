@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...device.launch import LaunchPlan
 from ...device.stream_wait import wait_value_geq
-from ...device.streams import ForkJoin, OpStreams
+from ...device.streams import ForkJoin, OpStreams, stream_is_capturing
 from ...event import EventOverlap
 from ...frameworks import BF16, F32, FP8, I32, I64, SmallOutputs
 from ..handles import LowLatencyHandle, foreign_handle, ll_handle_meta
@@ -76,11 +76,7 @@ class _Plan:
         self.regions = engine.region_addresses(buffer_map)
         self.sent = tuple(r["receipts"] + buffer_map.sent_offset for r in self.regions)
 
-    @staticmethod
-    def _capturing(stream: int) -> bool:
-        import cupy
-
-        return cupy.cuda.runtime.streamIsCapturing(stream) != 0
+    _capturing = staticmethod(stream_is_capturing)
 
     def _begin(self) -> tuple[int, int, object]:
         """Check for errors recorded by earlier launches, make the buffer map current (a collective clean
