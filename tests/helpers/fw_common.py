@@ -95,6 +95,24 @@ def weighted_sum(x: np.ndarray, idx: np.ndarray, weights: np.ndarray, scales: np
     return x.astype(np.float64) * factor[:, None]
 
 
+def partial_factors(got: np.ndarray, x: np.ndarray, idx: np.ndarray, weights: np.ndarray, scales: np.ndarray,
+                    num_local: int, size: int) -> str:
+    """For a combine whose tokens are ``x`` times a factor (``weighted_sum``): which part of each wrong token's
+    factor the result holds. A line per wrong token (the first four): the factor found, the whole one, and
+    the part from each rank's experts, so that a missing rank (a receive that read before a peer's data
+    landed) shows as the factor of the other ranks alone."""
+    x64, got64 = x.astype(np.float64), np.asarray(got, np.float64)
+    owner = rank_of_expert(idx, num_local)
+    terms = np.where(idx >= 0, weights.astype(np.float64) * scales[np.maximum(idx, 0)], 0.0)
+    lines = []
+    for t in np.flatnonzero(np.abs(got64 - x64 * terms.sum(axis=1)[:, None]).max(axis=1) > 0.05 * np.abs(x64).max())[:4]:
+        j = int(np.argmax(np.abs(x64[t])))
+        found = got64[t, j] / x64[t, j] if x64[t, j] else float("nan")
+        parts = ", ".join(f"rank {r} {terms[t][owner[t] == r].sum():.4f}" for r in range(size))
+        lines.append(f"token {int(t)}: factor {found:.4f}, want {terms[t].sum():.4f} ({parts})")
+    return "; ".join(lines)
+
+
 def rank_of_expert(idx: np.ndarray, num_local: int) -> np.ndarray:
     return np.where(idx >= 0, idx // num_local, -1)
 
