@@ -289,11 +289,10 @@ class Buffer(LowLatencyOps):
         if plan is None:
             checks.combine_args(self.group_size, x, handle, topk_weights, bias, config,
                                 num_rdma_ranks=self._num_rdma_ranks)
-            order = {} if order_topk_idx is None else dict(order_topk_idx=order_topk_idx,
-                                                           num_local_experts=num_local_experts)
             plan = store(self._combine_plans, key, self.runtime.plan_combine(
                 x, handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1, config=config,
-                async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream), **order))
+                async_finish=bool(async_finish), allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                order_topk_idx=order_topk_idx, num_local_experts=num_local_experts))
         if self.backend == "cuda":
             device_handle_values(self, handle)
         if order_topk_idx is None:

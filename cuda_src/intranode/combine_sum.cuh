@@ -1,6 +1,7 @@
 // The summation of the intranode combine, shared by its ring mode (combine.cu) and its copy mode
 // (combine_copy.cu): one token's rows, one per rank that received the token, summed in float32 in rank
-// order (or V2's, order_by_last_slot) after the biases (acc = bias_0 + bias_1, a missing bias being +0: the reference's exact order)
+// order (or V2's, order_by_last_slot) after the biases (acc = bias_0 + bias_1, a missing bias being +0:
+// the reference's exact order)
 // and rounded to bf16 (nearest even) once. The same for the top-k weights, without bias.
 #pragma once
 

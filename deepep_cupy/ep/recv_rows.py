@@ -26,7 +26,6 @@ class RecvRows:
     """Device arrays describing one dispatch's received rows (``N`` rows, ``K`` top-k slots, ``L`` local experts)."""
 
     rows: object  # [N, K] int64: expanded row of slot j, -1 where the slot is not local (or not expanded)
-    master: object  # [N] int64: highest local top-k slot of the row, -1 for a padding row
     counts: object  # [L] int32: received (token, expert) selections per local expert
     psum_expert: object  # [L] int32: V2's psum_num_recv_tokens_per_expert for the layout
     metadata: object  # [N, K + 2] int32: V2's recv_src_metadata
@@ -69,7 +68,7 @@ def recv_rows(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_expert
     global_idx = A.where(real, src_rank * num_max_tokens + A.astype(recv_src_idx, "int64"), -1)
     slot = A.where(real, src_rank * k + master, -1)
     metadata = A.astype(A.concat([global_idx[:, None], slot[:, None], rows], axis=1), I32)
-    return RecvRows(rows=rows, master=master, counts=A.astype(counts, I32),
+    return RecvRows(rows=rows, counts=A.astype(counts, I32),
                       psum_expert=A.astype(psum_expert, I32), metadata=metadata)
 
 

@@ -207,34 +207,34 @@ class LowLatencyBufferMap:
     # The data regions start on 128-byte lines (a warp's 512-byte access to a row then spans 4 lines, not 5)
     # wherever the two halves still fit DeepEP's size hint so aligned, that is for all but the smallest shapes.
     @functools.cached_property
-    def _data_align(self) -> int:
+    def _data_layout(self) -> tuple[int, int, int, int]:
+        """``(src_idx, recv, send)`` offsets in a half and the half's bytes, worked out once."""
         t, h, r, e = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts
-        return _BUFFER_ALIGN if 2 * self._half_bytes(_BUFFER_ALIGN) <= rdma_size_hint(t, h, r, e) else _ALIGN
-
-    def _data_offsets(self, align: int) -> tuple[int, int, int]:
-        src_idx = _align(self.receipts_offset + self.receipts_bytes, align)
-        recv = _align(src_idx + self.src_idx_bytes, align)
-        return src_idx, recv, _align(recv + self.recv_bytes, align)
-
-    def _half_bytes(self, align: int) -> int:
-        return _align(self._data_offsets(align)[2] + self.send_bytes, _BUFFER_ALIGN)
+        for align in (_BUFFER_ALIGN, _ALIGN):
+            src_idx = _align(self.receipts_offset + self.receipts_bytes, align)
+            recv = _align(src_idx + self.src_idx_bytes, align)
+            send = _align(recv + self.recv_bytes, align)
+            half = _align(send + self.send_bytes, _BUFFER_ALIGN)
+            if 2 * half <= rdma_size_hint(t, h, r, e):
+                break
+        return src_idx, recv, send, half
 
     @property
     def src_idx_offset(self) -> int:
-        return self._data_offsets(self._data_align)[0]
+        return self._data_layout[0]
 
     @property
     def recv_offset(self) -> int:
-        return self._data_offsets(self._data_align)[1]
+        return self._data_layout[1]
 
     @property
     def send_offset(self) -> int:
-        return self._data_offsets(self._data_align)[2]
+        return self._data_layout[2]
 
     @property
     def half_bytes(self) -> int:
         """Bytes of one of the two halves (128-byte multiple)."""
-        return self._half_bytes(self._data_align)
+        return self._data_layout[3]
 
     @property
     def total_bytes(self) -> int:
