@@ -96,7 +96,7 @@ stage_startup() {
 }
 
 stage_host() {  # each op's host time with its profile and the floors, then the host bench (host vs GPU, decode step)
-    timeout 240 "${MPIRUN[@]}" python3 tools/host_profile.py --out "$OUT/host_profile.txt" > "$OUT/host.log" 2>&1
+    timeout 240 "${MPIRUN[@]}" python3 tools/host_profile.py ${HOST_PROFILE_ARGS:-} --out "$OUT/host_profile.txt" > "$OUT/host.log" 2>&1
     timeout 240 "${MPIRUN[@]}" python3 -m deepep_cupy.bench host > "$OUT/bench_host.log" 2>&1
     SUMMARY+=("host: $(grep -hE '^(HOST|FLOOR) ' "$OUT/host_profile.txt" 2>/dev/null | tr -s ' ' | tr '\n' ';')")
 }

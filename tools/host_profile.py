@@ -1,6 +1,6 @@
 """Where the host microseconds of each Buffer op go, next to the floor of what Python must do per call.
 
-    mpirun -np 2 python tools/host_profile.py [--calls 300] [--out FILE]
+    mpirun -np 2 python tools/host_profile.py [--calls 300] [--out FILE] [--ep]
 
 torch tensors, DeepEP's workloads (normal: 4096 x 7168, top-8 of 256; low latency: 128 x 7168, top-8 of
 288). For every op: the host time per call with the GPU kept busy (a sleep kernel ahead of each batch, so
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--ep", action="store_true", help="also DeepEP V2's cached calls (EPBuffer) beside V1's")
     args = parser.parse_args()
 
     import cupy
@@ -68,7 +69,8 @@ def main() -> None:
     t, le = suite.t_max, suite.ll_experts
     ll_handle = buf.low_latency_dispatch(lx, lidx, t, le, use_fp8=True)[2]
     buf.low_latency_combine(lout, lidx, lw, ll_handle)
-    ops = [
+    ops = _ep_ops(comm, suite, like) if args.ep else []
+    ops += [
         ("get_dispatch_layout", lambda: buf.get_dispatch_layout(idx, experts)),
         ("dispatch (cached handle)", lambda: buf.dispatch(x, handle=handle)),
         ("combine", lambda: buf.combine(recv_x, handle, topk_weights=recv_w)),
@@ -114,12 +116,39 @@ def main() -> None:
     lines += _floors(torch, cupy, stream, idx, host_us, args.calls)
     comm.Barrier()
     buf.destroy()
+    for fn in _EP_BUFFERS:
+        fn()
     if rank == 0:
         text = "\n".join(lines)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
+
+
+_EP_BUFFERS: list = []  # destroy() of the EPBuffer _ep_ops made, run after the timings
+
+
+def _ep_ops(comm, suite, like) -> list:
+    """V2's cached dispatch and combine (the ``bench ep`` decode shape) beside V1's same calls."""
+    from deepep_cupy.bench.low_latency import micro_batch
+    from deepep_cupy.ep import EPBuffer
+    from deepep_cupy.frameworks import from_numpy
+
+    t, hidden, experts = suite.t_max, suite.hidden, suite.ll_experts
+    x, idx, w = (from_numpy(a, like) for a in micro_batch((6, comm.Get_rank()), t, hidden, experts, 8))
+    ep = EPBuffer(comm=comm, num_max_tokens_per_rank=t, hidden=hidden, num_topk=8, explicitly_destroy=True)
+    _EP_BUFFERS.append(ep.destroy)
+    recv, _, _, handle, _ = ep.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, do_cpu_sync=True)
+    v1 = ep.runtime
+    v1_handle = handle._v1_handle
+    v1_recv = v1.dispatch(x, handle=v1_handle)[0]
+    return [
+        ("V2 dispatch (cached handle)", lambda: ep.dispatch(x, handle=handle)),
+        ("V2 combine", lambda: ep.combine(recv, handle)),
+        ("V1 dispatch (same, cached)", lambda: v1.dispatch(x, handle=v1_handle)),
+        ("V1 combine (same)", lambda: v1.combine(v1_recv, v1_handle)),
+    ]
 
 
 def _floors(torch, cupy, stream, tensor, host_us, calls) -> list[str]:
