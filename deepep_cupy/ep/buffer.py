@@ -20,7 +20,8 @@ from .arrays import ops_for
 from .epilogue import final_sum, rank_sums, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
-from .recv_rows import align, col_major, dst_slots, expand_rows, recv_rows, row_sources
+from ..ops.recv_rows import RecvRowsPlan
+from .recv_rows import RecvRows, align, col_major, dst_slots, expand_gather, expand_rows, recv_rows
 
 __all__ = ["_EPBufferCore", "group_size"]
 
@@ -86,6 +87,7 @@ class _EPBufferCore:
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.runtime = self._v1
         self._slots: dict = {}  # top-k slots per V1 combine, per hidden size
+        self._recv_rows_plans: dict = {}  # (framework, local experts) -> RecvRowsPlan, on the GPU
         self._v1._group.barrier()
 
     # ------------------------------------------------------------------ sizes and domains
@@ -205,13 +207,12 @@ class _EPBufferCore:
             out_topk_idx, out_weights = None, recv_weights
             if handle.do_expand:
                 n = handle.num_expanded_tokens
-                slots = row_sources(ops, handle._recv_rows, n)
-                sources = ops.where(slots >= 0, slots // handle.num_topk, -1)  # the received row of each
-                out_data = expand_rows(ops, recv_data, sources, do_zero_padding)
-                out_scales = None if recv_scales is None else expand_rows(ops, recv_scales, sources,
+                rows, slots, padding = expand_gather(ops, handle._recv_rows, n)
+                out_data = expand_rows(ops, recv_data, rows, padding, do_zero_padding)
+                out_scales = None if recv_scales is None else expand_rows(ops, recv_scales, rows, padding,
                                                                           do_zero_padding)
                 if recv_weights is not None:
-                    out_weights = expand_rows(ops, recv_weights.reshape(-1), slots, do_zero_padding)
+                    out_weights = expand_rows(ops, recv_weights.reshape(-1), slots, padding, do_zero_padding)
             else:
                 n, out_data, out_scales = handle.num_recv_tokens, recv_data, recv_scales
                 out_topk_idx = handle._recv_topk_idx if recv_topk_idx is None else recv_topk_idx
@@ -251,15 +252,28 @@ class _EPBufferCore:
 
     def _new_handle(self, ops, topk_idx, recv_topk_idx, v1_handle, aligned_list, num_experts, m, alignment,
                     num_sms, do_expand, do_handle_copy, sync, e_local) -> EPHandle:
-        psum = ops.contiguous(v1_handle[0][:, self.rank_idx])
-        placed = recv_rows(ops, recv_topk_idx, psum, v1_handle[3], num_local_experts=e_local, num_max_tokens=m,
-                             expert_alignment=alignment, expand=do_expand)
         rows = shape_of(recv_topk_idx)[0]
         k = shape_of(topk_idx)[1]
         if sync:
             expanded = sum(aligned_list)
         else:
             expanded = align(self.num_ranks * m * min(k, e_local) + (alignment - 1) * e_local, alignment)
+        if self._v1.backend == "cuda":  # two kernels (ops/recv_rows.py) in place of the array operations
+            plan = self._recv_rows_plans.get((ops.framework, e_local))
+            if plan is None:
+                plan = self._recv_rows_plans[(ops.framework, e_local)] = RecvRowsPlan(
+                    self._v1.runtime.frame(recv_topk_idx), num_local_experts=e_local, num_ranks=self.num_ranks,
+                    rank=self.rank_idx)
+            out_rows, sources, counts, psum_expert, metadata, psum, dst = plan.run(
+                recv_topk_idx, v1_handle[3], v1_handle[0], ops.contiguous(topk_idx), v1_handle[4],
+                num_max_tokens=m, expert_alignment=alignment, expand=do_expand, num_expanded_rows=expanded)
+            placed = RecvRows(rows=out_rows, counts=counts, psum_expert=psum_expert, metadata=metadata,
+                              sources=sources)
+        else:
+            psum = ops.contiguous(v1_handle[0][:, self.rank_idx])
+            placed = recv_rows(ops, recv_topk_idx, psum, v1_handle[3], num_local_experts=e_local,
+                               num_max_tokens=m, expert_alignment=alignment, expand=do_expand)
+            dst = dst_slots(ops, topk_idx, v1_handle[4], num_local_experts=e_local, num_max_tokens=m)
         return EPHandle(
             do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=m,
             num_sms=num_sms or self.get_theoretical_num_sms(num_experts, k),
@@ -267,7 +281,7 @@ class _EPBufferCore:
             num_expanded_tokens=expanded, num_recv_tokens_per_expert_list=aligned_list if sync else [],
             psum_num_recv_tokens_per_scaleup_rank=psum, psum_num_recv_tokens_per_expert=placed.psum_expert,
             num_unaligned_recv_tokens_per_expert=placed.counts, recv_src_metadata=placed.metadata,
-            dst_buffer_slot_idx=dst_slots(ops, topk_idx, v1_handle[4], num_local_experts=e_local, num_max_tokens=m),
+            dst_buffer_slot_idx=dst,
             guard_topk_idx=self._guard_topk_idx and not do_handle_copy, v1_handle=v1_handle, recv_rows=placed,
             recv_topk_idx=recv_topk_idx)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..frameworks import I32
 
-__all__ = ["RecvRows", "recv_rows", "row_sources", "expand_rows", "col_major", "dst_slots", "align"]
+__all__ = ["RecvRows", "recv_rows", "row_sources", "expand_gather", "expand_rows", "col_major", "dst_slots", "align"]
 
 
 def align(value: int, alignment: int) -> int:
@@ -30,6 +30,7 @@ class RecvRows:
     psum_expert: object  # [L] int32: V2's psum_num_recv_tokens_per_expert for the layout
     metadata: object  # [N, K + 2] int32: V2's recv_src_metadata
     sources: object = None  # [rows of the expanded layout] int64, see row_sources
+    gather: tuple = None  # see expand_gather
 
 
 def recv_rows(A, recv_topk_idx, psum_per_rank, recv_src_idx, *, num_local_experts: int, num_max_tokens: int,
@@ -84,16 +85,29 @@ def row_sources(A, placed: RecvRows, num_rows: int):
     return placed.sources
 
 
-def expand_rows(A, values, sources, zero: bool):
-    """``values[sources[r]]`` for every row ``r`` of the expanded layout (``values``: `[N * K, ...]` per slot,
-    or `[N, ...]` per received row with ``sources`` divided by ``K``); padding rows (``sources`` -1) are zero
-    when ``zero``, else left as they come."""
-    num_rows = int(sources.shape[0])
+def expand_gather(A, placed: RecvRows, num_rows: int):
+    """``(received_row, slot, padding)`` `[num_rows]` each, the gather that fills the expanded layout: the
+    received row and the ``i * K + j`` placed at each expanded row (0 for a padding row), and the padding
+    rows' mask; made once per handle, as :func:`row_sources` is."""
+    if placed.gather is None or int(placed.gather[0].shape[0]) != num_rows:
+        sources = row_sources(A, placed, num_rows)
+        k = int(placed.rows.shape[1])
+        padding = sources < 0
+        slot = A.where(sources >= 0, sources, 0)
+        placed.gather = (slot // k, slot, padding)
+    return placed.gather
+
+
+def expand_rows(A, values, index, padding, zero: bool):
+    """``values[index[r]]`` for every row ``r`` of the expanded layout (``values``: `[N * K, ...]` per slot
+    with ``index`` the slots, or `[N, ...]` per received row with ``index`` the rows, of
+    :func:`expand_gather`); padding rows are zero when ``zero``, else left as they come."""
+    num_rows = int(index.shape[0])
     if int(values.shape[0]) == 0:
         make = A.zeros if zero else A.empty
         return make((num_rows,) + tuple(int(s) for s in values.shape[1:]), None, values)
-    out = A.take_rows(values, A.where(sources >= 0, sources, 0))
-    return A.zero_rows(out, sources < 0) if zero else out
+    out = A.take_rows(values, index)
+    return A.zero_rows(out, padding) if zero else out
 
 
 def col_major(A, sf, num_rows: int):

@@ -40,7 +40,9 @@ __all__ = [
     "intranode_combine_copy",
     "intranode_dispatch",
     "intranode_notify",
+    "layout_count_recv_rows",
     "layout_count_tokens",
+    "layout_place_recv_rows",
     "ll_combine",
     "ll_dispatch",
     "ll_stage",
@@ -142,3 +144,14 @@ def layout_count_tokens(num_topk: int, cluster: int) -> str:
     """``deepep_cupy::layout::count_tokens<K, C>``: tokens per expert / rank / RDMA rank, on a cluster of C
     blocks (``cuda_src/layout/count_tokens.cu``)."""
     return f"deepep_cupy::layout::count_tokens<{_ints(num_topk, cluster)}>"
+
+
+def layout_count_recv_rows() -> str:
+    """``deepep_cupy::layout::count_recv_rows``: V2's received selections per local expert and the sent
+    tokens' slots at their destinations (``cuda_src/layout/recv_rows.cu``)."""
+    return "deepep_cupy::layout::count_recv_rows"
+
+
+def layout_place_recv_rows() -> str:
+    """``deepep_cupy::layout::place_recv_rows``: V2's expanded rows and per-row metadata (``layout/recv_rows.cu``)."""
+    return "deepep_cupy::layout::place_recv_rows"

@@ -13,6 +13,7 @@ from ..frameworks import BOOL, I32, SmallOutputs, frame_for
 from ..jit import BuildSpec, load
 from . import kernel_names, limits
 from .headers import constant, kernel_struct
+from .recv_rows import COUNT_RECV_ROWS, PLACE_RECV_ROWS, recv_rows_spec  # V2's layout arrays, the family's others
 
 __all__ = ["MAX_TOPK", "LayoutPlan", "get_dispatch_layout", "layout_spec", "representative_builds"]
 
@@ -22,7 +23,7 @@ _SOURCE = "layout/count_tokens.cu"
 _THREADS = constant("layout/count_tokens.cu", "kThreads")
 #: The kernel's parameter struct, and every kernel of the family -> its struct.
 COUNT_TOKENS = kernel_struct("layout/args.cuh", "CountTokensArgs")
-KERNEL_STRUCTS = {"count_tokens": COUNT_TOKENS}
+KERNEL_STRUCTS = {"count_tokens": COUNT_TOKENS, "count_recv_rows": COUNT_RECV_ROWS, "place_recv_rows": PLACE_RECV_ROWS}
 _CLUSTER = 8  # blocks of the kernel's cluster on sm_90 (one block before it)
 #: The kernel counts experts, ranks and RDMA ranks in dynamic shared memory, one int32 each.
 MAX_COUNT_WORDS = limits.LAYOUT_MAX_COUNT_WORDS
@@ -38,9 +39,9 @@ def layout_spec(num_topk: int, cluster: int = _CLUSTER) -> BuildSpec:
 
 
 def representative_builds() -> list[BuildSpec]:
-    """Instantiations compiled by the CPU test suite: odd/even top-k, scalar and vector load paths, and the
-    one-block kernel of GPUs without clusters."""
-    return [layout_spec(k) for k in (1, 4, 8, 32)] + [layout_spec(8, 1)]
+    """Instantiations compiled by the CPU test suite: odd/even top-k, scalar and vector load paths, the
+    one-block kernel of GPUs without clusters, and V2's layout arrays."""
+    return [layout_spec(k) for k in (1, 4, 8, 32)] + [layout_spec(8, 1), recv_rows_spec()]
 
 
 def _cluster_for(frame) -> int:

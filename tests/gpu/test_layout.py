@@ -115,3 +115,78 @@ def test_layout_through_buffer_with_torch():
     np.testing.assert_array_equal(per_expert.cpu().numpy(), want[2])
     np.testing.assert_array_equal(in_rank.cpu().numpy(), want[3])
     buf.destroy()
+
+
+# V2's layout arrays (ops/recv_rows.py) against the array operations of ep/recv_rows.py on NumPy:
+# (received rows, padding rows, top-k, local experts, ranks, tokens sent, expert alignment, spare expanded rows)
+RECV_CASES = [(4000, 96, 8, 128, 2, 4096, 128, 0), (3000, 0, 8, 36, 8, 512, 64, 0), (0, 0, 8, 144, 2, 0, 128, 0),
+              (700, 300, 6, 8, 2, 128, 1, 517), (1, 5, 1, 3, 3, 1, 16, 40), (2100, 40, 9, 288, 4, 2048, 32, 9),
+              (513, 0, 32, 64, 8, 700, 128, 0)]
+
+
+def _v2_inputs(rng, n_real, n_pad, k, e_local, num_ranks, tokens, rank):
+    """What V1's dispatch gives V2 for one rank: received local top-k ids (some -1, padding rows all -1),
+    the rank prefix matrix, source token indices, and this rank's own routing with its token -> rank map."""
+    n = n_real + n_pad
+    recv_topk = np.full((n, k), -1, np.int64)
+    for i in range(n_real):
+        picks = rng.choice(e_local, size=rng.integers(1, min(k, e_local) + 1), replace=False)
+        recv_topk[i, rng.choice(k, size=len(picks), replace=False)] = picks
+    per_source = np.bincount(rng.integers(0, num_ranks, n_real), minlength=num_ranks)
+    prefix = rng.integers(0, 1 << 20, (num_ranks, num_ranks)).astype(np.int32)
+    prefix[:, rank] = np.cumsum(per_source)
+    src_idx = np.full(n, -1, np.int32)
+    src_idx[:n_real] = rng.integers(0, 4096, n_real)
+    experts = e_local * num_ranks
+    topk = np.full((tokens, k), -1, np.int64)
+    for t in range(tokens):
+        picks = rng.choice(experts, size=rng.integers(0, min(k, experts) + 1), replace=False)
+        topk[t, rng.choice(k, size=len(picks), replace=False)] = picks
+    in_rank = np.zeros((tokens, num_ranks), bool)
+    for t, e in zip(*np.nonzero(topk >= 0), strict=True):
+        in_rank[t, topk[t, e] // e_local] = True
+    return recv_topk, prefix, src_idx, topk, in_rank
+
+
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("case", RECV_CASES)
+def test_v2_layout_arrays_match_the_array_operations(case, expand):
+    import cupy
+
+    from deepep_cupy.ep.arrays import ops_for
+    from deepep_cupy.ep.recv_rows import dst_slots, recv_rows, row_sources
+    from deepep_cupy.frameworks import frame_for
+    from deepep_cupy.ops.recv_rows import RecvRowsPlan
+
+    n_real, n_pad, k, e_local, num_ranks, tokens, alignment, spare = case
+    rank, m = num_ranks - 1, 4096
+    plan = RecvRowsPlan(frame_for("cupy", cupy.cuda.Device().id), num_local_experts=e_local, num_ranks=num_ranks,
+                        rank=rank)
+    rng = np.random.default_rng([n_real, k, e_local, int(expand)])
+    np_ops = ops_for(np.zeros(1))
+    for _ in range(3):  # fresh routing each repeat, into freshly poisoned memory
+        recv_topk, prefix, src_idx, topk, in_rank = _v2_inputs(rng, n_real, n_pad, k, e_local, num_ranks, tokens,
+                                                               rank)
+        want = recv_rows(np_ops, recv_topk, np.ascontiguousarray(prefix[:, rank]), src_idx,
+                         num_local_experts=e_local, num_max_tokens=m, expert_alignment=alignment, expand=expand)
+        expanded = int(want.psum_expert[-1]) + spare
+        pool = cupy.get_default_memory_pool()
+        pool.free_all_blocks()
+        poison = cupy.full(64 << 20, 0xAB, cupy.uint8)  # the outputs come from this memory once it is freed
+        del poison
+        dev = [cupy.asarray(a) for a in (recv_topk, src_idx, prefix, topk, in_rank)]
+        rows, sources, counts, psum_expert, metadata, psum, dst = (
+            None if a is None else cupy.asnumpy(a) for a in plan.run(
+                *dev, num_max_tokens=m, expert_alignment=alignment, expand=expand, num_expanded_rows=expanded))
+        np.testing.assert_array_equal(rows, want.rows)
+        np.testing.assert_array_equal(counts, want.counts)
+        np.testing.assert_array_equal(psum_expert, want.psum_expert)
+        np.testing.assert_array_equal(metadata, want.metadata)
+        np.testing.assert_array_equal(psum, prefix[:, rank])
+        np.testing.assert_array_equal(dst, dst_slots(np_ops, topk, in_rank, num_local_experts=e_local,
+                                                     num_max_tokens=m))
+        if expand:
+            np.testing.assert_array_equal(sources, row_sources(np_ops, want, expanded))
+            assert (sources >= 0).sum() == (recv_topk >= 0).sum() > 0 or n_real == 0
+        else:
+            assert sources is None

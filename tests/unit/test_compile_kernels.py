@@ -60,8 +60,10 @@ def test_compiles(module_name, spec, arch, import_error, shared_cache, monkeypat
                                       f"deepep_cupy.ops.{family}.args").KERNEL_STRUCTS
     for expression, mangled in compiled.lowered_names.items():
         struct = structs[expression.split("<")[0].split("::")[-1]].name
-        # ...E (template arguments) v (void) then the one parameter: the struct, nested in the family's namespace.
-        assert mangled.endswith(f"Ev{_nested(struct)}"), (expression, mangled, struct)
+        # ...E (template arguments) v (void, for a template) then the one parameter: the struct, nested in the
+        # family's namespace.
+        returns = "v" if "<" in expression else ""
+        assert mangled.endswith(f"E{returns}{_nested(struct)}"), (expression, mangled, struct)
 
 
 def _nested(name: str) -> str:

@@ -45,7 +45,7 @@ def test_precompile_fills_verifies_and_repairs(tmp_path):
     cache = tmp_path / "cache"
     counts, out = _precompile(cache, "--arch", "sm_90", "-j", "2", "layout")
     assert counts == (count, 0, 0, 0)
-    assert f"[{count}/{count}] compiled layout: layout/count_tokens.cu" in out
+    assert f"[{count}/{count}] compiled layout: layout/" in out
     entries = sorted(cache.glob("??/*/kernel.cubin"))
     assert len(entries) == count
 
