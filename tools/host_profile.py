@@ -1,6 +1,6 @@
 """Where the host microseconds of each Buffer op go, next to the floor of what Python must do per call.
 
-    mpirun -np 2 python tools/host_profile.py [--calls 300] [--out FILE] [--ep]
+    mpirun -np 2 python tools/host_profile.py [--calls 300] [--out FILE] [--ep] [--custom-ops]
 
 torch tensors, DeepEP's workloads (normal: 4096 x 7168, top-8 of 256; low latency: 128 x 7168, top-8 of
 288). For every op: the host time per call with the GPU kept busy (a sleep kernel ahead of each batch, so
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--ep", action="store_true", help="also DeepEP V2's cached calls (EPBuffer) beside V1's")
+    parser.add_argument("--custom-ops", action="store_true",
+                        help="also each torch.ops.deepep_cupy op with the arguments compiled code passes it")
     args = parser.parse_args()
 
     import cupy
@@ -69,7 +71,8 @@ def main() -> None:
     t, le = suite.t_max, suite.ll_experts
     ll_handle = buf.low_latency_dispatch(lx, lidx, t, le, use_fp8=True)[2]
     buf.low_latency_combine(lout, lidx, lw, ll_handle)
-    ops = _ep_ops(comm, suite, like) if args.ep else []
+    ops = _optional("--ep", lambda: _ep_ops(comm, suite, like)) if args.ep else []
+    ops += _optional("--custom-ops", lambda: _custom_ops(comm, buf, suite)) if args.custom_ops else []
     ops += [
         ("get_dispatch_layout", lambda: buf.get_dispatch_layout(idx, experts)),
         ("dispatch (cached handle)", lambda: buf.dispatch(x, handle=handle)),
@@ -126,6 +129,15 @@ def main() -> None:
                 f.write(text + "\n")
 
 
+def _optional(flag: str, make) -> list:
+    """The extra ops of ``flag``, or none (said on stderr) where making them fails: the Buffer's ops still run."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - a profile of the other ops is still worth having
+        print(f"host_profile: {flag} left out: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return []
+
+
 _EP_BUFFERS: list = []  # destroy() of the EPBuffer _ep_ops made, run after the timings
 
 
@@ -149,6 +161,17 @@ def _ep_ops(comm, suite, like) -> list:
         ("V1 dispatch (same, cached)", lambda: v1.dispatch(x, handle=v1_handle)),
         ("V1 combine (same)", lambda: v1.combine(v1_recv, v1_handle)),
     ]
+
+
+def _custom_ops(comm, buf, suite) -> list:
+    """The custom ops of ``bench compiled``'s part 3 (the calls compiled code makes), on this Buffer."""
+    from deepep_cupy.bench.compiled import _Env, low_latency_op_pairs, normal_op_pairs
+
+    env = _Env(comm, buf, 600.0)
+    args = argparse.Namespace(tokens=suite.tokens, hidden=suite.hidden, experts=suite.experts, topk=suite.topk,
+                              ll_tokens=suite.t_max, ll_experts=suite.ll_experts)
+    pairs = normal_op_pairs(env, buf, args) + low_latency_op_pairs(env, buf, args)
+    return [(f"custom op {op_name}", custom()) for _, op_name, _, custom in pairs]
 
 
 def _floors(torch, cupy, stream, tensor, host_us, calls) -> list[str]:
