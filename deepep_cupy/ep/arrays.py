@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..frameworks import BF16, F32, I32, I64, framework_of
+from ..frameworks import BF16, F32, I32, I64, cupy_holds, framework_of
 
 __all__ = ["ops_for"]
 
@@ -61,6 +61,17 @@ class _NumpyLike:
 
     def concat(self, parts, axis: int):
         return self.xp.concatenate(parts, axis=axis)
+
+    def any(self, a, axis: int):
+        return self.xp.any(a, axis=axis)
+
+    def bits_as(self, a, dtype):
+        """``a``'s bytes as ``dtype`` (BF16 or int32), the last dimension rescaled; BF16 as its uint16
+        storage where this CuPy holds no bf16."""
+        want = np.dtype(dtype)
+        if want == BF16 and self.framework == "cupy" and not cupy_holds(BF16):
+            want = np.dtype(np.uint16)
+        return a.view(want)
 
     def copy(self, a):
         return a.copy()
@@ -136,6 +147,12 @@ class _Torch:
 
     def concat(self, parts, axis: int):
         return self.torch.cat(parts, dim=axis)
+
+    def any(self, a, axis: int):
+        return a.any(dim=axis)
+
+    def bits_as(self, a, dtype):
+        return a.view(self.torch.bfloat16 if np.dtype(dtype) == BF16 else self.dtypes[np.dtype(dtype)])
 
     def copy(self, a):
         return a.clone()

@@ -2,9 +2,11 @@
 
 One implementation, :class:`_EPBufferCore`; the two public classes differ only in their signatures. A dispatch
 is V1's ``get_dispatch_layout`` and ``dispatch`` (``num_worst_tokens`` for the sync-free sizes, V1's cached
-mode for a cached handle), reordered into V2's layouts with the caller's array operations (``recv_rows.py``). A
-combine is one V1 combine summing in V2's order in its kernel where each rank sends one sum per token, else V1's
-combine carrying each top-k slot's value apart, summed here in V2's order (``epilogue.py``).
+mode for a cached handle), reordered into V2's layouts: by two kernels on the GPU (``ops/recv_rows.py``), by
+the caller's array operations elsewhere and across NVLink domains (``recv_rows.py``). Within one NVLink domain a
+combine is one V1 combine summing in V2's order in its kernel where each rank sends one sum per token; else (and
+across domains) V1's combine carries each top-k slot's value (or each rank's sum) apart, summed here in V2's
+order, per domain first in hybrid mode (``epilogue.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import dataclasses
 from .. import checks
 from ..buffer import Buffer
 from ..device.group import group_size
-from ..frameworks import shape_of
+from ..frameworks import BF16, I32, shape_of
 from . import args as A_
 from .arrays import ops_for
-from .epilogue import final_sum, rank_sums, slot_values, slot_weights
+from .epilogue import domain_of_slots, final_sum, rank_sums, rank_values, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
 from ..ops.recv_rows import RecvRowsPlan
@@ -36,6 +38,15 @@ def _v1_bytes(num_ranks: int, hidden: int, num_topk: int) -> int:
     need = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks),
                Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(slots * hidden * 2, num_ranks))
     return align(need, A_.ALIGNMENT)
+
+
+def _v1_rdma_bytes(num_ranks: int, num_nvl_ranks: int, hidden: int, num_topk: int) -> int:
+    """RDMA bytes V1's buffer needs across NVLink domains for the same rows as :func:`_v1_bytes`."""
+    slots = min(num_topk or A_.MAX_TOPK, SLOTS_PER_COMBINE)
+    need = max(Buffer.get_dispatch_config(num_ranks).get_rdma_buffer_size_hint(hidden * 2, num_ranks, num_nvl_ranks),
+               Buffer.get_combine_config(num_ranks).get_rdma_buffer_size_hint(slots * hidden * 2, num_ranks,
+                                                                              num_nvl_ranks))
+    return align(max(need, 1), A_.ALIGNMENT)
 
 
 class _EPBufferCore:
@@ -78,10 +89,13 @@ class _EPBufferCore:
         self.rank_idx, self.num_ranks = self._v1.rank, self._v1.group_size
         self.num_nvlink_ranks = self._v1.num_nvl_ranks
         self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks
-        if self.num_rdma_ranks > 1:
+        if self.num_rdma_ranks > 1:  # V1's internode path: the same Buffer with its RDMA half too
             self._v1.destroy()
-            raise NotImplementedError(f"a group spanning {self.num_rdma_ranks} NVLink domains: the V2 API serves "
-                                      "one NVLink domain so far (use deepep_cupy.Buffer across domains)")
+            rdma = (_v1_rdma_bytes(self.num_ranks, self.num_nvlink_ranks, self.hidden, self.num_topk)
+                    if self.hidden else self.num_bytes)
+            self._v1 = Buffer(group, num_nvl_bytes=self.num_bytes, num_rdma_bytes=rdma,
+                              explicitly_destroy=self.explicitly_destroy, comm=comm, backend=backend,
+                              num_nvl_ranks=self.num_nvlink_ranks)
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
@@ -162,8 +176,11 @@ class _EPBufferCore:
         if width is None:
             config = Buffer.get_combine_config(self.num_ranks)
             width = 1
+            rdma = self._v1.num_rdma_bytes
             for w in range(num_topk, 0, -1):
-                if config.get_nvl_buffer_size_hint(w * hidden * 2, self.num_ranks) <= self.num_bytes:
+                if config.get_nvl_buffer_size_hint(w * hidden * 2, self.num_ranks) <= self.num_bytes and (
+                        self.num_rdma_ranks == 1 or config.get_rdma_buffer_size_hint(
+                            w * hidden * 2, self.num_ranks, self.num_nvlink_ranks) <= rdma):
                     width = w
                     break
             self._slots[key] = width
@@ -194,6 +211,7 @@ class _EPBufferCore:
             recv = self._v1_dispatch(x, handle.topk_idx, topk_weights, num_experts, alignment,
                                      handle.num_recv_tokens, prev, config)
         recv_x, recv_topk_idx, recv_weights, aligned_list, v1_handle = recv[:5]
+        src_idx = recv[6] if len(recv) > 6 else None  # across domains: the received rows' source tokens
         recv_data, recv_scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         e_local = num_experts // self.num_ranks
 
@@ -201,7 +219,7 @@ class _EPBufferCore:
             nonlocal handle
             if handle is None:
                 handle = self._new_handle(ops, topk_idx, recv_topk_idx, v1_handle, aligned_list, num_experts, m,
-                                          alignment, num_sms, do_expand, do_handle_copy, sync, e_local)
+                                          alignment, num_sms, do_expand, do_handle_copy, sync, e_local, src_idx)
                 if stats is not None:
                     stats[...] = stats + handle.num_unaligned_recv_tokens_per_expert
             out_topk_idx, out_weights = None, recv_weights
@@ -239,6 +257,8 @@ class _EPBufferCore:
         return dataclasses.replace(pick(self.num_ranks, hidden), num_sms=max(2, num_sms - num_sms % 2))
 
     def _v1_dispatch(self, x, topk_idx, topk_weights, num_experts, alignment, num_worst_tokens, prev, config):
+        """V1's layout and dispatch; across NVLink domains also the received rows' source token indices, as a
+        7th entry (see :meth:`_source_tokens`)."""
         per_rank, per_rdma, per_expert, in_rank, _ = self._v1.get_dispatch_layout(topk_idx, num_experts,
                                                                                   previous_event=prev)
         weights = topk_weights
@@ -248,17 +268,30 @@ class _EPBufferCore:
                                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                                  topk_weights=weights, expert_alignment=alignment,
                                  num_worst_tokens=num_worst_tokens, config=config)
-        return recv if topk_weights is not None else (recv[0], recv[1], None, *recv[3:])
+        recv = recv if topk_weights is not None else (recv[0], recv[1], None, *recv[3:])
+        return recv if self.num_rdma_ranks == 1 else (*recv, self._source_tokens(topk_idx, recv[4]))
+
+    def _source_tokens(self, topk_idx, v1_handle):
+        """`[rows]` int32: each received row's token index at its source. V1's internode handle does not hold
+        it, so each token's index travels once more, as the bytes of a 16-byte row, in a cached dispatch with
+        the handle (rows past the received ones: whatever they hold, no metadata reads them)."""
+        ops = ops_for(topk_idx)
+        t = shape_of(topk_idx)[0]
+        rows = ops.zeros((t, 4), "int32", topk_idx)
+        rows[:, 0] = ops.astype(ops.arange(t, topk_idx), "int32")
+        recv = self._v1.dispatch(ops.bits_as(rows, BF16), handle=v1_handle)[0]
+        return ops.contiguous(ops.bits_as(recv, I32)[:, 0])
 
     def _new_handle(self, ops, topk_idx, recv_topk_idx, v1_handle, aligned_list, num_experts, m, alignment,
-                    num_sms, do_expand, do_handle_copy, sync, e_local) -> EPHandle:
+                    num_sms, do_expand, do_handle_copy, sync, e_local, src_idx=None) -> EPHandle:
         rows = shape_of(recv_topk_idx)[0]
         k = shape_of(topk_idx)[1]
         if sync:
             expanded = sum(aligned_list)
         else:
             expanded = align(self.num_ranks * m * min(k, e_local) + (alignment - 1) * e_local, alignment)
-        if self._v1.backend == "cuda":  # two kernels (ops/recv_rows.py) in place of the array operations
+        across = src_idx is not None  # V1's internode handle: per-rank prefix [6], routing [0]
+        if self._v1.backend == "cuda" and not across:  # two kernels (ops/recv_rows.py), not array operations
             plan = self._recv_rows_plans.get((ops.framework, e_local))
             if plan is None:
                 plan = self._recv_rows_plans[(ops.framework, e_local)] = RecvRowsPlan(
@@ -270,10 +303,16 @@ class _EPBufferCore:
             placed = RecvRows(rows=out_rows, counts=counts, psum_expert=psum_expert, metadata=metadata,
                               sources=sources)
         else:
-            psum = ops.contiguous(v1_handle[0][:, self.rank_idx])
-            placed = recv_rows(ops, recv_topk_idx, psum, v1_handle[3], num_local_experts=e_local,
-                               num_max_tokens=m, expert_alignment=alignment, expand=do_expand)
-            dst = dst_slots(ops, topk_idx, v1_handle[4], num_local_experts=e_local, num_max_tokens=m)
+            psum = ops.contiguous(v1_handle[6] if across else v1_handle[0][:, self.rank_idx])
+            placed = recv_rows(ops, recv_topk_idx, psum, src_idx if across else v1_handle[3],
+                               num_local_experts=e_local, num_max_tokens=m, expert_alignment=alignment,
+                               expand=do_expand)
+            dst = dst_slots(ops, topk_idx, v1_handle[0 if across else 4], num_local_experts=e_local,
+                            num_max_tokens=m)
+        if self.num_scaleup_ranks < self.num_ranks:  # hybrid: rows per source scale-up index, over domains
+            per_source = psum - ops.concat([ops.zeros((1,), None, psum), psum[:-1]], axis=0)
+            psum = ops.astype(ops.cumsum(ops.sum(per_source.reshape(self.num_scaleout_ranks,
+                                                                    self.num_scaleup_ranks), axis=0), axis=0), I32)
         return EPHandle(
             do_expand=do_expand, num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=m,
             num_sms=num_sms or self.get_theoretical_num_sms(num_experts, k),
@@ -324,12 +363,21 @@ class _EPBufferCore:
                         async_with_compute_stream=async_with_compute_stream)
         ops = ops_for(x)
         k, hidden, n = handle.num_topk, shape_of(x)[1], handle.num_recv_tokens
-        if self.allow_multiple_reduction or not handle.do_expand:
+        per_rank = self.allow_multiple_reduction or not handle.do_expand
+        slot_domains = None
+        if per_rank and self.num_rdma_ranks == 1:
             return self._combine_per_rank(ops, x, handle, topk_weights, bias_0, bias_1, num_sms, previous_event,
                                           async_with_compute_stream, defer_epilogue)
-        # Expanded without multiple reduction: every selection is summed at its source on its own, in slot
-        # order, so each slot's value travels in a column block of its own (epilogue.py).
-        wide = slot_values(ops, x, handle)
+        if per_rank:
+            # Across NVLink domains V1's kernels sum in their own order: each rank's sum travels apart, at
+            # its last top-k slot, and the source adds them in V2's order (per domain first in hybrid mode).
+            wide = rank_values(ops, x, handle)
+            if self.allow_multiple_reduction and self.num_scaleup_ranks < self.num_ranks:
+                slot_domains = domain_of_slots(ops, handle.topk_idx, handle.num_experts // self.num_scaleout_ranks)
+        else:
+            # Expanded without multiple reduction: every selection is summed at its source on its own, in
+            # slot order, so each slot's value travels in a column block of its own (epilogue.py).
+            wide = slot_values(ops, x, handle)
         weights = None if topk_weights is None else slot_weights(ops, topk_weights, handle)
         width = self._slots_per_combine(hidden, k)
         prev = as_v1_event(previous_event)
@@ -350,7 +398,8 @@ class _EPBufferCore:
                 combined_weights = out_weights
 
         def epilogue():
-            return final_sum(ops, chunks, bias_0, bias_1, handle.num_tokens, hidden, x), combined_weights
+            return (final_sum(ops, chunks, bias_0, bias_1, handle.num_tokens, hidden, x, slot_domains),
+                    combined_weights)
 
         if defer_epilogue:
             event = EventOverlap(EventHandle())

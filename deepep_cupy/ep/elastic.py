@@ -86,7 +86,8 @@ def buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk:
 
 
 class ElasticBuffer(_EPBufferCore):
-    """DeepEP 2.1's ``ElasticBuffer`` for expert parallelism within one NVLink domain, over V1's kernels.
+    """DeepEP 2.1's ``ElasticBuffer`` for expert parallelism, over V1's kernels (intranode within one NVLink
+    domain, internode across several).
 
     Arguments as V2's (``comm=``: an mpi4py communicator instead of ``group``; ``backend``, ``num_nvl_ranks``
     as for ``Buffer``). ``num_bytes`` defaults to ``get_buffer_size_hint``; ``num_cpu_bytes`` must be 0 (no

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..frameworks import F32
 
-__all__ = ["slot_values", "rank_sums", "slot_weights", "final_sum"]
+__all__ = ["slot_values", "rank_sums", "rank_values", "domain_of_slots", "slot_weights", "final_sum"]
 
 
 def slot_values(A, x, handle):
@@ -50,6 +50,26 @@ def rank_sums(A, x, handle):
     return A.to_bf16(acc, x)
 
 
+def rank_values(A, x, handle):
+    """`[N, K, H]` BF16: this rank's sum per received token (:func:`rank_sums`) at the token's last top-k slot
+    held here, zero elsewhere: each rank's sum in a column block of its own, for V1's kernels to carry."""
+    local = handle._recv_topk_idx
+    n, k = (int(s) for s in local.shape)
+    hidden = int(x.shape[1])
+    sums = rank_sums(A, x, handle)
+    lanes = A.arange(k, local)
+    last = A.amax(A.where(local >= 0, lanes[None, :], -1), axis=1) if n else A.full((0,), -1, "int64", local)
+    wide = A.zeros((n * k + 1, hidden), None, x)
+    if n:
+        wide[A.where(last >= 0, A.arange(n, local) * k + last, n * k)] = sums[:n]
+    return wide[:n * k].reshape(n, k, hidden)
+
+
+def domain_of_slots(A, topk_idx, experts_per_domain: int):
+    """`[T, K]` int64: the scale-up domain of each top-k slot's expert, -1 for a slot without one."""
+    return A.where(topk_idx >= 0, topk_idx // experts_per_domain, -1)
+
+
 def slot_weights(A, topk_weights, handle):
     """`[N, K]` float32 for V1's combine: each slot's weight on the rank that owns the slot, 0 elsewhere."""
     placed = handle._recv_rows
@@ -69,11 +89,31 @@ def _bias_sum(A, bias_0, bias_1, num_tokens: int, hidden: int, like):
     return A.zeros((num_tokens, hidden), F32, like) if acc is None else acc
 
 
-def final_sum(A, slot_chunks, bias_0, bias_1, num_tokens: int, hidden: int, like):
+def final_sum(A, slot_chunks, bias_0, bias_1, num_tokens: int, hidden: int, like, slot_domains=None):
     """BF16 (``like``'s dtype) `[T, H]`: ``bias_0 + bias_1`` (or zeros) then the slots in order (each chunk
-    `[T, w, H]`), in float32."""
+    `[T, w, H]`), in float32. With ``slot_domains`` (`[T, K]`, hybrid mode across domains) the slots of each
+    domain are summed first, in slot order, rounded to BF16 and stand at the domain's last slot."""
+    values = [chunk[:, j] for chunk in slot_chunks for j in range(int(chunk.shape[1]))]
+    if slot_domains is not None:
+        values = _domain_sums(A, values, slot_domains, like)
     acc = _bias_sum(A, bias_0, bias_1, num_tokens, hidden, like)
-    for chunk in slot_chunks:
-        for j in range(int(chunk.shape[1])):
-            acc = acc + A.to_f32(chunk[:, j])
+    for value in values:
+        acc = acc + A.to_f32(value)
     return A.to_bf16(acc, like)
+
+
+def _domain_sums(A, values, slot_domains, like):
+    """Per slot ``j``: where ``j`` is its domain's last slot for a token, the BF16 sum of that domain's slots
+    ``<= j`` in order; zero elsewhere."""
+    k = len(values)
+    out = []
+    for j in range(k):
+        mine = slot_domains[:, j]
+        later = slot_domains[:, j + 1:] == mine[:, None]
+        is_last = (mine >= 0) & ~A.any(later, axis=1) if j + 1 < k else mine >= 0
+        acc = None
+        for i in range(j + 1):
+            term = A.where((slot_domains[:, i] == mine)[:, None], A.to_f32(values[i]), 0.0)
+            acc = term if acc is None else acc + term
+        out.append(A.where(is_last[:, None], A.to_bf16(acc, like), A.zeros((), None, like)))
+    return out

@@ -1,6 +1,6 @@
 """``EPHandle``: what one V2 dispatch leaves for its combine and for cached dispatches.
 
-Fields keep V2's names and meanings (direct mode: all ranks form one scale-up domain). The handle also holds
+Fields keep V2's names and meanings. The handle also holds
 V1's handle and where the V2 layer put the received rows (``_recv_rows``, from recv_rows.py).
 """
 
@@ -23,7 +23,8 @@ class EPHandle:
         num_expanded_tokens: rows of the expanded layout (sum of aligned per-expert counts), or its bound.
         num_recv_tokens_per_expert_list: aligned received count per local expert; ``[]`` without CPU sync.
         psum_num_recv_tokens_per_scaleup_rank: `[num_scaleup_ranks]` int32, inclusive prefix sum of the rows
-            received from each source rank; ``[-1]`` is the number of valid rows.
+            received from each source rank (in hybrid mode across domains: from the source ranks of each
+            scale-up index, over all domains); ``[-1]`` is the number of valid rows.
         psum_num_recv_tokens_per_expert: `[L]` int32. Non-expanded: inclusive prefix sum of the aligned counts;
             expanded: each expert's aligned start plus its count.
         num_unaligned_recv_tokens_per_expert: `[L]` int32, received selections per local expert.

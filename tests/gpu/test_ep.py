@@ -11,7 +11,7 @@ modes only where it holds FP8 too). Before each call, free device memory of the 
 0xAB (CuPy's pool, torch's cache, V1's output pool), and the combine inputs are NaN past the rows a token maps
 to, so rows a kernel forgets to write show. Also: a cached, sync-free (``do_cpu_sync=False``) dispatch and
 combine captured with ``torch.cuda.graph`` and replayed on fresh inputs; one rank late (a host sleep); buffers
-on a torch.distributed group (NCCL, or gloo where ranks share a GPU).
+on a torch.distributed group (NCCL, or gloo where ranks share a GPU); each rank its own NVLink domain.
 """
 
 from __future__ import annotations
@@ -166,6 +166,14 @@ def test_ep_buffer_deferred(env, fw, do_cpu_sync):
 @pytest.mark.parametrize("fw", frameworks())
 def test_ep_buffer_without_deferral(env, fw):
     run_modes(env, fw, "EPBuffer", PLAIN_25[1::11], seed=400)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+@pytest.mark.parametrize("fw", frameworks())
+def test_across_nvlink_domains(env, fw, hybrid):
+    """Every rank its own NVLink domain (V1's internode kernels over NVSHMEM), hybrid mode and one flat domain:
+    the source token indices travel in a cached dispatch, each rank's sums at their last slots."""
+    run_modes(env, fw, "ElasticBuffer", MODES_21[7::17], seed=500 + hybrid, num_nvl_ranks=1, allow_hybrid_mode=hybrid)
 
 
 def test_one_rank_late(env):

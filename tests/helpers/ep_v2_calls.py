@@ -158,6 +158,7 @@ def make_calls(buffer, g, mode, *, seed, num_tokens, hidden, num_experts, num_to
     # Everything above, by name, for check_calls.
     return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("call", "before", "to", "buffer")},
                            allow_multiple_reduction=buffer.allow_multiple_reduction,
+                           num_scaleup_ranks=buffer.num_scaleup_ranks,
                            ref=R.received(inputs, me, num_experts, m))
 
 
@@ -184,7 +185,9 @@ def check_calls(c) -> None:
 
     # Sizes and counts.
     counts = ref.per_expert
-    assert np.array_equal(np.diff(n(handle.psum_num_recv_tokens_per_scaleup_rank), prepend=0), ref.per_source)
+    # Rows per source scale-up index: per source rank in direct mode, summed over the domains in hybrid mode.
+    per_scaleup = ref.per_source.reshape(-1, c.num_scaleup_ranks).sum(axis=0)
+    assert np.array_equal(np.diff(n(handle.psum_num_recv_tokens_per_scaleup_rank), prepend=0), per_scaleup)
     assert np.array_equal(np.diff(n(handle.psum_num_recv_tokens_per_expert), prepend=0), R.align(counts, alignment))
     starts = np.concatenate([[0], R.align(psum_e[:-1], alignment)])
     assert np.array_equal(psum_e - starts, counts)
@@ -235,10 +238,14 @@ def check_calls(c) -> None:
 
     # Combines, bitwise.
     y_src = R.expert_outputs(c.me * c.m + np.arange(len(mine.x)), num_topk, c.hidden, c.seed)
-    want = R.combined(y_src, mine.topk_idx, c.e_local, mine.bias, reduce_per_rank=True)
+    # Hybrid mode across domains (fewer scale-up ranks than ranks) adds the per-domain level where the ranks'
+    # sums are reduced further (allow_multiple_reduction).
+    hybrid = c.num_scaleup_ranks < c.nranks and c.allow_multiple_reduction
+    per_domain = c.e_local * c.num_scaleup_ranks if hybrid else None
+    want = R.combined(y_src, mine.topk_idx, c.e_local, mine.bias, reduce_per_rank=True, experts_per_domain=per_domain)
     assert np.array_equal(n(c.combined_x).view(np.uint16), want.view(np.uint16))
     want_reduced = R.combined(y_src, mine.topk_idx, c.e_local, mine.bias,
-                              reduce_per_rank=c.allow_multiple_reduction)
+                              reduce_per_rank=c.allow_multiple_reduction, experts_per_domain=per_domain)
     assert np.array_equal(n(c.reduced_x).view(np.uint16), want_reduced.view(np.uint16))
     assert np.array_equal(n(c.combined_w), mine.topk_weights)
     if c.allow_multiple_reduction:

@@ -1,7 +1,7 @@
 """An independent NumPy statement of DeepEP V2's dispatch and combine semantics, for tests of ``deepep_cupy.ep``.
 
 Every rank can compute every rank's inputs (they come from seeds), so the expectations need no exchange.
-Semantics (direct mode, one scale-up domain):
+Semantics (direct mode; hybrid mode across scale-up domains adds the combine's per-domain level):
 
 * dispatch: rank ``me`` receives, once, each token of each source rank with at least one expert in
   ``[me * L, (me + 1) * L)``; a row's ``src_token_global_idx`` is ``src_rank * M + token``; its top-k ids
@@ -109,21 +109,32 @@ def rank_sum(y: np.ndarray, local: np.ndarray) -> np.ndarray:
     return acc.astype(BF16)
 
 
-def combined(y: np.ndarray, topk_idx: np.ndarray, e_local: int, bias: tuple, reduce_per_rank: bool) -> np.ndarray:
-    """V2's combine of `[T, K, H]` bf16 contributions (zero where ``topk_idx`` is -1)."""
+def _grouped(terms: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Each token's terms of one group (-1: none) summed in float32 in slot order, as BF16 at the group's
+    highest slot; zero at the group's other slots."""
+    t, _, h = terms.shape
+    reduced = np.zeros_like(terms)
+    for tok in range(t):
+        for grp in np.unique(groups[tok]):
+            members = np.nonzero(groups[tok] == grp)[0]
+            acc = np.zeros(h, dtype=np.float32)
+            for j in members:
+                acc += terms[tok, j].astype(np.float32)
+            reduced[tok, members[-1]] = acc.astype(BF16)
+    return reduced
+
+
+def combined(y: np.ndarray, topk_idx: np.ndarray, e_local: int, bias: tuple, reduce_per_rank: bool,
+             experts_per_domain: int | None = None) -> np.ndarray:
+    """V2's combine of `[T, K, H]` bf16 contributions (zero where ``topk_idx`` is -1). With
+    ``experts_per_domain`` (hybrid mode across scale-up domains, after the per-rank sums) each domain's sums
+    are added first, in slot order, and rounded to BF16 at the domain's highest slot."""
     t, k, h = y.shape
     terms = np.where((topk_idx >= 0)[:, :, None], y.astype(np.float32), np.float32(0)).astype(BF16)
     if reduce_per_rank:
-        groups = np.where(topk_idx >= 0, topk_idx // e_local, -1)
-        reduced = np.zeros_like(terms)
-        for tok in range(t):
-            for grp in np.unique(groups[tok]):
-                members = np.nonzero(groups[tok] == grp)[0]
-                acc = np.zeros(h, dtype=np.float32)
-                for j in members:
-                    acc += terms[tok, j].astype(np.float32)
-                reduced[tok, members[-1]] = acc.astype(BF16)
-        terms = reduced
+        terms = _grouped(terms, np.where(topk_idx >= 0, topk_idx // e_local, -1))
+    if experts_per_domain:
+        terms = _grouped(terms, np.where(topk_idx >= 0, topk_idx // experts_per_domain, -1))
     acc = np.zeros((t, h), dtype=np.float32)
     if bias:
         acc = bias[0].astype(np.float32)

@@ -100,3 +100,26 @@ def test_ep_buffer_deferred(api, do_cpu_sync):
 
 def test_ep_buffer_without_deferral(api):
     _run(api, deepep_cupy.EPBuffer, PLAIN_25[1::7], version="2.5", seed=400)
+
+
+# Across NVLink domains (V1's internode path): 2 ranks a domain where the ranks divide evenly into several
+# domains of 2, else one rank a domain; hybrid mode (V2's default) adds the combine's per-domain level.
+NVL = 2 if COMM.Get_size() >= 4 and COMM.Get_size() % 2 == 0 else 1
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_elastic_buffer_across_domains(api, hybrid):
+    _run(api, deepep_cupy.ElasticBuffer, MODES_21[7::17], version="2.1", seed=500 + hybrid, num_nvl_ranks=NVL,
+         allow_hybrid_mode=hybrid)
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_across_domains_without_cpu_sync_or_multiple_reduction(api, hybrid):
+    _run(api, deepep_cupy.ElasticBuffer, MODES_21[9::29], version="2.1", seed=600 + hybrid, do_cpu_sync=False,
+         num_nvl_ranks=NVL, allow_hybrid_mode=hybrid)
+    _run(api, deepep_cupy.ElasticBuffer, MODES_21[4::31], version="2.1", seed=700 + hybrid, num_nvl_ranks=NVL,
+         allow_hybrid_mode=hybrid, allow_multiple_reduction=False)
+
+
+def test_ep_buffer_across_domains_deferred(api):
+    _run(api, deepep_cupy.EPBuffer, DEFERRED_25[1::9], version="2.5", seed=800, defer=True, num_nvl_ranks=NVL)
