@@ -47,14 +47,15 @@ struct CountRecvRowsArgs {
 struct PlaceRecvRowsArgs {
     const int64_t* __restrict__ recv_topk_idx;  // as above
     const int* __restrict__ recv_src_idx;        // [num_rows] token index at its source, -1 for padding
-    const int* __restrict__ rank_prefix_matrix;  // [num_ranks, num_ranks] inclusive row prefix sums
+    const int* __restrict__ rank_prefix;         // rows received from ranks 0..r at [r * prefix_stride + prefix_column]
     int num_rows;
     int num_topk;
     int num_local_experts;
     int expert_alignment;
     int expand;
     int num_ranks;
-    int rank;
+    int prefix_stride;                           // V1's intranode rank prefix matrix: (num_ranks, rank);
+    int prefix_column;                           // its internode per-rank prefix: (1, 0)
     int num_max_tokens;
     const int* __restrict__ counts;              // the first kernel's
     long long* __restrict__ rows;                // in: places within the segments; out: expanded rows or -1

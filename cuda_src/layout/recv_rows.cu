@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kPlaceThreads, 1) place_recv_rows(const __grid
         __syncthreads();
     }
     for (int r = threadIdx.x; r < args.num_ranks; r += kPlaceThreads) {
-        const int v = args.rank_prefix_matrix[static_cast<long long>(r) * args.num_ranks + args.rank];
+        const int v = args.rank_prefix[static_cast<long long>(r) * args.prefix_stride + args.prefix_column];
         psum_rank[r] = v;
         if (blockIdx.x == 0) args.psum_rank[r] = v;
     }

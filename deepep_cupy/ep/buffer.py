@@ -291,24 +291,24 @@ class _EPBufferCore:
         else:
             expanded = align(self.num_ranks * m * min(k, e_local) + (alignment - 1) * e_local, alignment)
         across = src_idx is not None  # V1's internode handle: per-rank prefix [6], routing [0]
-        if self._v1.backend == "cuda" and not across:  # two kernels (ops/recv_rows.py), not array operations
+        prefix, sources_idx, in_rank = ((v1_handle[6], src_idx, v1_handle[0]) if across else
+                                        (v1_handle[0], v1_handle[3], v1_handle[4]))
+        if self._v1.backend == "cuda":  # two kernels (ops/recv_rows.py) in place of the array operations
             plan = self._recv_rows_plans.get((ops.framework, e_local))
             if plan is None:
                 plan = self._recv_rows_plans[(ops.framework, e_local)] = RecvRowsPlan(
                     self._v1.runtime.frame(recv_topk_idx), num_local_experts=e_local, num_ranks=self.num_ranks,
-                    rank=self.rank_idx)
+                    rank=self.rank_idx, per_rank=across)
             out_rows, sources, counts, psum_expert, metadata, psum, dst = plan.run(
-                recv_topk_idx, v1_handle[3], v1_handle[0], ops.contiguous(topk_idx), v1_handle[4],
-                num_max_tokens=m, expert_alignment=alignment, expand=do_expand, num_expanded_rows=expanded)
+                recv_topk_idx, sources_idx, prefix, ops.contiguous(topk_idx), in_rank, num_max_tokens=m,
+                expert_alignment=alignment, expand=do_expand, num_expanded_rows=expanded)
             placed = RecvRows(rows=out_rows, counts=counts, psum_expert=psum_expert, metadata=metadata,
                               sources=sources)
         else:
-            psum = ops.contiguous(v1_handle[6] if across else v1_handle[0][:, self.rank_idx])
-            placed = recv_rows(ops, recv_topk_idx, psum, src_idx if across else v1_handle[3],
-                               num_local_experts=e_local, num_max_tokens=m, expert_alignment=alignment,
-                               expand=do_expand)
-            dst = dst_slots(ops, topk_idx, v1_handle[0 if across else 4], num_local_experts=e_local,
-                            num_max_tokens=m)
+            psum = ops.contiguous(prefix if across else prefix[:, self.rank_idx])
+            placed = recv_rows(ops, recv_topk_idx, psum, sources_idx, num_local_experts=e_local, num_max_tokens=m,
+                               expert_alignment=alignment, expand=do_expand)
+            dst = dst_slots(ops, topk_idx, in_rank, num_local_experts=e_local, num_max_tokens=m)
         if self.num_scaleup_ranks < self.num_ranks:  # hybrid: rows per source scale-up index, over domains
             per_source = psum - ops.concat([ops.zeros((1,), None, psum), psum[:-1]], axis=0)
             psum = ops.astype(ops.cumsum(ops.sum(per_source.reshape(self.num_scaleout_ranks,

@@ -34,9 +34,11 @@ def recv_rows_spec() -> BuildSpec:
 
 
 class RecvRowsPlan:
-    """The two launches for one (framework, device, ``L`` local experts, ``R`` ranks, rank)."""
+    """The two launches for one (framework, device, ``L`` local experts, ``R`` ranks, rank). The rows received
+    from each rank come from V1's intranode rank prefix matrix (its column ``rank``) or, with ``per_rank``
+    (across NVLink domains), from V1's internode per-rank prefix sum."""
 
-    def __init__(self, frame, *, num_local_experts: int, num_ranks: int, rank: int) -> None:
+    def __init__(self, frame, *, num_local_experts: int, num_ranks: int, rank: int, per_rank: bool = False) -> None:
         module = load(recv_rows_spec())
         self.frame = frame
         self.num_local_experts, self.num_ranks = int(num_local_experts), int(num_ranks)
@@ -46,7 +48,8 @@ class RecvRowsPlan:
                                     num_local_experts=num_local_experts, num_ranks=num_ranks))
         self.place = LaunchPlan(module.get_function(kernel_names.layout_place_recv_rows()), _PLACE_BLOCKS,
                                 _PLACE_THREADS, PLACE_RECV_ROWS, {n: 0 for n in PLACE_RECV_ROWS.names} | dict(
-                                    num_local_experts=num_local_experts, num_ranks=num_ranks, rank=rank),
+                                    num_local_experts=num_local_experts, num_ranks=num_ranks,
+                                    prefix_stride=1 if per_rank else num_ranks, prefix_column=0 if per_rank else rank),
                                 shared_mem=4 * (self.num_local_experts + self.num_ranks))
         self._outputs: dict = {}
 
@@ -62,9 +65,10 @@ class RecvRowsPlan:
                 ((tokens, topk), I32)])
         return small
 
-    def run(self, recv_topk_idx, recv_src_idx, rank_prefix_matrix, topk_idx, is_token_in_rank, *,
+    def run(self, recv_topk_idx, recv_src_idx, rank_prefix, topk_idx, is_token_in_rank, *,
             num_max_tokens: int, expert_alignment: int, expand: bool, num_expanded_rows: int):
-        """On the caller's current stream; every input C-contiguous on this plan's device. Returns
+        """On the caller's current stream; every input C-contiguous on this plan's device (``rank_prefix``:
+        the matrix or the per-rank sum, as the plan was made for). Returns
         ``(rows, sources or None, counts, psum_expert, metadata, psum_rank, dst_slots)``."""
         frame = self.frame
         rows, topk = (int(s) for s in recv_topk_idx.shape)
@@ -79,7 +83,7 @@ class RecvRowsPlan:
                   num_expanded_rows=expanded, topk_idx=ptr(topk_idx), is_token_in_rank=ptr(is_token_in_rank),
                   num_tokens=tokens, num_max_tokens=num_max_tokens, dst_slots=base + offsets[6])
         place.set(recv_topk_idx=ptr(recv_topk_idx), recv_src_idx=ptr(recv_src_idx),
-                  rank_prefix_matrix=ptr(rank_prefix_matrix), num_rows=rows, num_topk=topk,
+                  rank_prefix=ptr(rank_prefix), num_rows=rows, num_topk=topk,
                   expert_alignment=expert_alignment, expand=int(expand), num_max_tokens=num_max_tokens,
                   counts=base + offsets[2], rows=base + offsets[0], sources=base + offsets[1],
                   num_expanded_rows=expanded, psum_expert=base + offsets[3], psum_rank=base + offsets[5],

@@ -148,9 +148,10 @@ def _v2_inputs(rng, n_real, n_pad, k, e_local, num_ranks, tokens, rank):
     return recv_topk, prefix, src_idx, topk, in_rank
 
 
+@pytest.mark.parametrize("per_rank", [False, True])  # V1's intranode rank prefix matrix, or internode prefix sum
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("case", RECV_CASES)
-def test_v2_layout_arrays_match_the_array_operations(case, expand):
+def test_v2_layout_arrays_match_the_array_operations(case, expand, per_rank):
     import cupy
 
     from deepep_cupy.ep.arrays import ops_for
@@ -161,7 +162,7 @@ def test_v2_layout_arrays_match_the_array_operations(case, expand):
     n_real, n_pad, k, e_local, num_ranks, tokens, alignment, spare = case
     rank, m = num_ranks - 1, 4096
     plan = RecvRowsPlan(frame_for("cupy", cupy.cuda.Device().id), num_local_experts=e_local, num_ranks=num_ranks,
-                        rank=rank)
+                        rank=rank, per_rank=per_rank)
     rng = np.random.default_rng([n_real, k, e_local, int(expand)])
     np_ops = ops_for(np.zeros(1))
     for _ in range(3):  # fresh routing each repeat, into freshly poisoned memory
@@ -174,7 +175,8 @@ def test_v2_layout_arrays_match_the_array_operations(case, expand):
         pool.free_all_blocks()
         poison = cupy.full(64 << 20, 0xAB, cupy.uint8)  # the outputs come from this memory once it is freed
         del poison
-        dev = [cupy.asarray(a) for a in (recv_topk, src_idx, prefix, topk, in_rank)]
+        given = np.ascontiguousarray(prefix[:, rank]) if per_rank else prefix
+        dev = [cupy.asarray(a) for a in (recv_topk, src_idx, given, topk, in_rank)]
         rows, sources, counts, psum_expert, metadata, psum, dst = (
             None if a is None else cupy.asnumpy(a) for a in plan.run(
                 *dev, num_max_tokens=m, expert_alignment=alignment, expand=expand, num_expanded_rows=expanded))
