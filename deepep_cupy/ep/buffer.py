@@ -3,7 +3,7 @@
 One implementation, :class:`_EPBufferCore`; the two public classes differ only in their signatures. A dispatch
 is V1's ``get_dispatch_layout`` and ``dispatch`` (``num_worst_tokens`` for the sync-free sizes, V1's cached
 mode for a cached handle), reordered into V2's layouts: by two kernels on the GPU (``ops/recv_rows.py``), by
-the caller's array operations elsewhere and across NVLink domains (``recv_rows.py``). Within one NVLink domain a
+the caller's array operations on the reference backend (``recv_rows.py``). Within one NVLink domain a
 combine is one V1 combine summing in V2's order in its kernel where each rank sends one sum per token; else (and
 across domains) V1's combine carries each top-k slot's value (or each rank's sum) apart, summed here in V2's
 order, per domain first in hybrid mode (``epilogue.py``).
@@ -17,12 +17,12 @@ from .. import checks
 from ..buffer import Buffer
 from ..device.group import group_size
 from ..frameworks import BF16, I32, shape_of
+from ..ops.recv_rows import RecvRowsPlan
 from . import args as A_
 from .arrays import ops_for
 from .epilogue import domain_of_slots, final_sum, rank_sums, rank_values, slot_values, slot_weights
 from .events import EventHandle, EventOverlap, as_v1_event
 from .handle import EPHandle
-from ..ops.recv_rows import RecvRowsPlan
 from .recv_rows import RecvRows, align, col_major, dst_slots, expand_gather, expand_rows, recv_rows
 
 __all__ = ["_EPBufferCore", "group_size"]
