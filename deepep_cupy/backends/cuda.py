@@ -210,7 +210,8 @@ class CudaBackend:
     def plan_combine(self, x, handle, *, topk_weights, bias_0, bias_1, config, async_finish,
                      allocate_on_comm_stream, order_topk_idx=None, num_local_experts=1):
         engine, plans = self._normal_ops("combine")
-        # V2's summation order: the intranode kernels only (the V2 layer serves one NVLink domain).
+        # V2's summation order: the intranode kernels only (across NVLink domains the V2 layer sums in its
+        # own epilogue).
         order = {} if order_topk_idx is None else dict(order_topk_idx=order_topk_idx,
                                                        num_local_experts=num_local_experts)
         plan = plans.CombinePlan(engine, self.frame(x), x, handle, topk_weights=topk_weights, bias_0=bias_0,

@@ -31,22 +31,21 @@ __all__ = ["_EPBufferCore", "group_size"]
 SLOTS_PER_COMBINE = 8
 
 
-def _v1_bytes(num_ranks: int, hidden: int, num_topk: int) -> int:
-    """NVLink bytes V1's buffer needs for V2's dispatch (rows of ``hidden`` BF16) and combine (rows of up to
-    ``SLOTS_PER_COMBINE`` slots), in 2 MiB steps."""
+def _hint(config, row_bytes: int, num_ranks: int, num_nvl_ranks: int | None = None) -> int:
+    """Bytes of V1's NVLink buffer for rows of ``row_bytes``; with ``num_nvl_ranks``, of its RDMA buffer across
+    NVLink domains of that size."""
+    if num_nvl_ranks is None:
+        return config.get_nvl_buffer_size_hint(row_bytes, num_ranks)
+    return config.get_rdma_buffer_size_hint(row_bytes, num_ranks, num_nvl_ranks)
+
+
+def _v1_bytes(num_ranks: int, hidden: int, num_topk: int, num_nvl_ranks: int | None = None) -> int:
+    """NVLink bytes (with ``num_nvl_ranks``: RDMA bytes across NVLink domains) V1's buffer needs for V2's
+    dispatch (rows of ``hidden`` BF16) and combine (rows of up to ``SLOTS_PER_COMBINE`` slots), in 2 MiB steps."""
     slots = min(num_topk or A_.MAX_TOPK, SLOTS_PER_COMBINE)
-    need = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks),
-               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(slots * hidden * 2, num_ranks))
+    need = max(_hint(Buffer.get_dispatch_config(num_ranks), hidden * 2, num_ranks, num_nvl_ranks),
+               _hint(Buffer.get_combine_config(num_ranks), slots * hidden * 2, num_ranks, num_nvl_ranks))
     return align(need, A_.ALIGNMENT)
-
-
-def _v1_rdma_bytes(num_ranks: int, num_nvl_ranks: int, hidden: int, num_topk: int) -> int:
-    """RDMA bytes V1's buffer needs across NVLink domains for the same rows as :func:`_v1_bytes`."""
-    slots = min(num_topk or A_.MAX_TOPK, SLOTS_PER_COMBINE)
-    need = max(Buffer.get_dispatch_config(num_ranks).get_rdma_buffer_size_hint(hidden * 2, num_ranks, num_nvl_ranks),
-               Buffer.get_combine_config(num_ranks).get_rdma_buffer_size_hint(slots * hidden * 2, num_ranks,
-                                                                              num_nvl_ranks))
-    return align(max(need, 1), A_.ALIGNMENT)
 
 
 class _EPBufferCore:
@@ -91,7 +90,7 @@ class _EPBufferCore:
         self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks
         if self.num_rdma_ranks > 1:  # V1's internode path: the same Buffer with its RDMA half too
             self._v1.destroy()
-            rdma = (_v1_rdma_bytes(self.num_ranks, self.num_nvlink_ranks, self.hidden, self.num_topk)
+            rdma = (_v1_bytes(self.num_ranks, self.hidden, self.num_topk, self.num_nvlink_ranks)
                     if self.hidden else self.num_bytes)
             self._v1 = Buffer(group, num_nvl_bytes=self.num_bytes, num_rdma_bytes=rdma,
                               explicitly_destroy=self.explicitly_destroy, comm=comm, backend=backend,
@@ -176,11 +175,11 @@ class _EPBufferCore:
         if width is None:
             config = Buffer.get_combine_config(self.num_ranks)
             width = 1
-            rdma = self._v1.num_rdma_bytes
+            across = self.num_nvlink_ranks if self.num_rdma_ranks > 1 else None
             for w in range(num_topk, 0, -1):
-                if config.get_nvl_buffer_size_hint(w * hidden * 2, self.num_ranks) <= self.num_bytes and (
-                        self.num_rdma_ranks == 1 or config.get_rdma_buffer_size_hint(
-                            w * hidden * 2, self.num_ranks, self.num_nvlink_ranks) <= rdma):
+                row = w * hidden * 2
+                if _hint(config, row, self.num_ranks) <= self.num_bytes and (
+                        across is None or _hint(config, row, self.num_ranks, across) <= self._v1.num_rdma_bytes):
                     width = w
                     break
             self._slots[key] = width

@@ -5,12 +5,12 @@ rank holds (when the layout is expanded and ``allow_multiple_reduction``; a non-
 that per-rank sum), each group's BF16 sum standing at the group's highest top-k slot; then the bias
 (``bias_0 + bias_1``) and every top-k slot in ascending order, rounded to BF16 at the end.
 
-Where each rank sends one sum per token (a non-expanded ``x``, or ``allow_multiple_reduction``), V1's combine
-kernels sum in that order themselves, given the source tokens' top-k (``rank_sums`` makes the per-rank sums of
-an expanded ``x``). Otherwise every selection is summed on its own: the V2 layer sends each slot's value in a
-column block of its own (hidden ``K * H``, in chunks of blocks as the buffer allows), exactly one rank writes a
-block and every other rank adds zeros, so V1 returns each value unchanged, and ``final_sum`` adds them here
-in V2's order. The weights travel a slot's way: V1 returns each slot's weight from the rank that owns it, and
+Where each rank sends one sum per token (a non-expanded ``x``, or ``allow_multiple_reduction``), V1's intranode
+combine kernels sum in that order themselves, given the source tokens' top-k (``rank_sums`` makes the per-rank
+sums of an expanded ``x``). Otherwise, and across NVLink domains, the V2 layer sends each slot's value (or each
+rank's sum at its last slot, ``rank_values``) in a column block of its own (hidden ``K * H``, in chunks of
+blocks as the buffer allows): exactly one rank writes a block and every other rank adds zeros, so V1 returns
+each value unchanged, and ``final_sum`` adds them here in V2's order (per domain first in hybrid mode). The weights travel a slot's way: V1 returns each slot's weight from the rank that owns it, and
 0 for a slot with no expert.
 """
 
